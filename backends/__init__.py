@@ -1,0 +1,13 @@
+"""Backends: where rewritten graphs go. `backends.get("eager")`.
+
+A backend is a name, a RuleSet and `compile(program, example_args)`; see
+`backends.base.Backend`. Register your own with `backends.register(...)` or
+the `fx_rewrites.backends` entry point group.
+"""
+
+from backends.base import ENTRY_POINT_GROUP, Backend, UnknownBackend, get, names, register
+from backends.eager import EagerBackend
+
+register(EagerBackend())
+
+__all__ = ["ENTRY_POINT_GROUP", "Backend", "EagerBackend", "UnknownBackend", "get", "names", "register"]

@@ -1,0 +1,27 @@
+"""fx-rewrites' fixpoint engine: runs rules over a torch.fx graph.
+
+It knows the Rule protocol only, never a concrete rule (those live in
+`rewrites`). Entry point: `engine.run(graph, rules)`.
+"""
+
+from engine.driver import index_rules, run
+from engine.errors import GraphInputError, NonConvergence, RewriteError, RuleError
+from engine.protocol import Miss, Rule, is_miss
+from engine.report import Attempt, Report, Skip
+from engine.rewriter import Rewriter
+
+__all__ = [
+    "Attempt",
+    "GraphInputError",
+    "Miss",
+    "NonConvergence",
+    "Report",
+    "RewriteError",
+    "Rewriter",
+    "Rule",
+    "RuleError",
+    "Skip",
+    "index_rules",
+    "is_miss",
+    "run",
+]

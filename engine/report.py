@@ -1,0 +1,75 @@
+"""What a run did: convergence, rewrites and time per rule, skips, notes."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import attrs
+
+
+@attrs.frozen
+class Skip:
+    """A rule that failed on a node under on_error='skip'."""
+
+    rule: str
+    node: str
+    cause: str
+
+
+@attrs.frozen
+class Attempt:
+    """One (rule, node) pairing seen by `explain`: fired, or why not."""
+
+    rule: str
+    node: str
+    op: str
+    fired: bool
+    reason: str
+
+
+@attrs.define
+class Report:
+    """The outcome of one engine run.
+
+    `stop_reason` is "converged", "rewrite budget" or "non-convergence: ..."
+    and `converged` is True only for the first.
+    """
+
+    stop_reason: str = "converged"
+    rewrites: Counter = attrs.field(factory=Counter)
+    seconds: defaultdict = attrs.field(factory=lambda: defaultdict(float))
+    visits: int = 0
+    budget: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    skips: list[Skip] = attrs.field(factory=list)
+    notes: list[str] = attrs.field(factory=list)
+    attempts: list[Attempt] | None = None
+    total_seconds: float = 0.0
+
+    @property
+    def converged(self) -> bool:
+        return self.stop_reason == "converged"
+
+    @property
+    def total_rewrites(self) -> int:
+        return sum(self.rewrites.values())
+
+    def explain(self, rule: str | None = None) -> list[Attempt]:
+        """Each candidate node a rule (or every rule) met, and why it did or
+        did not fire. Needs the run to have been made with explain=True."""
+        if self.attempts is None:
+            raise ValueError("this run kept no match attempts; run it with explain=True")
+        return [a for a in self.attempts if rule is None or a.rule == rule]
+
+    def summary(self) -> str:
+        """A few lines for a person."""
+        lines = [
+            f"{self.stop_reason}: {self.total_rewrites} rewrites, {self.visits} node visits, "
+            f"{self.nodes_before} -> {self.nodes_after} nodes, {self.total_seconds * 1e3:.1f} ms"
+        ]
+        for name, count in sorted(self.rewrites.items()):
+            lines.append(f"  {name}: {count} rewrites, {self.seconds[name] * 1e3:.1f} ms")
+        lines += [f"  skipped {s.rule} on {s.node}: {s.cause}" for s in self.skips]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)

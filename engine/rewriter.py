@@ -1,0 +1,248 @@
+"""The Rewriter: how a rule changes a graph, as one transaction.
+
+A rule never edits the graph directly. It asks the Rewriter to insert nodes
+(`call`, `getitem`, `inline`, `attr`) and to `replace` or `erase` nodes. New
+nodes go in just before the root node, get `meta["val"]` by running their op
+under the graph's fake mode, and carry provenance in `meta["rewrites"]`.
+Replacements and erasures are only recorded; `commit` checks them and then
+applies them. `rollback` removes everything the rule inserted, leaving the
+graph as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from engine import values
+
+#: meta keys a new node inherits from the node it replaces (source locations
+#: and module paths, so backend errors still point at the user's code).
+INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn")
+
+
+class CheckFailed(Exception):
+    """A recorded rewrite failed the structural check (internal)."""
+
+
+class Rewriter:
+    """One transaction of one rule on one root node."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        root: Node,
+        rule: str,
+        fake_mode: Any,
+        *,
+        check_shapes: bool = True,
+    ) -> None:
+        self.graph = graph
+        self.root = root
+        self.rule = rule
+        self.fake_mode = fake_mode
+        self.check_shapes = check_shapes
+        self.created: list[Node] = []
+        self.replacements: list[tuple[Node, Any]] = []
+        self.erasures: list[Node] = []
+        self.attrs: list[str] = []
+        self.notes: list[str] = []
+        self._provenance = tuple(root.meta.get("rewrites", ())) + ({"rule": rule, "source": root.name},)
+
+    # -- building ---------------------------------------------------------------
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        """Insert `target(*args, **kwargs)` before the root; returns the node."""
+        try:
+            val = values.evaluate(self.fake_mode, target, args, kwargs)
+        except values.MissingValue as e:
+            raise CheckFailed(str(e)) from None
+        # export-style names ("relu", not "relu_default") keep graphs readable.
+        name = getattr(target, "_opname", None)
+        with self.graph.inserting_before(self.root):
+            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        self._adopt(node, val)
+        return node
+
+    def getitem(self, value: Node, index: int) -> Node:
+        """Insert `value[index]` (for ops that return several tensors)."""
+        return self.call(operator.getitem, value, index)
+
+    def attr(self, obj: Any, hint: str = "_rewrites_attr") -> Node:
+        """Register `obj` on the graph's module and insert a get_attr for it."""
+        owner = self.graph.owning_module
+        if owner is None:
+            raise CheckFailed("the graph has no owning module to hold attributes")
+        name, i = hint, 0
+        while hasattr(owner, name):
+            i += 1
+            name = f"{hint}_{i}"
+        if isinstance(obj, torch.nn.Module):
+            owner.add_module(name, obj)
+        else:
+            setattr(owner, name, obj)
+        self.attrs.append(name)
+        with self.graph.inserting_before(self.root):
+            node = self.graph.get_attr(name)
+        node.meta["rewrites"] = self._provenance
+        if isinstance(obj, torch.Tensor) and self.fake_mode is not None:
+            node.meta["val"] = self.fake_mode.from_tensor(obj, static_shapes=True)
+        self.created.append(node)
+        return node
+
+    def inline(self, sub: GraphModule | Graph, args: Sequence[Any]) -> Any:
+        """Copy the body of `sub` in before the root, its placeholders bound
+        to `args`; returns its outputs (same structure, nodes of this graph)."""
+        graph = sub.graph if isinstance(sub, GraphModule) else sub
+        module = sub if isinstance(sub, GraphModule) else graph.owning_module
+        env: dict[Node, Any] = {}
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(args):
+            raise CheckFailed(f"inlined graph takes {len(placeholders)} inputs, got {len(args)}")
+        env.update(zip(placeholders, args))
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                return pytree.tree_map_only(Node, env.__getitem__, n.args[0])
+            if n.op == "call_function":
+                a = pytree.tree_map_only(Node, env.__getitem__, n.args)
+                k = pytree.tree_map_only(Node, env.__getitem__, n.kwargs)
+                if isinstance(n.target, type) and issubclass(n.target, tuple):
+                    env[n] = tuple(a)  # a namedtuple built by a decomposition
+                else:
+                    env[n] = self.call(n.target, *a, **k)
+            elif n.op == "get_attr":
+                env[n] = self.attr(_fetch_attr(module, n.target), hint=str(n.target).replace(".", "_"))
+            else:
+                raise CheckFailed(f"cannot inline a {n.op} node ({n.format_node()})")
+        raise CheckFailed("inlined graph has no output node")
+
+    # -- recording --------------------------------------------------------------
+
+    def replace(self, old: Node, new: Any) -> None:
+        """Make every user of `old` use `new` instead (at commit).
+
+        `new` is a node or, for an `old` that returns several values and is
+        only read through `getitem`, a sequence with one node per value.
+        """
+        self.replacements.append((old, new))
+
+    def erase(self, node: Node) -> None:
+        """Remove `node` at commit (it must have no users by then)."""
+        self.erasures.append(node)
+
+    def note(self, text: str) -> None:
+        """A message for the report (e.g. "cond specialised to true branch")."""
+        self.notes.append(text)
+
+    # -- transaction ------------------------------------------------------------
+
+    def commit(self) -> list[Node]:
+        """Check, then apply the recorded changes. Returns the nodes whose
+        neighbourhood changed (to be re-queued by the engine)."""
+        self._check()
+        touched: list[Node] = []
+        for old, new in self.replacements:
+            touched.extend(old.users)
+            if isinstance(new, Node) or not isinstance(new, Sequence):
+                old.replace_all_uses_with(new)
+            else:
+                for user in list(old.users):
+                    user.replace_all_uses_with(new[user.args[1]])
+                    self.graph.erase_node(user)
+        dead = [old for old, _ in self.replacements] + self.erasures
+        dead += [n for n in self.created if not n.users]
+        touched += self._sweep(dead)
+        return [n for n in self.created if not n._erased] + touched
+
+    def rollback(self) -> None:
+        """Remove every node and attribute this transaction inserted."""
+        for node in reversed(self.created):
+            if not node._erased:
+                self.graph.erase_node(node)
+        owner = self.graph.owning_module
+        for name in self.attrs:
+            if owner is not None and hasattr(owner, name):
+                delattr(owner, name)
+        self.created.clear()
+
+    # -- internals --------------------------------------------------------------
+
+    def _adopt(self, node: Node, val: Any) -> None:
+        node.meta["val"] = val
+        bindings = values.unbacked_bindings(self.fake_mode, val)
+        if bindings:
+            node.meta["unbacked_bindings"] = bindings
+        for key in INHERITED_META:
+            if key in self.root.meta:
+                node.meta[key] = self.root.meta[key]
+        node.meta["rewrites"] = self._provenance
+        self.created.append(node)
+
+    def _check(self) -> None:
+        for node in self.created:
+            for inp in node.all_input_nodes:
+                if inp._erased or inp.graph is not self.graph:
+                    raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which is not in the graph")
+                if not inp < node:
+                    raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which comes after it")
+        for old, new in self.replacements:
+            if isinstance(new, Node):
+                new_val = new.meta.get("val")
+                if "val" not in new.meta and "val" in old.meta:
+                    raise CheckFailed(f"replacement {new.name!r} has no meta['val']")
+            elif isinstance(new, Sequence):
+                for user in old.users:
+                    if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                        raise CheckFailed(
+                            f"{old.name!r} is replaced by {len(new)} values but its user {user.name!r} is not a getitem"
+                        )
+                    if user.args[1] >= len(new):
+                        raise CheckFailed(f"{user.name!r} reads output {user.args[1]}, only {len(new)} given")
+                new_val = [n.meta.get("val") if isinstance(n, Node) else n for n in new]
+            else:
+                new_val = new
+            for n in new if isinstance(new, Sequence) else (new,):
+                late = [u.name for u in old.users if isinstance(n, Node) and not n < u]
+                if late:
+                    raise CheckFailed(f"replacement {n.name!r} comes after users {late} of {old.name!r}")
+            why = values.compatible(old.meta.get("val"), new_val, check_shape=self.check_shapes)
+            if why:
+                raise CheckFailed(f"replacement for {old.name!r} does not match it: {why}")
+        replaced = {id(o) for o, _ in self.replacements}
+        erased = {id(n) for n in self.erasures}
+        for node in self.erasures:
+            users = [u.name for u in node.users if id(u) not in erased]
+            if users and id(node) not in replaced:
+                raise CheckFailed(f"cannot erase {node.name!r}: it is still used by {users}")
+
+    def _sweep(self, candidates: list[Node]) -> list[Node]:
+        """Erase dead nodes among `candidates` and, transitively, their
+        operands. Explicitly erased and replaced nodes go even if impure."""
+        forced = {id(n) for n in self.erasures} | {id(o) for o, _ in self.replacements}
+        touched: list[Node] = []
+        stack = list(candidates)
+        while stack:
+            node = stack.pop()
+            if node._erased or node.users or node.op in ("placeholder", "output"):
+                continue
+            if id(node) not in forced and node.is_impure():
+                continue
+            inputs = node.all_input_nodes
+            self.graph.erase_node(node)
+            touched.extend(inputs)
+            stack.extend(inputs)
+        return [n for n in touched if not n._erased]
+
+
+def _fetch_attr(module: Any, target: str) -> Any:
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

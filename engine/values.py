@@ -1,0 +1,99 @@
+"""Fake values (`node.meta["val"]`): finding the graph's fake mode, computing
+values for new nodes, and comparing a replacement with what it replaces."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import (
+    compute_unbacked_bindings,
+    statically_known_true,
+)
+from torch.utils import _pytree as pytree
+
+
+def find_fake_mode(graph: Graph) -> Any:
+    """The FakeTensorMode the graph's values were made in, or None."""
+    vals = [n.meta["val"] for n in graph.nodes if n.op == "placeholder" and "val" in n.meta]
+    return detect_fake_mode(vals)
+
+
+def missing_values(graph: Graph) -> list[str]:
+    """Names of nodes that should carry `meta["val"]` and do not."""
+    return [n.name for n in graph.nodes if n.op in ("placeholder", "call_function") and "val" not in n.meta]
+
+
+class MissingValue(Exception):
+    """Internal: a value could not be computed (wrapped into RuleError)."""
+
+
+def node_value(arg: Any) -> Any:
+    """Replace every Node inside `arg` by its fake value."""
+
+    def one(n: Node) -> Any:
+        try:
+            return n.meta["val"]
+        except KeyError:
+            raise MissingValue(f"input node {n.name!r} has no meta['val']") from None
+
+    return pytree.tree_map_only(Node, one, arg)
+
+
+def evaluate(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run `target` on the fake values of its arguments."""
+    fargs, fkwargs = node_value(args), node_value(kwargs)
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    with ctx:
+        return target(*fargs, **fkwargs)
+
+
+def unbacked_bindings(fake_mode: Any, val: Any) -> Any:
+    """Bindings for unbacked symbols a new value introduced (e.g. nonzero)."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return None
+    return compute_unbacked_bindings(shape_env, val)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or isinstance(
+        b, (torch.SymInt, torch.SymFloat, torch.SymBool)
+    ):
+        return bool(statically_known_true(a == b))
+    return a == b
+
+
+def describe(val: Any) -> str:
+    """Short text for a fake value, for error messages."""
+    if isinstance(val, torch.Tensor):
+        return f"{val.dtype} tensor of shape {tuple(val.shape)}"
+    if isinstance(val, (list, tuple)):
+        return "(" + ", ".join(describe(v) for v in val) + ")"
+    return f"{type(val).__name__} {val!r}"
+
+
+def compatible(old: Any, new: Any, *, check_shape: bool = True) -> str | None:
+    """None when `new` can stand in for `old`; else what differs."""
+    if isinstance(old, torch.Tensor):
+        if not isinstance(new, torch.Tensor):
+            return f"expected {describe(old)}, got {describe(new)}"
+        if old.dtype != new.dtype:
+            return f"dtype changed from {old.dtype} to {new.dtype}"
+        if old.dim() != new.dim():
+            return f"rank changed from {old.dim()} to {new.dim()} ({describe(old)} -> {describe(new)})"
+        if check_shape and not all(_same(a, b) for a, b in zip(old.shape, new.shape)):
+            return f"shape changed from {tuple(old.shape)} to {tuple(new.shape)}"
+        return None
+    if isinstance(old, (list, tuple)):
+        if not isinstance(new, (list, tuple)) or len(old) != len(new):
+            return f"expected {describe(old)}, got {describe(new)}"
+        for i, (a, b) in enumerate(zip(old, new)):
+            why = compatible(a, b, check_shape=check_shape)
+            if why:
+                return f"output {i}: {why}"
+        return None
+    return None

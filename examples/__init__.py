@@ -1,0 +1,34 @@
+"""The known-failure gallery: one small module per failure family.
+
+Each example builds `(module, example_args)` with seeded random weights;
+`fx-rewrites demo` exports it, tries the backend as is, applies the rules,
+compiles, runs and compares with eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+Factory = Callable[[], tuple[torch.nn.Module, tuple[Any, ...]]]
+
+
+@attrs.frozen
+class Example:
+    name: str
+    family: str
+    make: Factory = attrs.field(repr=False)
+    summary: str = ""
+
+
+def gallery() -> list[Example]:
+    """Every example, in a stable order."""
+    from examples import pooling
+
+    return [*pooling.EXAMPLES]
+
+
+__all__ = ["Example", "Factory", "gallery"]

@@ -1,0 +1,5 @@
+"""`python -m rewrites` is the `fx-rewrites` command."""
+
+from rewrites.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""`rewrites.apply`: the model author's entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+import engine
+from engine import GraphInputError, Report, Rule
+from engine import values as fake_values
+from rewrites.program import copy_graph_module, rebuild_program
+from rewrites.ruleset import RuleSet
+
+
+@attrs.frozen
+class Result:
+    """What `apply` returns.
+
+    `graph_module` is the rewritten graph; `program` the rewritten
+    ExportedProgram when one was given (None for a GraphModule); `report`
+    says whether the rules converged, what fired and how long it took.
+    """
+
+    graph_module: GraphModule
+    report: Report
+    program: ExportedProgram | None = None
+
+
+def _rule_list(rules: RuleSet | Rule | Iterable[Rule] | None) -> Sequence[Rule]:
+    if rules is None:
+        from rewrites.rules import DEFAULT  # rule packs load on first use
+
+        return DEFAULT.rules
+    if isinstance(rules, RuleSet):
+        return rules.rules
+    if isinstance(rules, Rule):
+        return (rules,)
+    return RuleSet(rules).rules
+
+
+def _prepare(gm: GraphModule, example_inputs: Sequence[Any] | None) -> None:
+    missing = fake_values.missing_values(gm.graph)
+    if not missing:
+        return
+    if example_inputs is None:
+        raise GraphInputError(
+            f"the graph's nodes carry no meta['val'] (first without: {missing[:5]}), so rules "
+            "cannot see shapes and dtypes. This is what torch.fx.symbolic_trace gives. Pass "
+            "example_inputs=(...) to apply() to compute them, or start from torch.export.export()."
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+def apply(
+    program: ExportedProgram | GraphModule,
+    rules: RuleSet | Rule | Iterable[Rule] | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    on_error: str = "raise",
+    strict: bool = False,
+    explain: bool = False,
+    budget: int | None = None,
+    inplace: bool = False,
+    check_shapes: bool = True,
+) -> Result:
+    """Run `rules` (default `rewrites.rules.DEFAULT`) to a fixpoint.
+
+    `program` is a `torch.export.ExportedProgram` (a new one is returned in
+    `Result.program`; the input is left untouched) or a `torch.fx.GraphModule`
+    (copied first unless `inplace`). A GraphModule without `meta["val"]`
+    needs `example_inputs`. `on_error="skip"` skips a failing rule on that
+    node instead of raising `RuleError`; `strict=True` raises
+    `NonConvergence` instead of reporting it; `explain=True` records every
+    match attempt for `result.report.explain()`.
+    """
+    rule_list = _rule_list(rules)
+    if isinstance(program, ExportedProgram):
+        gm = copy_graph_module(program.graph_module)
+    elif isinstance(program, GraphModule):
+        gm = program if inplace else copy_graph_module(program)
+        _prepare(gm, example_inputs)
+    else:
+        hint = (
+            " Export it first: torch.export.export(model, example_args)."
+            if isinstance(program, torch.nn.Module)
+            else ""
+        )
+        raise GraphInputError(
+            f"apply() takes a torch.export.ExportedProgram or a torch.fx.GraphModule, "
+            f"got {type(program).__name__}.{hint}"
+        )
+    report = engine.run(
+        gm.graph,
+        rule_list,
+        budget=budget,
+        on_error=on_error,  # type: ignore[arg-type]
+        strict=strict,
+        explain=explain,
+        check_shapes=check_shapes,
+    )
+    gm.recompile()
+    new_program = rebuild_program(program, gm) if isinstance(program, ExportedProgram) else None
+    return Result(graph_module=gm, report=report, program=new_program)

@@ -1,0 +1,81 @@
+"""The known-failure gallery run end to end: the `fx-rewrites demo` job.
+
+It sits at the top of the stack and so may use `backends` (imported by the
+caller and passed in), which nothing else in `rewrites` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from rewrites.api import apply
+
+
+@attrs.define
+class Row:
+    """One example's outcome."""
+
+    name: str
+    family: str
+    as_is: str = ""
+    fired: str = ""
+    after: str = ""
+    max_diff: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.after == "ok"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+
+
+def _max_diff(got: Any, expected: Any) -> float:
+    got_leaves = torch.utils._pytree.tree_leaves(got)
+    exp_leaves = torch.utils._pytree.tree_leaves(expected)
+    if len(got_leaves) != len(exp_leaves):
+        raise ValueError(f"{len(got_leaves)} outputs, eager gives {len(exp_leaves)}")
+    diffs = [(g.double() - e.double()).abs().max().item() for g, e in zip(got_leaves, exp_leaves) if g.numel()]
+    return max(diffs, default=0.0)
+
+
+def _run(backend: Any, program: Any, args: Sequence[Any]) -> Any:
+    return backend.compile(program, args)(*args)
+
+
+def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float = 1e-5) -> Row:
+    """Export, try as is, apply the backend's rules, compile, run, compare."""
+    import time
+
+    start = time.perf_counter()
+    row = Row(example.name, example.family)
+    module, args = example.make()
+    with torch.no_grad():
+        expected = module(*args)
+    program = torch.export.export(module, tuple(args))
+    try:
+        _run(backend, program, args)
+        row.as_is = "ok"
+    except Exception as e:
+        row.as_is = _first_line(e)
+    try:
+        result = apply(program, backend.rules)
+        row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
+        got = _run(backend, result.program, args)
+        row.max_diff = _max_diff(got, expected)
+        ok = all(
+            torch.allclose(g, e, rtol=rtol, atol=atol)
+            for g, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))
+        )
+        row.after = "ok" if ok else "MISMATCH"
+    except Exception as e:
+        row.after = _first_line(e)
+    row.seconds = time.perf_counter() - start
+    return row

@@ -1,0 +1,75 @@
+"""Fields every declarative rule has, and the `when` hook."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import attrs
+from torch.fx import Node
+
+from engine import Miss, RewriteError, is_miss
+from engine.protocol import miss_reason
+from rewrites.schema import SchemaError
+
+
+class RuleDefinitionError(RewriteError, ValueError):
+    """A rule is wrong as written; raised when it is built, naming it."""
+
+
+def _tags(value: Any) -> frozenset[str]:
+    return frozenset([value] if isinstance(value, str) else value)
+
+
+@attrs.frozen(kw_only=True)
+class RuleBase:
+    """Common fields. Subclasses set `roots` in `_build()` and implement
+    `_match(node)` and `rewrite(node, match, rw)`.
+
+    - `name`: unique in a RuleSet; derived from the kind and op if omitted.
+    - `priority`: higher runs first among rules with the same root.
+    - `when(node)`: extra condition; return False or `Miss("why")` to decline.
+    - `doc`: the failure the rule fixes, with the error text users search for.
+    - `tags`: labels for `RuleSet.tagged(...)`.
+    """
+
+    name: str = attrs.field(default="")
+    priority: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    when: Callable[[Node], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
+    doc: str = ""
+    tags: frozenset[str] = attrs.field(default=frozenset(), converter=_tags)
+    roots: tuple[Hashable, ...] = attrs.field(init=False, default=())
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            roots = self._build()
+        except (SchemaError, TypeError, ValueError) as e:
+            raise RuleDefinitionError(f"rule {self.name or type(self).__name__!r}: {e}") from e
+        object.__setattr__(self, "roots", tuple(roots))
+        if not self.name:
+            object.__setattr__(self, "name", self._default_name())
+        if not self.roots:
+            raise RuleDefinitionError(f"rule {self.name!r}: it names no op to match")
+
+    def _build(self) -> tuple[Hashable, ...]:
+        raise NotImplementedError
+
+    def _default_name(self) -> str:
+        first = getattr(self.roots[0], "_opname", None) or getattr(self.roots[0], "__name__", "op")
+        return f"{type(self).__name__.lower()}_{first}"
+
+    def _set(self, field: str, value: Any) -> None:
+        """Store a field normalised in `_build` (the class is frozen)."""
+        object.__setattr__(self, field, value)
+
+    def match(self, node: Node) -> Any:
+        if self.when is not None:
+            ok = self.when(node)
+            if is_miss(ok):
+                return Miss(f"when: {miss_reason(ok)}" if isinstance(ok, Miss) else "when() said no")
+        return self._match(node)
+
+    def _match(self, node: Node) -> Any:
+        return True

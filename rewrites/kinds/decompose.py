@@ -1,0 +1,69 @@
+"""Targeted decomposition: replace one op by its `torch._decomp` body.
+
+Unlike `ExportedProgram.run_decompositions`, only the nodes of the named
+ops are touched: the decomposition is traced with `make_fx` on the node's
+own fake values and inlined in place of the node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import attrs
+import torch._decomp
+from torch.fx import Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from engine import Miss, Rewriter
+from rewrites import schema
+from rewrites.kinds.base import RuleBase
+from rewrites.kinds.schema_rules import _ops
+
+
+@attrs.frozen(kw_only=True)
+class Decompose(RuleBase):
+    """Inline the decomposition of each op in `ops`.
+
+    `table` maps ops to decomposition functions; by default torch's own
+    (`torch._decomp.decomposition_table`). Every op must have an entry.
+    """
+
+    ops: tuple[Any, ...] = attrs.field(converter=_ops)
+    table: Mapping[Any, Callable[..., Any]] | None = attrs.field(default=None, eq=False, repr=False)
+
+    def _build(self) -> tuple[Hashable, ...]:
+        ops = schema.resolve_ops(self.ops)
+        source = self.table if self.table is not None else torch._decomp.decomposition_table
+        missing = [schema.op_name(op) for op in ops if op not in source]
+        if missing:
+            raise ValueError(f"no decomposition for {missing}; pass table={{op: fn}}")
+        self._set("ops", ops)
+        self._set("table", {op: source[op] for op in ops})
+        return ops
+
+    def _default_name(self) -> str:
+        return f"decompose_{self.ops[0]._opname}"
+
+    def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
+        fn = self.table[node.target]
+        leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+
+        def body(*vals: Any) -> Any:
+            filled = list(leaves)
+            for i, v in zip(where, vals):
+                filled[i] = v
+            args, kwargs = pytree.tree_unflatten(filled, spec)
+            return fn(*args, **kwargs)
+
+        inputs = [leaves[i].meta["val"] for i in where]
+        with rw.fake_mode:
+            traced = make_fx(body, tracing_mode="real")(*inputs)
+        out = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+        if out is NotImplemented or (isinstance(out, (list, tuple)) and NotImplemented in out):
+            return Miss("the decomposition declined these arguments")
+        new = rw.inline(traced, [leaves[i] for i in where])
+        rw.replace(node, new)
+        return None

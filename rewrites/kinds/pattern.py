@@ -1,0 +1,116 @@
+"""Pattern rules in the `torch.fx.subgraph_rewriter` format.
+
+The pattern and replacement are plain callables, traced once when the rule
+is built; their parameters are wildcards. Write them with the ops of the
+graphs they will meet (`torch.ops.aten.relu.default(x)` for exported
+graphs). The match is anchored at the pattern's output node, so the rule
+is indexed by that node's target and tried only where it can match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import attrs
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from engine import Miss, Rewriter
+from rewrites.kinds.base import RuleBase
+from rewrites.schema import op_name
+
+
+def _trace(fn: Callable[..., Any], what: str) -> GraphModule:
+    try:
+        return torch.fx.symbolic_trace(fn)
+    except Exception as e:
+        raise ValueError(f"the {what} does not trace with torch.fx.symbolic_trace: {type(e).__name__}: {e}") from e
+
+
+def _placeholders(graph: Graph) -> list[Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+@attrs.frozen(kw_only=True)
+class Pattern(RuleBase):
+    """Where `pattern(*wildcards)` matches, put `replacement(*wildcards)`."""
+
+    pattern: Callable[..., Any] = attrs.field()
+    replacement: Callable[..., Any] = attrs.field()
+    pattern_gm: GraphModule = attrs.field(init=False, default=None, repr=False, eq=False)
+    replacement_gm: GraphModule = attrs.field(init=False, default=None, repr=False, eq=False)
+    anchor: Node = attrs.field(init=False, default=None, repr=False, eq=False)
+
+    def _build(self) -> tuple[Hashable, ...]:
+        pattern = _trace(self.pattern, "pattern")
+        replacement = _trace(self.replacement, "replacement")
+        (output,) = [n for n in pattern.graph.nodes if n.op == "output"]
+        anchor = output.args[0]
+        if not isinstance(anchor, Node) or anchor.op != "call_function":
+            raise ValueError("the pattern must return the result of one op call (its anchor)")
+        n_pat, n_rep = len(_placeholders(pattern.graph)), len(_placeholders(replacement.graph))
+        if n_pat != n_rep:
+            raise ValueError(f"the pattern takes {n_pat} wildcards but the replacement takes {n_rep}")
+        for n in pattern.graph.nodes:
+            if n.op not in ("placeholder", "call_function", "output"):
+                raise ValueError(f"pattern node {n.format_node()} is a {n.op}; use only op calls")
+        self._set("pattern_gm", pattern)
+        self._set("replacement_gm", replacement)
+        self._set("anchor", anchor)
+        return (anchor.target,)
+
+    def _default_name(self) -> str:
+        return f"pattern_{getattr(self.pattern, '__name__', 'fn')}"
+
+    def _match(self, node: Node) -> Any:
+        bindings: dict[Node, Any] = {}
+        why = _match_node(self.anchor, node, bindings)
+        if why:
+            return Miss(why)
+        return [bindings[p] for p in _placeholders(self.pattern_gm.graph)]
+
+    def rewrite(self, node: Node, match: Any, rw: Rewriter) -> None:
+        rw.replace(node, rw.inline(self.replacement_gm, match))
+
+
+def _match_node(p: Node, g: Any, bindings: dict[Node, Any]) -> str | None:
+    """None when pattern node `p` matches graph value `g`; else why not."""
+    if p.op == "placeholder":
+        if p in bindings:
+            seen = bindings[p]
+            same = seen is g if isinstance(seen, Node) or isinstance(g, Node) else seen == g
+            return None if same else f"wildcard {p.name!r} would bind two different values"
+        bindings[p] = g
+        return None
+    if not isinstance(g, Node):
+        return f"expected {op_name(p.target)}, found constant {g!r}"
+    if g.op != "call_function" or g.target != p.target:
+        return f"expected {op_name(p.target)}, found {op_name(g.target)} ({g.name})"
+    if len(g.args) != len(p.args) or set(g.kwargs) != set(p.kwargs):
+        return f"{g.name}: argument layout differs from the pattern"
+    for i, (pa, ga) in enumerate(zip(p.args, g.args)):
+        why = _match_arg(pa, ga, bindings)
+        if why:
+            return f"{g.name} arg {i}: {why}"
+    for k, pa in p.kwargs.items():
+        why = _match_arg(pa, g.kwargs[k], bindings)
+        if why:
+            return f"{g.name} {k}=: {why}"
+    return None
+
+
+def _match_arg(pa: Any, ga: Any, bindings: dict[Node, Any]) -> str | None:
+    if isinstance(pa, Node):
+        return _match_node(pa, ga, bindings)
+    if isinstance(pa, (list, tuple)):
+        if not isinstance(ga, (list, tuple)) or len(ga) != len(pa):
+            return f"expected {pa!r}, found {ga!r}"
+        for x, y in zip(pa, ga):
+            why = _match_arg(x, y, bindings)
+            if why:
+                return why
+        return None
+    if isinstance(ga, Node) or pa != ga:
+        return f"expected {pa!r}, found {ga!r}"
+    return None

@@ -1,0 +1,73 @@
+"""Copying graph modules and keeping an ExportedProgram's signature true."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature
+from torch.fx import Graph, GraphModule, Node
+from torch.utils import _pytree as pytree
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A new GraphModule with a copied graph (node meta copied shallowly);
+    attributes and submodules are shared with `gm`, not copied."""
+    graph = Graph(tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    val_map: dict[Node, Node] = {}
+    out, old_output = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    # fx renames nodes that shadow builtins ("input" -> "input_1"); export's
+    # names are what the graph signature refers to, so keep them.
+    for old, new in val_map.items():
+        if new.name != old.name:
+            new.name = old.name
+            graph._graph_namespace._used_names.add(old.name)
+    new_output = graph.output(out, type_expr=old_output.type)
+    new_output.meta = copy.copy(old_output.meta)
+    new = GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = copy.copy(getattr(gm, "meta", {}))
+    return new
+
+
+def _outputs(gm: GraphModule) -> list:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return pytree.tree_leaves(output.args[0])
+
+
+def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
+    """`ep` with its graph replaced by the rewritten `gm`.
+
+    Output specs are renamed after the nodes now returned (rewrites replace
+    nodes, so names change); input specs of placeholders a rule removed are
+    dropped. Everything else (state, constants, ranges) carries over.
+    """
+    renamed: dict[str, str] = {}
+    output_specs = []
+    for spec, out in zip(ep.graph_signature.output_specs, _outputs(gm), strict=True):
+        old = getattr(spec.arg, "name", None)
+        if isinstance(out, Node) and old is not None and old != out.name:
+            renamed[old] = out.name
+            spec = dataclasses.replace(spec, arg=dataclasses.replace(spec.arg, name=out.name))
+        output_specs.append(spec)
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    input_specs = [s for s in ep.graph_signature.input_specs if getattr(s.arg, "name", None) in placeholders]
+    signature = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
+    call_graph = copy.deepcopy(ep.module_call_graph)
+    for entry in call_graph:
+        if entry.fqn == "" and entry.signature is not None:
+            for arg in entry.signature.outputs:
+                if getattr(arg, "name", None) in renamed:
+                    arg.name = renamed[arg.name]
+    return ExportedProgram(
+        root=gm,
+        graph=gm.graph,
+        graph_signature=signature,
+        state_dict=ep.state_dict,
+        range_constraints=copy.deepcopy(ep.range_constraints),
+        module_call_graph=call_graph,
+        example_inputs=ep.example_inputs,
+        constants=ep.constants,
+        verifiers=ep.verifiers,
+    )

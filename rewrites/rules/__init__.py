@@ -1,0 +1,16 @@
+"""The rule packs, one module per family of known failures.
+
+`DEFAULT` is the backend-neutral set `rewrites.apply` uses when given no
+rules; backends add their own packs on top of it.
+"""
+
+from rewrites.rules import pooling
+from rewrites.ruleset import RuleSet
+
+PACKS: dict[str, RuleSet] = {
+    "pooling": pooling.RULES,
+}
+
+DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")
+
+__all__ = ["DEFAULT", "PACKS"]

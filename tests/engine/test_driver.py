@@ -1,0 +1,163 @@
+"""The engine's promises, each on a real torch.export graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+import rewrites
+from rewrites import testing as rt
+from rewrites.program import copy_graph_module
+from tests.conftest import AddRelu, ReluChain
+from tests.engine import rules as r
+
+aten = torch.ops.aten
+
+
+def test_fixpoint_in_one_call(relu_chain_ep):
+    result = rt.apply_rules(relu_chain_ep, r.collapse_relu)
+    assert result.report.converged
+    assert rt.targets(result).count(aten.relu.default) == 1
+    rt.assert_fired(result, "collapse_relu", times=15)
+    rt.assert_matches_eager(result, ReluChain(16), [(torch.randn(4, 5),), (torch.randn(4, 5) - 1,)])
+    rt.assert_idempotent(result, r.collapse_relu)
+
+
+def test_worklist_does_not_rescan(relu_chain_ep):
+    result = rt.apply_rules(relu_chain_ep, r.collapse_relu)
+    # 16 relus visited once each, plus one visit per node a rewrite created.
+    assert result.report.visits <= 16 + 15
+
+
+def _clamp_rule(name: str, priority: int):
+    @rewrites.rule(roots=(aten.relu.default,), name=name, priority=priority)
+    def relu_to_clamp(node, rw):
+        rw.replace(node, rw.call(aten.clamp_min.default, node.args[0], 0.0 if name == "b" else 0))
+
+    return relu_to_clamp
+
+
+def test_priority_orders_rules_on_one_root(add_relu_ep):
+    low, high = _clamp_rule("a", 0), _clamp_rule("b", 5)
+    for order in ([low, high], [high, low]):
+        result = rt.apply_rules(add_relu_ep, *order)
+        rt.assert_fired(result, "b", times=1)
+        rt.assert_not_fired(result, "a")
+
+
+def test_ties_go_to_the_rule_given_first(add_relu_ep):
+    a, b = _clamp_rule("a", 0), _clamp_rule("b", 0)
+    rt.assert_fired(rt.apply_rules(add_relu_ep, a, b), "a", times=1)
+    rt.assert_fired(rt.apply_rules(add_relu_ep, b, a), "b", times=1)
+
+
+def test_deterministic():
+    runs = []
+    for _ in range(3):
+        ep = rt.export(ReluChain(16), torch.randn(4, 5))
+        result = rt.apply_rules(ep, r.collapse_relu, r.add_to_sub)
+        runs.append((result.graph_module.code, dict(result.report.rewrites)))
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_raising_rule_is_rolled_back(add_relu_ep):
+    gm = copy_graph_module(add_relu_ep.graph_module)
+    before = str(gm.graph)
+    with pytest.raises(engine.RuleError) as info:
+        engine.run(gm.graph, [r.raises_midway])
+    message = str(info.value)
+    assert "raises_midway" in message and "'relu'" in message and "boom" in message
+    assert info.value.rule == "raises_midway" and info.value.node == "relu"
+    assert str(gm.graph) == before
+    gm.graph.lint()
+
+
+def test_skip_policy_lists_the_failure_and_goes_on(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.raises_midway, r.add_to_sub, on_error="skip")
+    assert [(s.rule, s.node) for s in result.report.skips] == [("raises_midway", "relu")]
+    rt.assert_fired(result, "add_to_sub", times=1)
+    assert aten.neg.default in rt.targets(result)  # from add_to_sub, not from the skipped rule
+    rt.assert_matches_eager(result, AddRelu(), [(torch.randn(3, 4), torch.randn(3, 4))])
+
+
+@pytest.mark.parametrize(("bad_rule", "words"), [(r.changes_dtype, "dtype changed"), (r.changes_shape, "rank changed")])
+def test_replacement_that_changes_the_value_is_refused(add_relu_ep, bad_rule, words):
+    gm = copy_graph_module(add_relu_ep.graph_module)
+    before = str(gm.graph)
+    with pytest.raises(engine.RuleError, match=words):
+        engine.run(gm.graph, [bad_rule])
+    assert str(gm.graph) == before
+
+
+def test_rules_that_undo_each_other_are_named(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.add_to_sub, r.sub_to_add)
+    assert not result.report.converged
+    reason = result.report.stop_reason
+    assert reason.startswith("non-convergence:")
+    assert "'add_to_sub'" in reason and "'sub_to_add'" in reason and "'add'" in reason
+    # every rewrite was correct, so the stopped graph still computes the same
+    rt.assert_matches_eager(result, AddRelu(), [(torch.randn(3, 4), torch.randn(3, 4))])
+    with pytest.raises(engine.NonConvergence, match="undo each other"):
+        rt.apply_rules(add_relu_ep, r.add_to_sub, r.sub_to_add, strict=True)
+
+
+def test_budget_stop_is_reported(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.bump_scalar, budget=20)
+    assert result.report.stop_reason == "rewrite budget"
+    assert not result.report.converged
+    assert result.report.total_rewrites == 20
+    assert any("bump_scalar" in note for note in result.report.notes)
+    with pytest.raises(engine.NonConvergence, match="budget"):
+        rt.apply_rules(add_relu_ep, r.bump_scalar, budget=20, strict=True)
+
+
+def test_default_budget_grows_with_the_graph(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.bump_scalar)
+    n = result.report.nodes_before
+    assert result.report.budget == engine.driver.BUDGET_PER_NODE * n + engine.driver.BUDGET_FLOOR
+    assert result.report.stop_reason == "rewrite budget"
+    assert result.report.total_rewrites == result.report.budget
+
+
+def test_rule_that_regrows_its_own_match_is_named(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.mul_grows)
+    assert result.report.stop_reason == (
+        "non-convergence: rule 'mul_grows' keeps rewriting the same form of node 'mul'"
+    )
+
+
+def test_provenance_on_created_nodes(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.add_to_sub)
+    created = [n for n in result.graph_module.graph.nodes if "rewrites" in n.meta]
+    assert {n.target for n in created} == {aten.sub.Tensor, aten.neg.default}
+    for node in created:
+        assert node.meta["rewrites"][-1] == {"rule": "add_to_sub", "source": "add"}
+        assert "val" in node.meta
+    untouched = [n for n in result.graph_module.graph.nodes if n.target is aten.relu.default]
+    assert untouched and all("rewrites" not in n.meta for n in untouched)
+
+
+def test_input_program_is_not_modified(add_relu_ep):
+    before = str(add_relu_ep.graph)
+    rt.apply_rules(add_relu_ep, r.add_to_sub)
+    assert str(add_relu_ep.graph) == before
+
+
+def test_explain_says_why_not(add_relu_ep):
+    result = rt.apply_rules(add_relu_ep, r.sub_to_add, r.add_to_sub, explain=True)
+    attempts = result.report.explain("sub_to_add")
+    assert attempts and all(a.fired for a in attempts)
+    plain = rt.export(lambda x, y: x - y, torch.randn(2), torch.randn(2))
+    miss = rt.apply_rules(plain, r.sub_to_add, explain=True).report.explain("sub_to_add")
+    assert [(a.node, a.fired, a.reason) for a in miss] == [("sub", False, "second operand is not neg")]
+    with pytest.raises(ValueError, match="explain=True"):
+        rt.apply_rules(plain, r.sub_to_add).report.explain()
+
+
+def test_duplicate_rule_names_are_refused():
+    with pytest.raises(ValueError, match="collapse_relu"):
+        engine.run(
+            torch.fx.Graph(),
+            [r.collapse_relu, rewrites.Pattern(name="collapse_relu", pattern=r.relu_relu, replacement=r.relu)],
+        )

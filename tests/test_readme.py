@@ -1,0 +1,27 @@
+"""The README's code runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_usage_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(_python_blocks()[0], namespace)
+    result = namespace["result"]
+    assert result.report.converged and result.report.rewrites["pool_stride_defaults"] == 1
+    assert (tmp_path / "net.pt2").exists()
+
+
+def test_rule_example_and_its_test_pass():
+    namespace: dict = {}
+    exec(_python_blocks()[1], namespace)
+    namespace["test_lift_to_clone"]()
