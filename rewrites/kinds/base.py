@@ -17,6 +17,11 @@ class RuleDefinitionError(RewriteError, ValueError):
     """A rule is wrong as written; raised when it is built, naming it."""
 
 
+def as_tuple(ops: Any) -> tuple[Any, ...]:
+    """`ops=x` or `ops=(x, y)`: one op or several."""
+    return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
+
+
 def _tags(value: Any) -> frozenset[str]:
     return frozenset([value] if isinstance(value, str) else value)
 

@@ -18,8 +18,7 @@ from torch.utils import _pytree as pytree
 
 from engine import Miss, Rewriter
 from rewrites import schema
-from rewrites.kinds.base import RuleBase
-from rewrites.kinds.schema_rules import _ops
+from rewrites.kinds.base import RuleBase, as_tuple
 
 
 @attrs.frozen(kw_only=True)
@@ -30,7 +29,7 @@ class Decompose(RuleBase):
     (`torch._decomp.decomposition_table`). Every op must have an entry.
     """
 
-    ops: tuple[Any, ...] = attrs.field(converter=_ops)
+    ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
     table: Mapping[Any, Callable[..., Any]] | None = attrs.field(default=None, eq=False, repr=False)
 
     def _build(self) -> tuple[Hashable, ...]:

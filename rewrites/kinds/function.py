@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from engine import Rewriter
 from rewrites import schema
-from rewrites.kinds.base import RuleBase
+from rewrites.kinds.base import RuleBase, as_tuple
 
 
 @attrs.frozen(kw_only=True)
@@ -18,7 +18,7 @@ class FunctionRule(RuleBase):
     """`fn(node, rw)` rewrites `node` through `rw`, or returns a Miss."""
 
     fn: Callable[[Node, Rewriter], Any] = attrs.field(validator=attrs.validators.is_callable())
-    ops: tuple[Any, ...] = attrs.field(converter=tuple)
+    ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
 
     def _build(self) -> tuple[Hashable, ...]:
         ops = schema.resolve_ops(self.ops)

@@ -11,7 +11,7 @@ from torch.fx import Node
 
 from engine import Miss, Rewriter
 from rewrites import schema
-from rewrites.kinds.base import RuleBase
+from rewrites.kinds.base import RuleBase, as_tuple
 
 
 @attrs.frozen
@@ -38,10 +38,6 @@ def _resolve(value: Any, bound: Mapping[str, Any]) -> Any:
     return value
 
 
-def _ops(ops: Any) -> tuple[Any, ...]:
-    return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
-
-
 @attrs.frozen(kw_only=True)
 class FillDefaults(RuleBase):
     """Spell out an op's arguments and fill the ones left unset.
@@ -53,7 +49,7 @@ class FillDefaults(RuleBase):
     are widened to N, so importers that index these lists see all of them.
     """
 
-    ops: tuple[Any, ...] = attrs.field(converter=_ops)
+    ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
     fill: Mapping[str, Any] = attrs.field(factory=dict)
     explicit: bool = True
 
@@ -144,7 +140,7 @@ class Forward(RuleBase):
     `torch._C._set_grad_enabled`) are simply removed.
     """
 
-    ops: tuple[Any, ...] = attrs.field(converter=_ops)
+    ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
     arg: str | int = 0
 
     def _build(self) -> tuple[Hashable, ...]:
