@@ -15,6 +15,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
@@ -28,6 +29,20 @@ INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn
 
 class CheckFailed(Exception):
     """A recorded rewrite failed the structural check (internal)."""
+
+
+@attrs.frozen
+class _Replacement:
+    """`new` stands in for `old` for all its users, or those after `after`."""
+
+    old: Node
+    new: Any
+    same_shape: bool = True
+    after: Node | None = None
+
+    def users(self) -> list[Node]:
+        users = list(self.old.users)
+        return users if self.after is None else [u for u in users if self.after < u]
 
 
 class Rewriter:
@@ -48,7 +63,7 @@ class Rewriter:
         self.fake_mode = fake_mode
         self.check_shapes = check_shapes
         self.created: list[Node] = []
-        self.replacements: list[tuple[Node, Any]] = []
+        self.replacements: list[_Replacement] = []
         self.erasures: list[Node] = []
         self.attrs: list[str] = []
         self.notes: list[str] = []
@@ -125,13 +140,21 @@ class Rewriter:
 
     # -- recording --------------------------------------------------------------
 
-    def replace(self, old: Node, new: Any) -> None:
+    def replace(self, old: Node, new: Any, *, same_shape: bool = True) -> None:
         """Make every user of `old` use `new` instead (at commit).
 
         `new` is a node or, for an `old` that returns several values and is
         only read through `getitem`, a sequence with one node per value.
+        `same_shape=False` relaxes the check to dtype and rank, for values
+        whose sizes are data-dependent (unbacked symbols that cannot be
+        proven equal).
         """
-        self.replacements.append((old, new))
+        self.replacements.append(_Replacement(old, new, same_shape))
+
+    def replace_uses_after(self, old: Node, new: Node, after: Node) -> None:
+        """Users of `old` that come after `after` read `new` instead: what
+        an in-place op made functional needs (later reads see the update)."""
+        self.replacements.append(_Replacement(old, new, True, after))
 
     def erase(self, node: Node) -> None:
         """Remove `node` at commit (it must have no users by then)."""
@@ -148,15 +171,17 @@ class Rewriter:
         neighbourhood changed (to be re-queued by the engine)."""
         self._check()
         touched: list[Node] = []
-        for old, new in self.replacements:
-            touched.extend(old.users)
-            if isinstance(new, Node) or not isinstance(new, Sequence):
-                old.replace_all_uses_with(new)
+        for r in self.replacements:
+            users = r.users()
+            touched.extend(users)
+            if isinstance(r.new, Node) or not isinstance(r.new, Sequence):
+                for user in users:
+                    user.replace_input_with(r.old, r.new)
             else:
-                for user in list(old.users):
-                    user.replace_all_uses_with(new[user.args[1]])
+                for user in users:
+                    user.replace_all_uses_with(r.new[user.args[1]])
                     self.graph.erase_node(user)
-        dead = [old for old, _ in self.replacements] + self.erasures
+        dead = [r.old for r in self.replacements if r.after is None] + self.erasures
         dead += [n for n in self.created if not n.users]
         touched += self._sweep(dead)
         return [n for n in self.created if not n._erased] + touched
@@ -192,40 +217,45 @@ class Rewriter:
                     raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which is not in the graph")
                 if not inp < node:
                     raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which comes after it")
-        for old, new in self.replacements:
-            if isinstance(new, Node):
-                new_val = new.meta.get("val")
-                if "val" not in new.meta and "val" in old.meta:
-                    raise CheckFailed(f"replacement {new.name!r} has no meta['val']")
-            elif isinstance(new, Sequence):
-                for user in old.users:
-                    if user.target is not operator.getitem or not isinstance(user.args[1], int):
-                        raise CheckFailed(
-                            f"{old.name!r} is replaced by {len(new)} values but its user {user.name!r} is not a getitem"
-                        )
-                    if user.args[1] >= len(new):
-                        raise CheckFailed(f"{user.name!r} reads output {user.args[1]}, only {len(new)} given")
-                new_val = [n.meta.get("val") if isinstance(n, Node) else n for n in new]
-            else:
-                new_val = new
-            for n in new if isinstance(new, Sequence) else (new,):
-                late = [u.name for u in old.users if isinstance(n, Node) and not n < u]
-                if late:
-                    raise CheckFailed(f"replacement {n.name!r} comes after users {late} of {old.name!r}")
-            why = values.compatible(old.meta.get("val"), new_val, check_shape=self.check_shapes)
-            if why:
-                raise CheckFailed(f"replacement for {old.name!r} does not match it: {why}")
-        replaced = {id(o) for o, _ in self.replacements}
+        for r in self.replacements:
+            self._check_replacement(r)
+        replaced = {id(r.old) for r in self.replacements if r.after is None}
         erased = {id(n) for n in self.erasures}
         for node in self.erasures:
             users = [u.name for u in node.users if id(u) not in erased]
             if users and id(node) not in replaced:
                 raise CheckFailed(f"cannot erase {node.name!r}: it is still used by {users}")
 
+    def _check_replacement(self, r: _Replacement) -> None:
+        old, new = r.old, r.new
+        users = r.users()
+        if isinstance(new, Node):
+            if "val" not in new.meta and "val" in old.meta:
+                raise CheckFailed(f"replacement {new.name!r} has no meta['val']")
+            new_val = new.meta.get("val")
+        elif isinstance(new, Sequence):
+            for user in users:
+                if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                    raise CheckFailed(
+                        f"{old.name!r} is replaced by {len(new)} values but its user {user.name!r} is not a getitem"
+                    )
+                if user.args[1] >= len(new):
+                    raise CheckFailed(f"{user.name!r} reads output {user.args[1]}, only {len(new)} given")
+            new_val = [n.meta.get("val") if isinstance(n, Node) else n for n in new]
+        else:
+            new_val = new
+        for n in new if isinstance(new, Sequence) else (new,):
+            late = [u.name for u in users if isinstance(n, Node) and not n < u]
+            if late:
+                raise CheckFailed(f"replacement {n.name!r} comes after users {late} of {old.name!r}")
+        why = values.compatible(old.meta.get("val"), new_val, check_shape=self.check_shapes and r.same_shape)
+        if why:
+            raise CheckFailed(f"replacement for {old.name!r} does not match it: {why}")
+
     def _sweep(self, candidates: list[Node]) -> list[Node]:
         """Erase dead nodes among `candidates` and, transitively, their
         operands. Explicitly erased and replaced nodes go even if impure."""
-        forced = {id(n) for n in self.erasures} | {id(o) for o, _ in self.replacements}
+        forced = {id(n) for n in self.erasures} | {id(r.old) for r in self.replacements if r.after is None}
         touched: list[Node] = []
         stack = list(candidates)
         while stack:
