@@ -242,6 +242,7 @@ def run(
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if fake_mode is None:
         fake_mode = values.find_fake_mode(graph)
+    values.adopt_constants(graph, fake_mode)
     report = _Run(
         graph,
         rules,

@@ -222,7 +222,7 @@ class Rewriter:
         replaced = {id(r.old) for r in self.replacements if r.after is None}
         erased = {id(n) for n in self.erasures}
         for node in self.erasures:
-            users = [u.name for u in node.users if id(u) not in erased]
+            users = [u.name for u in node.users if id(u) not in erased and id(u) not in replaced]
             if users and id(node) not in replaced:
                 raise CheckFailed(f"cannot erase {node.name!r}: it is still used by {users}")
 

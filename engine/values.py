@@ -22,6 +22,28 @@ def find_fake_mode(graph: Graph) -> Any:
     return detect_fake_mode(vals)
 
 
+def adopt_constants(graph: Graph, fake_mode: Any) -> None:
+    """Give tensor get_attr nodes a value in `fake_mode`.
+
+    aot_autograd graphs carry `_tensor_constant0` get_attrs whose value was
+    made in another fake mode; new ops on them would mix modes.
+    """
+    owner = graph.owning_module
+    if fake_mode is None or owner is None:
+        return
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        val = node.meta.get("val")
+        if val is not None and getattr(val, "fake_mode", fake_mode) is fake_mode:
+            continue
+        obj = owner
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.Tensor):
+            node.meta["val"] = fake_mode.from_tensor(obj, static_shapes=True)
+
+
 def missing_values(graph: Graph) -> list[str]:
     """Names of nodes that should carry `meta["val"]` and do not."""
     return [n.name for n in graph.nodes if n.op in ("placeholder", "call_function") and "val" not in n.meta]

@@ -10,6 +10,12 @@ from torch.export.graph_signature import ExportGraphSignature
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from engine import RewriteError
+
+
+class ProgramError(RewriteError):
+    """The rewritten graph does not make a valid ExportedProgram."""
+
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A new GraphModule with a copied graph (node meta copied shallowly);
@@ -60,6 +66,31 @@ def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
             for arg in entry.signature.outputs:
                 if getattr(arg, "name", None) in renamed:
                     arg.name = renamed[arg.name]
+    try:
+        return _program(ep, gm, signature, call_graph)
+    except Exception as e:  # torch's verifier raises several kinds
+        raise ProgramError(_blame(gm, e)) from e
+
+
+def _blame(gm: GraphModule, error: Exception) -> str:
+    """The verifier's complaint, with the rules that made the nodes it names."""
+    text = str(error).strip().splitlines()[0]
+    culprits = [
+        f"{n.name} ({n.target}) from rule {n.meta['rewrites'][-1]['rule']!r}"
+        for n in gm.graph.nodes
+        if "rewrites" in n.meta and n.op == "call_function" and str(n.target) in text
+    ]
+    made = f"; made by: {', '.join(culprits[:5])}" if culprits else ""
+    return (
+        f"the rewritten graph is not a valid ExportedProgram: {type(error).__name__}: {text}{made}. "
+        "A rule produced an op this program's dialect does not allow; fix that rule, or leave it out "
+        "of the RuleSet."
+    )
+
+
+def _program(
+    ep: ExportedProgram, gm: GraphModule, signature: ExportGraphSignature, call_graph: list
+) -> ExportedProgram:
     return ExportedProgram(
         root=gm,
         graph=gm.graph,

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 import torch._decomp
+from torch._C import DispatchKey
+from torch._ops import OpOverload
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -21,12 +23,25 @@ from rewrites import schema
 from rewrites.kinds.base import RuleBase, as_tuple
 
 
+def _decomposition(op: Any, table: Mapping[Any, Callable[..., Any]] | None) -> Callable[..., Any] | None:
+    """`table[op]`; without a table, torch's decomposition table, then the
+    op's own CompositeImplicitAutograd kernel (`aten.diff`, `aten.to.dtype`)."""
+    if table is not None:
+        return table.get(op)
+    if op in torch._decomp.decomposition_table:
+        return torch._decomp.decomposition_table[op]
+    if isinstance(op, OpOverload) and op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd):
+        return op.decompose
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class Decompose(RuleBase):
     """Inline the decomposition of each op in `ops`.
 
     `table` maps ops to decomposition functions; by default torch's own
-    (`torch._decomp.decomposition_table`). Every op must have an entry.
+    (`torch._decomp.decomposition_table`), then the op's
+    CompositeImplicitAutograd kernel. Every op must have one.
     """
 
     ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
@@ -34,12 +49,12 @@ class Decompose(RuleBase):
 
     def _build(self) -> tuple[Hashable, ...]:
         ops = schema.resolve_ops(self.ops)
-        source = self.table if self.table is not None else torch._decomp.decomposition_table
-        missing = [schema.op_name(op) for op in ops if op not in source]
+        table = {op: fn for op in ops if (fn := _decomposition(op, self.table)) is not None}
+        missing = [schema.op_name(op) for op in ops if op not in table]
         if missing:
             raise ValueError(f"no decomposition for {missing}; pass table={{op: fn}}")
         self._set("ops", ops)
-        self._set("table", {op: source[op] for op in ops})
+        self._set("table", table)
         return ops
 
     def _default_name(self) -> str:

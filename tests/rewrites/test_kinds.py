@@ -188,3 +188,14 @@ def test_rules_are_frozen_and_ruleset_composes():
         both.without("nope")
     with pytest.raises(RuleDefinitionError, match="is not a rule"):
         RuleSet([object()])
+
+
+def test_decompose_falls_back_to_the_composite_kernel():
+    fn = lambda x: torch.diff(x, dim=-1) * 2
+    ep = rt.export(fn, torch.randn(3, 5))
+    assert aten.diff.default not in torch._decomp.decomposition_table
+    rule = Decompose(ops=aten.diff.default)
+    result = rt.apply_rules(ep, rule)
+    rt.assert_fired(result, rule, times=1)
+    rt.assert_ops(result, absent=[aten.diff.default], present=[aten.sub.Tensor])
+    rt.assert_matches_eager(result, fn, [(torch.randn(3, 5),)])

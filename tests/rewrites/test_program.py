@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import rewrites
 from rewrites import testing as rt
+from rewrites.program import ProgramError
 from tests.engine import rules as r
 
 aten = torch.ops.aten
@@ -102,3 +103,13 @@ def test_unsupported_input_is_named(bad):
         rewrites.apply(bad)
     if isinstance(bad, torch.nn.Module):
         assert "torch.export.export" in str(info.value)
+
+
+def test_invalid_program_names_the_rule():
+    # torch's decomposition of the eval batch norm calls the mutating
+    # _native_batch_norm_legit, which a functional program may not hold.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    ep = rt.export(model, torch.randn(1, 3, 6, 6)).run_decompositions()
+    rule = rewrites.Decompose(ops=aten._native_batch_norm_legit_no_training.default, name="bn_decomp")
+    with pytest.raises(ProgramError, match=r"not functional.*from rule 'bn_decomp'"):
+        rt.apply_rules(ep, rule)
