@@ -26,9 +26,9 @@ class Example:
 
 def gallery() -> list[Example]:
     """Every example, in a stable order."""
-    from examples import pooling
+    from examples import composites, constants, pooling
 
-    return [*pooling.EXAMPLES]
+    return [*pooling.EXAMPLES, *constants.EXAMPLES, *composites.EXAMPLES]
 
 
 __all__ = ["Example", "Factory", "gallery"]

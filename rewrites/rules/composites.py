@@ -1,0 +1,119 @@
+"""Composite ops that lie about their schema (seed 003), in the forms that
+reach backends: eval-mode batch norm, rrelu and dropout.
+
+`run_decompositions` turns eval `BatchNorm` into
+`_native_batch_norm_legit_no_training`, which is tagged core (so it stays)
+and which IREE cannot legalize; torch's own decomposition of it calls the
+mutating `_native_batch_norm_legit`. Eval `rrelu` becomes the non-core
+`rrelu_with_noise_functional` with an uninitialised noise buffer.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from engine import Miss, Rewriter
+from rewrites.kinds import Forward, rule
+from rewrites.ruleset import RuleSet
+
+aten = torch.ops.aten
+
+
+def _only_output_0_used(node: Node) -> bool | Miss:
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] != 0:
+            return Miss(f"{user.name} reads an output other than 0 (the batch statistics)")
+    return True
+
+
+@rule(
+    roots=(aten._native_batch_norm_legit_no_training.default,),
+    name="batch_norm_eval_to_affine",
+    when=_only_output_0_used,
+    tags={"composites"},
+    doc=(
+        "Eval-mode batch norm as `_native_batch_norm_legit_no_training` (what run_decompositions "
+        "and torch.compile produce) becomes (x - mean) * (weight / sqrt(var + eps)) + bias. "
+        "IREE: \"failed to legalize operation 'torch.operator' that was explicitly marked illegal: "
+        'torch.aten._native_batch_norm_legit_no_training".'
+    ),
+)
+def batch_norm_eval_to_affine(node: Node, rw: Rewriter) -> Any:
+    x, weight, bias, mean, var, _momentum, eps = node.args
+    shape = [1, -1] + [1] * (node.args[0].meta["val"].dim() - 2)
+    scale = rw.call(aten.rsqrt.default, rw.call(aten.add.Tensor, var, eps))
+    if weight is not None:
+        scale = rw.call(aten.mul.Tensor, scale, weight)
+    out = rw.call(
+        aten.mul.Tensor,
+        rw.call(aten.sub.Tensor, x, rw.call(aten.view.default, mean, shape)),
+        rw.call(aten.view.default, scale, shape),
+    )
+    if bias is not None:
+        out = rw.call(aten.add.Tensor, out, rw.call(aten.view.default, bias, shape))
+    _replace_output_0(node, out, rw)
+    return None
+
+
+def _replace_output_0(node: Node, out: Node, rw: Rewriter) -> None:
+    """`node` returns a tuple read only through getitem 0: `out` takes its
+    place. The node goes too, even when torch calls it impure (rrelu)."""
+    for user in list(node.users):
+        rw.replace(user, out)
+    rw.erase(node)
+
+
+def _eval_slope(args: tuple) -> float:
+    lower = args[0] if len(args) > 0 else 1.0 / 8.0
+    upper = args[1] if len(args) > 1 else 1.0 / 3.0
+    return (lower + upper) / 2
+
+
+def _rrelu_eval(node: Node, rest: tuple, training: bool, rw: Rewriter) -> Any:
+    if training:
+        return Miss("training=True: rrelu draws random slopes")
+    return rw.call(aten.leaky_relu.default, node.args[0], _eval_slope(rest))
+
+
+@rule(
+    roots=(aten.rrelu.default, aten.rrelu_with_noise_functional.default),
+    name="rrelu_eval_to_leaky_relu",
+    tags={"composites"},
+    doc=(
+        "Eval-mode rrelu is leaky_relu with slope (lower + upper) / 2. run_decompositions turns it "
+        "into the non-core rrelu_with_noise_functional (with an uninitialised noise buffer), "
+        "which backends do not lower."
+    ),
+)
+def rrelu_eval_to_leaky_relu(node: Node, rw: Rewriter) -> Any:
+    if node.target is aten.rrelu.default:
+        rest = node.args[1:3]
+        training = bool(node.args[3]) if len(node.args) > 3 else bool(node.kwargs.get("training", False))
+        out = _rrelu_eval(node, rest, training, rw)
+        if not isinstance(out, Miss):
+            rw.replace(node, out)
+        return out
+    rest = node.args[2:4]  # (self, noise, lower, upper, training, generator)
+    training = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("training", False))
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] != 0:
+            return Miss(f"{user.name} reads the noise output")
+    out = _rrelu_eval(node, rest, training, rw)
+    if not isinstance(out, Miss):
+        _replace_output_0(node, out, rw)
+    return out
+
+
+dropout_eval = Forward(
+    name="dropout_eval",
+    ops=aten.dropout.default,
+    when=lambda node: (not (node.args[2] if len(node.args) > 2 else node.kwargs.get("train"))) or Miss("train=True"),
+    tags={"composites"},
+    doc="aten.dropout(x, p, train=False) is x; left in the training IR of torch.export.",
+)
+
+RULES = RuleSet([batch_norm_eval_to_affine, rrelu_eval_to_leaky_relu, dropout_eval], name="composites")
