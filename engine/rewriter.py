@@ -12,7 +12,7 @@ graph as it was.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -67,6 +67,8 @@ class Rewriter:
         self.erasures: list[Node] = []
         self.attrs: list[str] = []
         self.notes: list[str] = []
+        self.outputs: list[tuple[int, Node]] = []
+        self.callbacks: list[Callable[[], None]] = []
         self._provenance = tuple(root.meta.get("rewrites", ())) + ({"rule": rule, "source": root.name},)
 
     # -- building ---------------------------------------------------------------
@@ -156,6 +158,15 @@ class Rewriter:
         an in-place op made functional needs (later reads see the update)."""
         self.replacements.append(_Replacement(old, new, True, after))
 
+    def add_output(self, value: Node, index: int) -> None:
+        """Insert `value` into the graph's output tuple at `index` (at commit)."""
+        self.outputs.append((index, value))
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once the rewrite is committed (bookkeeping outside the
+        graph that must not happen if the rewrite is rolled back)."""
+        self.callbacks.append(fn)
+
     def erase(self, node: Node) -> None:
         """Remove `node` at commit (it must have no users by then)."""
         self.erasures.append(node)
@@ -181,6 +192,14 @@ class Rewriter:
                 for user in users:
                     user.replace_all_uses_with(r.new[user.args[1]])
                     self.graph.erase_node(user)
+        if self.outputs:
+            output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+            values_out = list(output.args[0])
+            for index, value in self.outputs:
+                values_out.insert(index, value)
+            output.args = (tuple(values_out),)
+        for fn in self.callbacks:
+            fn()
         dead = [r.old for r in self.replacements if r.after is None] + self.erasures
         dead += [n for n in self.created if not n.users]
         touched += self._sweep(dead)
@@ -217,6 +236,10 @@ class Rewriter:
                     raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which is not in the graph")
                 if not inp < node:
                     raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which comes after it")
+        if self.outputs:
+            output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+            if not isinstance(output.args[0], (tuple, list)):
+                raise CheckFailed("add_output needs a graph that returns a tuple of values")
         for r in self.replacements:
             self._check_replacement(r)
         replaced = {id(r.old) for r in self.replacements if r.after is None}

@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 import engine
 from engine import GraphInputError, Report, Rule
 from engine import values as fake_values
-from rewrites.program import copy_graph_module, rebuild_program
+from rewrites.program import copy_graph_module, expose_signature, rebuild_program
 from rewrites.ruleset import RuleSet
 
 
@@ -45,7 +45,7 @@ def _rule_list(rules: RuleSet | Rule | Iterable[Rule] | None) -> Sequence[Rule]:
 
 def _prepare(gm: GraphModule, example_inputs: Sequence[Any] | None) -> None:
     missing = fake_values.missing_values(gm.graph)
-    if not missing:
+    if not missing and example_inputs is None:
         return
     if example_inputs is None:
         raise GraphInputError(
@@ -76,7 +76,7 @@ def apply(
     `program` is a `torch.export.ExportedProgram` (a new one is returned in
     `Result.program`; the input is left untouched) or a `torch.fx.GraphModule`
     (copied first unless `inplace`). A GraphModule without `meta["val"]`
-    needs `example_inputs`. `on_error="skip"` skips a failing rule on that
+    needs `example_inputs`; given them, the values are always recomputed. `on_error="skip"` skips a failing rule on that
     node instead of raising `RuleError`; `strict=True` raises
     `NonConvergence` instead of reporting it; `explain=True` records every
     match attempt for `result.report.explain()`.
@@ -84,6 +84,7 @@ def apply(
     rule_list = _rule_list(rules)
     if isinstance(program, ExportedProgram):
         gm = copy_graph_module(program.graph_module)
+        expose_signature(program, gm)
     elif isinstance(program, GraphModule):
         gm = program if inplace else copy_graph_module(program)
         _prepare(gm, example_inputs)

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature
+from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
@@ -15,6 +15,29 @@ from engine import RewriteError
 
 class ProgramError(RewriteError):
     """The rewritten graph does not make a valid ExportedProgram."""
+
+
+#: `gm.meta` keys `apply` sets while it rewrites an ExportedProgram, so that
+#: rules can read the signature and record mutations they make explicit.
+INPUT_SPECS = "fx_rewrites_input_specs"  # placeholder name -> InputSpec
+NEW_MUTATIONS = "fx_rewrites_new_mutations"  # [(OutputKind, target)], outputs 0..k-1
+
+
+def expose_signature(ep: ExportedProgram, gm: GraphModule) -> None:
+    gm.meta[INPUT_SPECS] = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    gm.meta[NEW_MUTATIONS] = []
+
+
+def input_spec(node: Node) -> InputSpec | None:
+    """The signature entry of a placeholder, when the graph is a program's."""
+    owner = node.graph.owning_module
+    specs = getattr(owner, "meta", {}).get(INPUT_SPECS)
+    return None if specs is None else specs.get(node.name)
+
+
+def new_mutations(graph: Graph) -> list | None:
+    """The mutation outputs rules added so far (None outside a program)."""
+    return getattr(graph.owning_module, "meta", {}).get(NEW_MUTATIONS)
 
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
@@ -50,8 +73,14 @@ def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
     dropped. Everything else (state, constants, ranges) carries over.
     """
     renamed: dict[str, str] = {}
-    output_specs = []
-    for spec, out in zip(ep.graph_signature.output_specs, _outputs(gm), strict=True):
+    gm.meta.pop(INPUT_SPECS, None)
+    added = gm.meta.pop(NEW_MUTATIONS, [])
+    outputs = _outputs(gm)
+    output_specs = [
+        OutputSpec(kind=kind, arg=TensorArgument(name=out.name), target=target)
+        for (kind, target), out in zip(added, outputs)
+    ]
+    for spec, out in zip(ep.graph_signature.output_specs, outputs[len(added) :], strict=True):
         old = getattr(spec.arg, "name", None)
         if isinstance(out, Node) and old is not None and old != out.name:
             renamed[old] = out.name
