@@ -26,9 +26,9 @@ class Example:
 
 def gallery() -> list[Example]:
     """Every example, in a stable order."""
-    from examples import composites, constants, pooling
+    from examples import composites, constants, inplace, pooling
 
-    return [*pooling.EXAMPLES, *constants.EXAMPLES, *composites.EXAMPLES]
+    return [*pooling.EXAMPLES, *constants.EXAMPLES, *composites.EXAMPLES, *inplace.EXAMPLES]
 
 
 __all__ = ["Example", "Factory", "gallery"]

@@ -6,6 +6,8 @@ caller and passed in), which nothing else in `rewrites` does.
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,23 +54,24 @@ def _run(backend: Any, program: Any, args: Sequence[Any]) -> Any:
 
 def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float = 1e-5) -> Row:
     """Export, try as is, apply the backend's rules, compile, run, compare."""
-    import time
-
     start = time.perf_counter()
     row = Row(example.name, example.family)
     module, args = example.make()
+    # each phase gets its own copy: forward may update buffers, and an exported
+    # program shares its state tensors with the module it came from
     with torch.no_grad():
-        expected = module(*args)
-    program = torch.export.export(module, tuple(args))
+        expected = copy.deepcopy(module)(*copy.deepcopy(args))
     try:
-        _run(backend, program, args)
+        as_is = torch.export.export(copy.deepcopy(module), tuple(args))
+        _run(backend, as_is, copy.deepcopy(args))
         row.as_is = "ok"
     except Exception as e:
         row.as_is = _first_line(e)
     try:
+        program = torch.export.export(copy.deepcopy(module), tuple(args))
         result = apply(program, backend.rules)
         row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
-        got = _run(backend, result.program, args)
+        got = _run(backend, result.program, copy.deepcopy(args))
         row.max_diff = _max_diff(got, expected)
         ok = all(
             torch.allclose(g, e, rtol=rtol, atol=atol)

@@ -4,13 +4,14 @@
 rules; backends add their own packs on top of it.
 """
 
-from rewrites.rules import composites, constants, pooling
+from rewrites.rules import composites, constants, inplace, pooling
 from rewrites.ruleset import RuleSet
 
 PACKS: dict[str, RuleSet] = {
     "pooling": pooling.RULES,
     "constants": constants.RULES,
     "composites": composites.RULES,
+    "inplace": inplace.RULES,
 }
 
 DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")
