@@ -22,6 +22,8 @@ class Example:
     family: str
     make: Factory = attrs.field(repr=False)
     summary: str = ""
+    #: `dynamic_shapes` for torch.export.export (None: static)
+    dynamic_shapes: Any = None
 
 
 def gallery() -> list[Example]:

@@ -48,6 +48,10 @@ def _max_diff(got: Any, expected: Any) -> float:
     return max(diffs, default=0.0)
 
 
+def _export(example: Any, module: torch.nn.Module, args: Sequence[Any]) -> torch.export.ExportedProgram:
+    return torch.export.export(copy.deepcopy(module), tuple(args), dynamic_shapes=example.dynamic_shapes)
+
+
 def _run(backend: Any, program: Any, args: Sequence[Any]) -> Any:
     return backend.compile(program, args)(*args)
 
@@ -62,13 +66,13 @@ def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float =
     with torch.no_grad():
         expected = copy.deepcopy(module)(*copy.deepcopy(args))
     try:
-        as_is = torch.export.export(copy.deepcopy(module), tuple(args))
+        as_is = _export(example, module, args)
         _run(backend, as_is, copy.deepcopy(args))
         row.as_is = "ok"
     except Exception as e:
         row.as_is = _first_line(e)
     try:
-        program = torch.export.export(copy.deepcopy(module), tuple(args))
+        program = _export(example, module, args)
         result = apply(program, backend.rules)
         row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
         got = _run(backend, result.program, copy.deepcopy(args))
