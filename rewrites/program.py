@@ -8,6 +8,7 @@ import dataclasses
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from engine import RewriteError
@@ -55,7 +56,9 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
             graph._graph_namespace._used_names.add(old.name)
     new_output = graph.output(out, type_expr=old_output.type)
     new_output.meta = copy.copy(old_output.meta)
-    new = GraphModule(gm, graph, class_name=type(gm).__name__)
+    # lazy: the copy is recompiled when first called, not three times per apply()
+    with _use_lazy_graph_module(True):
+        new = _make_graph_module(gm, graph, class_name=type(gm).__name__)
     new.meta = copy.copy(getattr(gm, "meta", {}))
     return new
 
