@@ -7,7 +7,9 @@ the `fx_rewrites.backends` entry point group.
 
 from backends.base import ENTRY_POINT_GROUP, Backend, UnknownBackend, get, names, register
 from backends.eager import EagerBackend
+from backends.iree import IreeBackend
 
 register(EagerBackend())
+register(IreeBackend())
 
 __all__ = ["ENTRY_POINT_GROUP", "Backend", "EagerBackend", "UnknownBackend", "get", "names", "register"]

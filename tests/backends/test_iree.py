@@ -1,0 +1,254 @@
+"""The IREE backend (llvm-cpu, local-task) on real exports, compared with eager.
+
+CI installs iree (`.[iree]`): these tests do not skip without it. Each
+compile of a tiny model takes about a second.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+import backends
+import rewrites
+from backends.iree import (
+    CompileCache,
+    IreeBackend,
+    IreeCompileError,
+    IreeImportError,
+    IreeUnsupportedError,
+)
+from engine import RewriteError
+from rewrites.rules import DEFAULT
+
+
+@pytest.fixture
+def iree() -> IreeBackend:
+    """A backend with its own (empty) cache, so every test compiles."""
+    return IreeBackend(cache=CompileCache())
+
+
+def _export(module: torch.nn.Module, *args, **kwargs) -> torch.export.ExportedProgram:
+    return torch.export.export(module.eval(), args, kwargs or None)
+
+
+def _assert_same(got, expected) -> None:
+    """Same pytree structure, dtypes and (close) values."""
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    assert got_spec == exp_spec, f"structure {got_spec} != eager {exp_spec}"
+    for g, e in zip(got_leaves, exp_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and g.dtype == e.dtype and g.shape == e.shape, (g, e)
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+        else:
+            assert g == e
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class PoolNet(torch.nn.Module):
+    """Functional pooling: exports with stride missing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(torch.relu(self.conv(x)), 2)
+        return F.avg_pool2d(x, 2, ceil_mode=True).flatten(1)
+
+
+class Stats(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.argmax(-1), x > 0, x.sum(-1), x.double().cumsum(-1)
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x: torch.Tensor, n: int, *, scale: torch.Tensor) -> dict:
+        return {"scaled": x * scale, "pair": (x.max(-1).indices, (x * n) > 1), "none": None, "n": 3}
+
+
+def test_registered():
+    backend = backends.get("iree")
+    assert isinstance(backend, IreeBackend) and backend.name == "iree"
+    assert set(DEFAULT.names()) <= set(backend.rules.names())
+
+
+def test_mlp_matches_eager(iree):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 16)
+    ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    fn = iree.compile(ep, (x,))
+    for batch in (x, torch.randn(3, 16)):  # one compile, any batch
+        _assert_same(fn(batch), model(batch))
+
+
+@pytest.mark.parametrize("rewritten", [False, True], ids=["as_is", "after_rules"])
+def test_conv_net_with_functional_pooling(iree, rewritten):
+    torch.manual_seed(0)
+    model, x = PoolNet().eval(), torch.randn(2, 3, 16, 16)
+    ep = _export(model, x)
+    if rewritten:
+        result = rewrites.apply(ep, iree.rules)
+        assert result.report.rewrites.get("pool_stride_defaults") == 2
+        ep = result.program
+    _assert_same(iree.compile(ep, (x,))(x), model(x))
+
+
+def test_int64_bool_and_float64_outputs(iree):
+    x = torch.randn(4, 5)
+    got = iree.compile(_export(Stats(), x), (x,))(x)
+    assert [t.dtype for t in got] == [torch.int64, torch.bool, torch.float32, torch.float64]
+    _assert_same(got, Stats()(x))
+
+
+def test_nested_outputs_kwargs_and_constants(iree):
+    x, scale = torch.randn(3, 4), torch.randn(4)
+    fn = iree.compile(_export(Nested(), x, 2, scale=scale), (x, 2))
+    _assert_same(fn(x, 2, scale=scale), Nested()(x, 2, scale=scale))
+    with pytest.raises(TypeError, match="takes"):
+        fn(x, 2)  # scale missing
+
+
+def test_user_input_mutation_is_written_back(iree):
+    class AddInPlace(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.add_(1)
+            return x * 2
+
+    ep = _export(AddInPlace(), torch.randn(3)).run_decompositions()
+    x = torch.randn(3)
+    before = x.clone()
+    out = iree.compile(ep, (x,))(x)
+    torch.testing.assert_close(x, before + 1)
+    torch.testing.assert_close(out, (before + 1) * 2)
+
+
+def test_cache_hits_in_memory_then_on_disk(iree, tmp_path, monkeypatch):
+    monkeypatch.setenv("FX_REWRITES_IREE_CACHE", str(tmp_path))
+    x = torch.randn(2, 3)
+    ep = _export(Stats(), x)
+    first = iree.compile(ep, (x,))
+    second = iree.compile(ep, (x,))
+    assert (first.from_cache, second.from_cache) == (False, True)
+    assert (iree.cache.misses, iree.cache.hits, iree.cache.disk_hits) == (1, 1, 0)
+    assert first.key == second.key and (tmp_path / f"{first.key}.vmfb").is_file()
+
+    fresh = IreeBackend(cache=CompileCache())  # a new process, in effect
+    third = fresh.compile(ep, (x,))
+    assert third.from_cache and (fresh.cache.misses, fresh.cache.disk_hits) == (0, 1)
+    _assert_same(third(x), Stats()(x))
+
+
+class Diff(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.diff(x)  # aten.diff: no IREE lowering (torch.operator)
+
+
+class IsFinite(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.isfinite()  # a torch-dialect op IREE cannot convert
+
+
+class AddInPlace(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1) * 2  # export keeps add_ (no mutation spec): not functional
+
+
+@pytest.mark.parametrize(
+    ("model", "op", "node", "hint"),
+    [
+        (Diff(), "aten.diff", "diff", "no IREE lowering"),
+        (IsFinite(), "aten.isfinite", "isfinite", "no IREE lowering"),
+        (AddInPlace(), "aten.add_.Tensor", "add_", "in-place"),
+    ],
+    ids=["unknown_op", "no_conversion", "in_place"],
+)
+def test_compile_error_names_op_node_and_fix(iree, model, op, node, hint):
+    ep = _export(model, torch.randn(3, 6))
+    with pytest.raises(IreeCompileError) as info:
+        iree.compile(ep, (torch.randn(3, 6),))
+    e = info.value
+    message = str(e)
+    assert isinstance(e, RewriteError)
+    assert f"`{op}` (node {node!r})" in message and hint in message and "rewrites.apply" in message
+    assert "\n" not in message and "See diagnostics" not in message
+    assert e.op == op and e.node == node
+    assert "error:" in e.diagnostics and "main" in e.mlir
+    assert __file__ in message  # the location is the model's source line
+
+
+def test_compile_error_inside_iree_names_the_torch_node(iree):
+    class MaskIndex(torch.nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x[mask]  # aten.index.Tensor with a bool mask: fails in IREE's own lowering (arith.cmpi)
+
+    args = (torch.randn(6, 3), torch.tensor([True, False, True, True, False, True]))
+    with pytest.raises(IreeCompileError, match=r"node 'index' \(`aten\.index\.Tensor`; it failed as `arith\.") as info:
+        iree.compile(_export(MaskIndex(), *args), args)
+    assert info.value.node == "index" and "\n" not in str(info.value)
+
+
+def test_import_error_names_the_node():
+    class Cond(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cond(x.sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+    ep = _export(Cond(), torch.randn(3))
+    with pytest.raises(IreeImportError, match=r"node 'cond' \(cond\).*not implemented.*rewrites\.apply") as info:
+        IreeBackend().compile(ep, (torch.randn(3),))
+    assert info.value.node == "cond" and isinstance(info.value.cause, NotImplementedError)
+    assert any(n.name == "cond" for n in ep.graph.nodes)  # the importer worked on a copy
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+        self.register_buffer("last", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        self.last.copy_(x)
+        return x * self.count
+
+
+def test_mutated_buffers_update_program_state_like_eager(iree):
+    """State is read and written at each call (not frozen), in the program's state_dict/constants."""
+    reference, model = Counter(), Counter()
+    x = torch.randn(2)
+    ep = rewrites.apply(_export(model, x)).program  # the in-place rules write BUFFER_MUTATION outputs
+    assert sorted(ep.graph_signature.buffers_to_mutate.values()) == ["count", "last"]
+    fn = iree.compile(ep, (x,))
+    for _ in range(3):
+        x = torch.randn(2)
+        _assert_same(fn(x), reference(x))
+    assert ep.state_dict["count"].item() == 3 and torch.equal(ep.constants["last"], x)
+    assert model.count.item() == 3  # shared with the module, as program.module() does
+
+
+def test_graph_module_input_says_export_first():
+    gm = torch.fx.symbolic_trace(MLP())
+    with pytest.raises(NotImplementedError, match=r"ExportedProgram.*torch\.export\.export") as info:
+        IreeBackend().compile(gm, (torch.randn(2, 16),))
+    assert isinstance(info.value, IreeUnsupportedError)
+
+
+def test_missing_iree_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "iree.runtime", None)  # as if iree-base-runtime were absent
+    ep = _export(MLP(), torch.randn(2, 16))
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[iree\]'"):
+        IreeBackend().compile(ep, (torch.randn(2, 16),))
