@@ -37,11 +37,12 @@ from torch.utils import _pytree as pytree
 from engine import RewriteError
 from rewrites.program import copy_graph_module, rebuild_program
 from rewrites.rules import DEFAULT
+from rewrites.rules import iree as iree_rules
 from rewrites.ruleset import RuleSet
 from rewrites.schema import op_name
 
-#: IREE-specific rules, unioned into `IreeBackend.rules` after DEFAULT.
-IREE_RULES = RuleSet([], name="iree")
+#: IREE-specific rules (rewrites/rules/iree.py), unioned into `IreeBackend.rules` after DEFAULT.
+IREE_RULES = iree_rules.RULES
 
 #: environment variable naming a directory for the on-disk compile cache.
 CACHE_ENV = "FX_REWRITES_IREE_CACHE"

@@ -252,3 +252,31 @@ def test_missing_iree_says_how_to_install(monkeypatch):
     ep = _export(MLP(), torch.randn(2, 16))
     with pytest.raises(ImportError, match=r"pip install -e '\.\[iree\]'"):
         IreeBackend().compile(ep, (torch.randn(2, 16),))
+
+
+class DiffAndWeightNorm(torch.nn.Module):
+    """aten.diff (transformers mask code) and aten._weight_norm (wav2vec2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(2, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.diff(self.conv(x), dim=-1)
+
+
+def test_iree_rules_make_diff_and_weight_norm_compile(iree):
+    from rewrites import testing as rt
+    from rewrites.rules.iree import decompose_for_iree
+
+    torch.manual_seed(0)
+    model = DiffAndWeightNorm().eval()
+    x = torch.randn(1, 2, 9)
+    ep = _export(model, x)
+    assert {torch.ops.aten.diff.default, torch.ops.aten._weight_norm.default} <= set(rt.targets(ep))
+    with pytest.raises(IreeCompileError, match=r"aten\.(diff|_weight_norm)"):
+        iree.compile(ep, (x,))
+    result = rewrites.apply(ep, iree.rules)
+    rt.assert_fired(result, decompose_for_iree, times=3)  # _weight_norm -> _weight_norm_interface -> ops
+    with torch.no_grad():
+        _assert_same(iree.compile(result.program, (x,))(x), model(x))
