@@ -135,7 +135,7 @@ class Rewriter:
                 else:
                     env[n] = self.call(n.target, *a, **k)
             elif n.op == "get_attr":
-                env[n] = self.attr(_fetch_attr(module, n.target), hint=str(n.target).replace(".", "_"))
+                env[n] = self.attr(values.fetch_attr(module, n.target), hint=str(n.target).replace(".", "_"))
             else:
                 raise CheckFailed(f"cannot inline a {n.op} node ({n.format_node()})")
         raise CheckFailed("inlined graph has no output node")
@@ -292,10 +292,3 @@ class Rewriter:
             touched.extend(inputs)
             stack.extend(inputs)
         return [n for n in touched if not n._erased]
-
-
-def _fetch_attr(module: Any, target: str) -> Any:
-    obj = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

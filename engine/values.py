@@ -28,8 +28,7 @@ def adopt_constants(graph: Graph, fake_mode: Any) -> None:
     aot_autograd graphs carry `_tensor_constant0` get_attrs whose value was
     made in another fake mode; new ops on them would mix modes.
     """
-    owner = graph.owning_module
-    if fake_mode is None or owner is None:
+    if fake_mode is None or graph.owning_module is None:
         return
     for node in graph.nodes:
         if node.op != "get_attr":
@@ -37,9 +36,7 @@ def adopt_constants(graph: Graph, fake_mode: Any) -> None:
         val = node.meta.get("val")
         if val is not None and getattr(val, "fake_mode", fake_mode) is fake_mode:
             continue
-        obj = owner
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
+        obj = attr_of(node)
         if isinstance(obj, torch.Tensor):
             node.meta["val"] = fake_mode.from_tensor(obj, static_shapes=True)
 
@@ -53,14 +50,34 @@ class MissingValue(Exception):
     """Internal: a value could not be computed (wrapped into RuleError)."""
 
 
+def fetch_attr(module: Any, target: str) -> Any:
+    """`module.a.b` for a get_attr target "a.b"."""
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def attr_of(node: Any) -> Any:
+    """The object a get_attr node names (None for other nodes, or if gone)."""
+    if not isinstance(node, Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    try:
+        return fetch_attr(node.graph.owning_module, str(node.target))
+    except AttributeError:
+        return None
+
+
 def node_value(arg: Any) -> Any:
-    """Replace every Node inside `arg` by its fake value."""
+    """Replace every Node inside `arg` by its fake value. A get_attr of a
+    subgraph (the body of a higher-order op) stands for the module itself."""
 
     def one(n: Node) -> Any:
-        try:
+        if "val" in n.meta:
             return n.meta["val"]
-        except KeyError:
-            raise MissingValue(f"input node {n.name!r} has no meta['val']") from None
+        if isinstance(obj := attr_of(n), torch.nn.Module):
+            return obj
+        raise MissingValue(f"input node {n.name!r} has no meta['val']")
 
     return pytree.tree_map_only(Node, one, arg)
 

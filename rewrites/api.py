@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 import engine
 from engine import GraphInputError, Report, Rule
 from engine import values as fake_values
-from rewrites.program import copy_graph_module, expose_signature, rebuild_program
+from rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
 from rewrites.ruleset import RuleSet
 
 
@@ -107,6 +107,7 @@ def apply(
         explain=explain,
         check_shapes=check_shapes,
     )
+    drop_dead_subgraphs(gm)
     gm.recompile()
     new_program = rebuild_program(program, gm) if isinstance(program, ExportedProgram) else None
     return Result(graph_module=gm, report=report, program=new_program)

@@ -63,6 +63,17 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     return new
 
 
+def drop_dead_subgraphs(gm: GraphModule) -> None:
+    """Remove child GraphModules (higher-order op bodies) no node reads any
+    more. Importers that walk every child (IREE's) would meet them.
+    `delete_all_unused_submodules` misses a body registered under two names
+    (named_modules() yields each module once under one name), hence this."""
+    used = {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    for name, child in list(gm._modules.items()):  # not named_children(): it skips repeats
+        if name not in used and isinstance(child, GraphModule):
+            delattr(gm, name)
+
+
 def _outputs(gm: GraphModule) -> list:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return pytree.tree_leaves(output.args[0])
