@@ -28,9 +28,10 @@ class Example:
 
 def gallery() -> list[Example]:
     """Every example, in a stable order."""
-    from examples import composites, constants, inplace, pooling
+    from examples import composites, constants, control_flow, inplace, pooling, wrappers
 
-    return [*pooling.EXAMPLES, *constants.EXAMPLES, *composites.EXAMPLES, *inplace.EXAMPLES]
+    modules = (pooling, constants, composites, wrappers, control_flow, inplace)
+    return [example for module in modules for example in module.EXAMPLES]
 
 
 __all__ = ["Example", "Factory", "gallery"]

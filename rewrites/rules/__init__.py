@@ -4,13 +4,15 @@
 rules; backends add their own packs on top of it.
 """
 
-from rewrites.rules import composites, constants, inplace, pooling
+from rewrites.rules import composites, constants, control_flow, inplace, pooling, wrappers
 from rewrites.ruleset import RuleSet
 
 PACKS: dict[str, RuleSet] = {
     "pooling": pooling.RULES,
     "constants": constants.RULES,
     "composites": composites.RULES,
+    "wrappers": wrappers.RULES,
+    "control_flow": control_flow.RULES,
     "inplace": inplace.RULES,
 }
 
