@@ -31,16 +31,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     table = Table(title=f"fx-rewrites demo: known-failure gallery on {backend.name}")
     for column in ("model", "family", "rules fired", "as is", "after rules", "max abs diff", "s"):
         table.add_column(column, overflow="fold")
+    notes: list[str] = []
     for r in rows:
         diff = "-" if r.max_diff is None else f"{r.max_diff:.2e}"
-        after = f"[green]{r.after}[/]" if r.passed else f"[red]{r.after}[/]"
-        table.add_row(r.name, r.family, r.fired, r.as_is, after, diff, f"{r.seconds:.1f}")
+        table.add_row(
+            r.name,
+            r.family,
+            r.fired.replace(", ", "\n"),
+            _cell(r.as_is, notes),
+            _cell(r.after, notes),
+            diff,
+            f"{r.seconds:.1f}",
+        )
     console = Console(width=max(120, Console().width))
     console.print(table)
+    for i, note in enumerate(notes, 1):
+        console.print(f"[{i}] {note}", highlight=False, soft_wrap=True)
     failed = [r.name for r in rows if not r.passed]
     verdict = f"{len(rows) - len(failed)}/{len(rows)} pass after rules"
     console.print(verdict + (f"; failing: {failed}" if failed else ""))
     return 1 if failed or not rows else 0
+
+
+def _cell(outcome: str, notes: list[str]) -> str:
+    """ "ok" in green; an error as its type in red with a numbered note below the table."""
+    if outcome == "ok":
+        return "[green]ok[/]"
+    notes.append(outcome)
+    kind = outcome.split(":", 1)[0]
+    return f"[red]{kind}[/] [{len(notes)}]"
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
@@ -61,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fx-rewrites", description="Declarative rules that make PyTorch 2 graphs compile.")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the known-failure gallery end to end")
-    demo.add_argument("--backend", default="eager", help="backend to compile with (default: eager)")
+    demo.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
     demo.add_argument("--only", nargs="*", help="run only these gallery examples")
     demo.set_defaults(fn=cmd_demo)
     rules = sub.add_parser("rules", help="list the rules, their roots and the failures they fix")

@@ -36,7 +36,7 @@ class Row:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _max_diff(got: Any, expected: Any) -> float:
