@@ -43,7 +43,14 @@ def adopt_constants(graph: Graph, fake_mode: Any) -> None:
 
 def missing_values(graph: Graph) -> list[str]:
     """Names of nodes that should carry `meta["val"]` and do not."""
-    return [n.name for n in graph.nodes if n.op in ("placeholder", "call_function") and "val" not in n.meta]
+    wanted = ("placeholder", "call_function")
+    return [n.name for n in graph.nodes if n.op in wanted and "val" not in n.meta and not _returns_nothing(n)]
+
+
+def _returns_nothing(node: Node) -> bool:
+    """Ops such as `aten._assert_scalar`: aot_autograd gives them no value."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.returns
 
 
 class MissingValue(Exception):
