@@ -28,9 +28,9 @@ class Example:
 
 def gallery() -> list[Example]:
     """Every example, in a stable order."""
-    from examples import composites, constants, control_flow, inplace, pooling, wrappers
+    from examples import composites, constants, control_flow, inplace, masks, pooling, symbolic, wrappers
 
-    modules = (pooling, constants, composites, wrappers, control_flow, inplace)
+    modules = (pooling, constants, composites, wrappers, control_flow, inplace, symbolic, masks)
     return [example for module in modules for example in module.EXAMPLES]
 
 

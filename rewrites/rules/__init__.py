@@ -4,7 +4,7 @@
 rules; backends add their own packs on top of it.
 """
 
-from rewrites.rules import composites, constants, control_flow, inplace, pooling, wrappers
+from rewrites.rules import composites, constants, control_flow, inplace, masks, pooling, symbolic, wrappers
 from rewrites.ruleset import RuleSet
 
 PACKS: dict[str, RuleSet] = {
@@ -14,6 +14,8 @@ PACKS: dict[str, RuleSet] = {
     "wrappers": wrappers.RULES,
     "control_flow": control_flow.RULES,
     "inplace": inplace.RULES,
+    "symbolic": symbolic.RULES,
+    "masks": masks.RULES,
 }
 
 DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")
