@@ -52,6 +52,16 @@ def _export(example: Any, module: torch.nn.Module, args: Sequence[Any]) -> torch
     return torch.export.export(copy.deepcopy(module), tuple(args), dynamic_shapes=example.dynamic_shapes)
 
 
+def _verdict(got: Any, expected: Any, rtol: float, atol: float) -> tuple[str, float]:
+    """("ok" or why not, max abs diff): a run that gives wrong numbers (NaN
+    from IREE's pow, say) is a failure too."""
+    diff = _max_diff(got, expected)
+    leaves = zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))
+    if all(torch.allclose(g, e, rtol=rtol, atol=atol) for g, e in leaves):
+        return "ok", diff
+    return f"WrongResult: max abs diff {diff:.3g} against eager", diff
+
+
 def _run(backend: Any, program: Any, args: Sequence[Any]) -> Any:
     return backend.compile(program, args)(*args)
 
@@ -67,21 +77,14 @@ def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float =
         expected = copy.deepcopy(module)(*copy.deepcopy(args))
     try:
         as_is = _export(example, module, args)
-        _run(backend, as_is, copy.deepcopy(args))
-        row.as_is = "ok"
+        row.as_is = _verdict(_run(backend, as_is, copy.deepcopy(args)), expected, rtol, atol)[0]
     except Exception as e:
         row.as_is = _first_line(e)
     try:
         program = _export(example, module, args)
         result = apply(program, backend.rules)
         row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
-        got = _run(backend, result.program, copy.deepcopy(args))
-        row.max_diff = _max_diff(got, expected)
-        ok = all(
-            torch.allclose(g, e, rtol=rtol, atol=atol)
-            for g, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))
-        )
-        row.after = "ok" if ok else "MISMATCH"
+        row.after, row.max_diff = _verdict(_run(backend, result.program, copy.deepcopy(args)), expected, rtol, atol)
     except Exception as e:
         row.after = _first_line(e)
     row.seconds = time.perf_counter() - start
