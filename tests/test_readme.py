@@ -25,3 +25,14 @@ def test_rule_example_and_its_test_pass():
     namespace: dict = {}
     exec(_python_blocks()[1], namespace)
     namespace["test_lift_to_clone"]()
+
+
+def test_backend_example_runs_on_iree(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(_python_blocks()[0], namespace)
+    exec(_python_blocks()[2], namespace)
+    x = namespace["x"]
+    torch.testing.assert_close(namespace["fn"](x), namespace["Net"]()(x))
