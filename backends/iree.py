@@ -331,6 +331,11 @@ def _prepare(program: ExportedProgram) -> tuple[ExportedProgram, _Plan]:
     for i, spec in enumerate(copy_specs):
         if spec.kind in _STATE_IN and spec.target in mutated:
             copy_specs[i] = dataclasses.replace(spec, kind=InputKind.USER_INPUT, target=None, persistent=None)
+        elif spec.kind == InputKind.BUFFER and spec.persistent is False:
+            # non-persistent buffers (BERT's position_ids) live in `constants`; the importer
+            # freezes buffers from the state dict only ("Could not find state mapping for buffer")
+            copy_specs[i] = dataclasses.replace(spec, persistent=True)
+            copy._state_dict = {**copy.state_dict, spec.target: program.constants[spec.target]}
 
     user_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     sources: dict[str, int | torch.Tensor] = {name: i for i, name in enumerate(user_names)}

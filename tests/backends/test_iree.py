@@ -280,3 +280,22 @@ def test_iree_rules_make_diff_and_weight_norm_compile(iree):
     rt.assert_fired(result, decompose_for_iree, times=3)  # _weight_norm -> _weight_norm_interface -> ops
     with torch.no_grad():
         _assert_same(iree.compile(result.program, (x,))(x), model(x))
+
+
+class NonPersistentBuffer(torch.nn.Module):
+    """Like BERT's position_ids: a buffer kept out of the state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(6).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.positions
+
+
+def test_non_persistent_buffer(iree):
+    x = torch.randn(2, 6)
+    model = NonPersistentBuffer()
+    ep = _export(model, x)
+    assert "positions" in ep.constants and "positions" not in ep.state_dict
+    _assert_same(iree.compile(ep, (x,))(x), model(x))
