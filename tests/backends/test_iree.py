@@ -299,3 +299,53 @@ def test_non_persistent_buffer(iree):
     ep = _export(model, x)
     assert "positions" in ep.constants and "positions" not in ep.state_dict
     _assert_same(iree.compile(ep, (x,))(x), model(x))
+
+
+# -- GraphModules: the forward graph an aot_autograd backend of torch.compile receives ----------
+
+
+def _aot_forward(fn, *args, dynamic: bool) -> torch.fx.GraphModule:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=capture), dynamic=dynamic)(*args)
+    torch._dynamo.reset()
+    (gm,) = graphs
+    return gm
+
+
+def test_aot_graph_module_takes_its_placeholders(iree):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(5, 16)
+    gm = _aot_forward(model, x, dynamic=False)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fn = iree.compile(gm, ())
+    # parameters are inputs of this graph (dynamo lifts them), in the order the graph reads them
+    by_shape = {tuple(t.shape): t for t in (x, *model.parameters())}  # the shapes differ
+    args = [by_shape[tuple(n.meta["val"].shape)] for n in placeholders]
+    assert len(args) == 5
+    _assert_same(fn(*args), (model(x),))
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == [n.name for n in placeholders]  # untouched
+
+
+def test_aot_graph_module_recomputes_symint_sizes(iree):
+    fn = lambda x: torch.relu(x) * x.shape[0] + x.shape[1]
+    gm = _aot_forward(fn, torch.randn(4, 3), dynamic=True)
+    kinds = [type(n.meta["val"]).__name__ for n in gm.graph.nodes if n.op == "placeholder"]
+    assert kinds == ["SymInt", "SymInt", "FakeTensor"]  # dynamo puts the sizes first
+    for graph in (gm, rewrites.apply(gm, iree.rules).graph_module):  # as is, and after the rules
+        compiled = iree.compile(graph, ())
+        signature = next(line for line in compiled.mlir.splitlines() if "func.func @main" in line)
+        assert "!torch.int" not in signature.split("->")[0]  # IREE gets the tensor only
+        for rows in (4, 7):
+            x = torch.randn(rows, 3)
+            _assert_same(compiled(rows, 3, x), (fn(x),))
+            _assert_same(compiled(999, -1, x), (fn(x),))  # the sizes are read off x, not taken from the caller

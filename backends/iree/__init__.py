@@ -1,0 +1,43 @@
+"""The IREE backend: ExportedProgram or aot_autograd graph -> torch-dialect MLIR -> llvm-cpu vmfb -> local-task.
+
+    fn = backends.get("iree").compile(rewrites.apply(ep).program, args)
+    fn(*args)  # same inputs and output structure as program.module()
+
+An ExportedProgram's parameters, buffers and lifted constants are frozen
+into the module (`FxImporter.import_frozen_program`), so the callable takes
+the user inputs only. Mutated buffers (BUFFER_MUTATION outputs) stay
+arguments, read from and written back to the program's state at each call
+as `program.module()` does; mutated inputs are written back too.
+
+A GraphModule (the forward graph of `torch.compile` through aot_autograd,
+see `backends.dynamo`) is imported with `FxImporter.import_graph_module`:
+the callable takes what the graph takes, parameters included, except that
+SymInt inputs which are an input's size are recomputed from that input
+(`importing` says how).
+
+`iree-compile` runs as a subprocess (a compiler crash does not take Python
+down); compiled modules are cached by the hash of the MLIR text, in memory
+and, when `FX_REWRITES_IREE_CACHE` names a directory, on disk. iree is
+imported on first compile: `pip install -e '.[iree]'`.
+
+Modules: `errors` (what it raises), `cache`, `importing` (graph -> MLIR and
+the call plan), `runtime` (`IreeCompiled`), `backend` (`IreeBackend`).
+"""
+
+from backends.iree.backend import IREE_RULES, IreeBackend
+from backends.iree.cache import CACHE_ENV, CompileCache
+from backends.iree.errors import IreeCompileError, IreeImportError, IreeUnsupportedError
+from backends.iree.importing import INSTALL_HINT
+from backends.iree.runtime import IreeCompiled
+
+__all__ = [
+    "CACHE_ENV",
+    "INSTALL_HINT",
+    "IREE_RULES",
+    "CompileCache",
+    "IreeBackend",
+    "IreeCompileError",
+    "IreeCompiled",
+    "IreeImportError",
+    "IreeUnsupportedError",
+]

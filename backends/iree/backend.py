@@ -1,0 +1,77 @@
+"""`IreeBackend`: import, compile (or take from the cache) and load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+from backends.iree.cache import CompileCache, cache_key
+from backends.iree.errors import compile_error
+from backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from backends.iree.runtime import IreeCompiled
+from rewrites.rules import DEFAULT
+from rewrites.rules import iree as iree_rules
+from rewrites.ruleset import RuleSet
+
+#: IREE-specific rules (rewrites/rules/iree.py), unioned into `IreeBackend.rules` after DEFAULT.
+IREE_RULES = iree_rules.RULES
+
+
+@attrs.frozen
+class IreeBackend:
+    """IREE on the CPU: llvm-cpu code for this host, run by the local-task driver.
+
+    `flags` are extra `iree-compile` arguments; `cache` is shared by every
+    compile of this backend instance.
+    """
+
+    name: str = "iree"
+    rules: RuleSet = DEFAULT | IREE_RULES
+    # f64 demotion (iree's default) breaks f64 inputs and outputs at run time ("buffer view byte length
+    # 24 exceeds backing buffer byte length 12"); llvm-cpu runs f64 natively.
+    flags: tuple[str, ...] = ("--iree-llvmcpu-target-cpu=host", "--iree-input-demote-f64-to-f32=false")
+    driver: str = "local-task"
+    cache: CompileCache = attrs.field(factory=CompileCache, eq=False, repr=False)
+
+    def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
+        """Import, compile (or take from the cache) and load `program`.
+
+        `program` is an ExportedProgram (the callable takes its user inputs,
+        as `program.module()` does) or a functional ATen GraphModule whose
+        placeholders carry `meta["val"]`, such as the forward graph an
+        aot_autograd backend of torch.compile receives (the callable takes
+        every placeholder, as the GraphModule does; see `importing`).
+        `example_args` are not needed: both carry their shapes.
+        """
+        if isinstance(program, ExportedProgram):
+            prepared, plan = prepare_program(program)
+            graph_module = program.graph_module
+        elif isinstance(program, GraphModule):
+            prepared, plan = prepare_graph_module(program)
+            graph_module = program
+        else:
+            raise TypeError(
+                "the IREE backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
+                f"got {type(program).__name__}"
+            )
+        iree = iree_modules()
+        mlir = import_mlir(iree, prepared)
+        key = cache_key(mlir, self.flags)
+        vmfb, cached = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, graph_module))
+        module = iree.runtime.load_vm_flatbuffer(vmfb, driver=self.driver)
+        return IreeCompiled(plan, module["main"], mlir, vmfb, key, cached)
+
+    def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
+        try:
+            return iree.compiler.compile_str(
+                mlir, input_type="torch", target_backends=["llvm-cpu"], extra_args=list(self.flags)
+            )
+        except iree.compiler.CompilerToolError as e:
+            # str(e): "Error invoking ...\nDiagnostics:\n<stderr>\n\nInvoked with: ..."
+            text = str(e)
+            diagnostics = text.split("Diagnostics:\n", 1)[-1].split("\n\nInvoked with:", 1)[0].strip()
+            raise compile_error(diagnostics, mlir, gm) from None

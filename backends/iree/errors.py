@@ -1,0 +1,131 @@
+"""What the IREE backend raises, and how iree-compile's and the importer's output become readable errors."""
+
+from __future__ import annotations
+
+import re
+
+from torch.fx import GraphModule, Node
+
+from engine import RewriteError
+from rewrites.schema import op_name
+
+SAVE_TEMPS = "set IREE_SAVE_TEMPS=/some/dir to keep iree-compile's inputs and a reproducer"
+
+
+class IreeImportError(RewriteError):
+    """The FX importer (graph -> torch-dialect MLIR) raised.
+
+    `node` and `op` name the node it failed on ("" when unknown), `cause` is
+    the importer's exception.
+    """
+
+    def __init__(self, message: str, *, node: str = "", op: str = "", cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.op = op
+        self.cause = cause
+
+
+class IreeCompileError(RewriteError):
+    """`iree-compile` rejected the module.
+
+    The message is the first error with its op, location and a hint;
+    `diagnostics` holds iree-compile's full output, `mlir` the module text,
+    `op` the failing op ("aten.diff", or an IREE-internal one such as
+    "arith.cmpi"; "" after a crash) and `node` the graph node it came from.
+    """
+
+    def __init__(self, message: str, *, diagnostics: str, mlir: str, op: str = "", node: str = "") -> None:
+        super().__init__(message)
+        self.diagnostics = diagnostics
+        self.mlir = mlir
+        self.op = op
+        self.node = node
+
+
+class IreeUnsupportedError(RewriteError, NotImplementedError):
+    """The program uses something this backend does not handle yet."""
+
+
+_ERROR_LINE = re.compile(r"^(?P<loc>.*?):\s*error:\s*(?P<msg>.*)$")
+#: locations the importer writes (see `importing.import_mlir`): loc("fx.<node>@<file>":<line>:<col>)
+_NODE_LOC = re.compile(r"^fx\.(?P<node>[^@]+)@(?P<where>.*)$")
+#: where the failing op's name is in an error line, most specific first
+_OP_PATTERNS = (
+    re.compile(r'name = "(?P<op>torch\.[\w.]+)"'),  # torch.operator: an op torch-mlir does not know
+    re.compile(r"legalize operation '(?P<op>torch\.[\w.]+)'"),  # a torch op with no conversion
+    re.compile(r"'(?P<op>[a-z_]+\.[\w.]+)' op\b"),  # any dialect's op that failed to verify or lower
+)
+_VTENSOR_INPLACE = "must be Multi-dimensional array modeling Torch's Tensor type, but got '!torch.vtensor"
+
+
+def _strip_op_print(msg: str) -> str:
+    """Drop the inline op dump iree appends (`...: %3 = "torch.operator"(...) loc(...)`)."""
+    return re.sub(r":\s*%[\w:#]+ = .*$", "", msg).strip()
+
+
+def _hint(op: str, msg: str, lowered: bool) -> str:
+    if _VTENSOR_INPLACE in msg:
+        return (
+            f"`{op}` is in-place, and IREE takes functional graphs only; run `rewrites.apply(program, "
+            "backend.rules)` first so the in-place rules make it functional"
+        )
+    if "failed to legalize operation 'torch." in msg:
+        return (
+            f"`{op}` has no IREE lowering; run `rewrites.apply` first, and if it stays, add a rule "
+            "(e.g. `Decompose`) that rewrites it into ops IREE knows"
+        )
+    if lowered:
+        return (
+            "IREE accepted the torch op but failed while lowering it further; try `rewrites.apply` first, "
+            f"else this is an IREE limitation or bug: a rule can rewrite the node into other ops ({SAVE_TEMPS})"
+        )
+    return f"run `rewrites.apply` first; if the error stays, `{op}` needs a rule that rewrites it for IREE"
+
+
+def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileError:
+    """An IreeCompileError for iree-compile's `diagnostics`, naming the node of `gm` it failed on."""
+    errors = [m for m in map(_ERROR_LINE.match, diagnostics.splitlines()) if m]
+    if not errors:
+        lines = [ln.strip() for ln in diagnostics.splitlines() if ln.strip()]
+        crash = next((ln for ln in lines if ln.startswith(("LLVM ERROR", "Assertion", "error:"))), None)
+        what = crash or (lines[-1] if lines else "no diagnostics")
+        message = (
+            f"iree-compile failed without an error diagnostic (a crash or resource limit): {what[:300]}. "
+            f"Hint: this is an IREE limitation or bug; {SAVE_TEMPS}. Full output in .diagnostics, MLIR in .mlir."
+        )
+        return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir)
+    msg, loc = errors[0]["msg"], errors[0]["loc"]
+    op = next((m["op"] for m in (p.search(msg) for p in _OP_PATTERNS) if m), "")
+    op = op.removeprefix("torch.")  # 'torch.aten.add_.Tensor' op -> aten.add_.Tensor
+    by_loc = _NODE_LOC.match(loc)
+    node, where = (by_loc["node"], by_loc["where"]) if by_loc else ("", loc)
+    targets = {n.name: op_name(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    lowered = bool(op) and not op.startswith(("aten.", "prims."))  # an IREE-internal op (arith.cmpi, ...)
+    if lowered and node in targets:
+        what = f"node {node!r} (`{targets[node]}`; it failed as `{op}`)"
+    else:
+        what = f"`{op}`" if op else "the module"
+        what += f" (node {node!r})" if node else ""
+    more = f" ({len(errors) - 1} more error(s) in .diagnostics)" if len(errors) > 1 else ""
+    message = (
+        f"IREE could not compile {what} at {where}: {_strip_op_print(msg)[:400]}{more}. "
+        f"Hint: {_hint(op or 'this op', msg, lowered)}. Full diagnostics in .diagnostics, MLIR in .mlir."
+    )
+    return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir, op=op, node=node)
+
+
+def import_error(e: BaseException, node: Node | None) -> IreeImportError:
+    """An IreeImportError for the importer's exception `e`, raised while importing `node`."""
+    op = op_name(node.target) if node is not None and node.op == "call_function" else ""
+    at = f" on node {node.name!r}" + (f" ({op})" if op else "") if node is not None else ""
+    text = " ".join(str(e).split())[:400]
+    if isinstance(e, NotImplementedError) and "Higher-order" in str(e):
+        hint = (
+            "the importer has no lowering for this higher-order op; run `rewrites.apply(program, backend.rules)` "
+            "first so the rules inline or remove it"
+        )
+    else:
+        hint = "run `rewrites.apply(program, backend.rules)` first; if it stays, the node needs a rule for IREE"
+    message = f"IREE's FX importer failed{at}: {type(e).__name__}: {text}. Hint: {hint}."
+    return IreeImportError(message, node=node.name if node is not None else "", op=op, cause=e)

@@ -1,0 +1,316 @@
+"""torch.compile(backend=fx_rewrites_iree / fx_rewrites_eager): aot_autograd graphs, rewritten, on IREE.
+
+Every graph dynamo makes goes through `rewrites.apply(graph, backend.rules)`
+and `IreeBackend.compile`; the `on_graph` hook records each one, so the
+tests see what the rules did. IREE compiles each graph in about a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+from torch.utils import _pytree as pytree
+
+import backends
+from backends.dynamo import BackwardNotSupported, CompiledGraph, dynamo_backend, fx_rewrites_eager, fx_rewrites_iree
+from backends.iree import IreeCompiled
+from rewrites.ruleset import RuleSet
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def iree_graphs() -> tuple:
+    """A fx_rewrites_iree-like backend that records every graph it compiles."""
+    graphs: list[CompiledGraph] = []
+    return dynamo_backend("iree", on_graph=graphs.append), graphs
+
+
+def _assert_close(got, expected) -> None:
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    assert got_spec == exp_spec, f"structure {got_spec} != eager {exp_spec}"
+    for g, e in zip(got_leaves, exp_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert g.dtype == e.dtype and g.shape == e.shape, (g, e)
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+        else:
+            assert g == e
+
+
+def _scalar_args(compiled: IreeCompiled) -> list[str]:
+    """The func arguments IREE gets as scalars (`!torch.int` / `!torch.float`)."""
+    signature = next(line for line in compiled.mlir.splitlines() if "func.func @main" in line)
+    return [t for t in ("!torch.int", "!torch.float") if t in signature.split("->")[0]]
+
+
+def _has_sym_placeholder(graph: CompiledGraph) -> bool:
+    return any(
+        isinstance(n.meta.get("val"), torch.SymInt) for n in graph.graph_module.graph.nodes if n.op == "placeholder"
+    )
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class PoolNet(torch.nn.Module):
+    """Functional pooling: aten.max_pool2d_with_indices / avg_pool2d with stride missing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(torch.relu(self.conv(x)), 2)
+        return F.avg_pool2d(x, 2, ceil_mode=True).flatten(1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize(
+    ("make", "shapes", "fired"),
+    [
+        (MLP, [(3, 16), (5, 16)], {}),
+        (PoolNet, [(2, 3, 16, 16), (3, 3, 12, 12)], {"pool_stride_defaults": 2}),
+    ],
+    ids=["mlp", "conv_pool"],
+)
+def test_models_match_eager(iree_graphs, make, shapes, fired, dynamic):
+    backend, graphs = iree_graphs
+    torch.manual_seed(0)
+    model = make().eval()
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    shapes = shapes if dynamic else shapes[:1]  # static: one shape, one graph (a new shape recompiles)
+    with torch.no_grad():
+        for shape in shapes:
+            x = torch.randn(shape)
+            _assert_close(compiled(x), model(x))
+    (graph,) = graphs  # dynamic: one compile serves both shapes
+    assert graph.kind == "inference" and graph.backend == "iree" and isinstance(graph.compiled, IreeCompiled)
+    assert {k: graph.result.report.rewrites[k] for k in fired} == fired
+    # dynamic=True: dynamo passes SymInt sizes; IREE never gets them, it reads the sizes off the tensors
+    assert _has_sym_placeholder(graph) == dynamic
+    assert _scalar_args(graph.compiled) == []
+
+
+class Gates(torch.nn.Module):
+    """What the aot graph needs rules for: a bool-mask assignment (index_put with a bool
+    index, a lifted constant), torch.cond on a tensor predicate, functional max_pool1d;
+    with dynamic=True the batch size in a Tensor slot. no_grad in forward is inlined
+    by aot_autograd (nothing to rewrite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).clone()
+        y[y < 0] = 0.5
+        with torch.no_grad():
+            z = y * 2
+        w = torch.cond(z.sum() > 4, lambda t: t.sin(), lambda t: t.cos(), (z,))
+        return w * x.shape[0] + F.max_pool1d(x.unsqueeze(1), 2).squeeze(1).sum(-1, keepdim=True)
+
+
+def test_rules_fire_on_the_aot_graph(iree_graphs):
+    backend, graphs = iree_graphs
+    torch.manual_seed(0)
+    model = Gates().eval()
+    with torch.no_grad(), pytest.raises(BackendCompilerFailed, match=r"IreeImportError.*node 'cond'"):
+        as_is = dynamo_backend("iree", rules=RuleSet([]))
+        torch.compile(model, backend=as_is, dynamic=True, fullgraph=True)(torch.randn(3, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for x in (torch.randn(3, 8), -torch.randn(3, 8).abs() - 2, torch.randn(5, 8)):  # both cond branches
+            _assert_close(compiled(x), model(x))
+    (graph,) = graphs
+    assert dict(graph.result.report.rewrites) == {
+        "mask_index_put_to_where": 1,
+        "cond_to_where": 1,
+        "lift_fresh_copy_to_clone": 1,  # the 0.5 of the masked assignment
+        "pool_stride_defaults": 1,
+        "sym_scalar_in_tensor_slot": 1,  # mul.Tensor(w, <SymInt placeholder>) -> mul.Scalar
+    }
+    assert graph.result.report.converged
+    targets = {n.target for n in graph.result.graph_module.graph.nodes}
+    assert torch.ops.higher_order.cond not in targets and torch.ops.aten.index_put.default not in targets
+
+
+def test_item_value_is_a_scalar_argument(iree_graphs):
+    # x * n.item() breaks the graph; the second graph gets the value as a SymInt input that is
+    # no tensor's size: IREE gets it as a scalar (!torch.int), in a Scalar slot (mul.Scalar)
+    backend, graphs = iree_graphs
+    fn = lambda x, n: x * n.item() + 1
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    for k in (2, 3, -4):
+        x, n = torch.randn(4, 3), torch.tensor(k)
+        _assert_close(compiled(x, n), fn(x, n))
+    (graph,) = graphs
+    assert graph.result.report.rewrites["sym_scalar_in_tensor_slot"] == 1
+    assert _scalar_args(graph.compiled) == ["!torch.int"]
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        x.mul_(2)
+        return x * self.count
+
+
+def test_mutations_are_written_back(iree_graphs):
+    backend, graphs = iree_graphs
+    model, reference = Counter(), Counter()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3)
+            x_ref = x.clone()
+            _assert_close(compiled(x), reference(x_ref))
+            torch.testing.assert_close(x, x_ref)
+    assert model.count.item() == 3 and len(graphs) == 1
+
+
+# -- graph breaks: Python pre- and post-processing around the model (seed 001 #2) ---------
+
+WORDS = ("the", "a", "cat", "dog", "sat", "on", "mat", "ran", "fast", "slow")
+VOCAB = {w: i + 2 for i, w in enumerate(WORDS)}  # 0 pads, 1 is unknown
+LABELS = ("negative", "positive", "neutral")
+
+
+class BagClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(len(VOCAB) + 2, 16, padding_idx=0)
+        self.fc = torch.nn.Linear(16, len(LABELS))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != 0).unsqueeze(-1)
+        return self.fc((self.emb(ids) * mask).sum(1) / mask.sum(1).clamp(min=1))
+
+
+def pipeline(model: torch.nn.Module, texts: list[str]) -> list[dict]:
+    """A 'pipeline': a Python tokenizer, the model, Python post-processing (`.tolist()` breaks the graph)."""
+    ids = [[VOCAB.get(w, 1) for w in text.lower().split()] for text in texts]
+    width = max(len(row) for row in ids)
+    batch = torch.tensor([row + [0] * (width - len(row)) for row in ids])
+    scores, best = model(batch).softmax(-1).max(-1)
+    return [
+        {"text": text, "label": LABELS[b], "score": round(s, 4)}
+        for text, b, s in zip(texts, best.tolist(), scores.tolist())
+    ]
+
+
+def test_pipeline_with_python_around_the_model(iree_graphs):
+    backend, graphs = iree_graphs
+    torch.manual_seed(0)
+    model = BagClassifier().eval()
+    compiled = torch.compile(pipeline, backend=backend)
+    batches = [["The cat sat on the mat", "a dog ran"], ["slow dog", "fast cat ran", "the zebra"]]
+    with torch.no_grad():
+        for texts in batches:
+            got, expected = compiled(model, texts), pipeline(model, texts)
+            assert [(r["text"], r["label"]) for r in got] == [(r["text"], r["label"]) for r in expected]
+            assert [r["score"] for r in got] == pytest.approx([r["score"] for r in expected], abs=1.5e-4)
+    # the tokens are constants dynamo traced (it guards on the strings); the lists and
+    # dicts were built by Python, each graph ran on IREE
+    assert 1 <= len(graphs) <= len(batches)
+    for graph in graphs:
+        assert isinstance(graph.compiled, IreeCompiled)
+        assert torch.ops.aten.embedding.default in {n.target for n in graph.result.graph_module.graph.nodes}
+
+
+# -- transformers -------------------------------------------------------------------------
+
+
+def test_tiny_bert(iree_graphs):
+    transformers = pytest.importorskip("transformers")
+    backend, graphs = iree_graphs
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()  # random weights, no download
+    ids = torch.randint(0, 100, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask)
+        expected = model(input_ids=ids, attention_mask=mask)
+    for name in ("last_hidden_state", "pooler_output"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-4, atol=1e-4)
+    assert len(graphs) == 1 and isinstance(graphs[0].compiled, IreeCompiled)
+
+
+# -- backward, the eager backend, the names ----------------------------------------------
+
+
+def test_backward_runs_on_eager_with_a_warning(iree_graphs):
+    backend, graphs = iree_graphs
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 16, requires_grad=True)
+    out = compiled(x)
+    assert [g.kind for g in graphs] == ["forward"]  # grad enabled: the forward of a training graph, on IREE
+    with pytest.warns(UserWarning, match=r"backward graph runs on torch eager"):
+        out.sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    model.zero_grad()
+    model(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_backward_error_mode():
+    model = MLP()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", backward="error"))
+    out = compiled(torch.randn(3, 16))  # the forward runs
+    with pytest.raises(BackwardNotSupported, match=r"torch\.no_grad\(\)"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="backward"):
+        dynamo_backend("iree", backward="ignore")
+
+
+def test_eager_backend_and_callable_names():
+    torch.manual_seed(0)
+    model = Gates().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        _assert_close(torch.compile(model, backend=fx_rewrites_eager, dynamic=True)(x), model(x))
+    assert fx_rewrites_iree.__name__ == "fx_rewrites_iree" and fx_rewrites_eager.__name__ == "fx_rewrites_eager"
+    assert {"iree", "eager"} <= set(backends.names())
+
+
+def test_entry_point_names():
+    # needs the torch_dynamo_backends entry points of pyproject.toml (pip install -e .)
+    assert {"fx_rewrites_iree", "fx_rewrites_eager"} <= set(torch._dynamo.list_backends())
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for name in ("fx_rewrites_iree", "fx_rewrites_eager"):
+            torch._dynamo.reset()
+            _assert_close(torch.compile(model, backend=name)(x), model(x))
