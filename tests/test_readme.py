@@ -36,3 +36,16 @@ def test_backend_example_runs_on_iree(tmp_path, monkeypatch):
     exec(_python_blocks()[2], namespace)
     x = namespace["x"]
     torch.testing.assert_close(namespace["fn"](x), namespace["Net"]()(x))
+
+
+def test_torch_compile_example_runs(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(_python_blocks()[0], namespace)
+    model, x = namespace["Net"](), torch.randn(2, 3, 8, 8)
+    namespace.update(model=model, x=x)
+    exec(_python_blocks()[3], namespace)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["compiled"](x), model(x))
