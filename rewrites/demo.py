@@ -52,7 +52,7 @@ def _export(example: Any, module: torch.nn.Module, args: Sequence[Any]) -> torch
     return torch.export.export(copy.deepcopy(module), tuple(args), dynamic_shapes=example.dynamic_shapes)
 
 
-def _verdict(got: Any, expected: Any, rtol: float, atol: float) -> tuple[str, float]:
+def verdict(got: Any, expected: Any, rtol: float, atol: float) -> tuple[str, float]:
     """("ok" or why not, max abs diff): a run that gives wrong numbers (NaN
     from IREE's pow, say) is a failure too."""
     diff = _max_diff(got, expected)
@@ -77,14 +77,14 @@ def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float =
         expected = copy.deepcopy(module)(*copy.deepcopy(args))
     try:
         as_is = _export(example, module, args)
-        row.as_is = _verdict(_run(backend, as_is, copy.deepcopy(args)), expected, rtol, atol)[0]
+        row.as_is = verdict(_run(backend, as_is, copy.deepcopy(args)), expected, rtol, atol)[0]
     except Exception as e:
         row.as_is = _first_line(e)
     try:
         program = _export(example, module, args)
         result = apply(program, backend.rules)
         row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
-        row.after, row.max_diff = _verdict(_run(backend, result.program, copy.deepcopy(args)), expected, rtol, atol)
+        row.after, row.max_diff = verdict(_run(backend, result.program, copy.deepcopy(args)), expected, rtol, atol)
     except Exception as e:
         row.after = _first_line(e)
     row.seconds = time.perf_counter() - start

@@ -49,3 +49,12 @@ def test_torch_compile_example_runs(tmp_path, monkeypatch):
     exec(_python_blocks()[3], namespace)
     with torch.no_grad():
         torch.testing.assert_close(namespace["compiled"](x), model(x))
+
+
+def test_ci_runs_the_readme_test_command():
+    bash = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)[0]
+    commands = [line for line in bash.splitlines() if line and not line.startswith("#")]
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert len(commands) == 2, commands
+    assert commands[1] in ci, f"README test command not in .ci/run: {commands[1]}"
+    assert "fx-rewrites demo" in commands[0] and "fx-rewrites demo" in ci

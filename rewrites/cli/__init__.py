@@ -1,0 +1,130 @@
+"""The `fx-rewrites` command line (also `python -m rewrites`).
+
+    fx-rewrites demo [--backend iree]            the known-failure gallery, end to end
+    fx-rewrites check MODEL [--backend iree]     one model: as is, after the rules, against eager
+    fx-rewrites explain MODEL [--html out.html]  what the rules did to its graph, and why not
+    fx-rewrites rules [--backend NAME]           the rules, their root ops, the failures they fix
+
+MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args)`) or
+a `PATH.pt2` saved with `torch.export.save`. Exit status: 0 pass, 1 fail,
+2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable, Sequence
+
+from rewrites.cli.commands import cmd_check, cmd_demo, cmd_explain, cmd_rules
+from rewrites.cli.common import (
+    EXIT_FAIL,
+    EXIT_USAGE,
+    InputError,
+    _traceback,
+)
+
+# ----------------------------------------------------------------------------- main
+
+_MODEL_HELP = (
+    "PATH.py:FACTORY, where FACTORY() returns (module, example_args); or PATH.pt2, an ExportedProgram saved "
+    "with torch.export.save. A .pt2 is read with torch.export.load only, after checking it holds no pickled "
+    "objects (tensor subclasses, custom objects), so loading it runs no code from the file; it runs on random "
+    "inputs shaped by its input specs (symbolic sizes at their hints) unless --inputs is given. A .py file is "
+    "imported, which runs it."
+)
+_INPUTS_HELP = (
+    "inputs instead of the factory's example_args or a .pt2's random ones: a tuple saved with "
+    "torch.save((x, ...), path), read with torch.load(weights_only=True)"
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fx-rewrites",
+        description="Declarative rules that make PyTorch 2 graphs compile.",
+        epilog="Exit status: 0 pass, 1 fail, 2 usage or input error.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the known-failure gallery end to end")
+    demo.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
+    demo.add_argument("--only", nargs="*", help="run only these gallery examples")
+    demo.set_defaults(fn=cmd_demo)
+
+    check = sub.add_parser(
+        "check",
+        help="one model as a demo row: as is, after the rules, compared with eager",
+        description="Export MODEL, compile and run it on the backend as is, then after the backend's rules, and "
+        "compare both with eager. Prints the rules fired, both outcomes and the max abs diff. "
+        "Exit status: 0 pass (after the rules the backend matches eager), 1 fail, 2 usage or input error.",
+    )
+    check.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    check.add_argument("--backend", default="iree", help="backend to compile with (default: iree)")
+    check.add_argument("--inputs", metavar="FILE.pt", help=_INPUTS_HELP)
+    check.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against eager (default 1e-4)")
+    check.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance against eager (default 1e-5)")
+    check.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and torch's side output")
+    check.set_defaults(fn=cmd_check)
+
+    explain = sub.add_parser(
+        "explain",
+        help="what the rules did to a model's graph, and why the others did not fire",
+        description="Apply the backend's rules to MODEL's exported graph and show the graph before and after, "
+        "which rule rewrote which node (from node provenance) and, for each rule that did not fire (or the one "
+        "named by --rule), each candidate node and why not. Exit status: 0, or 2 on usage or input errors.",
+    )
+    explain.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    explain.add_argument("--backend", default="iree", help="whose rules (default: iree)")
+    explain.add_argument("--rule", metavar="NAME", help="explain this rule only (its near-misses even where it fired)")
+    explain.add_argument("--html", metavar="OUT.html", help="also write one self-contained page: graphs side by side")
+    explain.add_argument("--inputs", metavar="FILE.pt", help="export a factory's module with these inputs instead")
+    explain.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and torch's side output")
+    explain.set_defaults(fn=cmd_explain)
+
+    rules = sub.add_parser("rules", help="list the rules, their roots and the failures they fix")
+    rules.add_argument("--backend", default=None, help="a backend's rules instead of DEFAULT")
+    rules.add_argument("-v", "--verbose", action="store_true", help="list every root overload")
+    rules.set_defaults(fn=cmd_rules)
+    return p
+
+
+def _print_error(command: str, e: InputError, verbose: bool) -> None:
+    err = sys.stderr
+    print(f"fx-rewrites {command}: error: {e.message}", file=err)
+    if e.detail:
+        print(textwrap.indent(e.detail.rstrip(), "    "), file=err)
+    if verbose:
+        if e.side:
+            print("--- torch's output meanwhile:\n" + e.side, file=err)
+        if e.cause is not None:
+            print("--- traceback:\n" + _traceback(e.cause), file=err)
+    elif e.cause is not None or e.side:
+        print("(--verbose adds the traceback)", file=err)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse's own exits included)."""
+    # torch 2.13 warns about its own pytree internals on every export; not the user's concern.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has printed
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    fn: Callable[[argparse.Namespace], int] = args.fn
+    try:
+        return fn(args)
+    except InputError as e:
+        _print_error(args.command, e, getattr(args, "verbose", False))
+        return EXIT_USAGE
+    except BrokenPipeError:  # `fx-rewrites rules | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
