@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import backends
@@ -24,6 +23,7 @@ from backends.iree import (
 )
 from engine import RewriteError
 from rewrites.rules import DEFAULT
+from tests.backends.models import MLP, PoolNet
 
 
 @pytest.fixture
@@ -47,28 +47,6 @@ def _assert_same(got, expected) -> None:
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
         else:
             assert g == e
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(16, 32)
-        self.fc2 = torch.nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class PoolNet(torch.nn.Module):
-    """Functional pooling: exports with stride missing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(torch.relu(self.conv(x)), 2)
-        return F.avg_pool2d(x, 2, ceil_mode=True).flatten(1)
 
 
 class Stats(torch.nn.Module):
