@@ -4,7 +4,18 @@
 rules; backends add their own packs on top of it.
 """
 
-from rewrites.rules import composites, constants, control_flow, inplace, masks, pooling, symbolic, wrappers
+from rewrites.rules import (
+    composites,
+    constants,
+    control_flow,
+    inplace,
+    masks,
+    pooling,
+    symbolic,
+    view_or_copy,
+    vmap,
+    wrappers,
+)
 from rewrites.ruleset import RuleSet
 
 PACKS: dict[str, RuleSet] = {
@@ -12,7 +23,9 @@ PACKS: dict[str, RuleSet] = {
     "constants": constants.RULES,
     "composites": composites.RULES,
     "wrappers": wrappers.RULES,
+    "vmap": vmap.RULES,
     "control_flow": control_flow.RULES,
+    "view_or_copy": view_or_copy.RULES,
     "inplace": inplace.RULES,
     "symbolic": symbolic.RULES,
     "masks": masks.RULES,

@@ -1,0 +1,105 @@
+"""Zoo fixtures: each model is built, exported, rewritten and compiled once per test module.
+
+The `zoo` marker is registered here, so the suite stays self-contained:
+deselect the zoo with `-m "not zoo"` (it is also `slow`).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Any
+
+import pytest
+import torch
+
+import backends
+import rewrites
+from tests.zoo import registry
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "zoo: transformers models exported, rewritten with the IREE rules, compiled and run on IREE "
+        "(in CI; deselect with -m 'not zoo')",
+    )
+
+
+class ExportFailed(Exception):
+    """torch.export failed the way the registry says it does (an expected failure)."""
+
+
+class Case:
+    """One zoo model: every stage computed on first use, then kept."""
+
+    def __init__(self, entry: registry.ZooModel, backend: Any, rules: Any) -> None:
+        self.entry = entry
+        self.backend = backend
+        self.rules = rules
+        self._inputs: dict[int, registry.Inputs] = {}
+        self._eager: dict[int, Any] = {}
+        self._export_error: BaseException | None = None
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        return self.entry.model()
+
+    def inputs(self, seed: int) -> registry.Inputs:
+        if seed not in self._inputs:
+            self._inputs[seed] = self.entry.inputs(seed)
+        return self._inputs[seed]
+
+    @cached_property
+    def program(self) -> torch.export.ExportedProgram:
+        if self._export_error is not None:
+            raise self._export_error
+        args, kwargs = self.inputs(registry.SEEDS[0])
+        try:
+            return torch.export.export(self.model, args, kwargs or None)
+        except Exception as e:
+            error: BaseException = e
+            if self.entry.export_error and re.search(self.entry.export_error, str(e)):
+                first = str(e).strip().splitlines()[0][:300]
+                error = ExportFailed(f"{self.entry.name}: torch.export fails: {type(e).__name__}: {first}")
+                error.__cause__ = e
+            self._export_error = error
+            raise error from e
+
+    @cached_property
+    def result(self) -> rewrites.Result:
+        return rewrites.apply(self.program, self.rules)
+
+    @cached_property
+    def compiled(self) -> Any:
+        args, _ = self.inputs(registry.SEEDS[0])
+        return self.backend.compile(self.result.program, args)
+
+    def eager(self, seed: int) -> Any:
+        if seed not in self._eager:
+            args, kwargs = self.inputs(seed)
+            with torch.no_grad():
+                self._eager[seed] = self.model(*args, **kwargs)
+        return self._eager[seed]
+
+    def run(self, fn: Any, seed: int) -> Any:
+        args, kwargs = self.inputs(seed)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+
+class Zoo:
+    def __init__(self) -> None:
+        self.backend = backends.get("iree")
+        self.rules = registry.rules()
+        self._cases: dict[str, Case] = {}
+
+    def case(self, name: str) -> Case:
+        if name not in self._cases:
+            self._cases[name] = Case(registry.BY_NAME[name], self.backend, self.rules)
+        return self._cases[name]
+
+
+@pytest.fixture(scope="module")
+def zoo() -> Zoo:
+    return Zoo()
