@@ -54,17 +54,14 @@ def apply_rules(program: ExportedProgram | GraphModule, *rules: Rule | RuleSet, 
     return apply(program, RuleSet(list(rules)), **options)
 
 
-def _gm(obj: Result | ExportedProgram | GraphModule) -> GraphModule:
-    if isinstance(obj, Result):
-        return obj.graph_module
-    if isinstance(obj, ExportedProgram):
-        return obj.graph_module
-    return obj
+def graph_module(obj: Result | ExportedProgram | GraphModule) -> GraphModule:
+    """The graph module of a Result, an ExportedProgram, or the GraphModule itself."""
+    return obj.graph_module if isinstance(obj, (Result, ExportedProgram)) else obj
 
 
 def targets(obj: Result | ExportedProgram | GraphModule) -> list[Any]:
     """The targets of the call_function nodes, in graph order."""
-    return [n.target for n in _gm(obj).graph.nodes if n.op == "call_function"]
+    return [n.target for n in graph_module(obj).graph.nodes if n.op == "call_function"]
 
 
 def assert_fired(result: Result, rule: str | Rule, times: int | None = None) -> None:
@@ -92,7 +89,7 @@ def assert_ops(
     for op in present:
         assert op in have, f"{op_name(op)} is not in the graph; it has {sorted({op_name(t) for t in have})}"
     for op in absent:
-        assert op not in have, f"{op_name(op)} is still in the graph:\n{_gm(obj).graph}"
+        assert op not in have, f"{op_name(op)} is still in the graph:\n{graph_module(obj).graph}"
 
 
 def _run(obj: Result | ExportedProgram | GraphModule, args: Sequence[Any]) -> Any:

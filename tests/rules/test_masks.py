@@ -29,7 +29,7 @@ def _roundtrip(program):
 def _bool_index_nodes(obj):
     return [
         n
-        for n in rt._gm(obj).graph.nodes
+        for n in rt.graph_module(obj).graph.nodes
         if n.target is aten.index.Tensor
         and any(isinstance(i, torch.fx.Node) and i.meta["val"].dtype == torch.bool for i in n.args[1] if i is not None)
     ]

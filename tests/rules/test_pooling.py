@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 
 def _pool_nodes(obj):
-    return [n for n in rt._gm(obj).graph.nodes if n.target in POOLING_OPS]
+    return [n for n in rt.graph_module(obj).graph.nodes if n.target in POOLING_OPS]
 
 
 CASES = {
