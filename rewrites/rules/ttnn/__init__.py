@@ -1,0 +1,16 @@
+"""The ttnn pack: aten ops lowered to ttnn stand-ins, with the host/device boundary.
+
+Not part of DEFAULT (it changes what runs where); the ttnn backend applies
+DEFAULT first, so SymInts are out of tensor slots before lowering, then
+`RULES`. `ops` defines the stand-ins, `lowering` the aten -> ttnn rules,
+`boundary` the from_torch / to_layout / to_torch conversions.
+"""
+
+from rewrites.rules.ttnn import ops
+from rewrites.rules.ttnn.boundary import fuse_round_trip
+from rewrites.rules.ttnn.lowering import RULES as LOWERING
+from rewrites.ruleset import RuleSet
+
+RULES = RuleSet([*LOWERING, fuse_round_trip], name="ttnn")
+
+__all__ = ["RULES", "ops"]

@@ -1,0 +1,272 @@
+"""Stand-ins for the `ttnn` functions the lowering emits, as torch custom ops.
+
+Each `fx_rewrites_ttnn::NAME` op is one `ttnn.NAME(...)` call in the graph.
+Its body is the op's meaning in torch, on the logical (unpadded) shape:
+the engine evaluates it under the graph's fake mode for `meta["val"]`, and
+`program.module()` runs it as a host emulation of the device graph. The
+ttnn backend (`backends/ttnn/dispatch.py`) runs the same nodes on the
+installed `ttnn` instead.
+
+Values between `from_torch` and `to_torch` are device values: bfloat16
+(uint32 indices are carried as int32, torch has no uint32 arithmetic).
+The stand-ins live here, not in `backends/`, because the rules that emit
+them must not import upward (engine <- rewrites <- backends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._ops import OpOverload
+
+NAMESPACE = "fx_rewrites_ttnn"
+TILE, ROW_MAJOR = "TILE", "ROW_MAJOR"
+#: ttnn dtype name -> the torch dtype a device value of that dtype is carried as
+DEVICE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "uint32": torch.int32}
+
+#: every stand-in op, by ttnn function name
+OPS: dict[str, OpOverload] = {}
+
+
+def _define(name: str, fn: Callable[..., Tensor]) -> OpOverload:
+    """Register `fn` as `fx_rewrites_ttnn::name`, its own fake (it is shape-generic torch code)."""
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
+    op.register_fake(fn)
+    OPS[name] = getattr(getattr(torch.ops, NAMESPACE), name).default
+    return OPS[name]
+
+
+def _round(x: Tensor) -> Tensor:
+    """Device results are bfloat16 (fresh storage: custom ops may not alias inputs)."""
+    return x.to(torch.bfloat16, copy=True)
+
+
+# -- data movement ---------------------------------------------------------------
+
+
+def _from_torch(x: Tensor, dtype: str, layout: str, on_device: bool) -> Tensor:
+    return x.to(DEVICE_DTYPES[dtype], copy=True)
+
+
+def _to_torch(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x.to(dtype, copy=True)
+
+
+def _to_layout(x: Tensor, layout: str) -> Tensor:
+    return x.clone()
+
+
+from_torch = _define("from_torch", _from_torch)
+to_torch = _define("to_torch", _to_torch)
+to_layout = _define("to_layout", _to_layout)
+
+#: the data-movement stand-ins: not compute, counted apart in coverage
+BOUNDARY = frozenset({from_torch, to_torch, to_layout})
+
+# -- elementwise -------------------------------------------------------------------
+
+UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "reciprocal": torch.reciprocal,
+    "erf": torch.erf,
+    "sin": torch.sin,
+    "cos": torch.cos,
+}
+BINARY: dict[str, Callable[[Tensor, Any], Tensor]] = {
+    "add": torch.add,
+    "subtract": torch.sub,
+    "multiply": torch.mul,
+    "divide": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+}
+
+
+def _unary(f: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def unary(x: Tensor) -> Tensor:
+        return _round(f(x))
+
+    return unary
+
+
+def _binary(f: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    def binary(a: Tensor, b: Tensor) -> Tensor:
+        return _round(f(a, b))
+
+    return binary
+
+
+#: a scalar operand: torch.maximum / minimum take tensors only
+_SCALAR_FORMS: dict[Callable[..., Tensor], Callable[[Tensor, float], Tensor]] = {
+    torch.maximum: lambda a, b: torch.clamp(a, min=b),
+    torch.minimum: lambda a, b: torch.clamp(a, max=b),
+}
+
+
+def _binary_scalar(f: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, float], Tensor]:
+    g = _SCALAR_FORMS.get(f, f)
+
+    def binary_scalar(a: Tensor, b: float) -> Tensor:
+        return _round(g(a, b))
+
+    return binary_scalar
+
+
+for _name, _f in UNARY.items():
+    _define(_name, _unary(_f))
+for _name, _f in BINARY.items():
+    _define(_name, _binary(_f))
+    _define(f"{_name}_scalar", _binary_scalar(_f))
+
+
+def _pow(x: Tensor, exponent: float) -> Tensor:
+    return _round(torch.pow(x, exponent))
+
+
+pow_scalar = _define("pow", _pow)
+
+# -- matmul, normalisation, embedding ----------------------------------------------------
+
+
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    return _round(torch.matmul(a, b))
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, transpose_b: bool) -> Tensor:
+    out = torch.matmul(x, weight.transpose(-1, -2) if transpose_b else weight)
+    return _round(out if bias is None else out + bias)
+
+
+def _softmax(x: Tensor, dim: int) -> Tensor:
+    return _round(torch.softmax(x.float(), dim))
+
+
+def _layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, epsilon: float) -> Tensor:
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return _round(F.layer_norm(x.float(), (x.shape[-1],), w, b, epsilon))
+
+
+def _embedding(indices: Tensor, weight: Tensor) -> Tensor:
+    return _round(F.embedding(indices.long(), weight))
+
+
+matmul = _define("matmul", _matmul)
+linear = _define("linear", _linear)
+softmax = _define("softmax", _softmax)
+layer_norm = _define("layer_norm", _layer_norm)
+embedding = _define("embedding", _embedding)
+
+# -- shapes ---------------------------------------------------------------------------
+
+
+def _reshape(x: Tensor, shape: list[int]) -> Tensor:
+    return x.reshape(shape).clone()
+
+
+def _permute(x: Tensor, dims: list[int]) -> Tensor:
+    return x.permute(dims).contiguous().clone()
+
+
+def _transpose(x: Tensor, dim1: int, dim2: int) -> Tensor:
+    return x.transpose(dim1, dim2).contiguous().clone()
+
+
+def _concat(tensors: list[Tensor], dim: int) -> Tensor:
+    return torch.cat(tensors, dim)
+
+
+reshape = _define("reshape", _reshape)
+permute = _define("permute", _permute)
+transpose = _define("transpose", _transpose)
+concat = _define("concat", _concat)
+
+# -- reductions -------------------------------------------------------------------------
+
+
+def _sum(x: Tensor, dim: list[int], keepdim: bool) -> Tensor:
+    return _round(torch.sum(x.float(), dim, keepdim))
+
+
+def _mean(x: Tensor, dim: list[int], keepdim: bool) -> Tensor:
+    return _round(torch.mean(x.float(), dim, keepdim))
+
+
+def _max(x: Tensor, dim: list[int], keepdim: bool) -> Tensor:
+    return _round(torch.amax(x, dim, keepdim))
+
+
+reduce_sum = _define("sum", _sum)
+reduce_mean = _define("mean", _mean)
+reduce_max = _define("max", _max)
+
+# -- convolution and pooling (ttnn's flattened NHWC forms) ---------------------------------
+
+
+def _conv2d(
+    input_tensor: Tensor,
+    weight_tensor: Tensor,
+    bias_tensor: Tensor | None,
+    in_channels: int,
+    out_channels: int,
+    batch_size: int,
+    input_height: int,
+    input_width: int,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> Tensor:
+    """`input_tensor` is [N, H, W, C]; the result is ttnn's [1, 1, N*OH*OW, out_channels]."""
+    nchw = input_tensor.permute(0, 3, 1, 2).float()
+    bias = None if bias_tensor is None else bias_tensor.float()
+    out = F.conv2d(nchw, weight_tensor.float(), bias, stride, padding, dilation, groups)
+    return _round(out.permute(0, 2, 3, 1).reshape(1, 1, -1, out_channels))
+
+
+def _max_pool2d(
+    input_tensor: Tensor,
+    batch_size: int,
+    input_h: int,
+    input_w: int,
+    channels: int,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+) -> Tensor:
+    """`input_tensor` is [1, 1, N*H*W, C]; the result is [1, 1, N*OH*OW, C]."""
+    nchw = input_tensor.reshape(batch_size, input_h, input_w, channels).permute(0, 3, 1, 2)
+    out = F.max_pool2d(nchw, kernel_size, stride, padding, dilation, ceil_mode)
+    return _round(out.permute(0, 2, 3, 1).reshape(1, 1, -1, channels))
+
+
+conv2d = _define("conv2d", _conv2d)
+max_pool2d = _define("max_pool2d", _max_pool2d)
+
+
+def is_standin(target: Any) -> bool:
+    """`target` is one of the ttnn stand-in ops."""
+    return isinstance(target, OpOverload) and target.namespace == NAMESPACE
+
+
+def ttnn_name(target: OpOverload) -> str:
+    """The ttnn function a stand-in calls: "ttnn.add" for both `add` and `add_scalar`."""
+    name = target._opname
+    return "ttnn." + (name[: -len("_scalar")] if name.endswith("_scalar") else name)
