@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from rewrites import testing as rt
+
+# Hypothesis budgets (tests/fuzz): "ci", the default, keeps the fuzz suite to a minute or two;
+# HYPOTHESIS_PROFILE=local generates 10,000 modules per fuzz test (FUZZ_EXAMPLES to change; hours on 2 cores).
+_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
+settings.register_profile("ci", max_examples=40, **_FUZZ)
+settings.register_profile("local", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "10000")), **_FUZZ)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 class ReluChain(torch.nn.Module):

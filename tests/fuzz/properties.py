@@ -1,0 +1,97 @@
+"""The properties every generated module must keep through `rewrites.apply`.
+
+`check_default(spec)`: export, apply DEFAULT, then
+- the run converged with no skipped rule, and the graph lints;
+- the rewritten program matches eager (outputs, mutated input, buffers after the call);
+- applying DEFAULT again rewrites nothing (idempotent);
+- the program saves and loads (torch.export.save/load), and the loaded one matches eager.
+`check_iree(spec)`: the same module through the IREE backend's rules and compiler.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import torch
+
+import rewrites
+from tests.fuzz.generate import ATOL, RTOL, FuzzNet, Spec, fresh
+
+
+def export(spec: Spec) -> tuple[FuzzNet, torch.export.ExportedProgram]:
+    net = FuzzNet(spec).eval()
+    args = spec.inputs()[0]
+    ep = torch.export.export(fresh(net), tuple(a.clone() for a in args), dynamic_shapes=spec.dynamic_shapes())
+    return net, ep
+
+
+def _eager(net: FuzzNet, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], dict]:
+    """Outputs, the inputs after the call and the buffers after the call, from a fresh copy."""
+    module, args = fresh(net), tuple(a.clone() for a in args)
+    out = module(*args)
+    return out, args, dict(module.named_buffers())
+
+
+def _program(program: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple, dict]:
+    module, args = copy.deepcopy(program).module(), tuple(a.clone() for a in args)  # .module() shares the state
+    out = module(*args)
+    return out, args, dict(module.named_buffers())
+
+
+def assert_matches(program: torch.export.ExportedProgram, net: FuzzNet, spec: Spec, what: str) -> None:
+    for n, args in enumerate(spec.inputs()):
+        expected = _eager(net, args)
+        got = _program(program, args)
+        for name, g, e in zip(("outputs", "inputs after the call", "buffers after the call"), got, expected):
+            torch.testing.assert_close(
+                g,
+                e,
+                rtol=RTOL,
+                atol=ATOL,
+                equal_nan=True,
+                msg=lambda m, name=name, n=n: f"{what}, input set {n}, {name}: {m}",
+            )
+
+
+def _saved_and_loaded(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def check_default(spec: Spec) -> rewrites.Result:
+    net, ep = export(spec)
+    result = rewrites.apply(ep)
+    report = result.report
+    assert report.converged and not report.skips, report.summary()
+    result.graph_module.graph.lint()
+    assert result.program is not None
+    assert_matches(result.program, net, spec, "after DEFAULT")
+    again = rewrites.apply(result.program)
+    assert again.report.total_rewrites == 0, f"second apply rewrote again: {dict(again.report.rewrites)}"
+    assert_matches(_saved_and_loaded(result.program), net, spec, "after save and load")
+    return result
+
+
+def check_iree(spec: Spec, backend: Any) -> None:
+    net, ep = export(spec)
+    result = rewrites.apply(ep, backend.rules)
+    assert result.report.converged and not result.report.skips, result.report.summary()
+    for n, inputs in enumerate(spec.inputs()):
+        # a fresh copy each time: the compiled module writes buffer mutations into the program's state
+        compiled = backend.compile(copy.deepcopy(result.program), inputs)
+        expected = _eager(net, inputs)
+        run_args = tuple(a.clone() for a in inputs)
+        got = (compiled(*run_args), run_args)
+        for name, g, e in zip(("outputs", "inputs after the call"), got, expected):
+            torch.testing.assert_close(
+                g,
+                e,
+                rtol=RTOL,
+                atol=ATOL,
+                equal_nan=True,
+                msg=lambda m, name=name, n=n: f"IREE, input set {n}, {name}: {m}",
+            )
