@@ -12,4 +12,13 @@ from backends.iree import IreeBackend
 register(EagerBackend())
 register(IreeBackend())
 
+
+def _ttnn_backend() -> Backend:
+    from backends.ttnn import TtnnBackend  # defines the ttnn stand-in ops on first use
+
+    return TtnnBackend()
+
+
+register(_ttnn_backend, name="ttnn")
+
 __all__ = ["ENTRY_POINT_GROUP", "Backend", "EagerBackend", "UnknownBackend", "get", "names", "register"]

@@ -12,6 +12,7 @@ from rewrites.rules import (
     masks,
     pooling,
     symbolic,
+    ttnn,
     view_or_copy,
     vmap,
     wrappers,
@@ -32,5 +33,8 @@ PACKS: dict[str, RuleSet] = {
 }
 
 DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")
+
+#: backend lowering packs, listed in PACKS but not in DEFAULT (they decide what runs where)
+PACKS["ttnn"] = ttnn.RULES
 
 __all__ = ["DEFAULT", "PACKS"]

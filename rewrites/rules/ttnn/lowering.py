@@ -46,16 +46,21 @@ def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES)
         return f"{what} is {str(val.dtype).removeprefix('torch.')}; the ttnn lowering takes {kinds} tensors"
     if not 1 <= val.dim() <= MAX_RANK:
         return f"{what} has rank {val.dim()}; ttnn tensors here have rank 1 to {MAX_RANK}"
-    if not all(isinstance(s, int) for s in val.shape):
-        return f"{what} has symbolic sizes {tuple(val.shape)}; ttnn needs static shapes"
     if val.numel() == 0:
         return f"{what} is empty"
     return None
 
 
-def tensors_ok(*names: str, indices: Iterable[str] = ()) -> Callable[[Node], Any]:
+def static_problem(node: Node) -> str | None:
+    """Why the node's shape cannot be written into a ttnn call as constants (reshape, conv2d, pooling)."""
+    vals = [a.meta.get("val") for a in (node, *node.all_input_nodes)]
+    sym = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)]
+    return f"symbolic sizes {sym[0]}: this ttnn call takes its sizes as constants" if sym else None
+
+
+def tensors_ok(*names: str, indices: Iterable[str] = (), static: bool = False) -> Callable[[Node], Any]:
     """A `when` predicate: the named arguments (float; `indices`: integer) and
-    the node's result can be ttnn tensors."""
+    the node's result can be ttnn tensors (`static`: of static shapes)."""
     index_names = tuple(indices)
 
     def when(node: Node) -> Any:
@@ -69,7 +74,7 @@ def tensors_ok(*names: str, indices: Iterable[str] = ()) -> Callable[[Node], Any
                 why = problem(v, f"{name}[{i}]" if isinstance(values, (list, tuple)) else name, dtypes)
                 if why:
                     return Miss(why)
-        why = problem(node, "the result")
+        why = problem(node, "the result") or (static_problem(node) if static else None)
         return Miss(why) if why else True
 
     return when
@@ -290,8 +295,8 @@ def lower_embedding(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
 # -- data movement -----------------------------------------------------------------------------------------
 
 
-def _follows_device(*names: str) -> Callable[[Node], Any]:
-    check = tensors_ok(*names)
+def _follows_device(*names: str, static: bool = False) -> Callable[[Node], Any]:
+    check = tensors_ok(*names, static=static)
 
     def when(node: Node) -> Any:
         bound = schema.bind(node.target, node.args, dict(node.kwargs))
@@ -314,7 +319,7 @@ RESHAPES = [
 ]
 
 
-@_lowering("ttnn_reshape", RESHAPES, _follows_device("self"), "view/reshape/unsqueeze/squeeze/flatten -> ttnn.reshape.")
+@_lowering("ttnn_reshape", RESHAPES, _follows_device("self", static=True), "view/reshape/... -> ttnn.reshape.")
 def lower_reshape(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.reshape, device_value(rw, bound["self"]), _static(node.meta["val"]))
 
@@ -401,7 +406,7 @@ def _conv_when(node: Node) -> Any:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.conv2d takes batched 2-D images (NCHW -> NHWC)")
-    return tensors_ok("input", "weight", "bias")(node)
+    return tensors_ok("input", "weight", "bias", static=True)(node)
 
 
 @_lowering(
@@ -430,7 +435,7 @@ def _pool_when(node: Node) -> Any:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.max_pool2d takes batched 2-D images")
-    return tensors_ok("self")(node)
+    return tensors_ok("self", static=True)(node)
 
 
 @_lowering(

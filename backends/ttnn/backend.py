@@ -1,0 +1,144 @@
+"""`TtnnBackend`: lower, partition into device and host regions, run on ttnn.
+
+fn = backends.get("ttnn").compile(program, args)   # works without ttnn
+fn.partitioning.summary()                          # regions and device share
+fn(*args)                                          # needs ttnn (or backends.ttnn.runtime.use(double))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx import GraphModule, Interpreter
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from backends.partition import Partitioning, partition, split
+from backends.ttnn import dispatch, runtime
+from rewrites.api import apply
+from rewrites.rules import DEFAULT
+from rewrites.rules.symbolic import sym_in_tensor_slots
+from rewrites.rules.ttnn import RULES as TTNN_RULES
+from rewrites.rules.ttnn.ops import is_standin
+from rewrites.ruleset import RuleSet
+
+
+class TtnnLoweringError(RuntimeError):
+    """The lowered graph breaks a promise the ttnn backend makes (e.g. a SymInt in a tensor slot)."""
+
+
+def is_device_node(node: torch.fx.Node) -> bool:
+    """The partitioner's predicate: ttnn stand-ins (conversions included) run in device regions."""
+    return node.op == "call_function" and is_standin(node.target)
+
+
+def lower(program: ExportedProgram | GraphModule) -> ExportedProgram | GraphModule:
+    """DEFAULT first (SymInts out of tensor slots, in-place ops made functional, ...), then the ttnn pack."""
+    first = apply(program, DEFAULT)
+    second = apply(first.program if first.program is not None else first.graph_module, TTNN_RULES)
+    lowered = second.program if second.program is not None else second.graph_module
+    left = sym_in_tensor_slots(second.graph_module)
+    if left:
+        raise TtnnLoweringError(
+            "a SymInt is still in a tensor slot after the DEFAULT rules, so ttnn would get a number where it "
+            f"needs a tensor: {left[:5]}. Fix: a rule in rewrites/rules/symbolic.py for this op."
+        )
+    return lowered
+
+
+class _DeviceRegion(Interpreter):
+    """A device region's graph, each stand-in run as its ttnn call."""
+
+    def __init__(self, module: GraphModule, ttnn: Any, device: Any) -> None:
+        super().__init__(module)
+        self.ttnn, self.device = ttnn, device
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if is_standin(target):
+            return dispatch.call(self.ttnn, self.device, target, args, kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+class _Regions(Interpreter):
+    """The split top-level module: device regions on ttnn, host regions on torch."""
+
+    def __init__(self, module: GraphModule, device_regions: frozenset[str], ttnn: Any, device: Any) -> None:
+        super().__init__(module)
+        self.device_regions, self.ttnn, self.device = device_regions, ttnn, device
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        sub = self.fetch_attr(target)
+        if target in self.device_regions:
+            return _DeviceRegion(sub, self.ttnn, self.device).run(*args)
+        return sub(*args, **kwargs)
+
+
+@attrs.frozen
+class TtnnCompiled:
+    """The partitioned program; calling it runs device regions on ttnn.
+
+    Takes what `program.module()` takes (an ExportedProgram's user inputs) or,
+    for a GraphModule, its placeholders. Buffer mutations are not written back.
+    """
+
+    graph_module: GraphModule  # the top-level module calling one submodule per region
+    partitioning: Partitioning
+    program: ExportedProgram | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ttnn = runtime.ttnn_module()
+        device = runtime.device(ttnn)
+        names = frozenset(r.name for r in self.partitioning.device_regions)
+        flat = self._inputs(args, kwargs)
+        with torch.no_grad():
+            out = _Regions(self.graph_module, names, ttnn, device).run(*flat)
+        return self._outputs(out)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        if self.program is None:
+            return list(args)
+        ep = self.program
+        user = iter(fx_pytree.tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
+        flat = []
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind == InputKind.USER_INPUT:
+                flat.append(next(user))
+            elif spec.target in ep.state_dict:
+                flat.append(ep.state_dict[spec.target])
+            else:
+                flat.append(ep.constants[spec.target])
+        return flat
+
+    def _outputs(self, out: Any) -> Any:
+        if self.program is None:
+            return out
+        specs = self.program.graph_signature.output_specs
+        user = [v for v, s in zip(out, specs) if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
+        return pytree.tree_unflatten(user, self.program.call_spec.out_spec)
+
+
+@attrs.frozen
+class TtnnBackend:
+    """Tenstorrent TT-NN: aten lowered to ttnn calls as rules, the rest on the host."""
+
+    name: str = "ttnn"
+    rules: RuleSet = DEFAULT | TTNN_RULES
+
+    def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> TtnnCompiled:
+        """Lower (DEFAULT, then the ttnn pack) and partition; needs no ttnn until called."""
+        if not isinstance(program, (ExportedProgram, GraphModule)):
+            raise TypeError(
+                "the ttnn backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
+                f"got {type(program).__name__}"
+            )
+        lowered = lower(program)
+        gm = lowered.graph_module
+        partitioning = partition(gm.graph, is_device_node)
+        return TtnnCompiled(
+            split(gm, partitioning), partitioning, lowered if isinstance(lowered, ExportedProgram) else None
+        )

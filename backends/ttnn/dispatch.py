@@ -1,0 +1,109 @@
+"""Stand-in op -> the real `ttnn` call, with ttnn's argument names.
+
+`call(ttnn, device, target, args, kwargs)` runs one stand-in node of a device
+region on ttnn objects. The arguments are the node's (schema order of
+`rewrites/rules/ttnn/ops.py`); each entry below says how ttnn spells them
+(signatures from docs.tenstorrent.com, see docs/ttnn.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rewrites.rules.ttnn import ops
+
+Call = Callable[..., Any]
+
+
+def _dtype(ttnn: Any, name: str) -> Any:
+    return getattr(ttnn, name)
+
+
+def _layout(ttnn: Any, name: str) -> Any:
+    return ttnn.TILE_LAYOUT if name == ops.TILE else ttnn.ROW_MAJOR_LAYOUT
+
+
+def _from_torch(ttnn: Any, dev: Any, x: Any, dtype: str, layout: str, on_device: bool) -> Any:
+    if dtype == "uint32":
+        x = x.to(torch.int32)  # ttnn converts int32 host data to uint32
+    device = dev if on_device else None
+    return ttnn.from_torch(x, dtype=_dtype(ttnn, dtype), layout=_layout(ttnn, layout), device=device)
+
+
+def _to_torch(ttnn: Any, dev: Any, x: Any, dtype: Any) -> Any:
+    return ttnn.to_torch(x).to(dtype)
+
+
+def _conv2d(ttnn: Any, dev: Any, x: Any, w: Any, b: Any, c: int, o: int, n: int, h: int, wd: int, *rest: Any) -> Any:
+    kernel, stride, padding, dilation, groups = rest
+    bias = None if b is None else ttnn.reshape(b, (1, 1, 1, o))  # ttnn.conv2d's bias is [1, 1, 1, out_channels]
+    out = ttnn.conv2d(
+        input_tensor=x,
+        weight_tensor=w,
+        bias_tensor=bias,
+        device=dev,
+        in_channels=c,
+        out_channels=o,
+        batch_size=n,
+        input_height=h,
+        input_width=wd,
+        kernel_size=tuple(kernel),
+        stride=tuple(stride),
+        padding=tuple(padding),
+        dilation=tuple(dilation),
+        groups=groups,
+    )
+    return out[0] if isinstance(out, tuple) else out  # older ttnn returns (output, out_h, out_w, ...)
+
+
+def _reduce(name: str) -> Call:
+    def reduce(ttnn: Any, dev: Any, x: Any, dim: list[int], keepdim: bool) -> Any:
+        return getattr(ttnn, name)(x, dim=dim[0] if len(dim) == 1 else list(dim), keepdim=keepdim)
+
+    return reduce
+
+
+def _plain(name: str) -> Call:
+    """ttnn.NAME(*args): same arguments, same order."""
+
+    def call(ttnn: Any, dev: Any, *args: Any) -> Any:
+        return getattr(ttnn, name)(*args)
+
+    return call
+
+
+CALLS: dict[Any, Call] = {
+    ops.from_torch: _from_torch,
+    ops.to_torch: _to_torch,
+    ops.to_layout: lambda ttnn, dev, x, layout: ttnn.to_layout(x, _layout(ttnn, layout)),
+    ops.matmul: _plain("matmul"),
+    ops.linear: lambda ttnn, dev, x, w, b, tb: ttnn.linear(x, w, bias=b, transpose_b=tb),
+    ops.softmax: lambda ttnn, dev, x, dim: ttnn.softmax(x, dim=dim),
+    ops.layer_norm: lambda ttnn, dev, x, w, b, eps: ttnn.layer_norm(x, epsilon=eps, weight=w, bias=b),
+    ops.embedding: lambda ttnn, dev, ids, w: ttnn.embedding(ids, w, layout=ttnn.TILE_LAYOUT),
+    ops.reshape: lambda ttnn, dev, x, shape: ttnn.reshape(x, tuple(shape)),
+    ops.permute: lambda ttnn, dev, x, dims: ttnn.permute(x, tuple(dims)),
+    ops.transpose: _plain("transpose"),
+    ops.concat: lambda ttnn, dev, xs, dim: ttnn.concat(list(xs), dim=dim),
+    ops.pow_scalar: _plain("pow"),
+    ops.reduce_sum: _reduce("sum"),
+    ops.reduce_mean: _reduce("mean"),
+    ops.reduce_max: _reduce("max"),
+    ops.conv2d: _conv2d,
+    ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
+}
+for _name in (*ops.UNARY, *ops.BINARY):
+    CALLS[ops.OPS[_name]] = _plain(_name)
+for _name in ops.BINARY:
+    CALLS[ops.OPS[f"{_name}_scalar"]] = _plain(_name)
+
+_missing = [name for name, op in ops.OPS.items() if op not in CALLS]
+assert not _missing, f"stand-ins without a ttnn call: {_missing}"
+
+
+def call(ttnn: Any, device: Any, target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run stand-in `target` on ttnn."""
+    return CALLS[target](ttnn, device, *args, **kwargs)

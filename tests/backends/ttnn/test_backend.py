@@ -1,0 +1,101 @@
+"""The ttnn backend end to end: lower, partition, run device regions on ttnn, compare with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import backends
+from backends.ttnn import TtnnUnavailable, lower, runtime
+from rewrites import testing as rt
+from rewrites.rules.symbolic import sym_in_tensor_slots
+from rewrites.rules.ttnn import ops
+from tests.backends.ttnn.conftest import assert_close_bf16
+from tests.backends.ttnn.models import CASES
+
+aten = torch.ops.aten
+
+
+def _compile(name):
+    cls, make_inputs = CASES[name]
+    model, args = cls().eval(), make_inputs()
+    program = rt.export(model, *args)
+    return model, args, program, backends.get("ttnn").compile(program, args)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_runs_on_ttnn_and_matches_eager(ttnn_impl, name):
+    model, args, _, fn = _compile(name)
+    assert fn.partitioning.device_regions, fn.partitioning.summary()
+    with torch.no_grad():
+        expected = model(*args)
+        again = tuple(a * 0.5 if a.is_floating_point() else a for a in args)  # other values, same shapes
+        assert_close_bf16(fn(*args), expected)
+        assert_close_bf16(fn(*again), model(*again))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_host_emulation_of_the_lowered_program_matches_eager(name):
+    """program.module() runs the stand-ins' own torch bodies: the lowering's meaning, without ttnn."""
+    cls, make_inputs = CASES[name]
+    model, args = cls().eval(), make_inputs()
+    lowered = lower(rt.export(model, *args))
+    assert any(ops.is_standin(n.target) for n in lowered.graph.nodes)
+    with torch.no_grad():
+        assert_close_bf16(lowered.module()(*args), model(*args))
+
+
+def test_regions_follow_what_ttnn_takes():
+    _, _, _, fn = _compile("host_in_the_middle")
+    kinds = [r.kind for r in fn.partitioning.regions]
+    assert kinds == ["device", "host", "device"], fn.partitioning.summary()
+    host_ops = {n.target for r in fn.partitioning.host_regions for n in r.nodes}
+    assert host_ops == {aten.cumsum.default}
+
+
+def test_everything_lowered_is_one_device_region():
+    _, _, _, fn = _compile("mlp")
+    assert [r.kind for r in fn.partitioning.regions] == ["device"]
+    assert fn.partitioning.device_share == 1.0
+
+
+def test_calling_without_ttnn_says_what_is_missing(monkeypatch):
+    _, args, _, fn = _compile("mlp")  # compiling needs no ttnn
+    previous = runtime.use(None)
+    monkeypatch.setattr(runtime.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError(name)))
+    try:
+        with pytest.raises(TtnnUnavailable, match=r"not installed.*Python 3\.10.*Tenstorrent device"):
+            fn(*args)
+    finally:
+        runtime.use(previous)
+
+
+class SizeScaled(torch.nn.Module):
+    """Seed 001: x.shape[0] used as a tensor (aten.mul.Tensor(x, sym_size_int))."""
+
+    def forward(self, x):
+        return torch.relu(x * x.shape[0]) + 1.0
+
+
+def test_symint_in_tensor_slot_never_reaches_ttnn(ttnn_impl):
+    program = rt.export(SizeScaled(), torch.randn(4, 8), dynamic_shapes=[{0: Dim("batch", min=2, max=64)}])
+    assert sym_in_tensor_slots(program.graph_module), "the export no longer has the SymInt in a tensor slot"
+    fn = backends.get("ttnn").compile(program, (torch.randn(4, 8),))
+    assert sym_in_tensor_slots(fn.graph_module) == []
+    for region in fn.partitioning.regions:
+        assert sym_in_tensor_slots(fn.graph_module.get_submodule(region.name)) == [], region.name
+    assert fn.partitioning.device_regions, "relu and + 1.0 take symbolic batch sizes on ttnn"
+    for batch in (4, 7):
+        x = torch.randn(batch, 8)
+        assert_close_bf16(fn(x), SizeScaled()(x))
+
+
+def test_compile_refuses_what_is_not_a_program():
+    with pytest.raises(TypeError, match=r"ExportedProgram or a torch\.fx\.GraphModule"):
+        backends.get("ttnn").compile(torch.nn.ReLU(), ())
+
+
+def test_rules_are_default_then_ttnn():
+    rules = backends.get("ttnn").rules
+    assert "sym_scalar_in_tensor_slot" in rules and "ttnn_linear" in rules and "fuse_round_trip" in rules
