@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 import attrs
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 Kind = Literal["device", "host"]
 DEVICE: Kind = "device"
@@ -142,15 +143,38 @@ def _kinds(nodes: list[Node], index: dict[Node, int], is_supported: Callable[[No
     return on_device
 
 
-def _levels(inputs: list[list[int]], on_device: list[bool], device_first: bool) -> list[int]:
-    """Least level >= the inputs' levels with parity 0 for the first kind, 1 for the other."""
-    levels: list[int] = []
-    for ins, dev in zip(inputs, on_device):
-        level = max([levels[i] for i in ins], default=0)
-        if (level & 1) != (dev != device_first):
-            level += 1
-        levels.append(level)
-    return levels
+def _levels(nodes: list[Node], index: dict[Node, int], on_device: list[bool]) -> tuple[list[int], list[int]]:
+    """Both level assignments in one pass: device first (device levels even) and host first.
+
+    A plain loop without per-node lists: 7x faster at 100k nodes than max() over
+    a list of the inputs' levels per node (measured, docs/partitioner.md).
+    """
+    device_first: list[int] = []
+    host_first: list[int] = []
+    for position, (node, dev) in enumerate(zip(nodes, on_device)):
+        d = h = 0
+        for value in node.all_input_nodes:
+            i = index.get(value)
+            if i is None:
+                continue
+            if i >= position:
+                raise PartitionError(
+                    f"node {node.name!r} reads {value.name!r}, defined after it: the graph is not in topological "
+                    "order (graph.lint() says where)"
+                )
+            if device_first[i] > d:
+                d = device_first[i]
+            if host_first[i] > h:
+                h = host_first[i]
+        if dev:  # device wants even levels device-first, odd levels host-first
+            d += d & 1
+            h += 1 - (h & 1)
+        else:
+            d += 1 - (d & 1)
+            h += h & 1
+        device_first.append(d)
+        host_first.append(h)
+    return device_first, host_first
 
 
 def partition(graph: Graph, is_supported: Callable[[Node], bool]) -> Partitioning:
@@ -163,26 +187,15 @@ def partition(graph: Graph, is_supported: Callable[[Node], bool]) -> Partitionin
     nodes = [n for n in graph.nodes if n.op in PARTITIONED_OPS]
     index = {n: i for i, n in enumerate(nodes)}
     on_device = _kinds(nodes, index, is_supported)
-    inputs: list[list[int]] = []
-    for position, node in enumerate(nodes):
-        ins = [index[i] for i in node.all_input_nodes if i in index]
-        if any(i >= position for i in ins):
-            raise PartitionError(
-                f"node {node.name!r} reads a value defined after it: the graph is not in topological order "
-                "(graph.lint() says where)"
-            )
-        inputs.append(ins)
-    best: tuple[int, list[int]] | None = None
-    for device_first in (True, False):
-        levels = _levels(inputs, on_device, device_first)
-        used = sorted(set(levels))
-        if best is None or len(used) < best[0]:
-            best = (len(used), levels)
-    assert best is not None
-    levels = best[1]
-    compact = {level: i for i, level in enumerate(sorted(set(levels)))}
-    members: list[list[Node]] = [[] for _ in compact]
-    kinds: list[Kind] = [HOST] * len(compact)
+    device_first, host_first = _levels(nodes, index, on_device)
+    used = sorted(set(device_first))
+    host_used = sorted(set(host_first))
+    levels = device_first
+    if len(host_used) < len(used):
+        levels, used = host_first, host_used
+    compact = {level: i for i, level in enumerate(used)}
+    members: list[list[Node]] = [[] for _ in used]
+    kinds: list[Kind] = [HOST] * len(used)
     region_of: dict[Node, int] = {}
     for node, level, dev in zip(nodes, levels, on_device):
         r = compact[level]
@@ -250,7 +263,7 @@ def split(gm: GraphModule, partitioning: Partitioning) -> GraphModule:
             env[node] = top.node_copy(node)
     for region in partitioning.regions:
         graph, inputs, outputs = _region_graph(region, region_of)
-        root[region.name] = GraphModule(gm, graph, class_name=region.name)
+        root[region.name] = _LazyGraphModule(gm, graph, class_name=region.name)
         call = top.call_module(region.name, tuple(env[v] for v in inputs))
         call.meta["partition_region"] = region.name
         for i, value in enumerate(outputs):
@@ -262,7 +275,7 @@ def split(gm: GraphModule, partitioning: Partitioning) -> GraphModule:
             env[value] = top.node_copy(value)
             root[str(value.target)] = _fetch(gm, value)
     top.node_copy(output, env.__getitem__)
-    return GraphModule(root, top, class_name="PartitionedModule")
+    return _LazyGraphModule(root, top, class_name="PartitionedModule")
 
 
 def _fetch(gm: GraphModule, node: Node) -> Any:
