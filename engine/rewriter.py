@@ -18,13 +18,42 @@ from typing import Any
 import attrs
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.utils import _pytree as pytree
 
-from engine import values
+from engine import fxgraph, values
 
 #: meta keys a new node inherits from the node it replaces (source locations
 #: and module paths, so backend errors still point at the user's code).
 INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn")
+
+
+def _substitute(arg: Any, env: dict[Node, Any]) -> Any:
+    """`arg` with every node replaced by `env[node]` (pytree's tree_map was
+    a tenth of a rewrite's cost in profiles of large graphs)."""
+    if isinstance(arg, Node):
+        return env[arg]
+    if isinstance(arg, tuple):
+        items = tuple(_substitute(a, env) for a in arg)
+        return type(arg)(*items) if hasattr(arg, "_fields") else items
+    if isinstance(arg, list):
+        return [_substitute(a, env) for a in arg]
+    if isinstance(arg, dict):
+        return {k: _substitute(v, env) for k, v in arg.items()}
+    return arg
+
+
+_pure_targets: dict[Any, bool] = {}
+
+
+def _impure(node: Node) -> bool:
+    """`node.is_impure()`, remembered per ATen op (it inspects the op's
+    schema and effects each time: a tenth of a rewrite in profiles). Other
+    targets (higher-order ops: purity depends on arguments) are asked anew."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return node.is_impure()
+    known = _pure_targets.get(node.target)
+    if known is None:
+        known = _pure_targets[node.target] = not node.is_impure()
+    return not known
 
 
 class CheckFailed(Exception):
@@ -82,7 +111,7 @@ class Rewriter:
         # export-style names ("relu", not "relu_default") keep graphs readable.
         name = getattr(target, "_opname", None)
         with self.graph.inserting_before(self.root):
-            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+            node = fxgraph.insert_node(self.graph, "call_function", target, args, kwargs, name)
         self._adopt(node, val)
         return node
 
@@ -126,10 +155,9 @@ class Rewriter:
             if n.op == "placeholder":
                 continue
             if n.op == "output":
-                return pytree.tree_map_only(Node, env.__getitem__, n.args[0])
+                return _substitute(n.args[0], env)
             if n.op == "call_function":
-                a = pytree.tree_map_only(Node, env.__getitem__, n.args)
-                k = pytree.tree_map_only(Node, env.__getitem__, n.kwargs)
+                a, k = _substitute(n.args, env), _substitute(n.kwargs, env)
                 if isinstance(n.target, type) and issubclass(n.target, tuple):
                     env[n] = tuple(a)  # a namedtuple built by a decomposition
                 else:
@@ -285,7 +313,7 @@ class Rewriter:
             node = stack.pop()
             if node._erased or node.users or node.op in ("placeholder", "output"):
                 continue
-            if id(node) not in forced and node.is_impure():
+            if id(node) not in forced and _impure(node):
                 continue
             inputs = node.all_input_nodes
             self.graph.erase_node(node)

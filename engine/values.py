@@ -4,6 +4,7 @@ values for new nodes, and comparing a replacement with what it replaces."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -90,11 +91,107 @@ def node_value(arg: Any) -> Any:
 
 
 def evaluate(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Any:
-    """Run `target` on the fake values of its arguments."""
+    """Run `target` on the fake values of its arguments.
+
+    Functional ATen ops are memoised per fake mode: a second call with the
+    same op and the same argument metadata (symbolic sizes by their sympy
+    expressions) returns the first call's fake value, the same object. Values
+    are metadata; the memo holds only ops whose outputs alias no input and
+    evaluations that made no unbacked symbol, and the guards the first call
+    added are already in the shared shape environment. Fake-tensor dispatch
+    costs 0.3 ms (static) to 20 ms (symbolic pooling) per op, which
+    dominated rewrites of deep graphs whose layers repeat the same shapes.
+    """
+    key = _memo_key(target, args, kwargs) if fake_mode is not None else None
+    if key is not None:
+        memo = _MEMOS.get(fake_mode)
+        if memo is None:
+            memo = _MEMOS[fake_mode] = {}
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
     fargs, fkwargs = node_value(args), node_value(kwargs)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx:
-        return target(*fargs, **fkwargs)
+        val = target(*fargs, **fkwargs)
+    if key is not None and _storable(fake_mode, val):
+        memo[key] = val
+    return val
+
+
+#: fake mode -> {(op, argument metadata): fake value}; see `evaluate`.
+_MEMOS: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+_UNCACHED_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view})
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_memoisable_ops: dict[Any, bool] = {}
+
+
+def _memoisable(target: Any) -> bool:
+    """A functional ATen op whose outputs alias no input and whose output
+    sizes follow from its inputs' metadata alone."""
+    known = _memoisable_ops.get(target)
+    if known is None:
+        schema = getattr(target, "_schema", None)
+        known = (
+            isinstance(target, torch._ops.OpOverload)
+            and schema is not None
+            and not schema.is_mutable
+            and bool(schema.returns)
+            and not any(r.alias_info is not None for r in schema.returns)
+            and not _UNCACHED_TAGS.intersection(target.tags)
+        )
+        _memoisable_ops[target] = known
+    return known
+
+
+def _memo_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """(op, metadata of every argument), or None when not memoisable."""
+    if not _memoisable(target):
+        return None
+    parts: list[Any] = [target]
+    for a in (*args, *kwargs.items()):
+        if not _key_part(a, parts):
+            return None
+    return tuple(parts)
+
+
+def _key_part(a: Any, parts: list[Any]) -> bool:
+    if isinstance(a, Node):
+        val = a.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            if val._has_symbolic_sizes_strides:
+                shape, stride, offset = (_sym_key(v) for v in (val.shape, val.stride(), (val.storage_offset(),)))
+            else:
+                shape, stride, offset = val.shape, val.stride(), val.storage_offset()
+            parts.append((shape, stride, offset, val.dtype, val.device, val.requires_grad))
+            return True
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            parts.append((type(val), val.node.expr))
+            return True
+        return False
+    if isinstance(a, _PLAIN):
+        parts.append((type(a), a))  # 1, 1.0 and True hash alike
+        return True
+    if isinstance(a, (tuple, list)):
+        parts.append((type(a), len(a)))
+        return all(_key_part(x, parts) for x in a)
+    return False
+
+
+def _sym_key(sizes: Any) -> tuple:
+    """Sizes with each SymInt replaced by its sympy expression (hashable;
+    equal expressions in one shape environment are equal sizes)."""
+    return tuple(s if type(s) is int else s.node.expr for s in sizes)
+
+
+def _storable(fake_mode: Any, val: Any) -> bool:
+    """A tensor (or tuple of tensors) whose evaluation made no new unbacked
+    symbol (a memo hit must not share one symbol between two nodes)."""
+    tensors = val if isinstance(val, (tuple, list)) else (val,)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    shape_env = getattr(fake_mode, "shape_env", None)
+    return shape_env is None or not shape_env.pending_fresh_unbacked_symbols
 
 
 def unbacked_bindings(fake_mode: Any, val: Any) -> Any:

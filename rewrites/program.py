@@ -9,9 +9,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from engine import RewriteError
+from engine.fxgraph import copy_nodes
 
 
 class ProgramError(RewriteError):
@@ -46,14 +48,8 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     attributes and submodules are shared with `gm`, not copied."""
     graph = Graph(tracer_cls=gm.graph._tracer_cls)
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    val_map: dict[Node, Node] = {}
-    out, old_output = graph.graph_copy(gm.graph, val_map, return_output_node=True)
-    # fx renames nodes that shadow builtins ("input" -> "input_1"); export's
-    # names are what the graph signature refers to, so keep them.
-    for old, new in val_map.items():
-        if new.name != old.name:
-            new.name = old.name
-            graph._graph_namespace._used_names.add(old.name)
+    env, old_output = copy_nodes(gm.graph, graph)
+    out = map_arg(old_output.args[0], env.__getitem__)
     new_output = graph.output(out, type_expr=old_output.type)
     new_output.meta = copy.copy(old_output.meta)
     # lazy: the copy is recompiled when first called, not three times per apply()

@@ -41,6 +41,7 @@ class Pattern(RuleBase):
     pattern_gm: GraphModule = attrs.field(init=False, default=None, repr=False, eq=False)
     replacement_gm: GraphModule = attrs.field(init=False, default=None, repr=False, eq=False)
     anchor: Node = attrs.field(init=False, default=None, repr=False, eq=False)
+    wildcards: tuple[Node, ...] = attrs.field(init=False, default=(), repr=False, eq=False)
 
     def _build(self) -> tuple[Hashable, ...]:
         pattern = _trace(self.pattern, "pattern")
@@ -58,6 +59,7 @@ class Pattern(RuleBase):
         self._set("pattern_gm", pattern)
         self._set("replacement_gm", replacement)
         self._set("anchor", anchor)
+        self._set("wildcards", tuple(_placeholders(pattern.graph)))
         return (anchor.target,)
 
     def _default_name(self) -> str:
@@ -68,7 +70,7 @@ class Pattern(RuleBase):
         why = _match_node(self.anchor, node, bindings)
         if why:
             return Miss(why)
-        return [bindings[p] for p in _placeholders(self.pattern_gm.graph)]
+        return [bindings[p] for p in self.wildcards]
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> None:
         rw.replace(node, rw.inline(self.replacement_gm, match))
