@@ -36,3 +36,22 @@ class NonConvergence(RewriteError):
 
 class GraphInputError(RewriteError, TypeError):
     """The object handed to the engine cannot be rewritten as it is."""
+
+
+class NumericMismatch(RewriteError):
+    """The rewritten graph computes other results than the graph before (`apply(..., check=inputs)`).
+
+    `rule`, `node` and `op` name the first rewrite that changed the results
+    ("" when no single rewrite could be blamed), `max_difference` the largest
+    absolute difference it made, `step` its position among the run's rewrites.
+    """
+
+    def __init__(
+        self, message: str, *, rule: str = "", node: str = "", op: str = "", max_difference: float = 0.0, step: int = 0
+    ) -> None:
+        self.rule = rule
+        self.node = node
+        self.op = op
+        self.max_difference = max_difference
+        self.step = step
+        super().__init__(message)

@@ -13,6 +13,7 @@ from torch.fx import GraphModule
 import engine
 from engine import GraphInputError, Report, Rule
 from engine import values as fake_values
+from rewrites import bisect
 from rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
 from rewrites.ruleset import RuleSet
 
@@ -70,6 +71,7 @@ def apply(
     budget: int | None = None,
     inplace: bool = False,
     check_shapes: bool = True,
+    check: Any = None,
 ) -> Result:
     """Run `rules` (default `rewrites.rules.DEFAULT`) to a fixpoint.
 
@@ -79,7 +81,10 @@ def apply(
     needs `example_inputs`; given them, the values are always recomputed. `on_error="skip"` skips a failing rule on that
     node instead of raising `RuleError`; `strict=True` raises
     `NonConvergence` instead of reporting it; `explain=True` records every
-    match attempt for `result.report.explain()`.
+    match attempt for `result.report.explain()`. `check=(x, ...)` (or a list
+    of such tuples) runs the graph before and after on those inputs and raises
+    `NumericMismatch` naming the first rewrite that changed the results
+    (found by replaying the rewrites, see `rewrites.bisect`).
     """
     rule_list = _rule_list(rules)
     if isinstance(program, ExportedProgram):
@@ -98,6 +103,10 @@ def apply(
             f"apply() takes a torch.export.ExportedProgram or a torch.fx.GraphModule, "
             f"got {type(program).__name__}.{hint}"
         )
+    if check is not None:
+        sets = bisect.input_sets(check)
+        before = program if isinstance(program, ExportedProgram) else copy_graph_module(program)
+        expected = bisect.references(before, sets)
     report = engine.run(
         gm.graph,
         rule_list,
@@ -110,4 +119,19 @@ def apply(
     drop_dead_subgraphs(gm)
     gm.recompile()
     new_program = rebuild_program(program, gm) if isinstance(program, ExportedProgram) else None
+    if check is not None:
+
+        def rerun(k: int) -> tuple[ExportedProgram | GraphModule, Report]:
+            again = apply(
+                before,
+                rule_list,
+                example_inputs=example_inputs,
+                on_error=on_error,
+                explain=True,
+                budget=k,
+                check_shapes=check_shapes,
+            )
+            return (again.program if again.program is not None else again.graph_module), again.report
+
+        bisect.check(before, new_program if new_program is not None else gm, report, sets, expected, rerun)
     return Result(graph_module=gm, report=report, program=new_program)
