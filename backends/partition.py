@@ -177,13 +177,15 @@ def _levels(nodes: list[Node], index: dict[Node, int], on_device: list[bool]) ->
     return device_first, host_first
 
 
-def partition(graph: Graph, is_supported: Callable[[Node], bool]) -> Partitioning:
-    """The fewest device/host regions of `graph` with an acyclic region graph.
+def partition(graph: Graph | GraphModule, is_supported: Callable[[Node], bool]) -> Partitioning:
+    """The fewest device/host regions of `graph` (or a GraphModule's graph) with an acyclic region graph.
 
     `is_supported(node)` says whether a call node can run on the device; it is
     called once per node (not for getitem of a partitioned node, which goes
     with its producer). O(nodes + edges).
     """
+    if isinstance(graph, GraphModule):
+        graph = graph.graph
     nodes = [n for n in graph.nodes if n.op in PARTITIONED_OPS]
     index = {n: i for i, n in enumerate(nodes)}
     on_device = _kinds(nodes, index, is_supported)
@@ -266,6 +268,8 @@ def split(gm: GraphModule, partitioning: Partitioning) -> GraphModule:
         root[region.name] = _LazyGraphModule(gm, graph, class_name=region.name)
         call = top.call_module(region.name, tuple(env[v] for v in inputs))
         call.meta["partition_region"] = region.name
+        if all("val" in v.meta for v in outputs):
+            call.meta["val"] = tuple(v.meta["val"] for v in outputs)
         for i, value in enumerate(outputs):
             env[value] = top.call_function(operator.getitem, (call, i), name=value.name)
             env[value].meta = dict(value.meta)

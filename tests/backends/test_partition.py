@@ -171,6 +171,8 @@ def test_split_of_an_export_graph_module_keeps_meta_val_on_boundaries():
     host = parts.get_submodule("host_1")
     (relu_input,) = [n for n in host.graph.nodes if n.op == "placeholder"]
     assert relu_input.meta["val"].shape == (2, 32)
+    (call,) = [n for n in parts.graph.nodes if n.target == "host_1"]
+    assert [v.shape for v in call.meta["val"]] == [(2, 32)]
     params = [p for _, p in ep.named_parameters()]
     x = torch.randn(2, 16)
     torch.testing.assert_close(parts(*params, x), gm(*params, x), rtol=0, atol=0)
@@ -232,3 +234,23 @@ def test_output_reading_a_constant_directly():
     parts = split(gm, partition(gm.graph, lambda node: True))
     got = parts(torch.tensor([-1.0]))
     assert torch.equal(got[0], torch.tensor([0.0])) and torch.equal(got[1], torch.tensor([1.0, 2.0]))
+
+
+class Cond(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x)
+        return torch.cond(y.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (y,)) + 1
+
+
+@pytest.mark.parametrize("cond_on_device", [False, True])
+def test_cond_subgraphs_are_copied_into_the_region_that_calls_them(cond_on_device):
+    gm = rt.export(Cond(), torch.randn(3)).module()
+    cond = torch.ops.higher_order.cond
+    result = partition(gm, lambda node: (node.target is cond) == cond_on_device)
+    assert result.num_regions == 3
+    parts = split(gm, result)
+    (cond_node,) = [n for n in gm.graph.nodes if n.target is cond]
+    region = parts.get_submodule(result.region(cond_node).name)
+    assert {n.target for n in region.graph.nodes if n.op == "get_attr"} == {"true_graph_0", "false_graph_0"}
+    for x in (torch.randn(3), -torch.ones(3), torch.ones(3)):
+        assert torch.equal(parts(x), gm(x))
