@@ -29,6 +29,8 @@ def _layout(ttnn: Any, name: str) -> Any:
 def _from_torch(ttnn: Any, dev: Any, x: Any, dtype: str, layout: str, on_device: bool) -> Any:
     if dtype == "uint32":
         x = x.to(torch.int32)  # ttnn converts int32 host data to uint32
+    elif x.dtype == torch.bool:
+        x = x.to(torch.bfloat16)  # a mask: 1.0 / 0.0
     device = dev if on_device else None
     return ttnn.from_torch(x, dtype=_dtype(ttnn, dtype), layout=_layout(ttnn, layout), device=device)
 
@@ -57,6 +59,17 @@ def _conv2d(ttnn: Any, dev: Any, x: Any, w: Any, b: Any, c: int, o: int, n: int,
         groups=groups,
     )
     return out[0] if isinstance(out, tuple) else out  # older ttnn returns (output, out_h, out_w, ...)
+
+
+def _batch_norm(ttnn: Any, dev: Any, x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float) -> Any:
+    c = x.shape[1]
+
+    def stat(t: Any) -> Any:  # ttnn.batch_norm takes [1, C, 1, 1] statistics and parameters
+        return None if t is None else ttnn.reshape(t, (1, c, 1, 1))
+
+    return ttnn.batch_norm(
+        x, running_mean=stat(mean), running_var=stat(var), weight=stat(w), bias=stat(b), eps=eps, training=False
+    )
 
 
 def _reduce(name: str) -> Call:
@@ -94,11 +107,18 @@ CALLS: dict[Any, Call] = {
     ops.reduce_max: _reduce("max"),
     ops.conv2d: _conv2d,
     ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
+    ops.where: _plain("where"),
+    ops.leaky_relu: lambda ttnn, dev, x, slope: ttnn.leaky_relu(x, negative_slope=slope),
+    ops.clamp: lambda ttnn, dev, x, lo, hi: ttnn.clamp(x, min=lo, max=hi),
+    ops.batch_norm: _batch_norm,
+    ops.slice_: lambda ttnn, dev, x, starts, ends, steps: ttnn.slice(x, list(starts), list(ends), list(steps)),
 }
 for _name in (*ops.UNARY, *ops.BINARY):
     CALLS[ops.OPS[_name]] = _plain(_name)
-for _name in ops.BINARY:
+for _name in (*ops.BINARY, *ops.COMPARE):
     CALLS[ops.OPS[f"{_name}_scalar"]] = _plain(_name)
+for _name in ops.COMPARE:
+    CALLS[ops.OPS[_name]] = _plain(_name)
 
 _missing = [name for name, op in ops.OPS.items() if op not in CALLS]
 assert not _missing, f"stand-ins without a ttnn call: {_missing}"

@@ -23,6 +23,8 @@ class TtnnUnavailable(RuntimeError):
     """ttnn cannot be imported, or its device cannot be opened."""
 
 
+#: the module `ttnn_module()` imports when none is injected
+MODULE_NAME = "ttnn"
 _injected: Any = None
 _devices: dict[int, Any] = {}
 
@@ -40,7 +42,7 @@ def ttnn_module() -> Any:
     if _injected is not None:
         return _injected
     try:
-        return importlib.import_module("ttnn")
+        return importlib.import_module(MODULE_NAME)
     except ImportError as e:
         raise TtnnUnavailable(f"{INSTALL_HINT} (import ttnn: {e})") from None
 

@@ -104,6 +104,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     from rewrites.demo import Row, verdict
 
     backend = _backend(args.backend)
+    if backend.name == "ttnn":
+        return _check_ttnn(args, backend)
+    args.rtol = 1e-4 if args.rtol is None else args.rtol
+    args.atol = 1e-5 if args.atol is None else args.atol
     model = _load_model(args.model, args.inputs)
     start = time.perf_counter()
     status = _status_console()
@@ -149,6 +153,45 @@ def cmd_check(args: argparse.Namespace) -> int:
                     f"--- {phase}: diagnostics\n{e.diagnostics}", markup=False, highlight=False, soft_wrap=True
                 )
     return EXIT_PASS if row.passed else EXIT_FAIL
+
+
+def _check_ttnn(args: argparse.Namespace, backend: Any) -> int:
+    """The ttnn coverage report, the lowered graph run on the host (the stand-ins' torch bodies)
+    against eager, and, when ttnn and a device are there, the run on ttnn against eager."""
+    from backends.ttnn import TtnnUnavailable, lower
+    from backends.ttnn.coverage import coverage
+    from rewrites.demo import verdict
+
+    rtol = 3e-2 if args.rtol is None else args.rtol
+    atol = 3e-2 if args.atol is None else args.atol
+    model = _load_model(args.model, args.inputs)
+    with _status_console().status(f"lowering {model.label} for ttnn"):
+        expected = _reference(model)
+        report = coverage(model.program(), model.label)
+        inputs, kwargs = model.inputs()
+        with torch.no_grad():
+            emulated = verdict(lower(model.program()).module()(*inputs, **kwargs), expected, rtol, atol)
+        try:
+            fn = backend.compile(model.program(), inputs)
+            on_ttnn = verdict(fn(*inputs, **kwargs), expected, rtol, atol)
+        except TtnnUnavailable as e:
+            on_ttnn = None
+            not_run = " ".join(str(e).split())
+        except Exception as e:
+            on_ttnn = (_outcome(e), float("nan"))
+    console = _console()
+    console.print(report.text(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"inputs: {_describe_inputs(model)} ({model.inputs_from})", markup=False, highlight=False)
+    lines = [f"lowered graph on the host (bfloat16 emulation) vs eager: {emulated[0]} (max abs diff {emulated[1]:.2e})"]
+    if on_ttnn is None:
+        lines.append(f"not run on ttnn: {not_run}")
+    else:
+        lines.append(f"on ttnn vs eager: {on_ttnn[0]} (max abs diff {on_ttnn[1]:.2e})")
+    passed = emulated[0] == "ok" and (on_ttnn is None or on_ttnn[0] == "ok")
+    lines.append(f"{'PASS' if passed else 'FAIL'}: rtol {rtol:g}, atol {atol:g}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return EXIT_PASS if passed else EXIT_FAIL
 
 
 def _status_console():

@@ -22,7 +22,7 @@ from torch.fx import Node
 
 from engine import Miss, Rewriter
 from rewrites import schema
-from rewrites.kinds import FunctionRule
+from rewrites.kinds import FunctionRule, rule
 from rewrites.rules.ttnn import ops
 from rewrites.rules.ttnn.boundary import device_value, on_device, to_host
 
@@ -30,6 +30,7 @@ aten = torch.ops.aten
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
+MASK_DTYPES = (torch.bool, *FLOAT_DTYPES)
 #: ttnn tensors here have rank 1 to 4 (4-D is the tile library's native form)
 MAX_RANK = 4
 
@@ -43,10 +44,11 @@ def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES)
         return f"{what} is {type(val).__name__} {val!r}, not a tensor"
     if val.dtype not in dtypes:
         kinds = "float" if dtypes == FLOAT_DTYPES else "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        kinds = "bool or float" if dtypes == MASK_DTYPES else kinds
         return f"{what} is {str(val.dtype).removeprefix('torch.')}; the ttnn lowering takes {kinds} tensors"
     if not 1 <= val.dim() <= MAX_RANK:
         return f"{what} has rank {val.dim()}; ttnn tensors here have rank 1 to {MAX_RANK}"
-    if val.numel() == 0:
+    if any(isinstance(s, int) and s == 0 for s in val.shape):  # no guard on unbacked sizes
         return f"{what} is empty"
     return None
 
@@ -58,23 +60,30 @@ def static_problem(node: Node) -> str | None:
     return f"symbolic sizes {sym[0]}: this ttnn call takes its sizes as constants" if sym else None
 
 
-def tensors_ok(*names: str, indices: Iterable[str] = (), static: bool = False) -> Callable[[Node], Any]:
-    """A `when` predicate: the named arguments (float; `indices`: integer) and
-    the node's result can be ttnn tensors (`static`: of static shapes)."""
-    index_names = tuple(indices)
+def tensors_ok(
+    *names: str,
+    indices: Iterable[str] = (),
+    static: bool = False,
+    masks: Iterable[str] = (),
+    result: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> Callable[[Node], Any]:
+    """A `when` predicate: the named arguments (float; `indices`: integer;
+    `masks`: bool or float) and the node's result (`result` dtypes) can be
+    ttnn tensors (`static`: of static shapes)."""
+    index_names, mask_names = tuple(indices), tuple(masks)
 
     def when(node: Node) -> Any:
         bound = schema.bind(node.target, node.args, dict(node.kwargs))
-        for name in names + index_names:
+        for name in names + index_names + mask_names:
             values = bound.get(name)
-            dtypes = INDEX_DTYPES if name in index_names else FLOAT_DTYPES
+            dtypes = INDEX_DTYPES if name in index_names else MASK_DTYPES if name in mask_names else FLOAT_DTYPES
             for i, v in enumerate(values if isinstance(values, (list, tuple)) else [values]):
                 if v is None:
                     continue
                 why = problem(v, f"{name}[{i}]" if isinstance(values, (list, tuple)) else name, dtypes)
                 if why:
                     return Miss(why)
-        why = problem(node, "the result") or (static_problem(node) if static else None)
+        why = problem(node, "the result", result) or (static_problem(node) if static else None)
         return Miss(why) if why else True
 
     return when
@@ -92,9 +101,16 @@ def _lowering(name: str, roots: Iterable[Any], when: Callable[[Node], Any], doc:
             rw.replace(node, out if out.target is ops.to_torch else to_host(rw, out, node))
             return None
 
+        for root in roots:
+            if hasattr(when, "inner"):  # data movement: sink_data_movement may move it to the device too
+                MOVEMENT[root] = (build, when.inner)
         return FunctionRule(fn=fn, ops=tuple(roots), name=name, when=when, doc=doc, tags=frozenset({"ttnn"}))
 
     return wrap
+
+
+#: data-movement op -> (build, its check without the "an operand is on the device" condition)
+MOVEMENT: dict[Any, tuple[Callable[..., Any], Callable[[Node], Any]]] = {}
 
 
 def _static(val: Any) -> list[int]:
@@ -302,9 +318,10 @@ def _follows_device(*names: str, static: bool = False) -> Callable[[Node], Any]:
         bound = schema.bind(node.target, node.args, dict(node.kwargs))
         args = [a for n in names for a in (bound[n] if isinstance(bound[n], (list, tuple)) else [bound[n]])]
         if not any(on_device(a) for a in args):
-            return Miss("no operand is on the device; moving it there only for this would add a round trip")
+            return Miss("no operand is on the device and no device op reads it")
         return check(node)
 
+    when.inner = check  # type: ignore[attr-defined]
     return when
 
 
@@ -457,7 +474,175 @@ def lower_max_pool2d(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.permute, y, [0, 3, 1, 2])
 
 
+# -- comparisons, where, activations with parameters -----------------------------------------------------
+
+COMPARISONS = {
+    getattr(getattr(aten, name), overload): name for name in ops.COMPARE for overload in ("Tensor", "Scalar")
+}
+
+
+def _compare_when(node: Node) -> Any:
+    other = node.args[1]
+    if isinstance(other, Node):
+        return tensors_ok("self", "other", result=(torch.bool,))(node)
+    if isinstance(other, bool) or not isinstance(other, (int, float)):
+        return Miss(f"other is {other!r}, not a number")
+    return tensors_ok("self", result=(torch.bool,))(node)
+
+
+@_lowering(
+    "ttnn_compare", COMPARISONS, _compare_when, "gt/lt/ge/le/eq/ne of floats -> ttnn.gt/... (1.0/0.0, read as bool)."
+)
+def lower_compare(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    name, other = COMPARISONS[node.target], bound["other"]
+    a = device_value(rw, bound["self"])
+    if isinstance(other, Node):
+        return rw.call(ops.OPS[name], a, device_value(rw, other))
+    return rw.call(ops.OPS[f"{name}_scalar"], a, float(other))
+
+
+@_lowering(
+    "ttnn_where",
+    [aten.where.self],
+    tensors_ok("self", "other", masks=("condition",)),
+    "aten.where(cond, x, y) -> ttnn.where (a bool condition goes in as bfloat16 1.0/0.0).",
+)
+def lower_where(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    cond, x, y = (device_value(rw, bound[n]) for n in ("condition", "self", "other"))
+    return rw.call(ops.where, cond, x, y)
+
+
+@_lowering("ttnn_leaky_relu", [aten.leaky_relu.default], tensors_ok("self"), "leaky_relu -> ttnn.leaky_relu.")
+def lower_leaky_relu(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    return rw.call(ops.leaky_relu, device_value(rw, bound["self"]), float(bound.get("negative_slope", 0.01)))
+
+
+def _clamp_when(node: Node) -> Any:
+    bound = schema.bind(node.target, node.args, dict(node.kwargs))
+    for key in ("min", "max", "min_val", "max_val"):
+        if isinstance(bound.get(key), Node):
+            return Miss(f"{key} is a graph value; ttnn.clamp takes constants")
+    return tensors_ok("self")(node)
+
+
+@_lowering(
+    "ttnn_clamp",
+    [aten.clamp.default, aten.hardtanh.default, aten.clamp_min.default, aten.clamp_max.default],
+    _clamp_when,
+    "clamp / hardtanh / clamp_min / clamp_max with constant bounds -> ttnn.clamp.",
+)
+def lower_clamp(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    lo = bound.get("min", bound.get("min_val", -1.0 if node.target is aten.hardtanh.default else None))
+    hi = bound.get("max", bound.get("max_val", 1.0 if node.target is aten.hardtanh.default else None))
+    lo, hi = (None if v is None else float(v) for v in (lo, hi))
+    return rw.call(ops.clamp, device_value(rw, bound["self"]), lo, hi)
+
+
+def _batch_norm_when(node: Node) -> Any:
+    bound = schema.bind(node.target, node.args, dict(node.kwargs))
+    if bound.get("training"):
+        return Miss("training-mode batch norm (batch statistics)")
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() != 4:
+        return Miss(f"a {val.dim()}-D input; ttnn.batch_norm takes [N, C, H, W]")
+    if bound.get("running_mean") is None or bound.get("running_var") is None:
+        return Miss("no running statistics")
+    return tensors_ok("input", "weight", "bias", "running_mean", "running_var")(node)
+
+
+@_lowering(
+    "ttnn_batch_norm",
+    [aten.batch_norm.default],
+    _batch_norm_when,
+    "eval-mode aten.batch_norm on NCHW -> ttnn.batch_norm(x, running_mean=, running_var=, weight=, bias=, eps=).",
+)
+def lower_batch_norm(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    mean, var = device_value(rw, bound["running_mean"]), device_value(rw, bound["running_var"])
+    w, b = (device_value(rw, bound[n]) if isinstance(bound.get(n), Node) else None for n in ("weight", "bias"))
+    return rw.call(ops.batch_norm, device_value(rw, bound["input"]), mean, var, w, b, float(bound.get("eps", 1e-5)))
+
+
+# -- slices and casts (data movement) ------------------------------------------------------------------------
+
+
+def _slice_bounds(node: Node, bound: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    shape = _static(bound["self"].meta["val"])
+    dim = int(bound.get("dim", 0)) % len(shape)
+    start, end, step = bound.get("start"), bound.get("end"), int(bound.get("step", 1))
+    size = shape[dim]
+    start = 0 if start is None else int(start) + (size if int(start) < 0 else 0)
+    end = size if end is None else min(int(end) + (size if int(end) < 0 else 0), size)
+    starts, ends, steps = [0] * len(shape), list(shape), [1] * len(shape)
+    starts[dim], ends[dim], steps[dim] = max(0, min(start, size)), max(0, end), step
+    return starts, ends, steps
+
+
+@_lowering("ttnn_slice", [aten.slice.Tensor], _follows_device("self", static=True), "aten.slice -> ttnn.slice.")
+def lower_slice(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Any:
+    for arg in ("start", "end"):
+        if isinstance(bound.get(arg), Node):
+            return Miss(f"{arg} is a graph value; ttnn.slice takes constants")
+    return rw.call(ops.slice_, device_value(rw, bound["self"]), *_slice_bounds(node, bound))
+
+
+CASTS = [aten._to_copy.default, aten.to.dtype]
+
+
+def _cast_check(node: Node) -> Any:
+    bound = schema.bind(node.target, node.args, dict(node.kwargs))
+    if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
+        return Miss("a copy that changes device or memory format")
+    return tensors_ok("self")(node)
+
+
+def _cast_when(node: Node) -> Any:
+    return _cast_check(node) if on_device(node.args[0]) else Miss("its input is a host tensor")
+
+
+_cast_when.inner = _cast_check  # type: ignore[attr-defined]
+
+
+@_lowering("ttnn_cast", CASTS, _cast_when, "a float -> float cast of a device value: read back in the new dtype.")
+def lower_cast(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    return device_value(rw, bound["self"])  # bfloat16 on the device whatever the host dtype
+
+
+# -- moving data-movement ops onto the device when a device op reads them --------------------------------------
+
+
+def _sink_when(node: Node) -> Any:
+    source = node.args[0]
+    if not isinstance(source, Node) or source.target not in MOVEMENT:
+        return Miss("its input is not a data-movement op (view, permute, slice, cat, cast, ...)")
+    if tuple(node.args[1:]) != ("bfloat16", ops.TILE, True):
+        return Miss("not a bfloat16 tile tensor on the device")
+    if len(source.users) != 1:
+        return Miss(f"{source.name} is read on the host too")
+    ok = MOVEMENT[source.target][1](source)
+    return Miss(f"{source.name}: {ok.reason}") if isinstance(ok, Miss) else ok
+
+
+@rule(roots=(ops.from_torch,), when=_sink_when, tags=("ttnn", "boundary"))
+def sink_data_movement(node: Node, rw: Rewriter) -> Any:
+    """from_torch(view(x)) -> ttnn.reshape(from_torch(x)), likewise permute, transpose, slice, cat and casts:
+    data movement only a device op reads moves to the device, up the chain to where the data comes from."""
+    source = node.args[0]
+    out = MOVEMENT[source.target][0](source, rw, schema.bind(source.target, source.args, dict(source.kwargs)))
+    if isinstance(out, Miss):
+        return out
+    rw.replace(node, out)
+    return None
+
+
 RULES = [
+    lower_compare,
+    lower_where,
+    lower_leaky_relu,
+    lower_clamp,
+    lower_batch_norm,
+    lower_slice,
+    lower_cast,
+    sink_data_movement,
     lower_unary,
     lower_binary,
     lower_pow,

@@ -139,6 +139,46 @@ def _pow(x: Tensor, exponent: float) -> Tensor:
 
 pow_scalar = _define("pow", _pow)
 
+#: comparisons: 1.0 / 0.0 in bfloat16 on the device (read back as bool)
+COMPARE: dict[str, Callable[[Tensor, Any], Tensor]] = {
+    "gt": torch.gt,
+    "lt": torch.lt,
+    "ge": torch.ge,
+    "le": torch.le,
+    "eq": torch.eq,
+    "ne": torch.ne,
+}
+for _name, _f in COMPARE.items():
+    _define(_name, _binary(_f))
+    _define(f"{_name}_scalar", _binary_scalar(_f))
+
+
+def _where(condition: Tensor, true_value: Tensor, false_value: Tensor) -> Tensor:
+    return _round(torch.where(condition != 0, true_value, false_value))
+
+
+def _leaky_relu(x: Tensor, negative_slope: float) -> Tensor:
+    return _round(F.leaky_relu(x, negative_slope))
+
+
+def _clamp(x: Tensor, min: float | None, max: float | None) -> Tensor:
+    return _round(torch.clamp(x, min, max))
+
+
+def _batch_norm(
+    x: Tensor, running_mean: Tensor, running_var: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    def f(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.float()
+
+    return _round(F.batch_norm(x.float(), f(running_mean), f(running_var), f(weight), f(bias), False, 0.0, eps))
+
+
+where = _define("where", _where)
+leaky_relu = _define("leaky_relu", _leaky_relu)
+clamp = _define("clamp", _clamp)
+batch_norm = _define("batch_norm", _batch_norm)
+
 # -- matmul, normalisation, embedding ----------------------------------------------------
 
 
@@ -190,6 +230,11 @@ def _concat(tensors: list[Tensor], dim: int) -> Tensor:
     return torch.cat(tensors, dim)
 
 
+def _slice(x: Tensor, starts: list[int], ends: list[int], steps: list[int]) -> Tensor:
+    return x[tuple(slice(a, b, c) for a, b, c in zip(starts, ends, steps))].clone()
+
+
+slice_ = _define("slice", _slice)
 reshape = _define("reshape", _reshape)
 permute = _define("permute", _permute)
 transpose = _define("transpose", _transpose)

@@ -21,6 +21,7 @@ Written independently of the stand-ins' own torch bodies
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -215,6 +216,70 @@ multiply = _binary("multiply", torch.mul)
 divide = _binary("divide", torch.div)
 maximum = _binary("maximum", torch.maximum)
 minimum = _binary("minimum", torch.minimum)
+
+
+gt = _binary("gt", torch.gt)
+lt = _binary("lt", torch.lt)
+ge = _binary("ge", torch.ge)
+le = _binary("le", torch.le)
+eq = _binary("eq", torch.eq)
+ne = _binary("ne", torch.ne)
+
+
+def where(condition: Tensor, true_value: Tensor, false_value: Tensor, **_: Any) -> Tensor:
+    c, x, y = (_need(t, "where") for t in (condition, true_value, false_value))
+    return _result(torch.where(c != 0, x, y), condition.device)
+
+
+def leaky_relu(input_tensor: Tensor, negative_slope: float = 0.01, **_: Any) -> Tensor:
+    return _result(F.leaky_relu(_need(input_tensor, "leaky_relu"), negative_slope), input_tensor.device)
+
+
+def clamp(input_tensor: Tensor, min: float | None = None, max: float | None = None, **_: Any) -> Tensor:
+    return _result(torch.clamp(_need(input_tensor, "clamp"), min, max), input_tensor.device)
+
+
+def batch_norm(
+    input_tensor: Tensor,
+    *,
+    running_mean: Tensor,
+    running_var: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    training: bool = False,
+    **_: Any,
+) -> Tensor:
+    x = _need(input_tensor, "batch_norm")
+    c = x.shape[1]
+    stats = []
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+        if t is None:
+            stats.append(None)
+            continue
+        v = _need(t, f"batch_norm {name}")
+        if tuple(v.shape) != (1, c, 1, 1):
+            raise TtnnDoubleError(
+                f"batch_norm: {name} of shape {tuple(v.shape)}, expected [1, C, 1, 1] = [1, {c}, 1, 1]"
+            )
+        stats.append(v.reshape(-1))
+    mean, var, w, b = stats
+    return _result(F.batch_norm(x, mean, var, w, b, training, 0.0, eps), input_tensor.device)
+
+
+def slice(
+    input_tensor: Tensor,
+    slice_start: Sequence[int],
+    slice_end: Sequence[int],
+    slice_step: Sequence[int] | None = None,
+    **_: Any,
+) -> Tensor:
+    x = _need(input_tensor, "slice", layout=None)
+    steps = slice_step or [1] * x.dim()
+    if not len(slice_start) == len(slice_end) == len(steps) == x.dim():
+        raise TtnnDoubleError(f"slice: starts/ends/steps need one entry per dimension of {tuple(x.shape)}")
+    index = tuple(builtins.slice(a, b, c) for a, b, c in zip(slice_start, slice_end, steps))
+    return _result(x[index], input_tensor.device, input_tensor.layout)
 
 
 def pow(input_tensor: Tensor, exponent: float, **_: Any) -> Tensor:

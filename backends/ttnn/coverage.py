@@ -1,0 +1,113 @@
+"""What the ttnn lowering takes: per aten op, nodes on the device and nodes left on the host, and why.
+
+    cov = coverage(program)
+    print(cov.text())                      # the table `fx-rewrites check MODEL --backend ttnn` prints
+    cov.device_share                       # lowered nodes / nodes after DEFAULT
+
+Counted on the graph the ttnn pack receives (after DEFAULT), one count per
+call node except `operator.getitem` (tuple plumbing): a node is on the
+device when a lowering rule replaced it. The reason a node stayed on the host
+is what the lowering rule said when it declined (`apply(..., explain=True)`),
+or that no rule lowers its op.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter, defaultdict
+
+import attrs
+from torch.export import ExportedProgram
+from torch.fx import Graph, GraphModule, Node
+
+from backends.partition import Partitioning, partition
+from backends.ttnn.backend import is_device_node
+from rewrites.api import apply
+from rewrites.rules import DEFAULT
+from rewrites.rules.ttnn import RULES as TTNN_RULES
+from rewrites.rules.ttnn.ops import is_standin
+from rewrites.schema import op_name
+
+
+@attrs.frozen
+class OpCoverage:
+    """One aten op: how many nodes went to the device, how many stayed, and the reasons (with counts)."""
+
+    op: str
+    on_device: int
+    on_host: int
+    reasons: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.on_device + self.on_host
+
+
+@attrs.frozen
+class Coverage:
+    label: str
+    ops: tuple[OpCoverage, ...]
+    partitioning: Partitioning = attrs.field(repr=False)
+
+    @property
+    def nodes(self) -> int:
+        return sum(o.total for o in self.ops)
+
+    @property
+    def nodes_on_device(self) -> int:
+        return sum(o.on_device for o in self.ops)
+
+    @property
+    def device_share(self) -> float:
+        return self.nodes_on_device / self.nodes if self.nodes else 1.0
+
+    def summary(self) -> str:
+        p = self.partitioning
+        return (
+            f"{self.nodes_on_device} of {self.nodes} nodes on device ({self.device_share:.1%}); "
+            f"{p.num_regions} regions ({len(p.device_regions)} device, {len(p.host_regions)} host)"
+        )
+
+    def text(self) -> str:
+        """A plain-text table, widest reasons last."""
+        rows = [("op", "device", "host", "why on host")]
+        for o in self.ops:
+            why = "; ".join(f"{r} (x{n})" if n > 1 else r for r, n in o.reasons)
+            rows.append((o.op, str(o.on_device), str(o.on_host), why or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
+        return "\n".join([f"ttnn coverage of {self.label}: {self.summary()}", *lines])
+
+
+def _counted(graph: Graph) -> list[Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+
+
+def _reason(text: str) -> str:
+    return text.removeprefix("when: ")
+
+
+def coverage(program: ExportedProgram | GraphModule, label: str = "model") -> Coverage:
+    """Lower `program` (DEFAULT, then the ttnn pack) and count what went where."""
+    first = apply(program, DEFAULT)
+    before = first.program if first.program is not None else first.graph_module
+    second = apply(before, TTNN_RULES, explain=True)
+    attempts: dict[str, list[str]] = defaultdict(list)
+    for a in second.report.explain():
+        if not a.fired and a.rule != "fuse_round_trip":
+            attempts[a.node].append(_reason(a.reason))
+    totals = Counter(op_name(n.target) for n in _counted(first.graph_module.graph))
+    host: Counter = Counter()
+    reasons: dict[str, Counter] = defaultdict(Counter)
+    for node in _counted(second.graph_module.graph):
+        if is_standin(node.target):
+            continue
+        name = op_name(node.target)
+        host[name] += 1
+        for why in dict.fromkeys(attempts.get(node.name) or [f"no ttnn lowering for {name}"]):
+            reasons[name][why] += 1
+    ops = tuple(
+        OpCoverage(name, totals[name] - host[name], host[name], tuple(reasons[name].most_common()))
+        for name in sorted(totals, key=lambda k: (-host[k], -totals[k], k))
+    )
+    return Coverage(label, ops, partition(second.graph_module.graph, is_device_node))

@@ -1,0 +1,117 @@
+"""ttnn coverage of the gallery (examples/) and the transformers zoo (tests/zoo): what lowers, what stays on host.
+
+Per model: call nodes after DEFAULT, how many the ttnn pack lowered (device
+share), device and host regions, the ops left on the host most often (and
+why), the largest difference from eager when the compiled program runs on
+the ttnn test double (tests/backends/ttnn/reference_ttnn.py: bfloat16, tile
+padding) and the seconds it took. Nothing is compiled for IREE.
+
+    python benchmarks/ttnn_coverage.py [--only gallery|zoo] [--models bert,resnet] [--no-run]
+
+Prints a Markdown table; exits 1 if a model that torch exports fails to lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.* from a checkout
+
+import torch
+from torch.utils import _pytree as pytree
+
+import backends
+from backends.ttnn import runtime
+from backends.ttnn.coverage import coverage
+
+
+def _max_diff(got: Any, expected: Any) -> float:
+    pairs = zip(pytree.tree_leaves(got), pytree.tree_leaves(expected))
+    diffs = [(g.float() - e.float()).abs().max().item() for g, e in pairs if isinstance(g, torch.Tensor) and g.numel()]
+    return max(diffs, default=0.0)
+
+
+def _cases(only: str | None, names: set[str] | None):
+    """(name, module, args, kwargs, dynamic_shapes, expected export error) per model."""
+    if only in (None, "gallery"):
+        from examples import gallery
+
+        for e in gallery():
+            if names is None or e.name in names:
+                module, args = e.make()
+                yield f"gallery/{e.name}", module, tuple(args), {}, e.dynamic_shapes, ""
+    if only in (None, "zoo"):
+        from tests.zoo import registry
+
+        for m in registry.MODELS:
+            if names is None or m.name in names:
+                args, kwargs = m.inputs(registry.SEEDS[0])
+                yield f"zoo/{m.name}", m.model(), tuple(args), dict(kwargs), None, m.export_error
+
+
+def _top_host_ops(cov: Any, k: int = 3) -> str:
+    ops = sorted((o for o in cov.ops if o.on_host), key=lambda o: -o.on_host)[:k]
+    return "; ".join(f"{o.op.removeprefix('aten.')} x{o.on_host} ({o.reasons[0][0]})" for o in ops) or "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("gallery", "zoo"))
+    p.add_argument("--models", help="comma-separated names (gallery or zoo)")
+    p.add_argument("--no-run", action="store_true", help="do not run the compiled programs on the test double")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from tests.backends.ttnn import reference_ttnn
+
+    runtime.use(reference_ttnn)
+    names = set(args.models.split(",")) if args.models else None
+    backend = backends.get("ttnn")
+    rows, failed = [], []
+    for name, module, margs, mkwargs, dynamic, export_error in _cases(args.only, names):
+        start = time.perf_counter()
+        try:
+            program = torch.export.export(module, margs, mkwargs or None, dynamic_shapes=dynamic)
+        except Exception as e:
+            status = "expected" if export_error else "UNEXPECTED"
+            rows.append(f"| {name} | torch.export fails ({status}: {type(e).__name__}) | | | | | |")
+            if not export_error:
+                failed.append(name)
+            continue
+        try:
+            cov = coverage(program, name)
+            fn = backend.compile(program, margs)
+            diff = "-"
+            if not args.no_run:
+                with torch.no_grad():
+                    diff = f"{_max_diff(fn(*margs, **mkwargs), module(*margs, **mkwargs)):.2e}"
+        except Exception as e:
+            failed.append(name)
+            rows.append(f"| {name} | FAILS: {type(e).__name__}: {' '.join(str(e).split())[:200]} | | | | | |")
+            traceback.print_exc(file=sys.stderr)
+            continue
+        p_ = cov.partitioning
+        rows.append(
+            f"| {name} | {cov.nodes} | {cov.nodes_on_device} ({cov.device_share:.0%}) | "
+            f"{len(p_.device_regions)} / {len(p_.host_regions)} | {_top_host_ops(cov)} | {diff} | "
+            f"{time.perf_counter() - start:.1f} |"
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    print(
+        "| model | nodes | on device (share) | regions device / host | most frequent on host (why) | "
+        "max abs diff on the double | s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if failed:
+        print(f"\nfailed to lower: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
