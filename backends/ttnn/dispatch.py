@@ -108,6 +108,9 @@ CALLS: dict[Any, Call] = {
     ops.conv2d: _conv2d,
     ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
     ops.where: _plain("where"),
+    ops.sdpa: lambda ttnn, dev, q, k, v, mask, causal, scale: ttnn.transformer.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+    ),
     ops.leaky_relu: lambda ttnn, dev, x, slope: ttnn.leaky_relu(x, negative_slope=slope),
     ops.clamp: lambda ttnn, dev, x, lo, hi: ttnn.clamp(x, min=lo, max=hi),
     ops.batch_norm: _batch_norm,

@@ -365,7 +365,12 @@ def _clone_when(node: Node) -> Any:
     return True if on_device(node.args[0]) else Miss("its input is a host tensor")
 
 
-@_lowering("ttnn_clone", [aten.clone.default, aten.alias.default], _clone_when, "clone of a device value: itself.")
+@_lowering(
+    "ttnn_clone",
+    [aten.clone.default, aten.alias.default, aten.contiguous.default],
+    _clone_when,
+    "clone / alias / contiguous of a device value: the value itself.",
+)
 def lower_clone(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return node.args[0]  # already to_torch(d): a fresh host tensor
 
@@ -562,6 +567,37 @@ def lower_batch_norm(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.batch_norm, device_value(rw, bound["input"]), mean, var, w, b, float(bound.get("eps", 1e-5)))
 
 
+def _sdpa_when(node: Node) -> Any:
+    bound = schema.bind(node.target, node.args, dict(node.kwargs))
+    if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
+        return Miss("dropout or grouped-query heads (enable_gqa)")
+    mask = bound.get("attn_mask")
+    if isinstance(mask, Node) and getattr(mask.meta.get("val"), "dtype", None) == torch.bool:
+        return Miss("a bool attn_mask; ttnn takes an additive float mask")
+    if mask is not None and bound.get("is_causal"):
+        return Miss("both attn_mask and is_causal")
+    for arg in ("query", "key", "value"):
+        val = bound[arg].meta.get("val") if isinstance(bound[arg], Node) else None
+        if isinstance(val, torch.Tensor) and val.dim() != 4:
+            return Miss(f"{arg} has rank {val.dim()}; ttnn's attention takes [batch, heads, sequence, head_dim]")
+    return tensors_ok("query", "key", "value", "attn_mask")(node)
+
+
+@_lowering(
+    "ttnn_sdpa",
+    [aten.scaled_dot_product_attention.default],
+    _sdpa_when,
+    "F.scaled_dot_product_attention -> ttnn.transformer.scaled_dot_product_attention(q, k, v, attn_mask=, "
+    "is_causal=, scale=).",
+)
+def lower_sdpa(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    q, k, v = (device_value(rw, bound[n]) for n in ("query", "key", "value"))
+    mask = bound.get("attn_mask")
+    m = device_value(rw, mask) if isinstance(mask, Node) else None
+    scale = bound.get("scale")
+    return rw.call(ops.sdpa, q, k, v, m, bool(bound.get("is_causal", False)), None if scale is None else float(scale))
+
+
 # -- slices and casts (data movement) ------------------------------------------------------------------------
 
 
@@ -635,6 +671,7 @@ def sink_data_movement(node: Node, rw: Rewriter) -> Any:
 
 
 RULES = [
+    lower_sdpa,
     lower_compare,
     lower_where,
     lower_leaky_relu,

@@ -174,6 +174,17 @@ def _batch_norm(
     return _round(F.batch_norm(x.float(), f(running_mean), f(running_var), f(weight), f(bias), False, 0.0, eps))
 
 
+def _sdpa(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None
+) -> Tensor:
+    mask = None if attn_mask is None else attn_mask.float()
+    out = F.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), mask, is_causal=is_causal, scale=scale
+    )
+    return _round(out)
+
+
+sdpa = _define("scaled_dot_product_attention", _sdpa)
 where = _define("where", _where)
 leaky_relu = _define("leaky_relu", _leaky_relu)
 clamp = _define("clamp", _clamp)
@@ -314,4 +325,6 @@ def is_standin(target: Any) -> bool:
 def ttnn_name(target: OpOverload) -> str:
     """The ttnn function a stand-in calls: "ttnn.add" for both `add` and `add_scalar`."""
     name = target._opname
+    if target is sdpa:
+        return "ttnn.transformer.scaled_dot_product_attention"
     return "ttnn." + (name[: -len("_scalar")] if name.endswith("_scalar") else name)

@@ -231,6 +231,33 @@ def where(condition: Tensor, true_value: Tensor, false_value: Tensor, **_: Any) 
     return _result(torch.where(c != 0, x, y), condition.device)
 
 
+class _Transformer:
+    """ttnn.transformer: the attention op."""
+
+    @staticmethod
+    def scaled_dot_product_attention(
+        input_tensor_q: Tensor,
+        input_tensor_k: Tensor,
+        input_tensor_v: Tensor,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = True,
+        scale: float | None = None,
+        **_: Any,
+    ) -> Tensor:
+        q, k, v = (_need(t, "scaled_dot_product_attention") for t in (input_tensor_q, input_tensor_k, input_tensor_v))
+        if q.dim() != 4:
+            raise TtnnDoubleError(f"scaled_dot_product_attention: q of shape {tuple(q.shape)}, expected [b, nh, s, d]")
+        mask = None if attn_mask is None else _need(attn_mask, "scaled_dot_product_attention mask")
+        if mask is not None and is_causal:
+            raise TtnnDoubleError("scaled_dot_product_attention: attn_mask with is_causal=True")
+        out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale)
+        return _result(out, input_tensor_q.device)
+
+
+transformer = _Transformer()
+
+
 def leaky_relu(input_tensor: Tensor, negative_slope: float = 0.01, **_: Any) -> Tensor:
     return _result(F.leaky_relu(_need(input_tensor, "leaky_relu"), negative_slope), input_tensor.device)
 
