@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -94,11 +95,15 @@ def apply(
         gm = program if inplace else copy_graph_module(program)
         _prepare(gm, example_inputs)
     else:
-        hint = (
-            " Export it first: torch.export.export(model, example_args)."
-            if isinstance(program, torch.nn.Module)
-            else ""
-        )
+        if isinstance(program, torch.nn.Module):
+            hint = " Export it first: torch.export.export(model, example_args)."
+        elif isinstance(program, (str, os.PathLike)):
+            hint = (
+                " Load a saved program first: torch.export.load(path) (from the shell, `fx-rewrites check "
+                "PATH.pt2` also checks that the file holds no pickled objects before loading it)."
+            )
+        else:
+            hint = ""
         raise GraphInputError(
             f"apply() takes a torch.export.ExportedProgram or a torch.fx.GraphModule, "
             f"got {type(program).__name__}.{hint}"
