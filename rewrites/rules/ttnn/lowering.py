@@ -628,7 +628,7 @@ def _cast_check(node: Node) -> Any:
     bound = schema.bind(node.target, node.args, dict(node.kwargs))
     if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
         return Miss("a copy that changes device or memory format")
-    return tensors_ok("self")(node)
+    return tensors_ok(masks=("self",))(node)  # bool -> float too: a device mask is already 1.0 / 0.0
 
 
 def _cast_when(node: Node) -> Any:

@@ -63,10 +63,29 @@ class HostInTheMiddle(torch.nn.Module):
         return torch.relu(torch.cumsum(x * 2.0, dim=-1)) + 1.0
 
 
+class Misc(torch.nn.Module):
+    """batch_norm, clamp, leaky_relu, comparisons and where, slices, casts, attention."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.bn.running_mean.uniform_(-1, 1)
+        self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, img, x, mask):
+        y = F.hardtanh(self.bn(img)) + F.leaky_relu(img, 0.2)
+        z = torch.where(x > 0.5, x, x * 0.1)[..., 1:7]  # a slice of a device value
+        head = x[..., :8].to(torch.float16).float()  # a slice of a host input, read on the device
+        att = F.scaled_dot_product_attention(z, z, head[..., :6], attn_mask=mask)
+        return y.clamp(min=-0.5), att, torch.eq(x, 0.0).float().sum(-1)
+
+
 CASES = {
     "elementwise": (Elementwise, lambda: (torch.randn(4, 40), torch.randn(4, 40))),
     "mlp": (Mlp, lambda: (torch.randn(3, 48),)),
     "attention": (Attention, lambda: (torch.randint(0, 50, (2, 5)),)),
     "convnet": (ConvNet, lambda: (torch.randn(2, 3, 16, 24),)),
     "host_in_the_middle": (HostInTheMiddle, lambda: (torch.randn(2, 40),)),
+    "misc": (Misc, lambda: (torch.randn(2, 4, 6, 10), torch.randn(2, 3, 6, 12), torch.randn(2, 1, 6, 6))),
 }
