@@ -1,0 +1,121 @@
+"""The ttnn pack's rules on real exports: what each lowers to, and why it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewrites import testing as rt
+from rewrites.rules import DEFAULT
+from rewrites.rules.ttnn import RULES, ops
+from tests.backends.ttnn.conftest import assert_close_bf16
+
+aten = torch.ops.aten
+
+
+def _lower(module, *args, **options):
+    ep = rt.export(module, *args)
+    first = rt.apply_rules(ep, DEFAULT)
+    return rt.apply_rules(first.program, RULES, **options)
+
+
+def _reasons(result, node_name):
+    return [a.reason for a in result.report.explain() if a.node == node_name and not a.fired]
+
+
+def _targets(result):
+    return [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_linear_keeps_torch_weight_layout_with_transpose_b():
+    model = torch.nn.Linear(8, 4).eval()
+    result = _lower(model, torch.randn(3, 8))
+    rt.assert_fired(result, "ttnn_linear", times=1)
+    rt.assert_ops(result, present=[ops.linear, ops.from_torch, ops.to_torch], absent=[aten.linear.default])
+    (linear,) = [n for n in result.graph_module.graph.nodes if n.target is ops.linear]
+    assert linear.args[3] is True  # transpose_b: W stays [out, in]
+    assert linear.args[1].args[0].name == "p_weight" and linear.args[2].args[0].name == "p_bias"
+    x = torch.randn(3, 8)
+    assert_close_bf16(result.program.module()(x), model(x))
+    rt.assert_idempotent(result, RULES)
+
+
+def test_a_chain_stays_on_the_device_between_one_from_torch_and_one_to_torch():
+    result = _lower(lambda x: torch.softmax(torch.relu(x) * 2.0 + 1.0, -1), torch.randn(4, 40))
+    targets = _targets(result)
+    assert targets.count(ops.from_torch) == 1 and targets.count(ops.to_torch) == 1, result.graph_module.graph
+    assert [t for t in targets if t not in ops.BOUNDARY] == [
+        ops.OPS["relu"],
+        ops.OPS["multiply_scalar"],
+        ops.OPS["add_scalar"],
+        ops.softmax,
+    ]
+
+
+def test_round_trip_left_by_a_late_producer_is_fused():
+    """A consumer lowered before its producer leaves from_torch(to_torch(d)); fuse_round_trip removes it."""
+    ep = rt.export(lambda x: torch.relu(x) + 1.0, torch.randn(4, 40))
+    first = rt.apply_rules(ep, DEFAULT)
+    add_only = rt.apply_rules(first.program, RULES["ttnn_binary"])
+    relu_too = rt.apply_rules(add_only.program, RULES)
+    rt.assert_fired(relu_too, "ttnn_unary", times=1)
+    rt.assert_fired(relu_too, "fuse_round_trip", times=1)
+    assert _targets(relu_too).count(ops.from_torch) == 1
+
+
+def test_data_movement_read_only_on_the_device_sinks_there():
+    result = _lower(lambda x, w: x.view(4, 10).t() @ w, torch.randn(40), torch.randn(4, 8))
+    rt.assert_fired(result, "sink_data_movement")
+    rt.assert_ops(result, present=[ops.reshape, ops.transpose], absent=[aten.view.default, aten.t.default])
+
+
+def test_data_movement_of_host_values_read_on_the_host_stays():
+    result = _lower(lambda x: torch.cumsum(x.view(4, 10), 0), torch.randn(40), explain=True)
+    rt.assert_ops(result, present=[aten.view.default], absent=[ops.from_torch])
+    assert _reasons(result, "view") == ["when: no operand is on the device and no device op reads it"]
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "node", "reason"),
+    [
+        (lambda x: x + 1, (torch.arange(6),), "add", "self is int64; the ttnn lowering takes float tensors"),
+        (
+            lambda x: x * 2.0,
+            (torch.randn(1, 2, 2, 2, 2),),
+            "mul",
+            "self has rank 5; ttnn tensors here have rank 1 to 4",
+        ),
+        (lambda x: F.gelu(x, approximate="tanh"), (torch.randn(4),), "gelu", "only the exact (erf) gelu"),
+        (lambda x, y: torch.add(x, y, alpha=2), (torch.randn(4), torch.randn(4)), "add", "alpha=2"),
+        (lambda x: x.sum(), (torch.randn(4),), "sum_1", "no ttnn lowering"),
+        (lambda x: torch.matmul(x, x), (torch.randn(4),), "matmul", "1-D operand"),
+        (lambda x: F.layer_norm(x, (3, 4)), (torch.randn(2, 3, 4),), "layer_norm", "normalized_shape [3, 4]"),
+    ],
+    ids=["int", "rank5", "gelu_tanh", "alpha", "sum_all", "matmul_1d", "layer_norm_2d"],
+)
+def test_declines_say_why(fn, args, node, reason):
+    result = _lower(fn, *args, explain=True)
+    reasons = _reasons(result, node) or ["no ttnn lowering (no rule for the op)"]
+    assert any(reason in r for r in reasons), reasons
+    assert not any(ops.is_standin(t) for t in _targets(result) if t not in ops.BOUNDARY)
+
+
+def test_conv2d_goes_through_nhwc_and_back():
+    conv = torch.nn.Conv2d(3, 5, 3, stride=(2, 1), padding=1).eval()
+    x = torch.randn(2, 3, 9, 13)
+    result = _lower(conv, x)
+    (node,) = [n for n in result.graph_module.graph.nodes if n.target is ops.conv2d]
+    assert node.args[0].target is ops.permute and node.args[0].args[1] == [0, 2, 3, 1]
+    assert node.args[3:9] == (3, 5, 2, 9, 13, [3, 3])  # in, out, batch, height, width, kernel
+    assert node.args[1].args[3] is False  # weights stay host tensors
+    assert_close_bf16(result.program.module()(x), conv(x))
+
+
+def test_symbolic_batch_lowers_shape_generic_ops_only():
+    from torch.export import Dim
+
+    ep = rt.export(lambda x: torch.relu(x).view(-1, 2, 4), torch.randn(4, 8), dynamic_shapes=[{0: Dim("b")}])
+    result = rt.apply_rules(rt.apply_rules(ep, DEFAULT).program, RULES, explain=True)
+    rt.assert_ops(result, present=[ops.OPS["relu"], aten.view.default])
+    assert any("symbolic sizes" in r for r in _reasons(result, "view"))
