@@ -8,7 +8,13 @@ median run time of the compiled module and of eager torch on this CPU
 (called in turn, after 3 warm-up calls each, so that load from other
 processes hits both alike).
 
-    python benchmarks/zoo.py [--models bert,gpt2_sdpa] [--repeat 20] [--no-as-is]
+The torch.compile route (`torch.compile(model, backend=fx_rewrites_iree,
+dynamic=False)`, after `torch._dynamo.reset()`): whether it matches eager,
+the graphs dynamo made, the seconds of the first call (dynamo trace,
+aot_autograd, rules, IREE compile from an empty cache, one run) and the
+median run time of the compiled function.
+
+    python benchmarks/zoo.py [--models bert,gpt2_sdpa] [--repeat 20] [--no-as-is] [--no-compile-route]
 
 Prints a Markdown table (and the registry's expectations that disagree
 with what was measured); exits 1 if a model that torch exports does not
@@ -37,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 import backends
 import rewrites
+from backends.dynamo import CompiledGraph, dynamo_backend
 from tests.zoo import registry
 
 
@@ -73,7 +80,48 @@ def _short(e: BaseException) -> str:
     return f"fails: {op}" if op else f"fails: {type(e).__name__}"
 
 
-def measure(entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, as_is: bool) -> dict[str, Any]:
+def _compare(fn: Any, model: Any, entry: registry.ZooModel) -> tuple[str, float, str]:
+    """("matches" or "differs", the largest difference from eager over the input sets, the first mismatch)."""
+    diffs, verdict, error = [], "matches", ""
+    with torch.no_grad():
+        for seed in registry.SEEDS:
+            a, k = entry.inputs(seed)
+            got, expected = fn(*a, **k), model(*a, **k)
+            diffs.append(_max_diff(got, expected))
+            try:
+                registry.assert_matches(got, expected)
+            except AssertionError as e:
+                verdict, error = "differs", error or str(e)[:300]
+    return verdict, max(diffs), error
+
+
+def measure_compile_route(entry: registry.ZooModel, backend: Any, model: Any, row: dict[str, Any]) -> Any:
+    """torch.compile(model, backend=fx_rewrites_iree) into `row`; returns the compiled function (or None)."""
+    graphs: list[CompiledGraph] = []
+    torch._dynamo.reset()
+    backend.cache.clear()
+    compiled = torch.compile(model, backend=dynamo_backend(backend, on_graph=graphs.append), dynamic=False)
+    args, kwargs = entry.inputs(registry.SEEDS[0])
+    start = time.perf_counter()
+    try:
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            compiled(*args, **kwargs)
+    except Exception as e:
+        row["tc"] = f"fails: {type(e).__name__}"
+        row["tc_error"] = str(e).strip().splitlines()[0][:300]
+        return None
+    row["tc_compile_s"] = time.perf_counter() - start
+    row["tc_graphs"] = len(graphs)
+    row["tc_fired"] = sorted({rule for g in graphs for rule in g.result.report.rewrites})
+    row["tc"], row["tc_max_diff"], error = _compare(compiled, model, entry)
+    if error:
+        row["tc_error"] = error
+    return compiled
+
+
+def measure(
+    entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, as_is: bool, compile_route: bool
+) -> dict[str, Any]:
     row: dict[str, Any] = {"model": entry.name, "family": entry.family}
     model = entry.model()
     args, kwargs = entry.inputs(registry.SEEDS[0])
@@ -83,6 +131,11 @@ def measure(entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, 
             program = torch.export.export(model, args, kwargs or None)  # torch prints whole graphs on failure
     except Exception as e:
         row["export"] = f"torch.export fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+        if compile_route:
+            tc = measure_compile_route(entry, backend, model, row)
+            if tc is not None:
+                row["tc_ms"], row["eager_ms"] = _medians_ms([tc, model], args, kwargs, repeat)
+            torch._dynamo.reset()
         return row
     row["export_s"] = time.perf_counter() - start
     row["nodes_before"] = _calls(program)
@@ -108,24 +161,31 @@ def measure(entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, 
         row["error"] = str(e)[:300]
         return row
     row["compile_s"] = time.perf_counter() - start
-    diffs, row["after"] = [], "matches"
-    with torch.no_grad():
-        for seed in registry.SEEDS:
-            a, k = entry.inputs(seed)
-            got, expected = compiled(*a, **k), model(*a, **k)
-            diffs.append(_max_diff(got, expected))
-            try:
-                registry.assert_matches(got, expected)
-            except AssertionError as e:
-                row["after"], row["error"] = "differs", str(e)[:300]
-    row["max_diff"] = max(diffs)
-    row["iree_ms"], row["eager_ms"] = _medians_ms([compiled, model], args, kwargs, repeat)
+    row["after"], row["max_diff"], error = _compare(compiled, model, entry)
+    if error:
+        row["error"] = error
+    tc = measure_compile_route(entry, backend, model, row) if compile_route else None
+    if tc is None:
+        row["iree_ms"], row["eager_ms"] = _medians_ms([compiled, model], args, kwargs, repeat)
+    else:
+        row["iree_ms"], row["tc_ms"], row["eager_ms"] = _medians_ms([compiled, tc, model], args, kwargs, repeat)
+    torch._dynamo.reset()
     return row
+
+
+def _tc_cell(row: dict[str, Any]) -> str:
+    if "tc" not in row:
+        return "not run"
+    if "tc_compile_s" not in row:
+        return row["tc"]
+    graphs = f", {row['tc_graphs']} graphs" if row["tc_graphs"] != 1 else ""
+    return f"{row['tc']}{graphs}, {row['tc_compile_s']:.1f} s"
 
 
 def _fmt(row: dict[str, Any]) -> str:
     if "export" in row:
-        return f"| {row['model']} | {row['family']} | {row['export']} | | | | | | | |"
+        run = f"- / {row['tc_ms']:.2f} / {row['eager_ms']:.2f}" if "tc_ms" in row else ""
+        return f"| {row['model']} | {row['family']} | {row['export']} | | | | | | {_tc_cell(row)} | {run} | |"
     fired = ", ".join(f"{k} {v}" for k, v in row["fired"].items()) or "none"
     cells = [
         row["model"],
@@ -136,7 +196,10 @@ def _fmt(row: dict[str, Any]) -> str:
         row["after"],
         f"{row['max_diff']:.1e}" if "max_diff" in row else "",
         f"{row['compile_s']:.1f}" if "compile_s" in row else "",
-        f"{row['iree_ms']:.2f} / {row['eager_ms']:.2f}" if "iree_ms" in row else "",
+        _tc_cell(row),
+        " / ".join(f"{row[k]:.2f}" if k in row else "-" for k in ("iree_ms", "tc_ms", "eager_ms"))
+        if "iree_ms" in row
+        else "",
         f"{row['export_s']:.1f} / {row['rules_s']:.2f}",
     ]
     return "| " + " | ".join(cells) + " |"
@@ -144,8 +207,9 @@ def _fmt(row: dict[str, Any]) -> str:
 
 HEADER = (
     "| model | transformers class | nodes before -> after | rules fired | IREE as is | after rules "
-    "| max diff | compile s | run ms IREE / eager (median) | export s / rules s |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| max diff | compile s | torch.compile: result, first call s | run ms: export-IREE / torch.compile / eager "
+    "(median) | export s / rules s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -159,6 +223,12 @@ def _disagreements(entry: registry.ZooModel, row: dict[str, Any]) -> list[str]:
             out.append(f"{entry.name}: as_is={measured!r}, registry says {entry.as_is!r}")
     if "export" in row and not entry.export_error:
         out.append(f"{entry.name}: {row['export']}")
+    if "tc_fired" in row and set(row["tc_fired"]) != set(entry.compile_fires):
+        out.append(f"{entry.name}: compile_fires={row['tc_fired']}, registry says {sorted(entry.compile_fires)}")
+    if "tc_graphs" in row and row["tc_graphs"] != entry.graphs:
+        out.append(f"{entry.name}: graphs={row['tc_graphs']}, registry says {entry.graphs}")
+    if row.get("tc", "").startswith("fails") and not entry.compile_error:
+        out.append(f"{entry.name}: torch.compile {row['tc']}: {row.get('tc_error', '')}")
     return out
 
 
@@ -167,28 +237,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per model for the medians")
     parser.add_argument("--no-as-is", action="store_true", help="skip compiling the plain exports")
+    parser.add_argument("--no-compile-route", action="store_true", help="skip torch.compile(backend=fx_rewrites_iree)")
     options = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     names = [n for n in options.models.split(",") if n] or [m.name for m in registry.MODELS]
     backend = backends.get("iree")
-    rules = registry.rules()
+    rules = backend.rules
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
     print(HEADER, flush=True)
     rows, notes, failed = [], [], 0
     for name in names:
         entry = registry.BY_NAME[name]
-        row = measure(entry, backend, rules, repeat=options.repeat, as_is=not options.no_as_is)
+        row = measure(
+            entry,
+            backend,
+            rules,
+            repeat=options.repeat,
+            as_is=not options.no_as_is,
+            compile_route=not options.no_compile_route,
+        )
         rows.append(row)
         print(_fmt(row), flush=True)
         notes += _disagreements(entry, row)
         failed += "export" not in row and row.get("after") != "matches"
-    done = [r for r in rows if "compile_s" in r]
-    if done:
-        seconds = [r["compile_s"] for r in done]
-        print(f"\n{len(done)} models compiled: {sum(seconds):.0f} s in all, median {statistics.median(seconds):.1f} s")
+        failed += row.get("tc", "matches") != "matches" and not entry.compile_error
+    print()
+    for route, key in (("export route", "compile_s"), ("torch.compile route (first call)", "tc_compile_s")):
+        seconds = [r[key] for r in rows if key in r]
+        if seconds:
+            print(
+                f"{route}: {len(seconds)} models compiled, {sum(seconds):.0f} s in all, "
+                f"median {statistics.median(seconds):.1f} s"
+            )
     for row in rows:
-        if "error" in row:
-            print(f"{row['model']}: {row['error']}")
+        for key in ("error", "tc_error"):
+            if key in row:
+                print(f"{row['model']} ({'export' if key == 'error' else 'torch.compile'} route): {row[key]}")
     for note in notes:
         print(f"registry disagrees: {note}")
     return 1 if failed else 0

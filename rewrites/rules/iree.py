@@ -187,7 +187,8 @@ def copy_frozen_tensor_in_list(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(node.target, *args, **kwargs))
 
 
-_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+#: the conv ops as torch.export leaves them, and as aot_autograd (torch.compile) and run_decompositions do
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
 
 
 def _per_dim(value: Any, n: int, default: int) -> list[int]:
@@ -206,6 +207,8 @@ def _single_window(node: Node) -> tuple[list[int], list[int], list[int], list[in
     n = w.dim() - 2
     if x.dim() != n + 2:
         return Miss("an unbatched input")
+    if named.get("transposed", False):
+        return Miss("a transposed convolution")
     padding = named.get("padding", 0)
     if isinstance(padding, str):
         return Miss(f"padding={padding!r}")
@@ -235,7 +238,8 @@ def _has_single_window(node: Node) -> bool | Miss:
         "A strided convolution with an output size of 1 along a dimension whose padded input is longer than "
         "the window (a 3x3/2 conv with padding 1 on a 2x2 map: MobileViT and PoolFormer at 32 px, the last "
         "stage of any CNN on small images) reads exactly its window: the input is padded explicitly "
-        "(constant_pad_nd) and sliced to the window. IREE 3.13 miscompiles the original: \"'linalg.generic' op "
+        "(constant_pad_nd) and sliced to the window; conv1d/2d/3d as exported and aten.convolution as "
+        "aot_autograd leaves them. IREE 3.13 miscompiles the original: \"'linalg.generic' op "
         "inferred input/output operand #1 has shape's dimension #2 to be 4, but found 3\"."
     ),
 )
@@ -253,7 +257,37 @@ def conv_single_window_for_iree(node: Node, rw: Rewriter) -> Any:
     bias = named.get("bias")
     groups = named.get("groups", 1)
     n = len(window)
-    rw.replace(node, rw.call(node.target, x, named["weight"], bias, stride, [0] * n, dilation, groups))
+    if node.target is aten.convolution.default:
+        padded = (x, named["weight"], bias, stride, [0] * n, dilation, False, named["output_padding"], groups)
+    else:
+        padded = (x, named["weight"], bias, stride, [0] * n, dilation, groups)
+    rw.replace(node, rw.call(node.target, *padded))
+
+
+def _negative_index(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    index, size = named["index"], node.meta["val"].shape[named["dim"]]
+    if not isinstance(index, int) or index >= 0:
+        return Miss(f"index {index} is not a negative int")
+    return isinstance(size, int) or Miss(f"dim {named['dim']} has symbolic size {size}")
+
+
+@rule(
+    roots=(aten.select_scatter.default,),
+    name="select_scatter_index_for_iree",
+    when=_negative_index,
+    tags={"iree"},
+    doc=(
+        "aten.select_scatter with a negative index (`y[:, -1] = s` after the in-place rule or aot_autograd's "
+        "functionalization: Longformer's sliding-chunk attention) gets index + size. IREE 3.13 compiles the "
+        "negative index without complaint and writes the wrong slice: results differ from eager, no error."
+    ),
+)
+def select_scatter_index_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    dim = named["dim"]
+    index = named["index"] + node.meta["val"].shape[dim]
+    rw.replace(node, rw.call(aten.select_scatter.default, named["self"], named["src"], dim, index))
 
 
 RULES = RuleSet(
@@ -264,6 +298,7 @@ RULES = RuleSet(
         bitwise_ops_for_iree,
         copy_frozen_tensor_in_list,
         conv_single_window_for_iree,
+        select_scatter_index_for_iree,
     ],
     name="iree",
 )

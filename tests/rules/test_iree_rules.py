@@ -19,6 +19,7 @@ from rewrites.rules.iree import (
     copy_frozen_tensor_in_list,
     decompose_meshgrid_for_iree,
     decompose_upsample_for_iree,
+    select_scatter_index_for_iree,
 )
 
 aten = torch.ops.aten
@@ -206,3 +207,74 @@ def test_conv_single_window(iree):
     rt.assert_matches_eager(result, model, [args, _maps(1)], rtol=1e-5, atol=1e-6)
     rt.assert_idempotent(result, RULES)
     _on_iree(iree, model, ep, result.program, [args, _maps(1)], r"it failed as `linalg\.generic`")
+
+
+def test_conv_single_window_on_aten_convolution(iree):
+    """run_decompositions and aot_autograd (torch.compile) leave aten.convolution: PoolFormer through torch.compile."""
+    torch.manual_seed(0)
+    model = SmallMaps().eval()
+    args = _maps(0)
+    ep = rt.export(model, *args).run_decompositions()  # core ATen: conv1d/conv2d -> aten.convolution
+    assert not [n for n in ep.graph.nodes if n.target in (aten.conv1d.default, aten.conv2d.default)]
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, conv_single_window_for_iree, times=4)
+    for node in result.graph_module.graph.nodes:
+        if node.target is aten.convolution.default and node.args[1].name != "p_same_weight":
+            assert list(node.args[4]) == [0] * len(node.args[4]), node.format_node()
+    rt.assert_matches_eager(result, model, [args, _maps(1)], rtol=1e-5, atol=1e-6)
+    rt.assert_idempotent(result, RULES)
+    _on_iree(iree, model, ep, result.program, [args, _maps(1)], r"it failed as `linalg\.generic`")
+
+
+def test_conv_single_window_through_torch_compile():
+    from backends.dynamo import dynamo_backend
+
+    torch.manual_seed(0)
+    model = SmallMaps().eval()
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append), dynamic=False)
+    try:
+        with torch.no_grad():
+            for args in (_maps(0), _maps(1)):
+                torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    (graph,) = graphs
+    assert graph.result.report.rewrites["conv_single_window_for_iree"] == 4
+
+
+# -- select_scatter with a negative index --------------------------------------------
+
+
+class LastRow(torch.nn.Module):
+    """`y[:, -1] = s`: the in-place rule writes it back with select_scatter(..., 1, -1)."""
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[:, -1] = s
+        return y * 2
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, generator=g)
+
+
+def test_select_scatter_negative_index(iree):
+    model = LastRow()
+    args = _rows(0)
+    functional = rt.apply_rules(rt.export(model, *args), backends.get("eager").rules)  # has select_scatter(.., -1)
+    assert [n.args[3] for n in functional.graph_module.graph.nodes if n.target is aten.select_scatter.default] == [-1]
+    result = rt.apply_rules(functional.program, RULES)
+    rt.assert_fired(result, select_scatter_index_for_iree, times=1)
+    (node,) = [n for n in result.graph_module.graph.nodes if n.target is aten.select_scatter.default]
+    assert node.args[2:] == (1, 2), node.format_node()
+    rt.assert_matches_eager(result, model, [args, _rows(1)])
+    rt.assert_idempotent(result, RULES)
+    inputs = [args, _rows(1)]
+    wrong = iree.compile(functional.program, args)  # IREE 3.13 compiles it and writes the wrong slice
+    assert not torch.allclose(wrong(*args), model(*args)), "IREE now handles a negative select_scatter index"
+    fn = iree.compile(result.program, args)
+    for inputs_ in inputs:
+        torch.testing.assert_close(fn(*inputs_), model(*inputs_), rtol=1e-4, atol=1e-5)

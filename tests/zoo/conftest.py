@@ -1,11 +1,17 @@
 """Zoo fixtures: each model is built, exported, rewritten and compiled once per test module.
 
+The torch.compile route (`Case.dynamo`) compiles and runs a model on every
+input set in one go, after `torch._dynamo.reset()`: dynamo's caches are per
+code object, and transformers code shared by several models (mask helpers)
+would otherwise pile up guards until the recompile limit sends it to eager.
+
 The `zoo` marker is registered here, so the suite stays self-contained:
 deselect the zoo with `-m "not zoo"` (it is also `slow`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import cached_property
 from typing import Any
@@ -15,6 +21,7 @@ import torch
 
 import backends
 import rewrites
+from backends.dynamo import CompiledGraph, dynamo_backend
 from tests.zoo import registry
 
 
@@ -30,6 +37,18 @@ class ExportFailed(Exception):
     """torch.export failed the way the registry says it does (an expected failure)."""
 
 
+class CompileFailed(Exception):
+    """torch.compile failed the way the registry says it does (an expected failure)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamoRun:
+    """What torch.compile(model, backend=fx_rewrites_iree) did: outputs per seed and the graphs compiled."""
+
+    outputs: dict[int, Any]
+    graphs: list[CompiledGraph]
+
+
 class Case:
     """One zoo model: every stage computed on first use, then kept."""
 
@@ -40,6 +59,7 @@ class Case:
         self._inputs: dict[int, registry.Inputs] = {}
         self._eager: dict[int, Any] = {}
         self._export_error: BaseException | None = None
+        self._compile_error: BaseException | None = None
 
     @cached_property
     def model(self) -> torch.nn.Module:
@@ -75,6 +95,36 @@ class Case:
         args, _ = self.inputs(registry.SEEDS[0])
         return self.backend.compile(self.result.program, args)
 
+    @property
+    def dynamo(self) -> DynamoRun:
+        """torch.compile(model, backend=fx_rewrites_iree, dynamic=False), run on every input set (kept)."""
+        if self._compile_error is not None:
+            raise self._compile_error
+        if not hasattr(self, "_dynamo"):
+            try:
+                self._dynamo = self._run_dynamo()
+            except Exception as e:
+                error: BaseException = e
+                if self.entry.compile_error and re.search(self.entry.compile_error, str(e)):
+                    first = str(e).strip().splitlines()[0][:300]
+                    error = CompileFailed(f"{self.entry.name}: torch.compile fails: {type(e).__name__}: {first}")
+                    error.__cause__ = e
+                self._compile_error = error
+                raise error from e
+        return self._dynamo
+
+    def _run_dynamo(self) -> DynamoRun:
+        graphs: list[CompiledGraph] = []
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            self.model, backend=dynamo_backend(self.backend, on_graph=graphs.append), dynamic=False
+        )
+        try:
+            outputs = {seed: self.run(compiled, seed) for seed in registry.SEEDS}
+        finally:
+            torch._dynamo.reset()  # the compiled code holds the model; the next model starts clean
+        return DynamoRun(outputs, graphs)
+
     def eager(self, seed: int) -> Any:
         if seed not in self._eager:
             args, kwargs = self.inputs(seed)
@@ -91,7 +141,7 @@ class Case:
 class Zoo:
     def __init__(self) -> None:
         self.backend = backends.get("iree")
-        self.rules = registry.rules()
+        self.rules = self.backend.rules  # DEFAULT (with the vmap and view_or_copy packs) | IREE's pack
         self._cases: dict[str, Case] = {}
 
     def case(self, name: str) -> Case:

@@ -13,7 +13,12 @@ Per entry the registry records what torch 2.13 + IREE 3.13 do with it:
 - `as_is`: the op IREE names when it is given the export as is ("" when
   it compiles as is);
 - `export_error`: for a model torch.export itself cannot export, a regex of
-  torch's error; its tests are expected failures that name it.
+  torch's error; its tests are expected failures that name it;
+- for the torch.compile route (`torch.compile(model, backend="fx_rewrites_iree")`):
+  `compile_fires`, the rules that fire on the aot_autograd graphs; `graphs`,
+  how many graphs dynamo hands the backend (more than 1: graph breaks);
+  `compile_error`, a regex of the torch-side error for a model dynamo
+  cannot compile (an expected failure).
 
 `python benchmarks/zoo.py` prints the measured table.
 """
@@ -52,10 +57,14 @@ class ZooModel:
     fires: frozenset[str] = frozenset()  # (a tuple of names is made a frozenset)
     as_is: str = ""
     export_error: str = ""
+    compile_fires: frozenset[str] = frozenset()
+    graphs: int = 1
+    compile_error: str = ""
     note: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fires", frozenset(self.fires))
+        object.__setattr__(self, "compile_fires", frozenset(self.compile_fires))
 
     def model(self) -> torch.nn.Module:
         """The model with seeded random weights, in eval mode."""
@@ -113,10 +122,22 @@ def features(bins: int, frames: int, batch: int = 2) -> Callable[[int], Inputs]:
     return make
 
 
+def _plain(outputs: Any) -> Any:
+    """transformers caches (no pytree registration: leaves that compare by identity) as their (key, value) tensors."""
+    cache_type = getattr(_transformers().cache_utils, "Cache", ())
+
+    def plain(leaf: Any) -> Any:
+        if isinstance(leaf, cache_type):
+            return [(layer.keys, layer.values) for layer in leaf.layers]
+        return leaf
+
+    return pytree.tree_map(plain, outputs)
+
+
 def assert_matches(got: Any, expected: Any) -> None:
     """Same output structure, dtypes and shapes; floats within registry.TOLERANCE, the rest equal."""
-    got_leaves, got_spec = pytree.tree_flatten(got)
-    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    got_leaves, got_spec = pytree.tree_flatten(_plain(got))
+    exp_leaves, exp_spec = pytree.tree_flatten(_plain(expected))
     assert got_spec == exp_spec, f"output structure {got_spec} != eager {exp_spec}"
     for i, (g, e) in enumerate(zip(got_leaves, exp_leaves, strict=True)):
         if not isinstance(e, torch.Tensor):
@@ -419,6 +440,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="aten.add_.Tensor",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "gpt2_sdpa",
@@ -451,6 +473,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="lazy_load_decompositions",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "t5_encoder",
@@ -468,6 +491,7 @@ MODELS: tuple[ZooModel, ...] = (
         fires=("drop_assert_tensor_metadata", "drop_detach_", "dropout_eval", "lift_fresh_copy_to_clone"),
         as_is="aten.detach_",
         note="as is: detach_ of a lifted boolean scalar constant",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "llama",
@@ -493,6 +517,7 @@ MODELS: tuple[ZooModel, ...] = (
         audio(),
         fires=("decompose_for_iree", "dropout_eval"),
         as_is="aten._weight_norm",
+        compile_fires=("decompose_for_iree",),
     ),
     ZooModel(
         "vit",
@@ -508,6 +533,7 @@ MODELS: tuple[ZooModel, ...] = (
         image(),
         fires=("functionalize_inplace", "pool_stride_defaults"),
         as_is="aten.add_.Tensor",
+        compile_fires=("batch_norm_eval_to_affine", "pool_stride_defaults"),
     ),
     ZooModel(
         "convnext",
@@ -521,6 +547,7 @@ MODELS: tuple[ZooModel, ...] = (
         _mobilenet_v2,
         image(),
         note="17 fixed blocks (no depth knob), depth multiplier 0.25",
+        compile_fires=("batch_norm_eval_to_affine",),
     ),
     ZooModel(
         "swin",
@@ -550,6 +577,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="aten.add_.Tensor",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "albert",
@@ -564,6 +592,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="aten.add_.Tensor",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "deberta_v2",
@@ -578,6 +607,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="aten.detach_",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "xlnet",
@@ -601,6 +631,7 @@ MODELS: tuple[ZooModel, ...] = (
         ),
         as_is="aten.copy_",
         note="encoder and decoder",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "mistral",
@@ -656,6 +687,7 @@ MODELS: tuple[ZooModel, ...] = (
         ),
         as_is="aten.mul_.Tensor",
         note="ALiBi",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "gpt_neo",
@@ -671,6 +703,7 @@ MODELS: tuple[ZooModel, ...] = (
         ),
         as_is="aten.mul_.Tensor",
         note="global and local attention layers",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "falcon",
@@ -686,6 +719,7 @@ MODELS: tuple[ZooModel, ...] = (
             "lift_fresh_copy_to_clone",
         ),
         as_is="wrap_with_autocast",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "clip_text",
@@ -694,6 +728,7 @@ MODELS: tuple[ZooModel, ...] = (
         text(),
         fires=("drop_assert_tensor_metadata", "drop_detach_", "functionalize_inplace", "lift_fresh_copy_to_clone"),
         as_is="aten.masked_fill_.Scalar",
+        compile_fires=("lift_fresh_copy_to_clone",),
     ),
     ZooModel(
         "clip_vision",
@@ -731,6 +766,7 @@ MODELS: tuple[ZooModel, ...] = (
         ),
         as_is="aten.add_.Tensor",
         note="relative position bias: meshgrid, in-place index arithmetic, bilinear table resize",
+        compile_fires=("decompose_upsample_for_iree", "lift_fresh_copy_to_clone"),
     ),
     ZooModel(
         "segformer",
@@ -746,6 +782,7 @@ MODELS: tuple[ZooModel, ...] = (
         image(),
         fires=("functionalize_inplace",),
         as_is="aten.add_.Tensor",
+        compile_fires=("batch_norm_eval_to_affine",),
     ),
     ZooModel(
         "hubert",
@@ -754,6 +791,7 @@ MODELS: tuple[ZooModel, ...] = (
         audio(),
         fires=("decompose_for_iree", "dropout_eval"),
         as_is="aten._weight_norm",
+        compile_fires=("decompose_for_iree",),
     ),
     ZooModel(
         "poolformer",
@@ -763,6 +801,7 @@ MODELS: tuple[ZooModel, ...] = (
         fires=("conv_single_window_for_iree", "pool_stride_defaults"),
         as_is="linalg.generic",
         note="the last stage's 3x3/2 patch embedding maps 2x2 to 1x1",
+        compile_fires=("conv_single_window_for_iree", "pool_stride_defaults"),
     ),
     # -- torch.export cannot export these
     ZooModel(
@@ -771,6 +810,7 @@ MODELS: tuple[ZooModel, ...] = (
         _llama(use_cache=True),
         text(mask=False),
         export_error=r"Found <class 'transformers\.cache_utils\.DynamicCache'> in output, which is not a known type",
+        compile_fires=("lift_fresh_copy_to_clone",),
         note="the default config returns a DynamicCache, which has no pytree registration",
     ),
     ZooModel(
@@ -779,17 +819,12 @@ MODELS: tuple[ZooModel, ...] = (
         _longformer,
         text(),
         export_error=r"GuardOnDataDependentSymNode|Could not guard on data-dependent expression",
-        note="sliding-chunk attention guards on a value computed from the data",
+        note="sliding-chunk attention guards on a value computed from the data; dynamo breaks the graph there "
+        "(`is_index_global_attn.flatten().any().item()`)",
+        compile_fires=("select_scatter_index_for_iree",),
+        graphs=4,
     ),
 )
 
 BY_NAME = {m.name: m for m in MODELS}
 assert len(BY_NAME) == len(MODELS), "zoo model names must be unique"
-
-
-def rules() -> Any:
-    """The IREE backend's rules plus the packs this zoo needs that DEFAULT does not hold yet."""
-    import backends
-    from rewrites.rules import view_or_copy, vmap
-
-    return backends.get("iree").rules | vmap.RULES | view_or_copy.RULES
