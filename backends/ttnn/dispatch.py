@@ -108,6 +108,7 @@ CALLS: dict[Any, Call] = {
     ops.conv2d: _conv2d,
     ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
     ops.where: _plain("where"),
+    ops.expand: lambda ttnn, dev, x, shape: ttnn.expand(x, list(shape)),
     ops.sdpa: lambda ttnn, dev, q, k, v, mask, causal, scale: ttnn.transformer.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale
     ),

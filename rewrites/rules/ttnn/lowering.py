@@ -621,6 +621,13 @@ def lower_slice(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Any:
     return rw.call(ops.slice_, device_value(rw, bound["self"]), *_slice_bounds(node, bound))
 
 
+@_lowering(
+    "ttnn_expand", [aten.expand.default], _follows_device("self", static=True), "expand -> ttnn.expand (a copy)."
+)
+def lower_expand(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    return rw.call(ops.expand, device_value(rw, bound["self"]), _static(node.meta["val"]))
+
+
 CASTS = [aten._to_copy.default, aten.to.dtype]
 
 
@@ -678,6 +685,7 @@ RULES = [
     lower_clamp,
     lower_batch_norm,
     lower_slice,
+    lower_expand,
     lower_cast,
     sink_data_movement,
     lower_unary,

@@ -245,7 +245,12 @@ def _slice(x: Tensor, starts: list[int], ends: list[int], steps: list[int]) -> T
     return x[tuple(slice(a, b, c) for a, b, c in zip(starts, ends, steps))].clone()
 
 
+def _expand(x: Tensor, shape: list[int]) -> Tensor:
+    return x.expand(shape).clone()
+
+
 slice_ = _define("slice", _slice)
+expand = _define("expand", _expand)
 reshape = _define("reshape", _reshape)
 permute = _define("permute", _permute)
 transpose = _define("transpose", _transpose)

@@ -78,7 +78,8 @@ class Misc(torch.nn.Module):
         z = torch.where(x > 0.5, x, x * 0.1)[..., 1:7]  # a slice of a device value
         head = x[..., :8].to(torch.float16).float()  # a slice of a host input, read on the device
         att = F.scaled_dot_product_attention(z, z, head[..., :6], attn_mask=mask)
-        return y.clamp(min=-0.5), att, torch.eq(x, 0.0).float().sum(-1)
+        wide = (att[:, :1] * 2.0).expand(2, 3, 6, 6)  # expand of a device value
+        return y.clamp(min=-0.5), att + wide, torch.eq(x, 0.0).float().sum(-1)
 
 
 CASES = {

@@ -309,6 +309,15 @@ def slice(
     return _result(x[index], input_tensor.device, input_tensor.layout)
 
 
+def expand(input_tensor: Tensor, output_shape: Sequence[int], **_: Any) -> Tensor:
+    x = _need(input_tensor, "expand", layout=None)
+    lead = len(output_shape) - x.dim()
+    for i, (have, want) in enumerate(zip(x.shape, output_shape[lead:])):
+        if have != want and have != 1 and want != -1:
+            raise TtnnDoubleError(f"expand: dimension {i} of size {have} cannot become {want}")
+    return _result(x.expand(tuple(output_shape)), input_tensor.device, input_tensor.layout)
+
+
 def pow(input_tensor: Tensor, exponent: float, **_: Any) -> Tensor:
     return _result(torch.pow(_need(input_tensor, "pow"), exponent), input_tensor.device)
 
