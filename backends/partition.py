@@ -25,7 +25,7 @@ kind, by parity).
   level(n) <= p(n) (level is the least value with the right parity above
   the inputs' levels, which are <= their positions), so at most m levels are
   used. Running both choices of `first` and keeping the one with fewer
-  regions gives the optimum.
+  regions gives the optimum (on a tie, the one with fewer device regions).
 - Hence no two regions of the same kind can be merged without a cycle:
   a merge that stayed acyclic would beat the optimum.
 
@@ -193,7 +193,10 @@ def partition(graph: Graph | GraphModule, is_supported: Callable[[Node], bool]) 
     used = sorted(set(device_first))
     host_used = sorted(set(host_first))
     levels = device_first
-    if len(host_used) < len(used):
+    # fewest regions; on a tie, fewer device regions (each is a device program and its transfers)
+    device_regions = sum(1 for level in used if level % 2 == 0)
+    host_first_device_regions = sum(1 for level in host_used if level % 2 == 1)
+    if (len(host_used), host_first_device_regions) < (len(used), device_regions):
         levels, used = host_first, host_used
     compact = {level: i for i, level in enumerate(used)}
     members: list[list[Node]] = [[] for _ in used]

@@ -70,13 +70,14 @@ def _set_partitions(n: int) -> Iterator[list[int]]:
     yield from grow([], 0)
 
 
-def brute_force_min_regions(inputs: Sequence[Sequence[int]], on_device: Sequence[bool]) -> int:
-    """The fewest monochrome blocks with an acyclic quotient graph, by trying every set partition."""
+def brute_force_optimum(inputs: Sequence[Sequence[int]], on_device: Sequence[bool]) -> tuple[int, int]:
+    """(fewest regions, fewest device regions among those) over monochrome set partitions with an acyclic
+    quotient graph, by trying every set partition."""
     n = len(inputs)
-    best = n
+    best = (n + 1, n + 1)
     for labels in _set_partitions(n):
         blocks = max(labels, default=-1) + 1
-        if blocks >= best:
+        if blocks > best[0]:
             continue
         if any(on_device[i] != on_device[j] for i in range(n) for j in range(i) if labels[i] == labels[j]):
             continue
@@ -86,5 +87,6 @@ def brute_force_min_regions(inputs: Sequence[Sequence[int]], on_device: Sequence
             (labels[j], labels[i]) for i, ins in enumerate(inputs) for j in ins if labels[j] != labels[i]
         )
         if nx.is_directed_acyclic_graph(quotient):
-            best = blocks
+            device_blocks = len({label for label, dev in zip(labels, on_device) if dev})
+            best = min(best, (blocks, device_blocks))
     return best

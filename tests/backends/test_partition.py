@@ -16,7 +16,7 @@ from backends.partition import DEVICE, HOST, PARTITIONED_OPS, PartitionError, Pa
 from rewrites import testing as rt
 from tests.backends.models import MLP, PoolNet
 from tests.backends.partition_graphs import (
-    brute_force_min_regions,
+    brute_force_optimum,
     call_edges,
     dag_module,
     mergeable_pairs,
@@ -58,12 +58,12 @@ def assert_valid(graph: Graph, partitioning: Partitioning, is_supported) -> None
 
 @settings(max_examples=150, deadline=None)
 @given(dags(max_nodes=7))
-def test_random_dags_get_the_brute_force_optimum(dag):
+def test_random_dags_get_the_brute_force_optimum_regions_then_device_regions(dag):
     inputs, on_device = dag
     gm = dag_module(inputs)
     result = partition(gm.graph, _by_name(on_device))
     assert_valid(gm.graph, result, _by_name(on_device))
-    assert result.num_regions == brute_force_min_regions(inputs, on_device)
+    assert (result.num_regions, len(result.device_regions)) == brute_force_optimum(inputs, on_device)
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,7 +99,7 @@ def test_opposite_chains_need_four_regions():
     gm = dag_module([[], [0], [1], [], [3], [4]])
     on_device = [True, False, True, False, True, False]
     result = partition(gm.graph, _by_name(on_device))
-    assert result.num_regions == 4 == brute_force_min_regions([[], [0], [1], [], [3], [4]], on_device)
+    assert result.num_regions == 4 == brute_force_optimum([[], [0], [1], [], [3], [4]], on_device)[0]
 
 
 def test_all_supported_is_one_device_region():
@@ -254,3 +254,16 @@ def test_cond_subgraphs_are_copied_into_the_region_that_calls_them(cond_on_devic
     assert {n.target for n in region.graph.nodes if n.op == "get_attr"} == {"true_graph_0", "false_graph_0"}
     for x in (torch.randn(3), -torch.ones(3), torch.ones(3)):
         assert torch.equal(parts(x), gm(x))
+
+
+def test_on_a_tie_fewer_device_regions():
+    # n0 device, n1 host, n2 = device(n1), n3 = host(n0): D H D and H D H both take 3 regions; H D H has 1 device one
+    inputs, on_device = [[], [], [1], [0]], [True, False, True, False]
+    gm = dag_module(inputs)
+    result = partition(gm.graph, _by_name(on_device))
+    assert brute_force_optimum(inputs, on_device) == (3, 1)
+    assert [(r.kind, [n.name for n in r.nodes]) for r in result.regions] == [
+        (HOST, ["n1"]),
+        (DEVICE, ["n0", "n2"]),
+        (HOST, ["n3"]),
+    ]
