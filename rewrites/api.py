@@ -56,9 +56,12 @@ def _prepare(gm: GraphModule, example_inputs: Sequence[Any] | None) -> None:
             "example_inputs=(...) to apply() to compute them, or start from torch.export.export()."
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+    # a ShapeEnv gives data-dependent sizes (nonzero, x[mask]) unbacked symbols instead of an error
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
 
 
 def apply(

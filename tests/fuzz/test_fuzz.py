@@ -1,7 +1,8 @@
 """Differential fuzzing: random modules holding every family's bad forms, exported,
 rewritten with DEFAULT (and with the IREE backend's rules, compiled and run), and
-compared with eager. The properties are in `properties.py`, the generator in
-`generate.py`.
+compared with eager; and random ATen graphs built node by node (no export, so
+cheaper), rewritten and compared with the graph as built. The properties are in
+`properties.py` and `graphs.py`, the module generator in `generate.py`.
 
 Budgets come from the hypothesis profile (tests/conftest.py): "ci" by default,
 HYPOTHESIS_PROFILE=local for 10,000 cases per test. The seed is fixed (FUZZ_SEED,
@@ -20,6 +21,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
 import backends
 from tests.fuzz.generate import specs
+from tests.fuzz.graphs import check_graph, graph_specs
 from tests.fuzz.properties import check_default, check_iree
 
 pytestmark = pytest.mark.fuzz
@@ -33,15 +35,37 @@ IREE_GAPS = frozenset({"add_batch"})  # SymInt / float: the FX importer has no t
 IREE_EXAMPLES = max(4, settings.default.max_examples // 8)
 
 
+def _logged(check, spec, *args) -> None:
+    """Run a check; with FUZZ_LOG=path, append one line per case (outcome, spec) for long local runs."""
+    log = os.environ.get("FUZZ_LOG")
+    try:
+        check(spec, *args)
+    except BaseException as e:
+        if log:
+            with open(log, "a") as f:
+                f.write(f"FAIL {type(e).__name__}\t{spec!r}\n")
+        raise
+    if log:
+        with open(log, "a") as f:
+            f.write(f"ok\t{spec!r}\n")
+
+
 @seed(SEED)
 @settings(database=DATABASE)
 @given(specs())
 def test_default_rules_keep_eager_results(spec):
-    check_default(spec)
+    _logged(check_default, spec)
+
+
+@seed(SEED)
+@settings(database=DATABASE, max_examples=max(4, settings.default.max_examples // 2))
+@given(graph_specs())
+def test_default_rules_keep_results_of_hand_built_graphs(spec):
+    _logged(check_graph, spec)
 
 
 @seed(SEED)
 @settings(database=DATABASE, max_examples=IREE_EXAMPLES)
 @given(specs(max_steps=4, exclude=IREE_GAPS))
 def test_iree_matches_eager_after_its_rules(spec):
-    check_iree(spec, backends.get("iree"))
+    _logged(check_iree, spec, backends.get("iree"))

@@ -1,0 +1,25 @@
+"""Failures the fuzzers found, kept as plain tests (the fuzz example database replays them too)."""
+
+from __future__ import annotations
+
+import torch
+
+import rewrites
+from rewrites import testing as rt
+from tests.fuzz.graphs import GraphSpec, build, check_graph
+
+aten = torch.ops.aten
+
+
+def test_graph_module_with_a_data_dependent_size_gets_values():
+    # found by test_default_rules_keep_results_of_hand_built_graphs: apply(gm, example_inputs=...) computed
+    # meta['val'] under a FakeTensorMode without a ShapeEnv, so x[x > 0] raised DynamicOutputShapeException
+    spec = GraphSpec(shape=(2, 3, 4, 8), steps=(("mask_index_sum", 0.0), ("relu", None)), seed=1)
+    gm = build(spec)
+    (x,) = spec.inputs()[0]
+    result = rewrites.apply(gm, example_inputs=(x,))
+    rt.assert_fired(result, "mask_index_to_gather", times=1)
+    rt.assert_ops(result, absent=[aten.index.Tensor])
+    expected = torch.relu(x + x[x > 0].sum())
+    torch.testing.assert_close(result.graph_module(x.clone())[0], expected)
+    check_graph(spec)
