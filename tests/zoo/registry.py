@@ -40,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-5),
     torch.float64: (1e-7, 1e-9),
+    torch.bfloat16: (1.6e-2, 1e-2),  # 8 mantissa bits: a few ulps (llama_bf16, pending)
 }
 #: seeds of the input sets each model is compared on (the first is the one it was exported with)
 SEEDS = (0, 1)
@@ -148,6 +149,7 @@ def assert_matches(got: Any, expected: Any) -> None:
             f"output {i}: {g.dtype}{list(g.shape)} != {e.dtype}{list(e.shape)}"
         )
         if e.is_floating_point():
+            assert e.dtype in TOLERANCE, f"output {i}: no tolerance for {e.dtype}; add one to registry.TOLERANCE"
             rtol, atol = TOLERANCE[e.dtype]
             torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=lambda m, i=i: f"output {i}: {m}")
         else:
@@ -421,6 +423,43 @@ def _longformer() -> torch.nn.Module:
     t = _transformers()
     config = t.LongformerConfig(vocab_size=128, max_position_embeddings=80, attention_window=8, **_BERTISH)
     return t.LongformerModel(config)
+
+
+def _levit() -> torch.nn.Module:
+    t = _transformers()
+    # three stages: the config's default down-sampling ops expect one more stage than the last;
+    # initializer_range 0.18: the default 0.02 leaves outputs ~1e-9 (0.3: ~1e5)
+    config = t.LevitConfig(
+        initializer_range=0.18,
+        image_size=64,
+        hidden_sizes=[16, 32, 48],
+        num_attention_heads=[1, 2, 3],
+        depths=[1, 1, 1],
+        key_dim=[8, 8, 8],
+        attention_ratio=[2, 2, 2],
+        mlp_ratio=[2, 2, 2],
+    )
+    return t.LevitModel(config)
+
+
+def _mobilevit() -> torch.nn.Module:
+    t = _transformers()
+    config = t.MobileViTConfig(
+        image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_attention_heads=2
+    )
+    return t.MobileViTModel(config)
+
+
+def _funnel() -> torch.nn.Module:
+    t = _transformers()
+    config = t.FunnelConfig(
+        vocab_size=128, block_sizes=[1, 1], d_model=64, n_head=2, d_head=32, d_inner=128, num_decoder_layers=1
+    )
+    return t.FunnelModel(config)
+
+
+def _llama_bf16() -> torch.nn.Module:
+    return _llama()().to(torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- the zoo
@@ -826,5 +865,41 @@ MODELS: tuple[ZooModel, ...] = (
     ),
 )
 
-BY_NAME = {m.name: m for m in MODELS}
-assert len(BY_NAME) == len(MODELS), "zoo model names must be unique"
+#: models that do not pass yet, outside the tests (`python benchmarks/zoo.py --models levit` measures one);
+#: the note says what stops each (docs/zoo.md has the details)
+PENDING: tuple[ZooModel, ...] = (
+    ZooModel(
+        "levit",
+        "LevitModel",
+        _levit,
+        image(64),
+        note="compiles after the rules on both routes (IREE takes ~110 s: too slow for CI); numerics not yet "
+        "compared at this initializer_range (the last session's config gave outputs ~1e-9)",
+    ),
+    ZooModel(
+        "mobilevit",
+        "MobileViTModel",
+        _mobilevit,
+        image(),
+        note="matches eager after the rules, but IREE takes ~250 s to compile it (CI budget)",
+    ),
+    ZooModel(
+        "funnel",
+        "FunnelModel",
+        _funnel,
+        text(),
+        note="export: `positional_attn *= cls_mask` writes through a reshape view the in-place rule cannot "
+        "write back through (mul_ stays); torch.compile: IREE miscompiles avg_pool2d(ceil_mode=True)",
+    ),
+    ZooModel(
+        "llama_bf16",
+        "LlamaModel (bfloat16)",
+        _llama_bf16,
+        text(mask=False),
+        note="export: IREE 3.13 fails on every frozen bf16 parameter ('arith.constant' op failed to verify); "
+        "torch.compile: 2 of 2048 outputs 1.4e-2 from eager (bf16 rounding over 2 layers)",
+    ),
+)
+
+BY_NAME = {m.name: m for m in (*MODELS, *PENDING)}
+assert len(BY_NAME) == len(MODELS) + len(PENDING), "zoo model names must be unique"
