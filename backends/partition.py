@@ -40,6 +40,7 @@ never adds a region.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
@@ -260,7 +261,7 @@ def split(gm: GraphModule, partitioning: Partitioning) -> GraphModule:
                 "graph; call partition(gm.graph, is_supported) on this one"
             )
     top = Graph()
-    top._codegen = gm.graph._codegen  # keeps export's pytree calling convention
+    top._codegen = copy.deepcopy(gm.graph._codegen)  # keeps export's pytree calling convention
     env: dict[Node, Node] = {}
     root: dict[str, Any] = {}
     for node in gm.graph.nodes:
