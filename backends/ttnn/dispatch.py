@@ -31,6 +31,8 @@ def _from_torch(ttnn: Any, dev: Any, x: Any, dtype: str, layout: str, on_device:
         x = x.to(torch.int32)  # ttnn converts int32 host data to uint32
     elif x.dtype == torch.bool:
         x = x.to(torch.bfloat16)  # a mask: 1.0 / 0.0
+    else:
+        x = ops.bf16_finite(x)  # float32's extremes would become +-inf in bfloat16
     device = dev if on_device else None
     return ttnn.from_torch(x, dtype=_dtype(ttnn, dtype), layout=_layout(ttnn, layout), device=device)
 
@@ -72,6 +74,15 @@ def _batch_norm(ttnn: Any, dev: Any, x: Any, mean: Any, var: Any, w: Any, b: Any
     )
 
 
+def _pad(ttnn: Any, dev: Any, x: Any, pad: list[int], value: float) -> Any:
+    """torch's (last before, last after, ...) as ttnn's [(before, after)] for every dimension, first to last."""
+    rank = len(x.shape)
+    pairs = [(0, 0)] * rank
+    for i in range(len(pad) // 2):
+        pairs[rank - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    return ttnn.pad(x, padding=pairs, value=value)
+
+
 def _reduce(name: str) -> Call:
     def reduce(ttnn: Any, dev: Any, x: Any, dim: list[int], keepdim: bool) -> Any:
         return getattr(ttnn, name)(x, dim=dim[0] if len(dim) == 1 else list(dim), keepdim=keepdim)
@@ -108,6 +119,7 @@ CALLS: dict[Any, Call] = {
     ops.conv2d: _conv2d,
     ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
     ops.where: _plain("where"),
+    ops.pad: _pad,
     ops.expand: lambda ttnn, dev, x, shape: ttnn.expand(x, list(shape)),
     ops.sdpa: lambda ttnn, dev, q, k, v, mask, causal, scale: ttnn.transformer.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale

@@ -185,7 +185,7 @@ def lower_binary(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     a = device_value(rw, bound["self"])
     if isinstance(other, Node):
         return rw.call(ops.OPS[name], a, device_value(rw, other))
-    return rw.call(ops.OPS[f"{name}_scalar"], a, float(other))
+    return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
 
 
 def _pow_when(node: Node) -> Any:
@@ -503,7 +503,7 @@ def lower_compare(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     a = device_value(rw, bound["self"])
     if isinstance(other, Node):
         return rw.call(ops.OPS[name], a, device_value(rw, other))
-    return rw.call(ops.OPS[f"{name}_scalar"], a, float(other))
+    return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
 
 
 @_lowering(
@@ -628,6 +628,45 @@ def lower_expand(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.expand, device_value(rw, bound["self"]), _static(node.meta["val"]))
 
 
+@_lowering(
+    "ttnn_select", [aten.select.int], _follows_device("self", static=True), "select -> ttnn.slice + ttnn.reshape."
+)
+def lower_select(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    shape = _static(bound["self"].meta["val"])
+    dim = int(bound["dim"]) % len(shape)
+    index = int(bound["index"]) % shape[dim]
+    starts, ends, steps = [0] * len(shape), list(shape), [1] * len(shape)
+    starts[dim], ends[dim] = index, index + 1
+    one = rw.call(ops.slice_, device_value(rw, bound["self"]), starts, ends, steps)
+    return rw.call(ops.reshape, one, _static(node.meta["val"]))
+
+
+@_lowering("ttnn_numpy_t", [aten.numpy_T.default], _follows_device("self"), "x.T -> ttnn.permute (dims reversed).")
+def lower_numpy_t(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    rank = node.meta["val"].dim()
+    return rw.call(ops.permute, device_value(rw, bound["self"]), list(range(rank - 1, -1, -1)))
+
+
+def _pad_when(node: Node) -> Any:
+    bound = schema.bind(node.target, node.args, dict(node.kwargs))
+    if bound.get("mode", "constant") != "constant":
+        return Miss(f"mode={bound['mode']!r}; ttnn.pad pads with a constant")
+    if any(isinstance(p, Node) or int(p) < 0 for p in bound["pad"]):
+        return Miss("negative or runtime padding")
+    return tensors_ok("self", static=True)(node)
+
+
+@_lowering(
+    "ttnn_pad",
+    [aten.pad.default, aten.constant_pad_nd.default],
+    _pad_when,
+    "constant F.pad -> ttnn.pad(x, padding=[(before, after) per dim], value=).",
+)
+def lower_pad(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    value = bound.get("value")
+    return rw.call(ops.pad, device_value(rw, bound["self"]), [int(p) for p in bound["pad"]], float(value or 0.0))
+
+
 CASTS = [aten._to_copy.default, aten.to.dtype]
 
 
@@ -685,6 +724,9 @@ RULES = [
     lower_clamp,
     lower_batch_norm,
     lower_slice,
+    lower_select,
+    lower_numpy_t,
+    lower_pad,
     lower_expand,
     lower_cast,
     sink_data_movement,

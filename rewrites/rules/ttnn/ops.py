@@ -48,8 +48,20 @@ def _round(x: Tensor) -> Tensor:
 # -- data movement ---------------------------------------------------------------
 
 
+#: the largest finite bfloat16; float32's extremes (torch.finfo(float32).min, the usual "masked out" value)
+#: would round to infinity, and 0 * inf is NaN
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def bf16_finite(x: Any) -> Any:
+    """`x` (a number or a float tensor) with finite values beyond bfloat16's range clamped to it."""
+    if isinstance(x, Tensor):
+        return x.clamp(-BF16_MAX, BF16_MAX) if x.is_floating_point() else x
+    return max(-BF16_MAX, min(BF16_MAX, x)) if isinstance(x, float) else x
+
+
 def _from_torch(x: Tensor, dtype: str, layout: str, on_device: bool) -> Tensor:
-    return x.to(DEVICE_DTYPES[dtype], copy=True)
+    return bf16_finite(x).to(DEVICE_DTYPES[dtype], copy=True)
 
 
 def _to_torch(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -249,6 +261,12 @@ def _expand(x: Tensor, shape: list[int]) -> Tensor:
     return x.expand(shape).clone()
 
 
+def _pad(x: Tensor, pad: list[int], value: float) -> Tensor:
+    """`pad` in torch's order: (last dim before, after, second to last before, after, ...)."""
+    return _round(F.pad(x, pad, value=value))
+
+
+pad = _define("pad", _pad)
 slice_ = _define("slice", _slice)
 expand = _define("expand", _expand)
 reshape = _define("reshape", _reshape)

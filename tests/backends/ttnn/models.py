@@ -79,7 +79,8 @@ class Misc(torch.nn.Module):
         head = x[..., :8].to(torch.float16).float()  # a slice of a host input, read on the device
         att = F.scaled_dot_product_attention(z, z, head[..., :6], attn_mask=mask)
         wide = (att[:, :1] * 2.0).expand(2, 3, 6, 6)  # expand of a device value
-        return y.clamp(min=-0.5), att + wide, torch.eq(x, 0.0).float().sum(-1)
+        padded = F.pad(y, (1, 2, 0, 3), value=0.5)[:, 1]  # constant pad (W then H), select
+        return y.clamp(min=-0.5), att + wide, torch.eq(x, 0.0).float().sum(-1), padded, att[0, 0].T
 
 
 CASES = {

@@ -309,6 +309,14 @@ def slice(
     return _result(x[index], input_tensor.device, input_tensor.layout)
 
 
+def pad(input_tensor: Tensor, padding: Sequence[tuple[int, int]], value: float, **_: Any) -> Tensor:
+    x = _need(input_tensor, "pad")
+    if len(padding) != x.dim():
+        raise TtnnDoubleError(f"pad: {len(padding)} (before, after) pairs for a rank-{x.dim()} tensor")
+    flat = [n for before, after in reversed(list(padding)) for n in (before, after)]
+    return _result(F.pad(x, flat, value=value), input_tensor.device)
+
+
 def expand(input_tensor: Tensor, output_shape: Sequence[int], **_: Any) -> Tensor:
     x = _need(input_tensor, "expand", layout=None)
     lead = len(output_shape) - x.dim()
