@@ -5,7 +5,7 @@ The engine knows this protocol only; concrete rule kinds live in `rewrites`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -18,13 +18,22 @@ class Miss:
     """A falsy answer to "does this rule match?" that says why not.
 
     Rules and `when` predicates return it instead of `False` so that
-    `explain` can tell a user which condition failed on which node.
+    `explain` can tell a user which condition failed on which node. The
+    reason may be a function returning the text: it is called only when
+    someone reads it (`explain=True`), so a rule tried on 100k nodes does not
+    format 100k messages nobody reads.
     """
 
-    __slots__ = ("reason",)
+    __slots__ = ("_reason",)
 
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
+    def __init__(self, reason: str | Callable[[], str]) -> None:
+        self._reason = reason
+
+    @property
+    def reason(self) -> str:
+        if callable(self._reason):
+            self._reason = self._reason()
+        return self._reason
 
     def __bool__(self) -> bool:
         return False

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
 from engine import fxgraph, values
 
@@ -27,21 +28,30 @@ INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn
 
 
 def _substitute(arg: Any, env: dict[Node, Any]) -> Any:
-    """`arg` with every node replaced by `env[node]` (pytree's tree_map was
-    a tenth of a rewrite's cost in profiles of large graphs)."""
-    if isinstance(arg, Node):
-        return env[arg]
-    if isinstance(arg, tuple):
-        items = tuple(_substitute(a, env) for a in arg)
-        return type(arg)(*items) if hasattr(arg, "_fields") else items
-    if isinstance(arg, list):
-        return [_substitute(a, env) for a in arg]
-    if isinstance(arg, dict):
-        return {k: _substitute(v, env) for k, v in arg.items()}
-    return arg
+    """`arg` with every node replaced by `env[node]` (fx's map_arg is C++;
+    pytree's tree_map was a tenth of a rewrite in profiles of large graphs)."""
+    return map_arg(arg, env.__getitem__)
 
 
-_pure_targets: dict[Any, bool] = {}
+def _reusable_output(graph: Graph, node: Node | None) -> Node | None:
+    """The node of `graph` that `node` can become in place: the graph's
+    single output, a call of `node`'s op read by nothing else."""
+    if node is None:
+        return None
+    out = graph.output_node().args[0]
+    if isinstance(out, Node) and out.op == "call_function" and out.target == node.target and len(out.users) == 1:
+        return out
+    return None
+
+
+def _nested_nodes(arg: Any) -> list[Node]:
+    """Every node inside `arg` (tuples, lists, dicts)."""
+    found: list[Node] = []
+    map_arg(arg, found.append)
+    return found
+
+
+_pure_targets: dict[int, bool] = {}
 
 
 def _impure(node: Node) -> bool:
@@ -50,9 +60,9 @@ def _impure(node: Node) -> bool:
     targets (higher-order ops: purity depends on arguments) are asked anew."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return node.is_impure()
-    known = _pure_targets.get(node.target)
+    known = _pure_targets.get(id(node.target))  # ops live as long as torch.ops
     if known is None:
-        known = _pure_targets[node.target] = not node.is_impure()
+        known = _pure_targets[id(node.target)] = not node.is_impure()
     return not known
 
 
@@ -74,6 +84,16 @@ class _Replacement:
         return users if self.after is None else [u for u in users if self.after < u]
 
 
+@attrs.frozen
+class _Modification:
+    """`node` takes `args` and `kwargs` in place; `val` is its new value."""
+
+    node: Node
+    args: tuple
+    kwargs: dict
+    val: Any
+
+
 class Rewriter:
     """One transaction of one rule on one root node."""
 
@@ -93,6 +113,7 @@ class Rewriter:
         self.check_shapes = check_shapes
         self.created: list[Node] = []
         self.replacements: list[_Replacement] = []
+        self.modifications: list[_Modification] = []
         self.erasures: list[Node] = []
         self.attrs: list[str] = []
         self.notes: list[str] = []
@@ -141,9 +162,13 @@ class Rewriter:
         self.created.append(node)
         return node
 
-    def inline(self, sub: GraphModule | Graph, args: Sequence[Any]) -> Any:
+    def inline(self, sub: GraphModule | Graph, args: Sequence[Any], *, modify: Node | None = None) -> Any:
         """Copy the body of `sub` in before the root, its placeholders bound
-        to `args`; returns its outputs (same structure, nodes of this graph)."""
+        to `args`; returns its outputs (same structure, nodes of this graph).
+
+        With `modify=node`: when `sub` returns one call of `node`'s op, that
+        call is not copied; `node` takes its arguments in place (`modify`)
+        and is returned."""
         graph = sub.graph if isinstance(sub, GraphModule) else sub
         module = sub if isinstance(sub, GraphModule) else graph.owning_module
         env: dict[Node, Any] = {}
@@ -151,6 +176,7 @@ class Rewriter:
         if len(placeholders) != len(args):
             raise CheckFailed(f"inlined graph takes {len(placeholders)} inputs, got {len(args)}")
         env.update(zip(placeholders, args))
+        reused = _reusable_output(graph, modify)
         for n in graph.nodes:
             if n.op == "placeholder":
                 continue
@@ -158,7 +184,10 @@ class Rewriter:
                 return _substitute(n.args[0], env)
             if n.op == "call_function":
                 a, k = _substitute(n.args, env), _substitute(n.kwargs, env)
-                if isinstance(n.target, type) and issubclass(n.target, tuple):
+                if n is reused:
+                    self.modify(modify, a, k)  # type: ignore[arg-type]
+                    env[n] = modify
+                elif isinstance(n.target, type) and issubclass(n.target, tuple):
                     env[n] = tuple(a)  # a namedtuple built by a decomposition
                 else:
                     env[n] = self.call(n.target, *a, **k)
@@ -180,6 +209,20 @@ class Rewriter:
         proven equal).
         """
         self.replacements.append(_Replacement(old, new, same_shape))
+
+    def modify(self, node: Node, args: Sequence[Any] | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        """Give `node` new arguments in place (at commit), keeping its op,
+        name and users: what MLIR calls modifying an op in place. Cheaper
+        than building a new node and replacing the old one, e.g. when a
+        pattern's replacement ends in the op its match ended in. The node's
+        value is recomputed and must match the old one, as for `replace`."""
+        args = node.args if args is None else tuple(args)
+        kwargs = dict(node.kwargs) if kwargs is None else kwargs
+        try:
+            val = values.evaluate(self.fake_mode, node.target, args, kwargs)
+        except values.MissingValue as e:
+            raise CheckFailed(str(e)) from None
+        self.modifications.append(_Modification(node, args, kwargs, val))
 
     def replace_uses_after(self, old: Node, new: Node, after: Node) -> None:
         """Users of `old` that come after `after` read `new` instead: what
@@ -210,6 +253,17 @@ class Rewriter:
         neighbourhood changed (to be re-queued by the engine)."""
         self._check()
         touched: list[Node] = []
+        dead: list[Node] = []
+        for m in self.modifications:
+            before = m.node.all_input_nodes
+            if m.args != m.node.args:
+                m.node.args = m.args
+            if m.kwargs != m.node.kwargs:
+                m.node.kwargs = m.kwargs
+            m.node.meta["val"] = m.val
+            m.node.meta["rewrites"] = (*m.node.meta.get("rewrites", ()), self._provenance[-1])
+            touched += [m.node, *m.node.users]
+            dead += before
         for r in self.replacements:
             users = r.users()
             touched.extend(users)
@@ -228,7 +282,7 @@ class Rewriter:
             output.args = (tuple(values_out),)
         for fn in self.callbacks:
             fn()
-        dead = [r.old for r in self.replacements if r.after is None] + self.erasures
+        dead += [r.old for r in self.replacements if r.after is None] + self.erasures
         dead += [n for n in self.created if not n.users]
         touched += self._sweep(dead)
         return [n for n in self.created if not n._erased] + touched
@@ -259,11 +313,14 @@ class Rewriter:
 
     def _check(self) -> None:
         for node in self.created:
-            for inp in node.all_input_nodes:
-                if inp._erased or inp.graph is not self.graph:
-                    raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which is not in the graph")
-                if not inp < node:
-                    raise CheckFailed(f"new node {node.name!r} uses {inp.name!r}, which comes after it")
+            self._check_inputs(node, node.all_input_nodes, "new node")
+        for m in self.modifications:
+            if m.node._erased:
+                raise CheckFailed(f"cannot modify {m.node.name!r}: it is not in the graph")
+            self._check_inputs(m.node, _nested_nodes((m.args, m.kwargs)), "modified node")
+            why = values.compatible(m.node.meta.get("val"), m.val, check_shape=self.check_shapes)
+            if why:
+                raise CheckFailed(f"modified {m.node.name!r} does not match what it was: {why}")
         if self.outputs:
             output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
             if not isinstance(output.args[0], (tuple, list)):
@@ -276,6 +333,13 @@ class Rewriter:
             users = [u.name for u in node.users if id(u) not in erased and id(u) not in replaced]
             if users and id(node) not in replaced:
                 raise CheckFailed(f"cannot erase {node.name!r}: it is still used by {users}")
+
+    def _check_inputs(self, node: Node, inputs: Sequence[Node], what: str) -> None:
+        for inp in inputs:
+            if inp._erased or inp.graph is not self.graph:
+                raise CheckFailed(f"{what} {node.name!r} uses {inp.name!r}, which is not in the graph")
+            if not inp < node:
+                raise CheckFailed(f"{what} {node.name!r} uses {inp.name!r}, which comes after it")
 
     def _check_replacement(self, r: _Replacement) -> None:
         old, new = r.old, r.new

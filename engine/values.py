@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -102,34 +103,86 @@ def evaluate(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Any:
     costs 0.3 ms (static) to 20 ms (symbolic pooling) per op, which
     dominated rewrites of deep graphs whose layers repeat the same shapes.
     """
-    key = _memo_key(target, args, kwargs) if fake_mode is not None else None
-    if key is not None:
+    memo = key = None
+    if fake_mode is not None and _memoisable(target):
         memo = _MEMOS.get(fake_mode)
         if memo is None:
-            memo = _MEMOS[fake_mode] = {}
-        hit = memo.get(key)
-        if hit is not None:
+            memo = _MEMOS[fake_mode] = _Memo()
+        key = memo.key(target, args, kwargs)
+        if key is not None and (hit := memo.values.get(key)) is not None:
             return hit
     fargs, fkwargs = node_value(args), node_value(kwargs)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx:
         val = target(*fargs, **fkwargs)
     if key is not None and _storable(fake_mode, val):
-        memo[key] = val
+        memo.values[key] = val  # type: ignore[union-attr]
     return val
 
 
-#: fake mode -> {(op, argument metadata): fake value}; see `evaluate`.
-_MEMOS: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+class _Memo:
+    """One fake mode's memo: values by (op, argument metadata), and the
+    metadata of each argument value seen (by id; the value is kept alive
+    with it, so the id cannot be reused while the entry exists)."""
+
+    __slots__ = ("meta", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[tuple, Any] = {}
+        self.meta: dict[int, tuple[Any, Hashable]] = {}
+
+    def key(self, target: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """(op, metadata of every argument), or None when an argument has
+        no metadata to key on."""
+        parts: list[Any] = [id(target)]  # ops live as long as torch.ops; OpOverload.__hash__ is slow Python
+        for a in (*args, *kwargs.items()):
+            if not self._part(a, parts):
+                return None
+        return tuple(parts)
+
+    def _part(self, a: Any, parts: list[Any]) -> bool:
+        if isinstance(a, Node):
+            val = a.meta.get("val")
+            seen = self.meta.get(id(val))
+            if seen is None:
+                seen = self.meta[id(val)] = (val, _value_key(val))
+            if seen[1] is None:
+                return False
+            parts.append(seen[1])
+            return True
+        if isinstance(a, _PLAIN):
+            parts.append((type(a), a))  # 1, 1.0 and True hash alike
+            return True
+        if isinstance(a, (tuple, list)):
+            parts.append((type(a), len(a)))
+            return all(self._part(x, parts) for x in a)
+        return False
+
+
+def _value_key(val: Any) -> Hashable | None:
+    """What a memo key holds of an argument's fake value (None: not keyable)."""
+    if isinstance(val, torch.Tensor):
+        if val._has_symbolic_sizes_strides:
+            shape, stride, offset = (_sym_key(v) for v in (val.shape, val.stride(), (val.storage_offset(),)))
+        else:
+            shape, stride, offset = val.shape, val.stride(), val.storage_offset()
+        return (shape, stride, offset, val.dtype, val.device, val.requires_grad)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (type(val), val.node.expr)
+    return None
+
+
+#: fake mode -> its memo; see `evaluate`.
+_MEMOS: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
 _UNCACHED_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view})
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_memoisable_ops: dict[Any, bool] = {}
+_memoisable_ops: dict[int, bool] = {}  # by id: ops live as long as torch.ops
 
 
 def _memoisable(target: Any) -> bool:
     """A functional ATen op whose outputs alias no input and whose output
     sizes follow from its inputs' metadata alone."""
-    known = _memoisable_ops.get(target)
+    known = _memoisable_ops.get(id(target))
     if known is None:
         schema = getattr(target, "_schema", None)
         known = (
@@ -140,42 +193,8 @@ def _memoisable(target: Any) -> bool:
             and not any(r.alias_info is not None for r in schema.returns)
             and not _UNCACHED_TAGS.intersection(target.tags)
         )
-        _memoisable_ops[target] = known
+        _memoisable_ops[id(target)] = known
     return known
-
-
-def _memo_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """(op, metadata of every argument), or None when not memoisable."""
-    if not _memoisable(target):
-        return None
-    parts: list[Any] = [target]
-    for a in (*args, *kwargs.items()):
-        if not _key_part(a, parts):
-            return None
-    return tuple(parts)
-
-
-def _key_part(a: Any, parts: list[Any]) -> bool:
-    if isinstance(a, Node):
-        val = a.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            if val._has_symbolic_sizes_strides:
-                shape, stride, offset = (_sym_key(v) for v in (val.shape, val.stride(), (val.storage_offset(),)))
-            else:
-                shape, stride, offset = val.shape, val.stride(), val.storage_offset()
-            parts.append((shape, stride, offset, val.dtype, val.device, val.requires_grad))
-            return True
-        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            parts.append((type(val), val.node.expr))
-            return True
-        return False
-    if isinstance(a, _PLAIN):
-        parts.append((type(a), a))  # 1, 1.0 and True hash alike
-        return True
-    if isinstance(a, (tuple, list)):
-        parts.append((type(a), len(a)))
-        return all(_key_part(x, parts) for x in a)
-    return False
 
 
 def _sym_key(sizes: Any) -> tuple:
@@ -222,12 +241,17 @@ def describe(val: Any) -> str:
 def compatible(old: Any, new: Any, *, check_shape: bool = True) -> str | None:
     """None when `new` can stand in for `old`; else what differs."""
     if isinstance(old, torch.Tensor):
+        if old is new:
+            return None
         if not isinstance(new, torch.Tensor):
             return f"expected {describe(old)}, got {describe(new)}"
         if old.dtype != new.dtype:
             return f"dtype changed from {old.dtype} to {new.dtype}"
         if old.dim() != new.dim():
             return f"rank changed from {old.dim()} to {new.dim()} ({describe(old)} -> {describe(new)})"
+        static = not (old._has_symbolic_sizes_strides or new._has_symbolic_sizes_strides)
+        if static and old.shape == new.shape:
+            return None
         if check_shape and not all(_same(a, b) for a, b in zip(old.shape, new.shape)):
             return f"shape changed from {tuple(old.shape)} to {tuple(new.shape)}"
         return None

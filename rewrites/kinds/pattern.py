@@ -67,52 +67,60 @@ class Pattern(RuleBase):
 
     def _match(self, node: Node) -> Any:
         bindings: dict[Node, Any] = {}
-        why = _match_node(self.anchor, node, bindings)
-        if why:
-            return Miss(why)
+        if _match_node(self.anchor, node, bindings, explain=False):
+            return Miss(lambda: _match_node(self.anchor, node, {}, explain=True))
         return [bindings[p] for p in self.wildcards]
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> None:
-        rw.replace(node, rw.inline(self.replacement_gm, match))
+        new = rw.inline(self.replacement_gm, match, modify=node)
+        if new is not node:
+            rw.replace(node, new)
 
 
-def _match_node(p: Node, g: Any, bindings: dict[Node, Any]) -> str | None:
-    """None when pattern node `p` matches graph value `g`; else why not."""
+#: what the matchers return for "no match" when nobody asked why
+_NO = "no match"
+
+
+def _match_node(p: Node, g: Any, bindings: dict[Node, Any], explain: bool) -> str | None:
+    """None when pattern node `p` matches graph value `g`; else why not
+    (with `explain`; a fixed text otherwise, formatting costs)."""
     if p.op == "placeholder":
         if p in bindings:
             seen = bindings[p]
             same = seen is g if isinstance(seen, Node) or isinstance(g, Node) else seen == g
-            return None if same else f"wildcard {p.name!r} would bind two different values"
+            if same:
+                return None
+            return f"wildcard {p.name!r} would bind two different values" if explain else _NO
         bindings[p] = g
         return None
     if not isinstance(g, Node):
-        return f"expected {op_name(p.target)}, found constant {g!r}"
+        return f"expected {op_name(p.target)}, found constant {g!r}" if explain else _NO
     if g.op != "call_function" or g.target != p.target:
-        return f"expected {op_name(p.target)}, found {op_name(g.target)} ({g.name})"
-    if len(g.args) != len(p.args) or set(g.kwargs) != set(p.kwargs):
-        return f"{g.name}: argument layout differs from the pattern"
+        return f"expected {op_name(p.target)}, found {op_name(g.target)} ({g.name})" if explain else _NO
+    if len(g.args) != len(p.args) or g.kwargs.keys() != p.kwargs.keys():
+        return f"{g.name}: argument layout differs from the pattern" if explain else _NO
     for i, (pa, ga) in enumerate(zip(p.args, g.args)):
-        why = _match_arg(pa, ga, bindings)
+        why = _match_arg(pa, ga, bindings, explain)
         if why:
-            return f"{g.name} arg {i}: {why}"
+            return f"{g.name} arg {i}: {why}" if explain else _NO
     for k, pa in p.kwargs.items():
-        why = _match_arg(pa, g.kwargs[k], bindings)
+        why = _match_arg(pa, g.kwargs[k], bindings, explain)
         if why:
-            return f"{g.name} {k}=: {why}"
+            return f"{g.name} {k}=: {why}" if explain else _NO
     return None
 
 
-def _match_arg(pa: Any, ga: Any, bindings: dict[Node, Any]) -> str | None:
+def _match_arg(pa: Any, ga: Any, bindings: dict[Node, Any], explain: bool) -> str | None:
     if isinstance(pa, Node):
-        return _match_node(pa, ga, bindings)
+        return _match_node(pa, ga, bindings, explain)
     if isinstance(pa, (list, tuple)):
         if not isinstance(ga, (list, tuple)) or len(ga) != len(pa):
-            return f"expected {pa!r}, found {ga!r}"
+            return f"expected {pa!r}, found {ga!r}" if explain else _NO
         for x, y in zip(pa, ga):
-            why = _match_arg(x, y, bindings)
+            why = _match_arg(x, y, bindings, explain)
             if why:
                 return why
         return None
     if isinstance(ga, Node) or pa != ga:
-        return f"expected {pa!r}, found {ga!r}"
+        return f"expected {pa!r}, found {ga!r}" if explain else _NO
     return None
