@@ -188,6 +188,16 @@ def lower_binary(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
 
 
+@_lowering(
+    "ttnn_rsub", [aten.rsub.Scalar, aten.rsub.Tensor], _binary_when, "rsub(x, y) = y - x -> ttnn.subtract / neg + add."
+)
+def lower_rsub(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    x, other = device_value(rw, bound["self"]), bound["other"]
+    if isinstance(other, Node):
+        return rw.call(ops.OPS["subtract"], device_value(rw, other), x)
+    return rw.call(ops.OPS["add_scalar"], rw.call(ops.OPS["neg"], x), ops.bf16_finite(float(other)))
+
+
 def _pow_when(node: Node) -> Any:
     exponent = node.args[1]
     if isinstance(exponent, (Node, bool)):
@@ -732,6 +742,7 @@ RULES = [
     sink_data_movement,
     lower_unary,
     lower_binary,
+    lower_rsub,
     lower_pow,
     lower_matmul,
     lower_linear,

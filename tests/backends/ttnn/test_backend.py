@@ -99,3 +99,20 @@ def test_compile_refuses_what_is_not_a_program():
 def test_rules_are_default_then_ttnn():
     rules = backends.get("ttnn").rules
     assert "sym_scalar_in_tensor_slot" in rules and "ttnn_linear" in rules and "fuse_round_trip" in rules
+
+
+class AdditiveMask(torch.nn.Module):
+    """transformers' masks hold finfo(float32).min, which bfloat16 cannot hold: it would be -inf, and 0 * -inf NaN."""
+
+    def forward(self, scores, bias):
+        return torch.softmax(scores + bias, dim=-1) + bias * 0.0 + (1.0 - scores) * 0.5
+
+
+def test_float32_extremes_stay_finite_in_bfloat16(ttnn_impl):
+    scores = torch.randn(2, 8)
+    bias = torch.where(torch.rand(2, 8) > 0.3, 0.0, torch.finfo(torch.float32).min)
+    fn = backends.get("ttnn").compile(rt.export(AdditiveMask(), scores, bias), (scores, bias))
+    assert fn.partitioning.device_share == 1.0
+    got = fn(scores, bias)
+    assert not got.isnan().any()
+    assert_close_bf16(got, AdditiveMask()(scores, bias))
