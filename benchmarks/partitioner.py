@@ -11,7 +11,7 @@ the top level); ours counts device and host regions. Times are CPU seconds
 of the process (time.process_time): on a shared machine, wall time mostly
 measures the other jobs. The time limit is wall time.
 
-    nice -n 10 python benchmarks/partitioner.py [--sizes 1000 3000 6000] [--large 100000] [--limit 180]
+    nice -n 10 python benchmarks/partitioner.py [--sizes 1000 3000 6000] [--large 100000] [--limit 120]
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 3000, 6000])
     parser.add_argument("--large", type=int, default=100_000)
-    parser.add_argument("--limit", type=float, default=180.0, help="seconds torch's partitioner gets per size")
+    parser.add_argument("--limit", type=float, default=120.0, help="seconds torch's partitioner gets per size")
     parser.add_argument("--no-split-module", action="store_true", help="skip timing torch's split_module")
     args = parser.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
