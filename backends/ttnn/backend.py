@@ -137,7 +137,7 @@ class TtnnBackend:
                 f"got {type(program).__name__}"
             )
         lowered = lower(program)
-        gm = lowered.graph_module
+        gm = lowered.graph_module if isinstance(lowered, ExportedProgram) else lowered
         partitioning = partition(gm.graph, is_device_node)
         return TtnnCompiled(
             split(gm, partitioning), partitioning, lowered if isinstance(lowered, ExportedProgram) else None

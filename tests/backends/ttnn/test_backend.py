@@ -116,3 +116,15 @@ def test_float32_extremes_stay_finite_in_bfloat16(ttnn_impl):
     got = fn(scores, bias)
     assert not got.isnan().any()
     assert_close_bf16(got, AdditiveMask()(scores, bias))
+
+
+def test_a_graph_module_with_fake_values_compiles_too(ttnn_impl):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return torch.relu(x @ w) + 1.0
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    fn = backends.get("ttnn").compile(make_fx(f, tracing_mode="fake")(x, w), (x, w))
+    assert fn.partitioning.device_share == 1.0 and fn.program is None
+    assert_close_bf16(fn(x, w), f(x, w))
