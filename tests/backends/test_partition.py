@@ -267,3 +267,11 @@ def test_on_a_tie_fewer_device_regions():
         (DEVICE, ["n0", "n2"]),
         (HOST, ["n3"]),
     ]
+
+
+def test_a_graph_out_of_topological_order_is_refused():
+    gm = dag_module([[], []])
+    n0, n1 = (n for n in gm.graph.nodes if n.op == "call_function")
+    n0.args = (n1,)  # n0 now reads n1, which comes after it
+    with pytest.raises(PartitionError, match=r"node 'n0' reads 'n1', defined after it: .* not in topological order"):
+        partition(gm.graph, lambda node: True)
