@@ -1,0 +1,61 @@
+"""Every gallery and zoo model lowers for ttnn, and the result runs on the test double close to eager.
+
+bfloat16 through a whole network: the largest difference must stay within
+15% of the largest eager output (MobileNetV2, the deepest, is at 10%; the
+stand-ins in float32 match eager to 1e-5, see docs/ttnn.md). Nothing is
+compiled for IREE here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import backends
+from backends.ttnn import runtime
+from examples import gallery
+from tests.backends.ttnn import reference_ttnn
+from tests.zoo import registry
+
+RELATIVE = 0.15
+
+
+@pytest.fixture(autouse=True)
+def _double():
+    previous = runtime.use(reference_ttnn)
+    yield
+    runtime.use(previous)
+
+
+def _check(module, args, kwargs, program):
+    fn = backends.get("ttnn").compile(program, args)  # lowering may leave all on the host (3-D pooling)
+    with torch.no_grad():
+        got, expected = fn(*args, **kwargs), module(*args, **kwargs)
+    pairs = [
+        (g.float(), e.float())
+        for g, e in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected))
+        if isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel()
+    ]
+    for g, e in pairs:
+        assert not g.isnan().any() or e.isnan().any()
+        scale = max(e.abs().max().item(), 1e-6)
+        assert (g - e).abs().max().item() <= RELATIVE * scale, f"max abs diff {(g - e).abs().max().item():.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", gallery(), ids=lambda e: e.name)
+def test_gallery_model_lowers_and_runs(example):
+    module, args = example.make()
+    program = torch.export.export(module, tuple(args), dynamic_shapes=example.dynamic_shapes)
+    _check(module, tuple(args), {}, program)
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", [m for m in registry.MODELS if not m.export_error], ids=lambda m: m.name)
+def test_zoo_model_lowers_and_runs(entry):
+    module = entry.model()
+    args, kwargs = entry.inputs(registry.SEEDS[0])
+    program = torch.export.export(module, tuple(args), kwargs or None)
+    _check(module, tuple(args), kwargs, program)
