@@ -463,6 +463,51 @@ def lower_conv2d(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     return rw.call(ops.permute, rw.call(ops.reshape, y, [n, oh, ow, out_c]), [0, 3, 1, 2])
 
 
+def _conv1d_when(node: Node) -> Any:
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() != 3:
+        return Miss(f"a {val.dim()}-D input; the lowering takes batched [N, C, L] signals")
+    return tensors_ok("input", "weight", "bias", static=True)(node)
+
+
+@_lowering(
+    "ttnn_conv1d",
+    [aten.conv1d.default],
+    _conv1d_when,
+    "conv1d [N, C, L] -> ttnn.conv2d on [N, 1, L, C] with a [1, K] kernel (weights reshaped on the host), and back.",
+)
+def lower_conv1d(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
+    n, c, length = _static(bound["input"].meta["val"])
+    out_c, c_group, k = _static(bound["weight"].meta["val"])
+    out_len = _static(node.meta["val"])[2]
+    x = rw.call(ops.permute, device_value(rw, bound["input"]), [0, 2, 1])
+    x = rw.call(ops.reshape, x, [n, 1, length, c])
+    weight = device_value(rw, bound["weight"], layout=ops.ROW_MAJOR, to_device=False)
+    weight = rw.call(ops.reshape, weight, [out_c, c_group, 1, k])
+    bias = bound.get("bias")
+    b = device_value(rw, bias, layout=ops.ROW_MAJOR, to_device=False) if isinstance(bias, Node) else None
+    stride, padding, dilation = (
+        int(_pair(bound.get(key, d))[0]) for key, d in (("stride", 1), ("padding", 0), ("dilation", 1))
+    )
+    y = rw.call(
+        ops.conv2d,
+        x,
+        weight,
+        b,
+        c,
+        out_c,
+        n,
+        1,
+        length,
+        [1, k],
+        [1, stride],
+        [0, padding],
+        [1, dilation],
+        int(bound.get("groups", 1)),
+    )
+    return rw.call(ops.permute, rw.call(ops.reshape, y, [n, out_len, out_c]), [0, 2, 1])
+
+
 def _pool_when(node: Node) -> Any:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if isinstance(val, torch.Tensor) and val.dim() != 4:
@@ -758,5 +803,6 @@ RULES = [
     lower_reduce,
     lower_global_avg_pool,
     lower_conv2d,
+    lower_conv1d,
     lower_max_pool2d,
 ]

@@ -50,10 +50,12 @@ class ConvNet(torch.nn.Module):
         torch.manual_seed(0)
         self.conv1 = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
         self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.conv1d = torch.nn.Conv1d(8, 6, 3, stride=2, padding=1)
 
     def forward(self, x):
         x = F.max_pool2d(torch.relu(self.conv1(x)), 2)
-        return F.adaptive_avg_pool2d(self.conv2(x), 1).flatten(1)
+        signal = self.conv1d(x.flatten(2))  # [N, C, L]
+        return F.adaptive_avg_pool2d(self.conv2(x), 1).flatten(1), signal
 
 
 class HostInTheMiddle(torch.nn.Module):
