@@ -102,7 +102,7 @@ class _Run:
     def visit(self, node: Node) -> bool:
         """Offer `node` to its rules; False when the run must stop."""
         for rule in self.index[id(node.target)]:
-            if (rule.name, node) in self.skipped:
+            if self.skipped and (rule.name, node) in self.skipped:
                 continue
             t0 = time.perf_counter()
             try:
@@ -143,8 +143,10 @@ class _Run:
         except BaseException:
             rw.rollback()
             raise
-        self.record(rule, node, True, "fired")
-        self.report.notes.extend(rw.notes)
+        if self.report.attempts is not None:
+            self.record(rule, node, True, "fired")
+        if rw.notes:
+            self.report.notes.extend(rw.notes)
         for created in rw.created:
             if not created._erased:
                 self.origin[created] = origin

@@ -12,6 +12,7 @@ graph as it was.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,15 +34,24 @@ def _substitute(arg: Any, env: dict[Node, Any]) -> Any:
     return map_arg(arg, env.__getitem__)
 
 
-def _reusable_output(graph: Graph, node: Node | None) -> Node | None:
-    """The node of `graph` that `node` can become in place: the graph's
-    single output, a call of `node`'s op read by nothing else."""
-    if node is None:
-        return None
-    out = graph.output_node().args[0]
-    if isinstance(out, Node) and out.op == "call_function" and out.target == node.target and len(out.users) == 1:
-        return out
-    return None
+_PLANS: weakref.WeakKeyDictionary[Graph, tuple] = weakref.WeakKeyDictionary()
+
+
+def _plan(graph: Graph) -> tuple[list[Node], list[Node], Node | None]:
+    """What `inline` needs of a graph it copies, computed once per graph
+    (rule bodies are inlined thousands of times): the placeholders, the other
+    nodes in order, and the node a `modify=` target can become in place (the
+    single output, a call read by nothing else), if any. A graph changed
+    since (a node added or erased) is planned anew."""
+    plan = _PLANS.get(graph)
+    if plan is None or plan[3] != len(graph.nodes) or any(n._erased for n in plan[1]):
+        nodes = list(graph.nodes)
+        out = graph.output_node().args[0] if nodes and nodes[-1].op == "output" else None
+        reusable = out if isinstance(out, Node) and out.op == "call_function" and len(out.users) == 1 else None
+        plan = ([n for n in nodes if n.op == "placeholder"], [n for n in nodes if n.op != "placeholder"], reusable)
+        _PLANS[graph] = (*plan, len(graph.nodes))
+        return plan
+    return plan[:3]
 
 
 def _nested_nodes(arg: Any) -> list[Node]:
@@ -171,15 +181,12 @@ class Rewriter:
         and is returned."""
         graph = sub.graph if isinstance(sub, GraphModule) else sub
         module = sub if isinstance(sub, GraphModule) else graph.owning_module
-        env: dict[Node, Any] = {}
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        placeholders, body, reusable = _plan(graph)
         if len(placeholders) != len(args):
             raise CheckFailed(f"inlined graph takes {len(placeholders)} inputs, got {len(args)}")
-        env.update(zip(placeholders, args))
-        reused = _reusable_output(graph, modify)
-        for n in graph.nodes:
-            if n.op == "placeholder":
-                continue
+        env: dict[Node, Any] = dict(zip(placeholders, args))
+        reused = reusable if modify is not None and reusable is not None and reusable.target == modify.target else None
+        for n in body:
             if n.op == "output":
                 return _substitute(n.args[0], env)
             if n.op == "call_function":
