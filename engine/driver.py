@@ -126,7 +126,11 @@ class _Run:
                 self.record(rule, node, False, miss_reason(found))
             return None
         rw = Rewriter(self.graph, node, rule.name, self.fake_mode, check_shapes=self.check_shapes)
-        origin, form = self.origin.get(node, node), self.form(node)
+        origin = self.origin.get(node, node)
+        # the form is only needed once its origin was rewritten before: a
+        # cycle then shows as a repeat, one round later than if every first
+        # form were kept (most nodes are rewritten once; forms cost)
+        form = self.form(node) if origin in self.history else None
         try:
             answer = rule.rewrite(node, found, rw)
             if isinstance(answer, Miss):  # a rule may still decline while rewriting
@@ -175,7 +179,7 @@ class _Run:
         origin, form = fired
         history = self.history[origin]
         key = (rule.name, origin, form)
-        if key in self.seen_forms:
+        if form is not None and key in self.seen_forms:
             cycle = list(dict.fromkeys(history[self.seen_forms[key] :] + [rule.name]))
             if len(cycle) == 1:
                 why = f"rule {cycle[0]!r} keeps rewriting the same form of node {origin.name!r}"
@@ -183,7 +187,8 @@ class _Run:
                 names = ", ".join(repr(c) for c in cycle[:-1]) + f" and {cycle[-1]!r}"
                 why = f"rules {names} undo each other on node {origin.name!r}"
             return self.stop(f"non-convergence: {why}")
-        self.seen_forms[key] = len(history)
+        if form is not None:
+            self.seen_forms[key] = len(history)
         history.append(rule.name)
         if report.total_rewrites >= report.budget:
             busiest = ", ".join(f"{n!r} ({c})" for n, c in report.rewrites.most_common(3))
