@@ -5,7 +5,7 @@ It knows the Rule protocol only, never a concrete rule (those live in
 """
 
 from engine.driver import index_rules, run
-from engine.errors import GraphInputError, NonConvergence, RewriteError, RuleError
+from engine.errors import GraphInputError, NonConvergence, NumericMismatch, RewriteError, RuleError
 from engine.protocol import Miss, Rule, is_miss
 from engine.report import Attempt, Report, Skip
 from engine.rewriter import Rewriter
@@ -15,6 +15,7 @@ __all__ = [
     "GraphInputError",
     "Miss",
     "NonConvergence",
+    "NumericMismatch",
     "Report",
     "RewriteError",
     "Rewriter",

@@ -7,7 +7,7 @@ result.program.module()(*args)     # the rewritten program
 print(result.report.summary())
 """
 
-from engine import Miss, NonConvergence, Report, RewriteError, Rewriter, RuleError
+from engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
 from engine.errors import GraphInputError
 from rewrites import rules
 from rewrites.api import Result, apply
@@ -34,6 +34,7 @@ __all__ = [
     "GraphInputError",
     "Miss",
     "NonConvergence",
+    "NumericMismatch",
     "Pattern",
     "Report",
     "Result",
