@@ -96,12 +96,14 @@ class _Replacement:
 
 @attrs.frozen
 class _Modification:
-    """`node` takes `args` and `kwargs` in place; `val` is its new value."""
+    """`node` takes `args` and `kwargs` in place; `val` is its new value
+    (`bindings`: the unbacked symbols it introduced, if any)."""
 
     node: Node
     args: tuple
     kwargs: dict
     val: Any
+    bindings: Any = None
 
 
 class Rewriter:
@@ -229,7 +231,8 @@ class Rewriter:
             val = values.evaluate(self.fake_mode, node.target, args, kwargs)
         except values.MissingValue as e:
             raise CheckFailed(str(e)) from None
-        self.modifications.append(_Modification(node, args, kwargs, val))
+        bindings = values.unbacked_bindings(self.fake_mode, val)
+        self.modifications.append(_Modification(node, args, kwargs, val, bindings))
 
     def replace_uses_after(self, old: Node, new: Node, after: Node) -> None:
         """Users of `old` that come after `after` read `new` instead: what
@@ -268,6 +271,10 @@ class Rewriter:
             if m.kwargs != m.node.kwargs:
                 m.node.kwargs = m.kwargs
             m.node.meta["val"] = m.val
+            if m.bindings:
+                m.node.meta["unbacked_bindings"] = m.bindings
+            else:
+                m.node.meta.pop("unbacked_bindings", None)
             m.node.meta["rewrites"] = (*m.node.meta.get("rewrites", ()), self._provenance[-1])
             touched += [m.node, *m.node.users]
             dead += before

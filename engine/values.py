@@ -160,8 +160,12 @@ class _Memo:
 
 
 def _value_key(val: Any) -> Hashable | None:
-    """What a memo key holds of an argument's fake value (None: not keyable)."""
+    """What a memo key holds of an argument's fake value (None: not keyable).
+    A fake tensor carrying a constant (fake mode propagates small constants'
+    data) is not keyable: outputs could depend on the data."""
     if isinstance(val, torch.Tensor):
+        if getattr(val, "constant", None) is not None:
+            return None
         if val._has_symbolic_sizes_strides:
             shape, stride, offset = (_sym_key(v) for v in (val.shape, val.stride(), (val.storage_offset(),)))
         else:
@@ -207,7 +211,7 @@ def _storable(fake_mode: Any, val: Any) -> bool:
     """A tensor (or tuple of tensors) whose evaluation made no new unbacked
     symbol (a memo hit must not share one symbol between two nodes)."""
     tensors = val if isinstance(val, (tuple, list)) else (val,)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and getattr(t, "constant", None) is None for t in tensors):
         return False
     shape_env = getattr(fake_mode, "shape_env", None)
     return shape_env is None or not shape_env.pending_fresh_unbacked_symbols

@@ -84,3 +84,64 @@ def test_copy_keeps_names_meta_and_code():
     copy.graph.lint()
     x = torch.randn(3)
     torch.testing.assert_close(copy(x), ep.graph_module(x))
+
+
+class _SubThenRelu(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.relu(x - w) * 2
+
+
+def test_modify_changes_arguments_in_place_and_keeps_numerics():
+    from rewrites import rule
+
+    @rule(roots=(aten.sub.Tensor,))
+    def sub_as_add_of_neg(node, rw):
+        """x - w -> x - (-w) * -1: the same sub node, new arguments."""
+        x, w = node.args[:2]
+        rw.modify(node, (x, rw.call(aten.neg.default, w)), {"alpha": -1})
+
+    x, w = torch.randn(3, 4), torch.randn(3, 4)
+    ep = rt.export(_SubThenRelu(), x, w)
+    sub = _node(rt.graph_module(ep), aten.sub.Tensor)
+    result = rt.apply_rules(ep, sub_as_add_of_neg, budget=1)
+    new_sub = _node(result.graph_module, aten.sub.Tensor)
+    assert new_sub.name == sub.name and new_sub.kwargs == {"alpha": -1}
+    assert new_sub.args[1].target is aten.neg.default
+    assert new_sub.meta["rewrites"][-1]["rule"] == "sub_as_add_of_neg"
+    rt.assert_matches_eager(result, _SubThenRelu(), [(x, w)])
+
+
+def test_modify_that_changes_the_value_is_refused_and_rolled_back():
+    import pytest
+
+    from engine import RuleError
+    from rewrites import rule
+
+    @rule(roots=(aten.sub.Tensor,))
+    def sub_of_sums(node, rw):
+        x, w = node.args[:2]
+        rw.modify(node, (rw.call(aten.sum.default, x), rw.call(aten.sum.default, w)))
+
+    ep = rt.export(_SubThenRelu(), torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(RuleError, match=r"modified 'sub' does not match what it was: rank changed from 2 to 0"):
+        rt.apply_rules(ep, sub_of_sums)
+    skipped = rt.apply_rules(ep, sub_of_sums, on_error="skip")
+    assert str(skipped.graph_module.graph) == str(rt.graph_module(ep).graph)  # the sums were rolled back too
+    assert [s.rule for s in skipped.report.skips] == ["sub_of_sums"]
+
+
+def test_fake_constants_are_not_memoised():
+    """Fake mode propagates small constants' data; two constants with equal
+    metadata must not share a memoised result."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import Graph
+
+    mode = FakeTensorMode()
+    graph = Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"] = mode.from_tensor(torch.tensor([1, 2, 3]), static_shapes=True)
+    b.meta["val"] = mode.from_tensor(torch.tensor([4, 5, 6]), static_shapes=True)
+    a.meta["val"].constant, b.meta["val"].constant = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    first = values.evaluate(mode, aten.add.Tensor, (a, 1), {})
+    second = values.evaluate(mode, aten.add.Tensor, (b, 1), {})
+    assert first is not second
