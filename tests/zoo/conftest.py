@@ -41,6 +41,27 @@ class CompileFailed(Exception):
     """torch.compile failed the way the registry says it does (an expected failure)."""
 
 
+#: route -> (the registry field naming torch's error, the exception its stage raises, what fails)
+_ROUTES = {
+    "export": ("export_error", ExportFailed, "torch.export"),
+    "compile": ("compile_error", CompileFailed, "torch.compile"),
+}
+
+
+def model_params(route: str) -> list:
+    """One pytest param per zoo model; a model torch cannot take on `route`
+    ("export" or "compile") is a strict expected failure naming torch's error."""
+    field, raises, what = _ROUTES[route]
+    params = []
+    for m in registry.MODELS:
+        error = getattr(m, field)
+        marks = (
+            pytest.mark.xfail(raises=raises, strict=True, reason=f"{what} fails: /{error}/ ({m.note})") if error else ()
+        )
+        params.append(pytest.param(m.name, marks=marks, id=m.name))
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamoRun:
     """What torch.compile(model, backend=fx_rewrites_iree) did: outputs per seed and the graphs compiled."""

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from engine import RewriteError
 from tests.zoo import registry
-from tests.zoo.conftest import ExportFailed
+from tests.zoo.conftest import model_params
 from tests.zoo.registry import assert_matches
 
 pytestmark = [
@@ -23,25 +23,13 @@ pytestmark = [
 ]
 
 
-def _models(models=registry.MODELS) -> list:
-    params = []
-    for m in models:
-        marks = ()
-        if m.export_error:
-            marks = pytest.mark.xfail(
-                raises=ExportFailed, strict=True, reason=f"torch.export fails: /{m.export_error}/ ({m.note})"
-            )
-        params.append(pytest.param(m.name, marks=marks, id=m.name))
-    return params
-
-
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("export"))
 def test_exports(zoo, name):
     program = zoo.case(name).program
     assert any(n.op == "call_function" for n in program.graph.nodes)
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("export"))
 def test_rules_converge_as_recorded(zoo, name):
     case = zoo.case(name)
     report = case.result.report
@@ -58,7 +46,7 @@ def _informative(outputs) -> bool:
     return any(t.numel() > 1 and t.std().item() > 1e-3 for t in leaves)
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("export"))
 def test_rewritten_program_matches_eager(zoo, name):
     case = zoo.case(name)
     assert _informative(case.eager(registry.SEEDS[0])), "eager outputs are ~constant: fix the config's scale"
@@ -66,7 +54,7 @@ def test_rewritten_program_matches_eager(zoo, name):
         assert_matches(case.run(case.result.program.module(), seed), case.eager(seed))
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("export"))
 def test_iree_matches_eager(zoo, name):
     case = zoo.case(name)
     for seed in registry.SEEDS:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.zoo import registry
-from tests.zoo.conftest import CompileFailed
+from tests.zoo.conftest import model_params
 from tests.zoo.registry import assert_matches
 
 pytestmark = [
@@ -23,19 +23,7 @@ pytestmark = [
 ]
 
 
-def _models() -> list:
-    params = []
-    for m in registry.MODELS:
-        marks = ()
-        if m.compile_error:
-            marks = pytest.mark.xfail(
-                raises=CompileFailed, strict=True, reason=f"torch.compile fails: /{m.compile_error}/ ({m.note})"
-            )
-        params.append(pytest.param(m.name, marks=marks, id=m.name))
-    return params
-
-
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("compile"))
 def test_compiled_matches_eager(zoo, name):
     case = zoo.case(name)
     run = case.dynamo
@@ -43,7 +31,7 @@ def test_compiled_matches_eager(zoo, name):
         assert_matches(run.outputs[seed], case.eager(seed))
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", model_params("compile"))
 def test_graphs_and_rules_as_recorded(zoo, name):
     """Every graph reached IREE (a fallback to eager would leave fewer); the rules fired as the registry says."""
     case = zoo.case(name)
