@@ -1,7 +1,10 @@
 """The rule packs, one module per family of known failures.
 
 `DEFAULT` is the backend-neutral set `rewrites.apply` uses when given no
-rules; backends add their own packs on top of it.
+rules; backends add their own packs on top of it. Backend packs
+(`rewrites.rules.iree`, `rewrites.rules.ttnn`) are imported by their
+backends, not here: the ttnn pack defines its stand-in ops when imported
+(a fifth of a second), which `import rewrites` should not pay.
 """
 
 from rewrites.rules import (
@@ -12,7 +15,6 @@ from rewrites.rules import (
     masks,
     pooling,
     symbolic,
-    ttnn,
     view_or_copy,
     vmap,
     wrappers,
@@ -33,8 +35,5 @@ PACKS: dict[str, RuleSet] = {
 }
 
 DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")
-
-#: backend lowering packs, listed in PACKS but not in DEFAULT (they decide what runs where)
-PACKS["ttnn"] = ttnn.RULES
 
 __all__ = ["DEFAULT", "PACKS"]
