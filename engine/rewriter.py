@@ -12,7 +12,6 @@ graph as it was.
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,24 +33,14 @@ def _substitute(arg: Any, env: dict[Node, Any]) -> Any:
     return map_arg(arg, env.__getitem__)
 
 
-_PLANS: weakref.WeakKeyDictionary[Graph, tuple] = weakref.WeakKeyDictionary()
-
-
 def _plan(graph: Graph) -> tuple[list[Node], list[Node], Node | None]:
-    """What `inline` needs of a graph it copies, computed once per graph
-    (rule bodies are inlined thousands of times): the placeholders, the other
+    """What `inline` needs of a graph it copies: the placeholders, the other
     nodes in order, and the node a `modify=` target can become in place (the
-    single output, a call read by nothing else), if any. A graph changed
-    since (a node added or erased) is planned anew."""
-    plan = _PLANS.get(graph)
-    if plan is None or plan[3] != len(graph.nodes) or any(n._erased for n in plan[1]):
-        nodes = list(graph.nodes)
-        out = graph.output_node().args[0] if nodes and nodes[-1].op == "output" else None
-        reusable = out if isinstance(out, Node) and out.op == "call_function" and len(out.users) == 1 else None
-        plan = ([n for n in nodes if n.op == "placeholder"], [n for n in nodes if n.op != "placeholder"], reusable)
-        _PLANS[graph] = (*plan, len(graph.nodes))
-        return plan
-    return plan[:3]
+    single output, a call read by nothing else), if any."""
+    nodes = list(graph.nodes)
+    out = graph.output_node().args[0] if nodes and nodes[-1].op == "output" else None
+    reusable = out if isinstance(out, Node) and out.op == "call_function" and len(out.users) == 1 else None
+    return [n for n in nodes if n.op == "placeholder"], [n for n in nodes if n.op != "placeholder"], reusable
 
 
 def _nested_nodes(arg: Any) -> list[Node]:
