@@ -147,8 +147,7 @@ class _Run:
         except BaseException:
             rw.rollback()
             raise
-        if self.report.attempts is not None:
-            self.record(rule, node, True, "fired")
+        self.record(rule, node, True, "fired")
         if rw.notes:
             self.report.notes.extend(rw.notes)
         for created in rw.created:
