@@ -5,16 +5,16 @@ A backend is a name, a RuleSet and `compile(program, example_args)`; see
 the `fx_rewrites.backends` entry point group.
 """
 
-from backends.base import ENTRY_POINT_GROUP, Backend, UnknownBackend, get, names, register
-from backends.eager import EagerBackend
-from backends.iree import IreeBackend
+from fx_rewrites.backends.base import ENTRY_POINT_GROUP, Backend, UnknownBackend, get, names, register
+from fx_rewrites.backends.eager import EagerBackend
+from fx_rewrites.backends.iree import IreeBackend
 
 register(EagerBackend())
 register(IreeBackend())
 
 
 def _ttnn_backend() -> Backend:
-    from backends.ttnn import TtnnBackend  # defines the ttnn stand-in ops on first use
+    from fx_rewrites.backends.ttnn import TtnnBackend  # defines the ttnn stand-in ops on first use
 
     return TtnnBackend()
 

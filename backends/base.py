@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import RuleSet
 
 #: entry point group third-party backends register under (value: a Backend
 #: instance or a zero-argument callable returning one).

@@ -9,7 +9,7 @@ Dynamo cuts the function into graphs at graph breaks; the Python between
 them (tokenizers, post-processing, `.tolist()`, prints) runs in Python.
 aot_autograd turns each graph into a functional ATen forward graph (the
 "R3" form of docs/torch-2.13-graph-forms.md), and the forward compiler here
-runs `rewrites.apply(graph, backend.rules)` and `backend.compile`s the
+runs `fx_rewrites.apply(graph, backend.rules)` and `backend.compile`s the
 result.
 
 Inference is what runs on the backend. A graph traced with grad enabled and
@@ -32,10 +32,10 @@ from typing import Any, Literal
 import attrs
 from torch.fx import GraphModule
 
-import backends
-import rewrites
-from backends.base import Backend
-from rewrites.ruleset import RuleSet
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites.backends.base import Backend
+from fx_rewrites.ruleset import RuleSet
 
 #: what `dynamo_backend` names its backends: fx_rewrites_<backend name>
 PREFIX = "fx_rewrites_"
@@ -53,7 +53,7 @@ class CompiledGraph:
 
     `kind` is "inference" (traced under no_grad, or nothing needs grad) or
     "forward" (the forward of a training graph); `graph_module` the graph
-    aot_autograd gave, `result` what `rewrites.apply` made of it
+    aot_autograd gave, `result` what `fx_rewrites.apply` made of it
     (`result.report.rewrites`: rule name -> count), `compiled` what the
     backend returned for it.
     """
@@ -62,7 +62,7 @@ class CompiledGraph:
     kind: Literal["inference", "forward"]
     graph_module: GraphModule
     example_inputs: Sequence[Any]
-    result: rewrites.Result
+    result: fx_rewrites.Result
     compiled: Callable[..., Any]
 
 
@@ -77,7 +77,7 @@ def _compile_graph(
     from functorch.compile import make_boxed_func
 
     target = backends.get(backend) if isinstance(backend, str) else backend
-    result = rewrites.apply(gm, target.rules if rules is None else rules)
+    result = fx_rewrites.apply(gm, target.rules if rules is None else rules)
     log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
     compiled = target.compile(result.graph_module, example_inputs)
     if on_graph is not None:

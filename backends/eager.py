@@ -9,8 +9,8 @@ import attrs
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from rewrites.rules import DEFAULT
-from rewrites.ruleset import RuleSet
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.ruleset import RuleSet
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ Sections (each prints a Markdown table; --plot writes time vs nodes as PNG):
 - rule: one rule relu(add(x, w)) -> relu(sub(x, w)) on `graphs.chain(n)`.
   Ours: `engine.run(graph, [rule])` to the fixpoint (values of new nodes
   computed, every rewrite checked, the graph linted at the end), and
-  `rewrites.apply(gm, rule)` (the same on a copy of the graph module, whose
+  `fx_rewrites.apply(gm, rule)` (the same on a copy of the graph module, whose
   code is generated when first called). Inductor: one sweep of
   `PatternMatcherPass.apply`, the pattern registered (a) with a hand-written
   graph-editing handler (Inductor's fastest route; it computes no values) and
@@ -20,7 +20,7 @@ Sections (each prints a Markdown table; --plot writes time vs nodes as PNG):
   place, as ours does with inplace=True.
 - pack: DEFAULT on `graphs.replicate(bad-forms block export, n)`, one call
   to the fixpoint; the cost must grow linearly (time(100k) / time(10k) <= 12).
-- decomp: DEFAULT via `rewrites.apply` against `ep.run_decompositions()` on
+- decomp: DEFAULT via `fx_rewrites.apply` against `ep.run_decompositions()` on
   the same ExportedProgram: the bad-forms export and a deep BERT export.
 - fixpoint: calls each rewriter needs on relu^16 (benchmarks/fixpoint_calls.py).
 
@@ -45,9 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import graphs
 
-import engine
-import rewrites
-from rewrites import Pattern
+import fx_rewrites
+from fx_rewrites import Pattern, engine
 
 aten = torch.ops.aten
 RULE = Pattern(name="relu_add_to_sub", pattern=graphs.relu_of_add, replacement=graphs.relu_of_sub)
@@ -122,7 +121,7 @@ def rule_section(sizes: list[int], small: list[int], repeats: int) -> list[dict]
         row["ours"], (gm, report) = best_of(repeats, make, lambda gm: engine.run(gm.graph, [RULE]))
         assert report.converged and count(gm, aten.add.Tensor) == 0, report.summary()
         row["rewrites"] = report.total_rewrites
-        row["apply"], (gm, result) = best_of(1, make, lambda gm: rewrites.apply(gm, RULE))
+        row["apply"], (gm, result) = best_of(1, make, lambda gm: fx_rewrites.apply(gm, RULE))
         assert count(result.graph_module, aten.add.Tensor) == 0
         row["inductor"], (gm, changed) = best_of(repeats, make, lambda gm: handler.apply(gm.graph))
         assert count(gm, aten.add.Tensor) == 0 and changed == row["rewrites"]
@@ -153,10 +152,10 @@ def pack_section(sizes: list[int], repeats: int) -> list[dict]:
     block = graphs.export_bad_forms(1)
     rows = []
     for n in sizes:
-        seconds, (gm, result) = best_of(repeats, lambda n=n: graphs.replicate(block, n), rewrites.apply)
+        seconds, (gm, result) = best_of(repeats, lambda n=n: graphs.replicate(block, n), fx_rewrites.apply)
         nodes, report = len(gm.graph.nodes), result.report
         assert report.converged, report.summary()
-        again = rewrites.apply(result.graph_module).report.total_rewrites
+        again = fx_rewrites.apply(result.graph_module).report.total_rewrites
         rows.append({"nodes": nodes, "seconds": seconds, "rewrites": report.total_rewrites, "again": again})
         print(
             f"| {nodes:>7,} | {report.total_rewrites:>8,} | {report.nodes_after:>7,} | {seconds:>7.2f} | "
@@ -174,7 +173,7 @@ def decomp_section(blocks: int, bert_layers: int) -> list[dict]:
     rows = []
     for name, make in programs:
         export_s, ep = timed(make)
-        ours, result = timed(lambda ep=ep: rewrites.apply(ep))
+        ours, result = timed(lambda ep=ep: fx_rewrites.apply(ep))
         assert result.report.converged, result.report.summary()
         decomp, _ = timed(lambda ep=ep: ep.run_decompositions())
         rows.append({"program": name, "nodes": len(ep.graph.nodes), "ours": ours, "decomp": decomp})
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if "rule" in only:
         print("## One rule, relu(add(x, w)) -> relu(sub(x, w)), on chains of add -> relu -> mul\n")
         print(
-            "| nodes | rewrites | engine.run | rewrites.apply | Inductor (1 sweep) | engine.run / Inductor "
+            "| nodes | rewrites | engine.run | fx_rewrites.apply | Inductor (1 sweep) | engine.run / Inductor "
             "| Inductor register_replacement | subgraph_rewriter |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
     if "decomp" in only:
-        print("## DEFAULT via rewrites.apply vs ep.run_decompositions(), same ExportedProgram\n")
+        print("## DEFAULT via fx_rewrites.apply vs ep.run_decompositions(), same ExportedProgram\n")
         print("| program | nodes | export s | apply s | run_decompositions s | apply / run_decompositions |")
         print("|---|---:|---:|---:|---:|---:|")
         decomp_section(blocks, layers)

@@ -19,8 +19,8 @@ import time
 import torch
 from torch.fx import subgraph_rewriter
 
-import rewrites
-from rewrites import Pattern
+import fx_rewrites
+from fx_rewrites import Pattern
 
 aten = torch.ops.aten
 
@@ -50,7 +50,7 @@ def _relus(gm: torch.fx.GraphModule) -> int:
 
 def ours(ep: torch.export.ExportedProgram) -> tuple[int, int, float]:
     start = time.perf_counter()
-    result = rewrites.apply(ep, [Pattern(name="collapse_relu", pattern=relu_relu, replacement=relu)])
+    result = fx_rewrites.apply(ep, [Pattern(name="collapse_relu", pattern=relu_relu, replacement=relu)])
     return 1, _relus(result.graph_module), time.perf_counter() - start
 
 

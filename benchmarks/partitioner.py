@@ -30,7 +30,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
-from backends.partition import partition, split
+from fx_rewrites.backends.partition import partition, split
 
 aten = torch.ops.aten
 UNSUPPORTED = {aten.softmax.int, aten.gelu.default}

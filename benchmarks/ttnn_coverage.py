@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.* from a c
 import torch
 from torch.utils import _pytree as pytree
 
-import backends
-from backends.ttnn import runtime
-from backends.ttnn.coverage import coverage
+from fx_rewrites import backends
+from fx_rewrites.backends.ttnn import runtime
+from fx_rewrites.backends.ttnn.coverage import coverage
 
 
 def _max_diff(got: Any, expected: Any) -> str:
@@ -47,7 +47,7 @@ def _max_diff(got: Any, expected: Any) -> str:
 def _cases(only: str | None, names: set[str] | None):
     """(name, module, args, kwargs, dynamic_shapes, expected export error) per model."""
     if only in (None, "gallery"):
-        from examples import gallery
+        from fx_rewrites.app.gallery import gallery
 
         for e in gallery():
             if names is None or e.name in names:

@@ -41,9 +41,9 @@ os.environ.pop("FX_REWRITES_IREE_CACHE", None)  # compile times from an empty ca
 import torch
 from torch.utils import _pytree as pytree
 
-import backends
-import rewrites
-from backends.dynamo import CompiledGraph, dynamo_backend
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
 from tests.zoo import registry
 
 
@@ -148,7 +148,7 @@ def measure(
             row["as_is"] = _short(e)
             row["as_is_op"] = getattr(e, "op", "")
     start = time.perf_counter()
-    result = rewrites.apply(program, rules)
+    result = fx_rewrites.apply(program, rules)
     row["rules_s"] = time.perf_counter() - start
     row["nodes_after"] = _calls(result.program)
     row["fired"] = dict(sorted(result.report.rewrites.items()))

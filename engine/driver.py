@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from torch.fx import Graph, Node
 
-from engine import values
-from engine.errors import NonConvergence, RuleError
-from engine.protocol import Miss, Rule, is_miss, miss_reason
-from engine.report import Attempt, Report, Skip
-from engine.rewriter import CheckFailed, Rewriter
+from fx_rewrites.engine import values
+from fx_rewrites.engine.errors import NonConvergence, RuleError
+from fx_rewrites.engine.protocol import Miss, Rule, is_miss, miss_reason
+from fx_rewrites.engine.report import Attempt, Report, Skip
+from fx_rewrites.engine.rewriter import CheckFailed, Rewriter
 
 OnError = Literal["raise", "skip"]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch.fx import Node
 
-    from engine.rewriter import Rewriter
+    from fx_rewrites.engine.rewriter import Rewriter
 
 
 class Miss:

@@ -20,7 +20,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from engine import fxgraph, values
+from fx_rewrites.engine import fxgraph, values
 
 #: meta keys a new node inherits from the node it replaces (source locations
 #: and module paths, so backend errors still point at the user's code).

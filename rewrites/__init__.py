@@ -2,16 +2,16 @@
 
 import torch, rewrites
 ep = torch.export.export(model, args)
-result = rewrites.apply(ep)        # or a torch.fx.GraphModule
+result = fx_rewrites.apply(ep)        # or a torch.fx.GraphModule
 result.program.module()(*args)     # the rewritten program
 print(result.report.summary())
 """
 
-from engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
-from engine.errors import GraphInputError
-from rewrites import rules
-from rewrites.api import Result, apply
-from rewrites.kinds import (
+from fx_rewrites import rules
+from fx_rewrites.api import Result, apply
+from fx_rewrites.engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
+from fx_rewrites.engine.errors import GraphInputError
+from fx_rewrites.kinds import (
     Decompose,
     FillDefaults,
     Forward,
@@ -23,7 +23,7 @@ from rewrites.kinds import (
     from_arg,
     rule,
 )
-from rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import RuleSet
 
 __all__ = [
     "Decompose",

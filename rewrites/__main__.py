@@ -1,5 +1,5 @@
-"""`python -m rewrites` is the `fx-rewrites` command."""
+"""`python -m fx_rewrites` is the `fx-rewrites` command."""
 
-from rewrites.cli import main
+from fx_rewrites.app.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""`rewrites.apply`: the model author's entry point."""
+"""`fx_rewrites.apply`: the model author's entry point."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-import engine
-from engine import GraphInputError, Report, Rule
-from engine import values as fake_values
-from rewrites import bisect
-from rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
-from rewrites.ruleset import RuleSet
+from fx_rewrites import bisect, engine
+from fx_rewrites.engine import GraphInputError, Report, Rule
+from fx_rewrites.engine import values as fake_values
+from fx_rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
+from fx_rewrites.ruleset import RuleSet
 
 
 @attrs.frozen
@@ -35,7 +34,7 @@ class Result:
 
 def _rule_list(rules: RuleSet | Rule | Iterable[Rule] | None) -> Sequence[Rule]:
     if rules is None:
-        from rewrites.rules import DEFAULT  # rule packs load on first use
+        from fx_rewrites.rules import DEFAULT  # rule packs load on first use
 
         return DEFAULT.rules
     if isinstance(rules, RuleSet):
@@ -77,7 +76,7 @@ def apply(
     check_shapes: bool = True,
     check: Any = None,
 ) -> Result:
-    """Run `rules` (default `rewrites.rules.DEFAULT`) to a fixpoint.
+    """Run `rules` (default `fx_rewrites.rules.DEFAULT`) to a fixpoint.
 
     `program` is a `torch.export.ExportedProgram` (a new one is returned in
     `Result.program`; the input is left untouched) or a `torch.fx.GraphModule`
@@ -88,7 +87,7 @@ def apply(
     match attempt for `result.report.explain()`. `check=(x, ...)` (or a list
     of such tuples) runs the graph before and after on those inputs and raises
     `NumericMismatch` naming the first rewrite that changed the results
-    (found by replaying the rewrites, see `rewrites.bisect`).
+    (found by replaying the rewrites, see `fx_rewrites.bisect`).
     """
     rule_list = _rule_list(rules)
     if isinstance(program, ExportedProgram):

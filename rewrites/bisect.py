@@ -1,6 +1,6 @@
 """Numeric checking of a rewrite run, and bisection to the rewrite that broke it.
 
-`rewrites.apply(program, rules, check=inputs)` runs the graph before and after
+`fx_rewrites.apply(program, rules, check=inputs)` runs the graph before and after
 the rules on `inputs` and, when a result differs beyond tolerance, finds the
 first rewrite that changed it and raises `NumericMismatch` naming the rule,
 the node, the op and the difference.
@@ -28,8 +28,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from engine import GraphInputError, Report
-from engine.errors import NumericMismatch
+from fx_rewrites.engine import GraphInputError, Report
+from fx_rewrites.engine.errors import NumericMismatch
 
 __all__ = ["NumericMismatch", "check", "difference", "input_sets", "references", "run"]
 

@@ -1,6 +1,6 @@
 """What a rewrite run did to one graph, for a person: text or one HTML page.
 
-    result = rewrites.apply(program, rules, explain=True)
+    result = fx_rewrites.apply(program, rules, explain=True)
     e = explanation(program, result, rules, title="net.py:make", backend="iree")
     print(render_text(e))
     Path("net.html").write_text(render_html(e))
@@ -28,8 +28,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
-from engine import Attempt, Report
-from rewrites.schema import op_name
+from fx_rewrites.engine import Attempt, Report
+from fx_rewrites.schema import op_name
 
 #: longest argument text shown for one node before it is cut with "…"
 MAX_ARGS = 200
@@ -119,7 +119,7 @@ def explanation(
     rule: str | None = None,
 ) -> Explanation:
     """Read `before` (the graph the rules were given), `result` (what
-    `rewrites.apply(before, rules, explain=True)` returned) and `rules` into
+    `fx_rewrites.apply(before, rules, explain=True)` returned) and `rules` into
     an Explanation. With `rule`, the rewrites and near-misses are that rule's
     only (and its near-misses are shown even where it fired elsewhere)."""
     report: Report = result.report

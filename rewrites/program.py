@@ -12,8 +12,8 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from engine import RewriteError
-from engine.fxgraph import copy_nodes
+from fx_rewrites.engine import RewriteError
+from fx_rewrites.engine.fxgraph import copy_nodes
 
 
 class ProgramError(RewriteError):

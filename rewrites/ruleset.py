@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from engine import Rule
-from rewrites.kinds.base import RuleDefinitionError
+from fx_rewrites.engine import Rule
+from fx_rewrites.kinds.base import RuleDefinitionError
 
 
 def _rules(value: Iterable[Any]) -> tuple[Rule, ...]:

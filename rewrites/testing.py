@@ -1,6 +1,6 @@
 """Helpers for rule unit tests (plain functions; use them from pytest).
 
-from rewrites import testing as rt
+from fx_rewrites import testing as rt
 
 def test_pool_stride():
     ep = rt.export(lambda x: F.max_pool2d(x, 2), torch.randn(1, 3, 8, 8))
@@ -20,10 +20,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from engine import Rule
-from rewrites.api import Result, apply
-from rewrites.ruleset import RuleSet
-from rewrites.schema import op_name
+from fx_rewrites.api import Result, apply
+from fx_rewrites.engine import Rule
+from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.schema import op_name
 
 
 class _Wrap(torch.nn.Module):
@@ -50,7 +50,7 @@ def export(
 
 
 def apply_rules(program: ExportedProgram | GraphModule, *rules: Rule | RuleSet, **options: Any) -> Result:
-    """`rewrites.apply` with exactly these rules (or rule sets)."""
+    """`fx_rewrites.apply` with exactly these rules (or rule sets)."""
     return apply(program, RuleSet(list(rules)), **options)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from rewrites import testing as rt
+from fx_rewrites import testing as rt
 
 # Hypothesis budgets (tests/fuzz): "ci", the default, keeps the fuzz suite to a minute or two;
 # HYPOTHESIS_PROFILE=local generates 10,000 modules per fuzz test (FUZZ_EXAMPLES to change; hours on 2 cores).

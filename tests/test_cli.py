@@ -1,6 +1,6 @@
 """The `fx-rewrites` command line: check, explain (text and HTML page), rules.
 
-Commands run in-process through `rewrites.cli.main([...])` (one through the
+Commands run in-process through `fx_rewrites.app.cli.main([...])` (one through the
 installed entry point), on a model file written to a temporary directory.
 """
 
@@ -22,10 +22,10 @@ import attrs
 import pytest
 import torch
 
-import backends
-import rewrites
-from rewrites import explain as rx
-from rewrites.cli import main
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites import explain as rx
+from fx_rewrites.app.cli import main
 
 MODEL = """
 import torch
@@ -305,7 +305,7 @@ def test_explain_text_shows_provenance_and_near_misses(files, capsys):
     # the near-miss reason is the rule's own, as Report.explain() records it
     module, args = _factory_from_source()
     ep = torch.export.export(module, args)
-    result = rewrites.apply(ep, backends.get("iree").rules, explain=True)
+    result = fx_rewrites.apply(ep, backends.get("iree").rules, explain=True)
     reason = result.report.explain("sym_scalar_in_tensor_slot")[0].reason
     assert f"  sym_scalar_in_tensor_slot: {reason}\n      on add (aten.add.Tensor)" in out
 
@@ -387,7 +387,7 @@ def test_explain_html_page(files, capsys, tmp_path):
 def test_html_escapes_names_and_reasons():
     module, args = _factory_from_source()
     ep = torch.export.export(module, args)
-    result = rewrites.apply(ep, backends.get("iree").rules, explain=True)
+    result = fx_rewrites.apply(ep, backends.get("iree").rules, explain=True)
     for node in result.graph_module.graph.nodes:
         if node.name == "clone":
             node.name = "clone<img src=x onerror=alert(1)>&"

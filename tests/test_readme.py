@@ -54,7 +54,7 @@ def test_torch_compile_example_runs(tmp_path, monkeypatch):
 def test_ttnn_example_lowers_and_says_what_is_missing(tmp_path, monkeypatch, capsys):
     import pytest
 
-    from backends.ttnn.runtime import TtnnUnavailable
+    from fx_rewrites.backends.ttnn.runtime import TtnnUnavailable
 
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}

@@ -1,6 +1,6 @@
 """The IREE backend: ExportedProgram or aot_autograd graph -> torch-dialect MLIR -> llvm-cpu vmfb -> local-task.
 
-    fn = backends.get("iree").compile(rewrites.apply(ep).program, args)
+    fn = backends.get("iree").compile(fx_rewrites.apply(ep).program, args)
     fn(*args)  # same inputs and output structure as program.module()
 
 An ExportedProgram's parameters, buffers and lifted constants are frozen
@@ -24,11 +24,11 @@ Modules: `errors` (what it raises), `cache`, `importing` (graph -> MLIR and
 the call plan), `runtime` (`IreeCompiled`), `backend` (`IreeBackend`).
 """
 
-from backends.iree.backend import IREE_RULES, IreeBackend
-from backends.iree.cache import CACHE_ENV, CompileCache
-from backends.iree.errors import IreeCompileError, IreeImportError, IreeUnsupportedError
-from backends.iree.importing import INSTALL_HINT
-from backends.iree.runtime import IreeCompiled
+from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend
+from fx_rewrites.backends.iree.cache import CACHE_ENV, CompileCache
+from fx_rewrites.backends.iree.errors import IreeCompileError, IreeImportError, IreeUnsupportedError
+from fx_rewrites.backends.iree.importing import INSTALL_HINT
+from fx_rewrites.backends.iree.runtime import IreeCompiled
 
 __all__ = [
     "CACHE_ENV",

@@ -9,13 +9,13 @@ import attrs
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from backends.iree.cache import CompileCache, cache_key
-from backends.iree.errors import compile_error
-from backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
-from backends.iree.runtime import IreeCompiled
-from rewrites.rules import DEFAULT
-from rewrites.rules import iree as iree_rules
-from rewrites.ruleset import RuleSet
+from fx_rewrites.backends.iree.cache import CompileCache, cache_key
+from fx_rewrites.backends.iree.errors import compile_error
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.runtime import IreeCompiled
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules import iree as iree_rules
+from fx_rewrites.ruleset import RuleSet
 
 #: IREE-specific rules (rewrites/rules/iree.py), unioned into `IreeBackend.rules` after DEFAULT.
 IREE_RULES = iree_rules.RULES

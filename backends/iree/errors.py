@@ -6,8 +6,8 @@ import re
 
 from torch.fx import GraphModule, Node
 
-from engine import RewriteError
-from rewrites.schema import op_name
+from fx_rewrites.engine import RewriteError
+from fx_rewrites.schema import op_name
 
 SAVE_TEMPS = "set IREE_SAVE_TEMPS=/some/dir to keep iree-compile's inputs and a reproducer"
 
@@ -67,20 +67,20 @@ def _strip_op_print(msg: str) -> str:
 def _hint(op: str, msg: str, lowered: bool) -> str:
     if _VTENSOR_INPLACE in msg:
         return (
-            f"`{op}` is in-place, and IREE takes functional graphs only; run `rewrites.apply(program, "
+            f"`{op}` is in-place, and IREE takes functional graphs only; run `fx_rewrites.apply(program, "
             "backend.rules)` first so the in-place rules make it functional"
         )
     if "failed to legalize operation 'torch." in msg:
         return (
-            f"`{op}` has no IREE lowering; run `rewrites.apply` first, and if it stays, add a rule "
+            f"`{op}` has no IREE lowering; run `fx_rewrites.apply` first, and if it stays, add a rule "
             "(e.g. `Decompose`) that rewrites it into ops IREE knows"
         )
     if lowered:
         return (
-            "IREE accepted the torch op but failed while lowering it further; try `rewrites.apply` first, "
+            "IREE accepted the torch op but failed while lowering it further; try `fx_rewrites.apply` first, "
             f"else this is an IREE limitation or bug: a rule can rewrite the node into other ops ({SAVE_TEMPS})"
         )
-    return f"run `rewrites.apply` first; if the error stays, `{op}` needs a rule that rewrites it for IREE"
+    return f"run `fx_rewrites.apply` first; if the error stays, `{op}` needs a rule that rewrites it for IREE"
 
 
 def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileError:
@@ -122,10 +122,10 @@ def import_error(e: BaseException, node: Node | None) -> IreeImportError:
     text = " ".join(str(e).split())[:400]
     if isinstance(e, NotImplementedError) and "Higher-order" in str(e):
         hint = (
-            "the importer has no lowering for this higher-order op; run `rewrites.apply(program, backend.rules)` "
+            "the importer has no lowering for this higher-order op; run `fx_rewrites.apply(program, backend.rules)` "
             "first so the rules inline or remove it"
         )
     else:
-        hint = "run `rewrites.apply(program, backend.rules)` first; if it stays, the node needs a rule for IREE"
+        hint = "run `fx_rewrites.apply(program, backend.rules)` first; if it stays, the node needs a rule for IREE"
     message = f"IREE's FX importer failed{at}: {type(e).__name__}: {text}. Hint: {hint}."
     return IreeImportError(message, node=node.name if node is not None else "", op=op, cause=e)

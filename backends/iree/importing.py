@@ -32,10 +32,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from backends.iree.errors import IreeUnsupportedError, import_error
-from backends.iree.runtime import Output, Plan
-from rewrites.program import copy_graph_module, rebuild_program
-from rewrites.rules.symbolic import sym_placeholder_sources
+from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
+from fx_rewrites.backends.iree.runtime import Output, Plan
+from fx_rewrites.program import copy_graph_module, rebuild_program
+from fx_rewrites.rules.symbolic import sym_placeholder_sources
 
 INSTALL_HINT = "pip install -e '.[iree]'  (iree-base-compiler and iree-base-runtime)"
 
@@ -185,7 +185,7 @@ def _check_graph_module(gm: GraphModule) -> None:
         "the IREE backend takes a torch.export.ExportedProgram, or a functional ATen GraphModule whose "
         f"placeholders carry meta['val'] (the forward graph of aot_autograd, make_fx); this one does not: {why} "
         "(torch.fx.symbolic_trace and plain dynamo graphs are like that). Export first, "
-        "`ep = torch.export.export(model, args)`, then `backend.compile(rewrites.apply(ep, backend.rules).program, "
+        "`ep = torch.export.export(model, args)`, then `backend.compile(fx_rewrites.apply(ep, backend.rules).program, "
         "args)`; or use `torch.compile(model, backend=backends.dynamo.fx_rewrites_iree)`"
     )
 

@@ -9,8 +9,8 @@ Modules: `runtime` (which ttnn, its device; `use(module)` injects one),
 The lowering rules and the stand-in ops are in `rewrites/rules/ttnn/`.
 """
 
-from backends.ttnn.backend import TtnnBackend, TtnnCompiled, TtnnLoweringError, is_device_node, lower
-from backends.ttnn.runtime import INSTALL_HINT, TtnnUnavailable, use
+from fx_rewrites.backends.ttnn.backend import TtnnBackend, TtnnCompiled, TtnnLoweringError, is_device_node, lower
+from fx_rewrites.backends.ttnn.runtime import INSTALL_HINT, TtnnUnavailable, use
 
 __all__ = [
     "INSTALL_HINT",

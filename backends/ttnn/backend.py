@@ -18,14 +18,14 @@ from torch.fx import GraphModule, Interpreter
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from backends.partition import Partitioning, partition, split
-from backends.ttnn import dispatch, runtime
-from rewrites.api import apply
-from rewrites.rules import DEFAULT
-from rewrites.rules.symbolic import sym_in_tensor_slots
-from rewrites.rules.ttnn import RULES as TTNN_RULES
-from rewrites.rules.ttnn.ops import is_standin
-from rewrites.ruleset import RuleSet
+from fx_rewrites.api import apply
+from fx_rewrites.backends.partition import Partitioning, partition, split
+from fx_rewrites.backends.ttnn import dispatch, runtime
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.symbolic import sym_in_tensor_slots
+from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
+from fx_rewrites.rules.ttnn.ops import is_standin
+from fx_rewrites.ruleset import RuleSet
 
 
 class TtnnLoweringError(RuntimeError):

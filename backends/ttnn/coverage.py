@@ -20,13 +20,13 @@ import attrs
 from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 
-from backends.partition import Partitioning, partition
-from backends.ttnn.backend import is_device_node
-from rewrites.api import apply
-from rewrites.rules import DEFAULT
-from rewrites.rules.ttnn import RULES as TTNN_RULES
-from rewrites.rules.ttnn.ops import is_standin
-from rewrites.schema import op_name
+from fx_rewrites.api import apply
+from fx_rewrites.backends.partition import Partitioning, partition
+from fx_rewrites.backends.ttnn.backend import is_device_node
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
+from fx_rewrites.rules.ttnn.ops import is_standin
+from fx_rewrites.schema import op_name
 
 
 @attrs.frozen

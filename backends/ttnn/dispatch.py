@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import ops
 
 Call = Callable[..., Any]
 

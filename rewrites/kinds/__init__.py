@@ -1,10 +1,10 @@
 """The declarative rule kinds (attrs classes, validated when built)."""
 
-from rewrites.kinds.base import RuleBase, RuleDefinitionError
-from rewrites.kinds.decompose import Decompose
-from rewrites.kinds.function import FunctionRule, rule
-from rewrites.kinds.pattern import Pattern
-from rewrites.kinds.schema_rules import FillDefaults, Forward, FromArg, Substitute, from_arg
+from fx_rewrites.kinds.base import RuleBase, RuleDefinitionError
+from fx_rewrites.kinds.decompose import Decompose
+from fx_rewrites.kinds.function import FunctionRule, rule
+from fx_rewrites.kinds.pattern import Pattern
+from fx_rewrites.kinds.schema_rules import FillDefaults, Forward, FromArg, Substitute, from_arg
 
 __all__ = [
     "Decompose",

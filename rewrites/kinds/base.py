@@ -8,9 +8,9 @@ from typing import Any
 import attrs
 from torch.fx import Node
 
-from engine import Miss, RewriteError, is_miss
-from engine.protocol import miss_reason
-from rewrites.schema import SchemaError
+from fx_rewrites.engine import Miss, RewriteError, is_miss
+from fx_rewrites.engine.protocol import miss_reason
+from fx_rewrites.schema import SchemaError
 
 
 class RuleDefinitionError(RewriteError, ValueError):

@@ -18,9 +18,9 @@ from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from engine import Miss, Rewriter
-from rewrites import schema
-from rewrites.kinds.base import RuleBase, as_tuple
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds.base import RuleBase, as_tuple
 
 
 def _decomposition(op: Any, table: Mapping[Any, Callable[..., Any]] | None) -> Callable[..., Any] | None:

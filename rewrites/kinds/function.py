@@ -8,9 +8,9 @@ from typing import Any
 import attrs
 from torch.fx import Node
 
-from engine import Rewriter
-from rewrites import schema
-from rewrites.kinds.base import RuleBase, as_tuple
+from fx_rewrites import schema
+from fx_rewrites.engine import Rewriter
+from fx_rewrites.kinds.base import RuleBase, as_tuple
 
 
 @attrs.frozen(kw_only=True)

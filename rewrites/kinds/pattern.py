@@ -16,9 +16,9 @@ import attrs
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from engine import Miss, Rewriter
-from rewrites.kinds.base import RuleBase
-from rewrites.schema import op_name
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds.base import RuleBase
+from fx_rewrites.schema import op_name
 
 
 def _trace(fn: Callable[..., Any], what: str) -> GraphModule:

@@ -9,9 +9,9 @@ import attrs
 from torch._ops import OpOverload
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites import schema
-from rewrites.kinds.base import RuleBase, as_tuple
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds.base import RuleBase, as_tuple
 
 
 @attrs.frozen

@@ -1,13 +1,13 @@
 """The rule packs, one module per family of known failures.
 
-`DEFAULT` is the backend-neutral set `rewrites.apply` uses when given no
+`DEFAULT` is the backend-neutral set `fx_rewrites.apply` uses when given no
 rules; backends add their own packs on top of it. Backend packs
-(`rewrites.rules.iree`, `rewrites.rules.ttnn`) are imported by their
+(`fx_rewrites.rules.iree`, `fx_rewrites.rules.ttnn`) are imported by their
 backends, not here: the ttnn pack defines its stand-in ops when imported
 (a fifth of a second), which `import rewrites` should not pay.
 """
 
-from rewrites.rules import (
+from fx_rewrites.rules import (
     composites,
     constants,
     control_flow,
@@ -19,7 +19,7 @@ from rewrites.rules import (
     vmap,
     wrappers,
 )
-from rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import RuleSet
 
 PACKS: dict[str, RuleSet] = {
     "pooling": pooling.RULES,

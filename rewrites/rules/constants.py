@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rewrites.kinds import Forward, Substitute
-from rewrites.ruleset import RuleSet
+from fx_rewrites.kinds import Forward, Substitute
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

@@ -35,9 +35,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_false, statically_known_true
 from torch.utils import _pytree as pytree
 
-from engine import Miss, Rewriter, values
-from rewrites.kinds import rule
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter, values
+from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 cond = torch.ops.higher_order.cond

@@ -26,10 +26,10 @@ from torch._ops import OpOverload
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites.kinds import rule
-from rewrites.program import input_spec, new_mutations
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.program import input_spec, new_mutations
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

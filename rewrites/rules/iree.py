@@ -11,11 +11,11 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites import schema
-from rewrites.kinds import Decompose, rule
-from rewrites.program import input_spec
-from rewrites.ruleset import RuleSet
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import Decompose, rule
+from fx_rewrites.program import input_spec
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

@@ -24,9 +24,9 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
-from engine import Miss, Rewriter
-from rewrites.kinds import rule
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

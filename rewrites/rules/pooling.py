@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rewrites.kinds import FillDefaults, from_arg
-from rewrites.ruleset import RuleSet
+from fx_rewrites.kinds import FillDefaults, from_arg
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

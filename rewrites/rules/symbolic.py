@@ -32,11 +32,11 @@ import torch
 from torch._ops import OpOverload
 from torch.fx import Graph, GraphModule, Node
 
-from engine import Miss, Rewriter
-from engine import values as fake_values
-from rewrites import schema
-from rewrites.kinds import rule
-from rewrites.ruleset import RuleSet
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine import values as fake_values
+from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

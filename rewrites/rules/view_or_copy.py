@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites.kinds import rule
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 

@@ -32,9 +32,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from engine import Miss, Rewriter, values
-from rewrites.kinds import Forward, rule
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter, values
+from fx_rewrites.kinds import Forward, rule
+from fx_rewrites.ruleset import RuleSet
 
 INCREMENT = predispatch._vmap_increment_nesting
 DECREMENT = predispatch._vmap_decrement_nesting

@@ -41,10 +41,10 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from engine import Miss, Rewriter
-from rewrites.kinds import Forward, rule
-from rewrites.rules.control_flow import graph_outputs, subgraph
-from rewrites.ruleset import RuleSet
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import Forward, rule
+from fx_rewrites.rules.control_flow import graph_outputs, subgraph
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled

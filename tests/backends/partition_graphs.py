@@ -9,7 +9,7 @@ import networkx as nx
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from backends.partition import PARTITIONED_OPS, Partitioning
+from fx_rewrites.backends.partition import PARTITIONED_OPS, Partitioning
 
 
 def mix(*values: torch.Tensor) -> torch.Tensor:

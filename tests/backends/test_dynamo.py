@@ -1,6 +1,6 @@
 """torch.compile(backend=fx_rewrites_iree / fx_rewrites_eager): aot_autograd graphs, rewritten, on IREE.
 
-Every graph dynamo makes goes through `rewrites.apply(graph, backend.rules)`
+Every graph dynamo makes goes through `fx_rewrites.apply(graph, backend.rules)`
 and `IreeBackend.compile`; the `on_graph` hook records each one, so the
 tests see what the rules did. IREE compiles each graph in about a second.
 """
@@ -13,10 +13,16 @@ import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.utils import _pytree as pytree
 
-import backends
-from backends.dynamo import BackwardNotSupported, CompiledGraph, dynamo_backend, fx_rewrites_eager, fx_rewrites_iree
-from backends.iree import IreeCompiled
-from rewrites.ruleset import RuleSet
+from fx_rewrites import backends
+from fx_rewrites.backends.dynamo import (
+    BackwardNotSupported,
+    CompiledGraph,
+    dynamo_backend,
+    fx_rewrites_eager,
+    fx_rewrites_iree,
+)
+from fx_rewrites.backends.iree import IreeCompiled
+from fx_rewrites.ruleset import RuleSet
 from tests.backends.models import MLP, PoolNet
 
 

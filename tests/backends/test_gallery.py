@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-import backends
-from examples import gallery
-from rewrites.demo import run_example
+from fx_rewrites import backends
+from fx_rewrites.app.demo import run_example
+from fx_rewrites.app.gallery import gallery
 
 #: families whose gallery models IREE 3.13 already compiles as exported
 #: (the pooling importer bug of the seeds is fixed there; eval-mode batch norm

@@ -12,17 +12,17 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-import backends
-import rewrites
-from backends.iree import (
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites.backends.iree import (
     CompileCache,
     IreeBackend,
     IreeCompileError,
     IreeImportError,
     IreeUnsupportedError,
 )
-from engine import RewriteError
-from rewrites.rules import DEFAULT
+from fx_rewrites.engine import RewriteError
+from fx_rewrites.rules import DEFAULT
 from tests.backends.models import MLP, PoolNet
 
 
@@ -80,7 +80,7 @@ def test_conv_net_with_functional_pooling(iree, rewritten):
     model, x = PoolNet().eval(), torch.randn(2, 3, 16, 16)
     ep = _export(model, x)
     if rewritten:
-        result = rewrites.apply(ep, iree.rules)
+        result = fx_rewrites.apply(ep, iree.rules)
         assert result.report.rewrites.get("pool_stride_defaults") == 2
         ep = result.program
     _assert_same(iree.compile(ep, (x,))(x), model(x))
@@ -208,7 +208,7 @@ def test_mutated_buffers_update_program_state_like_eager(iree):
     """State is read and written at each call (not frozen), in the program's state_dict/constants."""
     reference, model = Counter(), Counter()
     x = torch.randn(2)
-    ep = rewrites.apply(_export(model, x)).program  # the in-place rules write BUFFER_MUTATION outputs
+    ep = fx_rewrites.apply(_export(model, x)).program  # the in-place rules write BUFFER_MUTATION outputs
     assert sorted(ep.graph_signature.buffers_to_mutate.values()) == ["count", "last"]
     fn = iree.compile(ep, (x,))
     for _ in range(3):
@@ -244,8 +244,8 @@ class DiffAndWeightNorm(torch.nn.Module):
 
 
 def test_iree_rules_make_diff_and_weight_norm_compile(iree):
-    from rewrites import testing as rt
-    from rewrites.rules.iree import decompose_for_iree
+    from fx_rewrites import testing as rt
+    from fx_rewrites.rules.iree import decompose_for_iree
 
     torch.manual_seed(0)
     model = DiffAndWeightNorm().eval()
@@ -254,7 +254,7 @@ def test_iree_rules_make_diff_and_weight_norm_compile(iree):
     assert {torch.ops.aten.diff.default, torch.ops.aten._weight_norm.default} <= set(rt.targets(ep))
     with pytest.raises(IreeCompileError, match=r"aten\.(diff|_weight_norm)"):
         iree.compile(ep, (x,))
-    result = rewrites.apply(ep, iree.rules)
+    result = fx_rewrites.apply(ep, iree.rules)
     rt.assert_fired(result, decompose_for_iree, times=3)  # _weight_norm -> _weight_norm_interface -> ops
     with torch.no_grad():
         _assert_same(iree.compile(result.program, (x,))(x), model(x))
@@ -319,7 +319,7 @@ def test_aot_graph_module_recomputes_symint_sizes(iree):
     gm = _aot_forward(fn, torch.randn(4, 3), dynamic=True)
     kinds = [type(n.meta["val"]).__name__ for n in gm.graph.nodes if n.op == "placeholder"]
     assert kinds == ["SymInt", "SymInt", "FakeTensor"]  # dynamo puts the sizes first
-    for graph in (gm, rewrites.apply(gm, iree.rules).graph_module):  # as is, and after the rules
+    for graph in (gm, fx_rewrites.apply(gm, iree.rules).graph_module):  # as is, and after the rules
         compiled = iree.compile(graph, ())
         signature = next(line for line in compiled.mlir.splitlines() if "func.func @main" in line)
         assert "!torch.int" not in signature.split("->")[0]  # IREE gets the tensor only

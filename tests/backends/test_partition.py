@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule, Node
 
-from backends.partition import DEVICE, HOST, PARTITIONED_OPS, PartitionError, Partitioning, partition, split
-from rewrites import testing as rt
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.partition import DEVICE, HOST, PARTITIONED_OPS, PartitionError, Partitioning, partition, split
 from tests.backends.models import MLP, PoolNet
 from tests.backends.partition_graphs import (
     brute_force_optimum,

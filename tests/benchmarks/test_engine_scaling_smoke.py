@@ -38,7 +38,7 @@ def test_chain_graph_and_rule_agree_with_eager(engine_scaling):
     """The benchmark's graph runs, and the rule keeps its numerics."""
     import torch
 
-    import engine
+    from fx_rewrites import engine
 
     gm = engine_scaling.graphs.chain(30)
     x, w = torch.randn(8, 8), torch.randn(8, 8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rewrites import Miss, Pattern, rule
+from fx_rewrites import Miss, Pattern, rule
 
 aten = torch.ops.aten
 

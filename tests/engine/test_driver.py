@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine
-import rewrites
-from rewrites import testing as rt
-from rewrites.program import copy_graph_module
+import fx_rewrites
+from fx_rewrites import engine
+from fx_rewrites import testing as rt
+from fx_rewrites.program import copy_graph_module
 from tests.conftest import AddRelu, ReluChain
 from tests.engine import rules as r
 
@@ -31,7 +31,7 @@ def test_worklist_does_not_rescan(relu_chain_ep):
 
 
 def _clamp_rule(name: str, priority: int):
-    @rewrites.rule(roots=(aten.relu.default,), name=name, priority=priority)
+    @fx_rewrites.rule(roots=(aten.relu.default,), name=name, priority=priority)
     def relu_to_clamp(node, rw):
         rw.replace(node, rw.call(aten.clamp_min.default, node.args[0], 0.0 if name == "b" else 0))
 
@@ -159,5 +159,5 @@ def test_duplicate_rule_names_are_refused():
     with pytest.raises(ValueError, match="collapse_relu"):
         engine.run(
             torch.fx.Graph(),
-            [r.collapse_relu, rewrites.Pattern(name="collapse_relu", pattern=r.relu_relu, replacement=r.relu)],
+            [r.collapse_relu, fx_rewrites.Pattern(name="collapse_relu", pattern=r.relu_relu, replacement=r.relu)],
         )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch.export import Dim
 
-from engine import fxgraph, values
-from rewrites import testing as rt
-from rewrites.program import copy_graph_module
+from fx_rewrites import testing as rt
+from fx_rewrites.engine import fxgraph, values
+from fx_rewrites.program import copy_graph_module
 
 aten = torch.ops.aten
 
@@ -92,7 +92,7 @@ class _SubThenRelu(torch.nn.Module):
 
 
 def test_modify_changes_arguments_in_place_and_keeps_numerics():
-    from rewrites import rule
+    from fx_rewrites import rule
 
     @rule(roots=(aten.sub.Tensor,))
     def sub_as_add_of_neg(node, rw):
@@ -114,8 +114,8 @@ def test_modify_changes_arguments_in_place_and_keeps_numerics():
 def test_modify_that_changes_the_value_is_refused_and_rolled_back():
     import pytest
 
-    from engine import RuleError
-    from rewrites import rule
+    from fx_rewrites import rule
+    from fx_rewrites.engine import RuleError
 
     @rule(roots=(aten.sub.Tensor,))
     def sub_of_sums(node, rw):

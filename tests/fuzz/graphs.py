@@ -3,7 +3,7 @@
 Cheaper than exporting a module (no tracing), so a local run reaches tens of
 thousands of graphs: `GraphSpec` is a chain of (op, parameter) steps on a 4-d
 float input; `build(spec)` makes the GraphModule (`meta["val"]` left to
-`rewrites.apply(..., example_inputs=...)`), and `check_graph(spec)` compares it
+`fx_rewrites.apply(..., example_inputs=...)`), and `check_graph(spec)` compares it
 with the rewritten graph, checks idempotence and lint.
 """
 
@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule, Node
 
-import rewrites
+import fx_rewrites
 from tests.fuzz.generate import ATOL, RTOL
 
 aten = torch.ops.aten
@@ -115,10 +115,10 @@ def graph_specs(draw: st.DrawFn, max_steps: int = 6) -> GraphSpec:
     return GraphSpec(shape=shape, steps=tuple(steps), seed=draw(st.integers(0, 2**16)))
 
 
-def check_graph(spec: GraphSpec) -> rewrites.Result:
+def check_graph(spec: GraphSpec) -> fx_rewrites.Result:
     gm = build(spec)
     inputs = spec.inputs()
-    result = rewrites.apply(gm, example_inputs=inputs[0])
+    result = fx_rewrites.apply(gm, example_inputs=inputs[0])
     assert result.report.converged and not result.report.skips, result.report.summary()
     result.graph_module.graph.lint()
     for n, args in enumerate(inputs):
@@ -127,6 +127,6 @@ def check_graph(spec: GraphSpec) -> rewrites.Result:
         torch.testing.assert_close(
             got, expected, rtol=RTOL, atol=ATOL, equal_nan=True, msg=lambda m, n=n: f"graph, input set {n}: {m}"
         )
-    again = rewrites.apply(result.graph_module)
+    again = fx_rewrites.apply(result.graph_module)
     assert again.report.total_rewrites == 0, f"second apply rewrote again: {dict(again.report.rewrites)}"
     return result

@@ -1,4 +1,4 @@
-"""The properties every generated module must keep through `rewrites.apply`.
+"""The properties every generated module must keep through `fx_rewrites.apply`.
 
 `check_default(spec)`: export, apply DEFAULT, then
 - the run converged with no skipped rule, and the graph lints;
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-import rewrites
+import fx_rewrites
 from tests.fuzz.generate import ATOL, RTOL, FuzzNet, Spec, fresh
 
 
@@ -65,15 +65,15 @@ def _saved_and_loaded(program: torch.export.ExportedProgram) -> torch.export.Exp
     return torch.export.load(buffer)
 
 
-def check_default(spec: Spec) -> rewrites.Result:
+def check_default(spec: Spec) -> fx_rewrites.Result:
     net, ep = export(spec)
-    result = rewrites.apply(ep)
+    result = fx_rewrites.apply(ep)
     report = result.report
     assert report.converged and not report.skips, report.summary()
     result.graph_module.graph.lint()
     assert result.program is not None
     assert_matches(result.program, net, spec, "after DEFAULT")
-    again = rewrites.apply(result.program)
+    again = fx_rewrites.apply(result.program)
     assert again.report.total_rewrites == 0, f"second apply rewrote again: {dict(again.report.rewrites)}"
     assert_matches(_saved_and_loaded(result.program), net, spec, "after save and load")
     return result
@@ -81,7 +81,7 @@ def check_default(spec: Spec) -> rewrites.Result:
 
 def check_iree(spec: Spec, backend: Any) -> None:
     net, ep = export(spec)
-    result = rewrites.apply(ep, backend.rules)
+    result = fx_rewrites.apply(ep, backend.rules)
     assert result.report.converged and not result.report.skips, result.report.summary()
     for n, inputs in enumerate(spec.inputs()):
         # a fresh copy each time: the compiled module writes buffer mutations into the program's state

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, seed, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
-import backends
+from fx_rewrites import backends
 from tests.fuzz.generate import specs
 from tests.fuzz.graphs import check_graph, graph_specs
 from tests.fuzz.properties import check_default, check_iree

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import rewrites
-from rewrites import testing as rt
+import fx_rewrites
+from fx_rewrites import testing as rt
 from tests.fuzz.graphs import GraphSpec, build, check_graph
 
 aten = torch.ops.aten
@@ -17,7 +17,7 @@ def test_graph_module_with_a_data_dependent_size_gets_values():
     spec = GraphSpec(shape=(2, 3, 4, 8), steps=(("mask_index_sum", 0.0), ("relu", None)), seed=1)
     gm = build(spec)
     (x,) = spec.inputs()[0]
-    result = rewrites.apply(gm, example_inputs=(x,))
+    result = fx_rewrites.apply(gm, example_inputs=(x,))
     rt.assert_fired(result, "mask_index_to_gather", times=1)
     rt.assert_ops(result, absent=[aten.index.Tensor])
     expected = torch.relu(x + x[x > 0].sum())

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import rewrites
-from engine.errors import GraphInputError, NonConvergence, RuleError
-from rewrites import testing as rt
-from rewrites.cli import main
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.app.cli import main
+from fx_rewrites.engine.errors import GraphInputError, NonConvergence, RuleError
 from tests.engine import rules as r
 
 aten = torch.ops.aten
@@ -29,7 +29,7 @@ def _ep():
     return rt.export(AddRelu(), torch.randn(3, 4), torch.randn(3, 4))
 
 
-@rewrites.rule(roots=(aten.relu.default,))
+@fx_rewrites.rule(roots=(aten.relu.default,))
 def halves_rows(node, rw):
     """relu(x) -> relu(x)[:1]: same rank and dtype, another shape."""
     rw.replace(node, rw.call(aten.slice.Tensor, rw.call(aten.relu.default, node.args[0]), 0, 0, 1))
@@ -46,7 +46,7 @@ def halves_rows(node, rw):
 def test_rule_changing_dtype_or_shape(bad_rule, what):
     ep = _ep()
     with pytest.raises(RuleError) as info:
-        rewrites.apply(ep, [bad_rule])
+        fx_rewrites.apply(ep, [bad_rule])
     error = info.value
     assert (error.rule, error.node, error.op) == (bad_rule.name, "relu", "aten.relu.default")
     message = str(error)
@@ -54,7 +54,7 @@ def test_rule_changing_dtype_or_shape(bad_rule, what):
     assert what in message
     assert "The rewrite was rolled back; fix the rule, or pass on_error='skip'" in message
     # skip instead: the run goes on and the report says what was skipped, the graph is as exported
-    result = rewrites.apply(ep, [bad_rule], on_error="skip")
+    result = fx_rewrites.apply(ep, [bad_rule], on_error="skip")
     assert [(s.rule, s.node) for s in result.report.skips] == [(bad_rule.name, "relu")]
     assert what in result.report.summary()
     rt.assert_matches_eager(result, AddRelu(), [(torch.randn(3, 4), torch.randn(3, 4))])
@@ -62,7 +62,7 @@ def test_rule_changing_dtype_or_shape(bad_rule, what):
 
 def test_rule_that_raises():
     with pytest.raises(RuleError) as info:
-        rewrites.apply(_ep(), [r.raises_midway])
+        fx_rewrites.apply(_ep(), [r.raises_midway])
     assert str(info.value) == (
         "rule 'raises_midway' failed on node 'relu' (aten.relu.default): RuntimeError: boom. The rewrite was "
         "rolled back; fix the rule, or pass on_error='skip' to skip it on this node and go on."
@@ -75,18 +75,18 @@ def test_rules_that_undo_each_other():
     pattern = (
         r"non-convergence: rules '(add_to_sub|sub_to_add)' and '(add_to_sub|sub_to_add)' undo each other on node 'add'"
     )
-    result = rewrites.apply(_ep(), [r.add_to_sub, r.sub_to_add])
+    result = fx_rewrites.apply(_ep(), [r.add_to_sub, r.sub_to_add])
     found = re.fullmatch(pattern, result.report.stop_reason)
     assert found and found[1] != found[2], result.report.stop_reason
     with pytest.raises(NonConvergence) as info:
-        rewrites.apply(_ep(), [r.add_to_sub, r.sub_to_add], strict=True)
+        fx_rewrites.apply(_ep(), [r.add_to_sub, r.sub_to_add], strict=True)
     assert str(info.value) == result.report.stop_reason
 
 
 def test_graph_without_meta_val():
     gm = torch.fx.symbolic_trace(AddRelu())
     with pytest.raises(GraphInputError) as info:
-        rewrites.apply(gm)
+        fx_rewrites.apply(gm)
     message = str(info.value)
     assert "the graph's nodes carry no meta['val'] (first without: ['x', 'w'," in message
     assert "torch.fx.symbolic_trace" in message
@@ -105,7 +105,7 @@ def test_graph_without_meta_val():
 )
 def test_unsupported_object_passed_to_apply(bad, hint):
     with pytest.raises(GraphInputError) as info:
-        rewrites.apply(bad)
+        fx_rewrites.apply(bad)
     message = str(info.value)
     assert message.startswith("apply() takes a torch.export.ExportedProgram or a torch.fx.GraphModule, ")
     assert hint in message
@@ -128,7 +128,7 @@ def broken_pt2(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_python_api_reads_a_good_pt2(broken_pt2):
-    result = rewrites.apply(torch.export.load(broken_pt2["good"]))
+    result = fx_rewrites.apply(torch.export.load(broken_pt2["good"]))
     assert result.report.converged
 
 
@@ -196,4 +196,4 @@ def test_model_torch_cannot_export_raises_torchs_error_from_python():
         rt.export(Branchy(), torch.ones(2, 3))
     assert type(info.value).__module__.startswith("torch.")
     assert "data-dependent" in str(info.value)
-    assert not isinstance(info.value, rewrites.RewriteError)
+    assert not isinstance(info.value, fx_rewrites.RewriteError)

@@ -7,21 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rewrites
-from engine.errors import NumericMismatch
-from rewrites import testing as rt
-from rewrites.rules import DEFAULT
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.engine.errors import NumericMismatch
+from fx_rewrites.rules import DEFAULT
 
 aten = torch.ops.aten
 
 
-@rewrites.rule(roots=(aten.relu.default,))
+@fx_rewrites.rule(roots=(aten.relu.default,))
 def relu_to_abs(node, rw):
     """Deliberately wrong: relu(x) -> abs(x)."""
     rw.replace(node, rw.call(aten.abs.default, node.args[0]))
 
 
-@rewrites.rule(roots=(aten.neg.default,))
+@fx_rewrites.rule(roots=(aten.neg.default,))
 def neg_to_mul(node, rw):
     """Correct: neg(x) -> mul(x, -1)."""
     rw.replace(node, rw.call(aten.mul.Tensor, node.args[0], -1))
@@ -44,12 +44,12 @@ def _ep():
     return rt.export(Net(), torch.randn(2, 3, 8, 8))
 
 
-WITH_WRONG = rewrites.RuleSet([*DEFAULT.rules, neg_to_mul, relu_to_abs])
+WITH_WRONG = fx_rewrites.RuleSet([*DEFAULT.rules, neg_to_mul, relu_to_abs])
 
 
 def test_correct_rules_pass_the_check():
     x = torch.randn(2, 3, 8, 8)
-    result = rewrites.apply(_ep(), rewrites.RuleSet([*DEFAULT.rules, neg_to_mul]), check=(x,))
+    result = fx_rewrites.apply(_ep(), fx_rewrites.RuleSet([*DEFAULT.rules, neg_to_mul]), check=(x,))
     assert result.report.total_rewrites >= 4
     rt.assert_matches_eager(result, Net(), [(x,)])
 
@@ -57,13 +57,13 @@ def test_correct_rules_pass_the_check():
 def test_wrong_rule_is_named_with_node_op_and_difference():
     x = torch.randn(2, 3, 8, 8)
     with pytest.raises(NumericMismatch) as info:
-        rewrites.apply(_ep(), WITH_WRONG, check=(x,))
+        fx_rewrites.apply(_ep(), WITH_WRONG, check=(x,))
     error = info.value
     assert (error.rule, error.node, error.op) == ("relu_to_abs", "relu", "aten.relu.default")
     expected = float((Net(torch.abs)(x) - Net()(x)).abs().max())  # eager, with abs where relu was
     assert expected > 0.1
     assert error.max_difference == pytest.approx(expected, rel=1e-5)
-    total = rewrites.apply(_ep(), WITH_WRONG).report.total_rewrites
+    total = fx_rewrites.apply(_ep(), WITH_WRONG).report.total_rewrites
     assert 1 <= error.step <= total and total >= 5
     message = str(error)
     for words in (
@@ -81,13 +81,13 @@ def test_the_blamed_rewrite_is_the_first_that_changes_results():
     # replay by hand: the first step-1 rewrites match eager, the first `step` do not
     x = torch.randn(2, 3, 8, 8)
     with pytest.raises(NumericMismatch) as info:
-        rewrites.apply(_ep(), WITH_WRONG, check=(x,))
+        fx_rewrites.apply(_ep(), WITH_WRONG, check=(x,))
     step = info.value.step
     if step > 1:
-        good = rewrites.apply(_ep(), WITH_WRONG, budget=step - 1)
+        good = fx_rewrites.apply(_ep(), WITH_WRONG, budget=step - 1)
         assert "relu_to_abs" not in good.report.rewrites
         rt.assert_matches_eager(good, Net(), [(x,)])
-    bad = rewrites.apply(_ep(), WITH_WRONG, budget=step)
+    bad = fx_rewrites.apply(_ep(), WITH_WRONG, budget=step)
     assert bad.report.rewrites["relu_to_abs"] == 1
     with pytest.raises(AssertionError):
         rt.assert_matches_eager(bad, Net(), [(x,)])
@@ -96,9 +96,9 @@ def test_the_blamed_rewrite_is_the_first_that_changes_results():
 def test_only_the_input_set_that_shows_the_bug_is_named():
     # max_pool2d(-x) + c stays positive for these inputs, so relu == abs there
     harmless = -torch.rand(2, 3, 8, 8) - 2
-    rewrites.apply(_ep(), WITH_WRONG, check=(harmless,))
+    fx_rewrites.apply(_ep(), WITH_WRONG, check=(harmless,))
     with pytest.raises(NumericMismatch, match="input set 1"):
-        rewrites.apply(_ep(), WITH_WRONG, check=[(harmless,), (torch.randn(2, 3, 8, 8),)])
+        fx_rewrites.apply(_ep(), WITH_WRONG, check=[(harmless,), (torch.randn(2, 3, 8, 8),)])
 
 
 def test_check_on_a_graph_module_rewritten_in_place():
@@ -108,17 +108,17 @@ def test_check_on_a_graph_module_rewritten_in_place():
     gm = torch.fx.symbolic_trace(f)
     x = torch.tensor([-2.0, -0.5, 0.0, 1.0, 3.0])
     with pytest.raises(NumericMismatch) as info:
-        rewrites.apply(gm, [neg_to_mul, relu_to_abs], example_inputs=(x,), inplace=True, check=(x,))
+        fx_rewrites.apply(gm, [neg_to_mul, relu_to_abs], example_inputs=(x,), inplace=True, check=(x,))
     assert info.value.rule == "relu_to_abs"
     assert info.value.max_difference == pytest.approx(3.0)  # abs(-3) - relu(-3)
 
 
 @pytest.mark.parametrize("bad", ["x", 3, None.__class__])
 def test_check_takes_input_tuples(bad):
-    with pytest.raises(rewrites.GraphInputError, match=r"check= takes the program's positional inputs.*Fix: pass"):
-        rewrites.apply(_ep(), DEFAULT, check=bad)
+    with pytest.raises(fx_rewrites.GraphInputError, match=r"check= takes the program's positional inputs.*Fix: pass"):
+        fx_rewrites.apply(_ep(), DEFAULT, check=bad)
 
 
 def test_inputs_the_program_cannot_take_are_named():
-    with pytest.raises(rewrites.GraphInputError, match=r"check= input set 0 does not run on the graph before"):
-        rewrites.apply(_ep(), DEFAULT, check=(torch.randn(2, 5),))
+    with pytest.raises(fx_rewrites.GraphInputError, match=r"check= input set 0 does not run on the graph before"):
+        fx_rewrites.apply(_ep(), DEFAULT, check=(torch.randn(2, 5),))

@@ -6,9 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rewrites
-from rewrites import Decompose, FillDefaults, Forward, Miss, Pattern, RuleDefinitionError, RuleSet, Substitute, from_arg
-from rewrites import testing as rt
+import fx_rewrites
+from fx_rewrites import (
+    Decompose,
+    FillDefaults,
+    Forward,
+    Miss,
+    Pattern,
+    RuleDefinitionError,
+    RuleSet,
+    Substitute,
+    from_arg,
+)
+from fx_rewrites import testing as rt
 
 aten = torch.ops.aten
 
@@ -53,7 +63,7 @@ def test_forward_removes_ops_that_return_nothing():
 
     gm = torch.fx.symbolic_trace(f)
     rule = Forward(ops=aten._assert_tensor_metadata.default)
-    result = rewrites.apply(gm, [rule], example_inputs=(torch.randn(3),))
+    result = fx_rewrites.apply(gm, [rule], example_inputs=(torch.randn(3),))
     rt.assert_fired(result, rule, times=1)
     rt.assert_ops(result, absent=[aten._assert_tensor_metadata.default])
 
@@ -123,7 +133,7 @@ def test_fill_that_changes_the_result_is_refused():
     ep = rt.export(lambda x: F.max_pool2d(x, 3, 1), torch.randn(1, 1, 5, 5))
     before = str(ep.graph)
     with pytest.raises(
-        rewrites.RuleError, match=r"pad_one.*'max_pool2d'.*shape changed from \(1, 1, 3, 3\) to \(1, 1, 5, 5\)"
+        fx_rewrites.RuleError, match=r"pad_one.*'max_pool2d'.*shape changed from \(1, 1, 3, 3\) to \(1, 1, 5, 5\)"
     ):
         rt.apply_rules(ep, rule)
     skipped = rt.apply_rules(ep, rule, on_error="skip")

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.program import ProgramError
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.program import ProgramError
 from tests.engine import rules as r
 
 aten = torch.ops.aten
@@ -36,7 +36,7 @@ def test_signature_names_the_new_output_nodes():
     # torch.export keeps `add_` on the buffer in 2.13; run_decompositions
     # functionalises it into a BUFFER_MUTATION output.
     ep = _export().run_decompositions()
-    result = rt.apply_rules(ep, r.add_to_sub, rewrites.rules.DEFAULT)
+    result = rt.apply_rules(ep, r.add_to_sub, fx_rewrites.rules.DEFAULT)
     outputs = next(n for n in result.program.graph.nodes if n.op == "output").args[0]
     names = [spec.arg.name for spec in result.program.graph_signature.output_specs]
     assert names == [n.name for n in outputs]
@@ -52,7 +52,7 @@ def test_rewritten_program_runs_and_keeps_state(decompose):
     ep = rt.export(WithState().eval(), torch.randn(2, 4, 8))
     ep = ep.run_decompositions() if decompose else ep
     eager.load_state_dict(ep.state_dict)
-    result = rt.apply_rules(ep, r.add_to_sub, rewrites.rules.DEFAULT)
+    result = rt.apply_rules(ep, r.add_to_sub, fx_rewrites.rules.DEFAULT)
     assert result.report.total_rewrites >= 2
     module = result.program.module()
     for _ in range(3):
@@ -63,7 +63,7 @@ def test_rewritten_program_runs_and_keeps_state(decompose):
 
 def test_save_and_load_round_trip(tmp_path):
     ep = _export()
-    result = rt.apply_rules(ep, r.add_to_sub, rewrites.rules.DEFAULT)
+    result = rt.apply_rules(ep, r.add_to_sub, fx_rewrites.rules.DEFAULT)
     path = tmp_path / "rewritten.pt2"
     torch.export.save(result.program, path)
     loaded = torch.export.load(path)
@@ -77,7 +77,7 @@ def test_save_and_load_round_trip(tmp_path):
 def test_graph_module_in_graph_module_out():
     ep = rt.export(lambda x, w: torch.relu(x + w), torch.randn(3), torch.randn(3))
     gm = ep.module()
-    result = rewrites.apply(ep.graph_module, [r.add_to_sub])
+    result = fx_rewrites.apply(ep.graph_module, [r.add_to_sub])
     assert result.program is None
     assert aten.sub.Tensor in rt.targets(result)
     x, w = torch.randn(3), torch.randn(3)
@@ -89,9 +89,9 @@ def test_symbolic_trace_graph_needs_example_inputs():
         return torch.ops.aten.add.Tensor(x, x)
 
     gm = torch.fx.symbolic_trace(f)
-    with pytest.raises(rewrites.GraphInputError, match="example_inputs"):
-        rewrites.apply(gm, [r.add_to_sub])
-    result = rewrites.apply(gm, [r.add_to_sub], example_inputs=(torch.randn(3),))
+    with pytest.raises(fx_rewrites.GraphInputError, match="example_inputs"):
+        fx_rewrites.apply(gm, [r.add_to_sub])
+    result = fx_rewrites.apply(gm, [r.add_to_sub], example_inputs=(torch.randn(3),))
     rt.assert_fired(result, "add_to_sub", times=1)
     x = torch.randn(3)
     torch.testing.assert_close(result.graph_module(x), x + x)
@@ -99,8 +99,8 @@ def test_symbolic_trace_graph_needs_example_inputs():
 
 @pytest.mark.parametrize("bad", [torch.nn.Linear(2, 2), "model.pt2", None])
 def test_unsupported_input_is_named(bad):
-    with pytest.raises(rewrites.GraphInputError, match=r"ExportedProgram or a torch\.fx\.GraphModule") as info:
-        rewrites.apply(bad)
+    with pytest.raises(fx_rewrites.GraphInputError, match=r"ExportedProgram or a torch\.fx\.GraphModule") as info:
+        fx_rewrites.apply(bad)
     if isinstance(bad, torch.nn.Module):
         assert "torch.export.export" in str(info.value)
 
@@ -110,6 +110,6 @@ def test_invalid_program_names_the_rule():
     # _native_batch_norm_legit, which a functional program may not hold.
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
     ep = rt.export(model, torch.randn(1, 3, 6, 6)).run_decompositions()
-    rule = rewrites.Decompose(ops=aten._native_batch_norm_legit_no_training.default, name="bn_decomp")
+    rule = fx_rewrites.Decompose(ops=aten._native_batch_norm_legit_no_training.default, name="bn_decomp")
     with pytest.raises(ProgramError, match=r"not functional.*from rule 'bn_decomp'"):
         rt.apply_rules(ep, rule)

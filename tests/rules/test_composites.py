@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewrites import testing as rt
-from rewrites.rules.composites import RULES, batch_norm_eval_to_affine, dropout_eval, rrelu_eval_to_leaky_relu
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.composites import RULES, batch_norm_eval_to_affine, dropout_eval, rrelu_eval_to_leaky_relu
 
 aten = torch.ops.aten
 

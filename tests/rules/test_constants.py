@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rewrites import testing as rt
-from rewrites.rules.constants import RULES, drop_detach_, lift_fresh_copy_to_clone
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.constants import RULES, drop_detach_, lift_fresh_copy_to_clone
 
 aten = torch.ops.aten
 BAD = [aten.lift_fresh_copy.default, aten.lift_fresh.default, aten.detach_.default]

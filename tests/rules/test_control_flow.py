@@ -10,10 +10,10 @@ import torch
 from torch.export import Dim
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.rules import control_flow
-from rewrites.rules.control_flow import RULES, cond, cond_constant_predicate, cond_to_where
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import control_flow
+from fx_rewrites.rules.control_flow import RULES, cond, cond_constant_predicate, cond_to_where
 
 aten = torch.ops.aten
 DYN = {"x": {0: Dim("B", min=2, max=64)}}
@@ -169,7 +169,7 @@ def test_constant_tensor_predicate_is_specialised():
 def test_constant_tensor_predicate_in_make_fx_graph():
     m = CondConstantTensor()
     gm = make_fx(m, tracing_mode="symbolic")(_x())  # the constant is a get_attr here
-    result = rewrites.apply(gm, RULES)
+    result = fx_rewrites.apply(gm, RULES)
     rt.assert_fired(result, cond_constant_predicate, times=1)
     rt.assert_ops(result, absent=[cond, aten.sin.default])
     rt.assert_matches_eager(result, m, [(_x(),), (_x(-1, rows=4),)])
@@ -220,7 +220,7 @@ def test_nested_cond_in_symbolic_make_fx_graph():
     (c,) = [n for n in gm.graph.nodes if n.target is cond]
     assert any(isinstance(a.meta["val"], torch.SymInt) for a in c.args[3])
 
-    result = rewrites.apply(gm, RULES)
+    result = fx_rewrites.apply(gm, RULES)
 
     rt.assert_fired(result, cond_to_where, times=2)
     rt.assert_ops(result, present=[aten.scalar_tensor.default], absent=[cond])
@@ -273,7 +273,7 @@ def test_rules_are_documented():
 
 
 def _iree():
-    import backends
+    from fx_rewrites import backends
 
     try:
         return backends.get("iree")
@@ -287,7 +287,7 @@ def test_nested_symbolic_cond_compiles_and_runs_on_iree():
     m = CondNestedShape()
     batch = Dim("B", min=2, max=64)
     ep = rt.export(m, _x(), _x(), dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
-    result = rewrites.apply(ep, backend.rules | RULES)
+    result = fx_rewrites.apply(ep, backend.rules | RULES)
     rt.assert_ops(result, absent=[cond])
     compiled = backend.compile(result.program, (_x(), _x()))
     for args in [*NESTED_INPUTS, (_x(rows=3), _x(rows=3)), (_x(-1, rows=3), _x(rows=3))]:

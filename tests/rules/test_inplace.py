@@ -8,8 +8,8 @@ import copy
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rewrites import testing as rt
-from rewrites.rules.inplace import FUNCTIONAL, RULES, functionalize_inplace
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.inplace import FUNCTIONAL, RULES, functionalize_inplace
 
 aten = torch.ops.aten
 INPLACE = list(FUNCTIONAL)

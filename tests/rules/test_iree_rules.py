@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import backends
-from engine import RewriteError
-from rewrites import testing as rt
-from rewrites.rules.iree import (
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.engine import RewriteError
+from fx_rewrites.rules.iree import (
     RULES,
     bitwise_ops_for_iree,
     conv_single_window_for_iree,
@@ -227,7 +227,7 @@ def test_conv_single_window_on_aten_convolution(iree):
 
 
 def test_conv_single_window_through_torch_compile():
-    from backends.dynamo import dynamo_backend
+    from fx_rewrites.backends.dynamo import dynamo_backend
 
     torch.manual_seed(0)
     model = SmallMaps().eval()

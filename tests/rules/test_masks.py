@@ -10,11 +10,11 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch.export import Dim
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.rules.masks import RULES, mask_index_put_to_where, mask_index_to_gather, masked_select_to_gather
-from rewrites.rules.symbolic import RULES as SYMBOLIC
-from rewrites.rules.symbolic import sym_in_tensor_slots
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.masks import RULES, mask_index_put_to_where, mask_index_to_gather, masked_select_to_gather
+from fx_rewrites.rules.symbolic import RULES as SYMBOLIC
+from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 
 aten = torch.ops.aten
 
@@ -234,7 +234,7 @@ def _apply_r3(gm, rules):
         schema = getattr(node.target, "_schema", None)
         if node.op == "call_function" and "val" not in node.meta and schema is not None and not schema.returns:
             node.meta["val"] = None
-    return rewrites.apply(gm, rules)
+    return fx_rewrites.apply(gm, rules)
 
 
 def test_r3_masks():
@@ -272,7 +272,7 @@ def test_r3_masks():
 def test_iree_end_to_end():
     # as is: rank-1 masks fail with "'arith.cmpi' op requires all operands to have the same type",
     # masked_select has no lowering, a rank-2 mask runs iree-compile out of memory after ~2 min
-    import backends
+    from fx_rewrites import backends
 
     iree = backends.get("iree")
 
@@ -282,7 +282,7 @@ def test_iree_end_to_end():
         return x[m], x[x > 0], x[:, 0][m], torch.masked_select(x, x > 1), y
 
     args = (_x(4, 3), torch.tensor([True, False, True, True]))
-    result = rewrites.apply(rt.export(fn, *args), iree.rules | RULES)
+    result = fx_rewrites.apply(rt.export(fn, *args), iree.rules | RULES)
     assert not _bool_index_nodes(result)
     rt.assert_ops(result, absent=[aten.masked_select.default, aten.index_put.default, aten.index_put_.default])
     compiled = iree.compile(result.program, args)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewrites import testing as rt
-from rewrites.rules.pooling import POOLING_OPS, pool_stride_defaults
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.pooling import POOLING_OPS, pool_stride_defaults
 
 aten = torch.ops.aten
 
@@ -109,6 +109,6 @@ def test_through_run_decompositions():
 
 
 def test_in_default_rule_set():
-    from rewrites.rules import DEFAULT
+    from fx_rewrites.rules import DEFAULT
 
     assert DEFAULT["pool_stride_defaults"] is pool_stride_defaults

@@ -10,16 +10,16 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch.export import Dim
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.rules.symbolic import (
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules.symbolic import (
     RULES,
     pow_sym_exponent_sign_safe,
     sym_in_tensor_slots,
     sym_placeholder_sources,
     sym_scalar_in_tensor_slot,
 )
-from rewrites.rules.symbolic import _scalar_overload as scalar_overload
+from fx_rewrites.rules.symbolic import _scalar_overload as scalar_overload
 
 aten = torch.ops.aten
 B = Dim("B", min=2, max=64)
@@ -210,7 +210,7 @@ def _compile_with_rules(fn, rules, **config):
     seen = []
 
     def fw_compiler(gm, example_inputs):
-        result = rewrites.apply(gm, rules)
+        result = fx_rewrites.apply(gm, rules)
         seen.append((sym_in_tensor_slots(gm), result))
         return result.graph_module.forward
 
@@ -242,7 +242,7 @@ def test_seed001_symint_inputs_come_from_shapes():
     graphs = []
 
     def cloning_backend(gm, example_inputs):
-        result = rewrites.apply(gm, RULES)
+        result = fx_rewrites.apply(gm, RULES)
         assert sym_in_tensor_slots(result.graph_module) == []
         sources = sym_placeholder_sources(result.graph_module)
         placeholders = [n.name for n in result.graph_module.graph.nodes if n.op == "placeholder"]
@@ -271,7 +271,7 @@ def test_seed001_symint_inputs_come_from_shapes():
 
 @pytest.mark.slow
 def test_iree_end_to_end():
-    import backends
+    from fx_rewrites import backends
 
     iree = backends.get("iree")
 
@@ -280,7 +280,7 @@ def test_iree_end_to_end():
         return x * n + x // n, n - x, torch.pow(x, n), torch.pow(x, k.item())
 
     ep = rt.export(fn, torch.randn(4, 3), torch.tensor(3), dynamic_shapes=({0: B}, None))
-    result = rewrites.apply(ep, iree.rules | RULES)
+    result = fx_rewrites.apply(ep, iree.rules | RULES)
     assert sym_in_tensor_slots(result.graph_module) == []
     compiled = iree.compile(result.program, (torch.randn(4, 3), torch.tensor(3)))
     for (x,), k in zip(_negative_rows(2, 3, 4, 5), (0, 1, 2, 3)):  # IREE gave NaN for x < 0 before

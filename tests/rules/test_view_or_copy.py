@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rewrites import testing as rt
-from rewrites.rules import DEFAULT
-from rewrites.rules.inplace import functionalize_inplace
-from rewrites.rules.view_or_copy import RULES, contiguous_view_or_copy
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.inplace import functionalize_inplace
+from fx_rewrites.rules.view_or_copy import RULES, contiguous_view_or_copy
 
 aten = torch.ops.aten
 

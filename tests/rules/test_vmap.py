@@ -7,10 +7,10 @@ import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from torch._functorch import predispatch
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.rules import DEFAULT
-from rewrites.rules.vmap import RULES, drop_lazy_load_decompositions, inline_vmap
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.vmap import RULES, drop_lazy_load_decompositions, inline_vmap
 
 PREDISPATCH = [
     predispatch._vmap_increment_nesting,
@@ -108,22 +108,22 @@ def test_nested_level_declines_with_a_reason():
     ep = rt.export(CausalPaddingMask(), *_mask_args(0))
     inner = [n for n in ep.graph.nodes if n.target is predispatch._vmap_increment_nesting][1]
     reason = inline_vmap.match(inner)
-    assert isinstance(reason, rewrites.Miss) and "inside the vmap level" in str(reason)
+    assert isinstance(reason, fx_rewrites.Miss) and "inside the vmap level" in str(reason)
 
 
 def test_with_the_default_rules_and_dynamic_batch():
     """The whole default set on a program with a symbolic batch: the retrace keeps the symbol."""
     batch = torch.export.Dim("batch", min=2, max=8)
     ep = rt.export(OutDimAndClosure(), torch.randn(3, 5), torch.randn(3), dynamic_shapes=({1: batch}, None))
-    result = rewrites.apply(ep, DEFAULT | RULES)
+    result = fx_rewrites.apply(ep, DEFAULT | RULES)
     rt.assert_fired(result, inline_vmap, times=1)
     rt.assert_matches_eager(result, OutDimAndClosure(), [(torch.randn(3, 7), torch.randn(3))])
 
 
 @pytest.mark.parametrize("rewritten", [False, True], ids=["as_is", "after_rules"])
 def test_on_iree(rewritten):
-    import backends
-    from engine import RewriteError
+    from fx_rewrites import backends
+    from fx_rewrites.engine import RewriteError
 
     iree = backends.get("iree")
     args = _mask_args(0)
@@ -132,6 +132,6 @@ def test_on_iree(rewritten):
         with pytest.raises(RewriteError, match="lazy_load_decompositions"):
             iree.compile(ep, args)
         return
-    fn = iree.compile(rewrites.apply(ep, iree.rules | RULES).program, args)
+    fn = iree.compile(fx_rewrites.apply(ep, iree.rules | RULES).program, args)
     for inputs in (args, _mask_args(1)):
         torch.testing.assert_close(fn(*inputs), CausalPaddingMask()(*inputs), rtol=1e-4, atol=1e-5)

@@ -10,10 +10,10 @@ import torch
 from torch.export import Dim
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import rewrites
-from rewrites import testing as rt
-from rewrites.rules import control_flow, inplace, wrappers
-from rewrites.rules.wrappers import (
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import control_flow, inplace, wrappers
+from fx_rewrites.rules.wrappers import (
     RULES,
     autocast_region,
     drop_assert_tensor_metadata,
@@ -179,7 +179,7 @@ def test_seed003_pre_dispatch_make_fx():
     gm = make_fx(m, pre_dispatch=True)(x)
     assert rt.targets(gm).count(set_grad_enabled) == 2
 
-    result = rewrites.apply(gm, RULES, example_inputs=(x,))
+    result = fx_rewrites.apply(gm, RULES, example_inputs=(x,))
 
     rt.assert_fired(result, drop_set_grad_enabled, times=2)
     rt.assert_ops(result, present=[aten.add_.Tensor], absent=WRAPPER_OPS)
@@ -273,7 +273,7 @@ def test_pre_dispatch_autocast_region_is_retraced(module):
     gm = make_fx(m, pre_dispatch=True)(x, w)
     assert enter_autocast in rt.targets(gm) and aten._to_copy.default not in rt.targets(gm)
 
-    result = rewrites.apply(gm, RULES, example_inputs=(x, w), explain=True)
+    result = fx_rewrites.apply(gm, RULES, example_inputs=(x, w), explain=True)
 
     rt.assert_fired(result, autocast_region, times=1)  # the outer region, nested ones with it
     rt.assert_ops(result, present=[aten._to_copy.default], absent=WRAPPER_OPS)
@@ -324,7 +324,7 @@ class NoGradThenAutocast(torch.nn.Module):
 
 @pytest.mark.slow
 def test_wrappers_compile_and_run_on_iree():
-    import backends
+    from fx_rewrites import backends
 
     try:
         backend = backends.get("iree")
@@ -332,7 +332,7 @@ def test_wrappers_compile_and_run_on_iree():
         pytest.skip("no IREE backend registered")
     m = NoGradThenAutocast()
     ep = rt.export(m, torch.randn(2, 3), torch.randn(3, 3))
-    result = rewrites.apply(ep, backend.rules | RULES)  # the in-place pack makes add_ functional
+    result = fx_rewrites.apply(ep, backend.rules | RULES)  # the in-place pack makes add_ functional
     rt.assert_ops(result, absent=[*WRAPPER_OPS, aten.add_.Tensor, aten._assert_tensor_metadata.default])
     compiled = backend.compile(result.program, (torch.randn(2, 3), torch.randn(3, 3)))
     for x, w in _inputs((2, 3), (3, 3)):

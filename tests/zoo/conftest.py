@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-import backends
-import rewrites
-from backends.dynamo import CompiledGraph, dynamo_backend
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
 from tests.zoo import registry
 
 
@@ -108,8 +108,8 @@ class Case:
             raise error from e
 
     @cached_property
-    def result(self) -> rewrites.Result:
-        return rewrites.apply(self.program, self.rules)
+    def result(self) -> fx_rewrites.Result:
+        return fx_rewrites.apply(self.program, self.rules)
 
     @cached_property
     def compiled(self) -> Any:

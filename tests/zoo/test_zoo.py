@@ -1,4 +1,4 @@
-"""The transformers zoo on IREE: torch.export -> rewrites.apply(IREE rules) -> compile -> run -> eager.
+"""The transformers zoo on IREE: torch.export -> fx_rewrites.apply(IREE rules) -> compile -> run -> eager.
 
 Each model is exported, rewritten and compiled once (see conftest.py); the
 tests read those shared stages. Models torch.export cannot export are
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from engine import RewriteError
+from fx_rewrites.engine import RewriteError
 from tests.zoo import registry
 from tests.zoo.conftest import model_params
 from tests.zoo.registry import assert_matches

@@ -6,10 +6,10 @@ DEFAULT first, so SymInts are out of tensor slots before lowering, then
 `boundary` the from_torch / to_layout / to_torch conversions.
 """
 
-from rewrites.rules.ttnn import ops
-from rewrites.rules.ttnn.boundary import fuse_round_trip
-from rewrites.rules.ttnn.lowering import RULES as LOWERING
-from rewrites.ruleset import RuleSet
+from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn.boundary import fuse_round_trip
+from fx_rewrites.rules.ttnn.lowering import RULES as LOWERING
+from fx_rewrites.ruleset import RuleSet
 
 RULES = RuleSet([*LOWERING, fuse_round_trip], name="ttnn")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites.kinds import rule
-from rewrites.rules.ttnn import ops
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.rules.ttnn import ops
 
 #: ops whose result keeps its input's layout
 _LAYOUT_PRESERVING = frozenset({ops.reshape, ops.permute, ops.transpose})

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from engine import Miss, Rewriter
-from rewrites import schema
-from rewrites.kinds import FunctionRule, rule
-from rewrites.rules.ttnn import ops
-from rewrites.rules.ttnn.boundary import device_value, on_device, to_host
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import FunctionRule, rule
+from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn.boundary import device_value, on_device, to_host
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from backends.ttnn import runtime
+from fx_rewrites.backends.ttnn import runtime
 from tests.backends.ttnn import reference_ttnn
 
 #: bfloat16 on device: 8 bits of mantissa, so about 2 significant digits per op

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.export import Dim
 
-import backends
-from backends.ttnn import TtnnUnavailable, lower, runtime
-from rewrites import testing as rt
-from rewrites.rules.symbolic import sym_in_tensor_slots
-from rewrites.rules.ttnn import ops
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.ttnn import TtnnUnavailable, lower, runtime
+from fx_rewrites.rules.symbolic import sym_in_tensor_slots
+from fx_rewrites.rules.ttnn import ops
 from tests.backends.ttnn.conftest import assert_close_bf16
 from tests.backends.ttnn.models import CASES
 

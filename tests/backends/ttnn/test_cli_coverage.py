@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from backends.ttnn import runtime
-from rewrites.cli import main
+from fx_rewrites.app.cli import main
+from fx_rewrites.backends.ttnn import runtime
 from tests.backends.ttnn import reference_ttnn
 
 MODEL = """

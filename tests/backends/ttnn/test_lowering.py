@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewrites import testing as rt
-from rewrites.rules import DEFAULT
-from rewrites.rules.ttnn import RULES, ops
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.ttnn import RULES, ops
 from tests.backends.ttnn.conftest import assert_close_bf16
 
 aten = torch.ops.aten

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-import backends
-from backends.ttnn import runtime
-from examples import gallery
+from fx_rewrites import backends
+from fx_rewrites.app.gallery import gallery
+from fx_rewrites.backends.ttnn import runtime
 from tests.backends.ttnn import reference_ttnn
 from tests.zoo import registry
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from examples import Example
+from fx_rewrites.app.gallery import Example
 
 
 class NoGradUpdate(torch.nn.Module):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rewrites.cli.common import (
+from fx_rewrites.app.cli.common import (
     EXIT_FAIL,
     EXIT_PASS,
     MAX_NOTE,
@@ -22,8 +22,8 @@ from rewrites.cli.common import (
     _one_line,
     _traceback,
 )
-from rewrites.cli.inputs import _input_signature
-from rewrites.cli.models import Model, _describe_inputs, _load_model, _user_frame
+from fx_rewrites.app.cli.inputs import _input_signature
+from fx_rewrites.app.cli.models import Model, _describe_inputs, _load_model, _user_frame
 
 # ----------------------------------------------------------------------------- demo
 
@@ -31,8 +31,8 @@ from rewrites.cli.models import Model, _describe_inputs, _load_model, _user_fram
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.progress import track
 
-    from examples import gallery
-    from rewrites.demo import run_example
+    from fx_rewrites.app.demo import run_example
+    from fx_rewrites.app.gallery import gallery
 
     backend = _backend(args.backend)
     examples = [e for e in gallery() if not args.only or e.name in args.only]
@@ -100,8 +100,8 @@ def _run(backend: Any, program: Any, model: Model) -> Any:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from rewrites.api import apply
-    from rewrites.demo import Row, verdict
+    from fx_rewrites.api import apply
+    from fx_rewrites.app.demo import Row, verdict
 
     backend = _backend(args.backend)
     if backend.name == "ttnn":
@@ -158,9 +158,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _check_ttnn(args: argparse.Namespace, backend: Any) -> int:
     """The ttnn coverage report, the lowered graph run on the host (the stand-ins' torch bodies)
     against eager, and, when ttnn and a device are there, the run on ttnn against eager."""
-    from backends.ttnn import TtnnUnavailable, lower
-    from backends.ttnn.coverage import coverage
-    from rewrites.demo import verdict
+    from fx_rewrites.app.demo import verdict
+    from fx_rewrites.backends.ttnn import TtnnUnavailable, lower
+    from fx_rewrites.backends.ttnn.coverage import coverage
 
     rtol = 3e-2 if args.rtol is None else args.rtol
     atol = 3e-2 if args.atol is None else args.atol
@@ -231,9 +231,9 @@ def _reference(model: Model) -> Any:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from engine import RewriteError
-    from rewrites.api import apply
-    from rewrites.explain import explanation, render_html, render_text
+    from fx_rewrites.api import apply
+    from fx_rewrites.engine import RewriteError
+    from fx_rewrites.explain import explanation, render_html, render_text
 
     backend = _backend(args.backend)
     names = [r.name for r in backend.rules]
@@ -273,7 +273,7 @@ ROOTS_WIDTH = 100
 
 def roots_summary(roots: Sequence[Any], width: int = ROOTS_WIDTH) -> str:
     """Root ops, listed when short; else by packet: "aten.add/sub/rsub/mul/... (78 overloads of 41 ops)"."""
-    from rewrites.schema import op_name
+    from fx_rewrites.schema import op_name
 
     names = [op_name(r) for r in roots]
     text = ", ".join(names)
@@ -306,8 +306,8 @@ def roots_summary(roots: Sequence[Any], width: int = ROOTS_WIDTH) -> str:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    from rewrites.rules import DEFAULT
-    from rewrites.schema import op_name
+    from fx_rewrites.rules import DEFAULT
+    from fx_rewrites.schema import op_name
 
     rules = _backend(args.backend).rules if args.backend else DEFAULT
     for rule in rules:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rewrites.cli.common import (
+from fx_rewrites.app.cli.common import (
     InputError,
 )
 
@@ -194,7 +194,7 @@ def _random_inputs(program: torch.export.ExportedProgram) -> tuple[tuple[Any, ..
 
 
 def _input_signature(program: torch.export.ExportedProgram) -> str:
-    from rewrites.explain import format_value
+    from fx_rewrites.explain import format_value
 
     nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     return ", ".join(

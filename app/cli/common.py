@@ -32,7 +32,7 @@ class InputError(Exception):
 
 
 def _backend(name: str):
-    import backends
+    from fx_rewrites import backends
 
     try:
         return backends.get(name)

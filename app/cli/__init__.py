@@ -1,4 +1,4 @@
-"""The `fx-rewrites` command line (also `python -m rewrites`).
+"""The `fx-rewrites` command line (also `python -m fx_rewrites`).
 
     fx-rewrites demo [--backend iree]            the known-failure gallery, end to end
     fx-rewrites check MODEL [--backend iree]     one model: as is, after the rules, against eager
@@ -20,8 +20,8 @@ import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 
-from rewrites.cli.commands import cmd_check, cmd_demo, cmd_explain, cmd_rules
-from rewrites.cli.common import (
+from fx_rewrites.app.cli.commands import cmd_check, cmd_demo, cmd_explain, cmd_rules
+from fx_rewrites.app.cli.common import (
     EXIT_FAIL,
     EXIT_USAGE,
     InputError,

@@ -28,7 +28,7 @@ class Example:
 
 def gallery() -> list[Example]:
     """Every example, in a stable order."""
-    from examples import composites, constants, control_flow, inplace, masks, pooling, symbolic, wrappers
+    from fx_rewrites.app.gallery import composites, constants, control_flow, inplace, masks, pooling, symbolic, wrappers
 
     modules = (pooling, constants, composites, wrappers, control_flow, inplace, symbolic, masks)
     return [example for module in modules for example in module.EXAMPLES]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from rewrites.api import apply
+from fx_rewrites.api import apply
 
 
 @attrs.define

@@ -16,12 +16,12 @@ from typing import Any
 import attrs
 import torch
 
-from rewrites.cli.common import (
+from fx_rewrites.app.cli.common import (
     _TORCH_DIR,
     InputError,
     _one_line,
 )
-from rewrites.cli.inputs import _input_signature, _load_pt2, _random_inputs, _side, _torch_side_output
+from fx_rewrites.app.cli.inputs import _input_signature, _load_pt2, _random_inputs, _side, _torch_side_output
 
 # ----------------------------------------------------------------------------- loading a model
 
@@ -258,7 +258,7 @@ def _check_input_count(model: Model) -> None:
 
 
 def _describe_inputs(model: Model) -> str:
-    from rewrites.explain import format_value
+    from fx_rewrites.explain import format_value
 
     leaves = torch.utils._pytree.tree_leaves((model.args, model.kwargs))
     return ", ".join(format_value(v) if isinstance(v, torch.Tensor) else repr(v) for v in leaves) or "none"
