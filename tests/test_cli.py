@@ -384,6 +384,45 @@ def test_explain_html_page(files, capsys, tmp_path):
     _screenshot(page_path, tmp_path)
 
 
+class _Deep(torch.nn.Module):
+    """Twelve Linear layers (24 parameter inputs) and one buffer ahead of the one node the rules rewrite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(12))
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.max_pool1d(x.unsqueeze(0), 2) * self.scale
+
+
+def test_html_folds_unchanged_parameters_and_links_each_rewritten_node():
+    torch.manual_seed(0)
+    ep = torch.export.export(_Deep().eval(), (torch.randn(2, 8),))
+    rules = backends.get("iree").rules
+    e = rx.explanation(ep, fx_rewrites.apply(ep, rules, explain=True), rules, title="deep", backend="iree")
+    page = rx.render_html(e)
+    rows = re.findall(r'<tr(?: id="(row-\d+)")? class="([^"]*)">(.*?)</tr>', page, flags=re.S)
+    state = [body for _, cls, body in rows if "state" in cls.split()]
+    # the 25 state inputs are folded (hidden by the CSS until "show" is ticked), the user input is not
+    assert len(state) == 25 and all(re.search(r'class="kind">(parameter|buffer) ', b) for b in state)
+    assert '<tr class="state-fold"><td colspan="7"><label for="show-state">25 unchanged' in page
+    assert "#show-state:not(:checked) ~ .card tr.state{display:none}" in page
+    assert "#changed-only:checked ~ .card tr.same{display:none}" in page
+    assert page.index('id="changed-only"') < page.index('<table class="graphs">')  # a sibling before the table
+    # unchanged rows are marked so the filter can hide them; the rewritten node and its rewired user are not
+    changed = [body for _, cls, body in rows if "same" not in cls.split() and "state-fold" not in cls]
+    assert len(changed) == 2 and ">max_pool1d<" in changed[0] and ">mul<" in changed[1]
+    (rewritten,) = [(row_id, body) for row_id, cls, body in rows if "rewritten" in cls.split()]
+    assert rewritten[0] and ">max_pool1d<" in rewritten[1]
+    # the jump links and the rewrites table point at that row
+    links = re.findall(r'<a href="#(row-\d+)">([^<]*)</a>', page)
+    assert links and all(target == rewritten[0] and name == "max_pool1d" for target, name in links)
+    assert len(links) == 2  # "jump to a rewritten node" and the rewrites table
+
+
 def test_html_escapes_names_and_reasons():
     module, args = _factory_from_source()
     ep = torch.export.export(module, args)
