@@ -69,12 +69,18 @@ class RuleBase:
         """Store a field normalised in `_build` (the class is frozen)."""
         object.__setattr__(self, field, value)
 
+    def _when(self, node: Node) -> Any:
+        """What `when(node)` returned (True without a `when`), or a Miss saying why not."""
+        if self.when is None:
+            return True
+        found = self.when(node)
+        if is_miss(found):
+            return Miss(f"when: {miss_reason(found)}" if isinstance(found, Miss) else "when() said no")
+        return found
+
     def match(self, node: Node) -> Any:
-        if self.when is not None:
-            ok = self.when(node)
-            if is_miss(ok):
-                return Miss(f"when: {miss_reason(ok)}" if isinstance(ok, Miss) else "when() said no")
-        return self._match(node)
+        found = self._when(node)
+        return found if is_miss(found) else self._match(node)
 
     def _match(self, node: Node) -> Any:
         return True

@@ -1,7 +1,13 @@
-"""The escape hatch: a rule written as a Python function."""
+"""The escape hatch: a rule written as a Python function.
+
+The body is `fn(node, rw)`, or `fn(node, rw, found)` to receive what the
+rule's `when` returned when that was more than a yes (a tuple of the parts
+it took apart, a plan): the body then does not compute it again.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -12,24 +18,51 @@ from fx_rewrites import schema
 from fx_rewrites.engine import Rewriter
 from fx_rewrites.kinds.base import RuleBase, as_tuple
 
+Body = Callable[[Node, Rewriter], Any] | Callable[[Node, Rewriter, Any], Any]
+
+
+def _takes_found(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes a third positional parameter (what `when` found)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) not in (2, 3):
+        raise TypeError(f"a rule body takes (node, rw) or (node, rw, found), not {inspect.signature(fn)}")
+    return len(positional) == 3
+
 
 @attrs.frozen(kw_only=True)
 class FunctionRule(RuleBase):
-    """`fn(node, rw)` rewrites `node` through `rw`, or returns a Miss."""
+    """`fn(node, rw)` rewrites `node` through `rw`, or returns a Miss.
 
-    fn: Callable[[Node, Rewriter], Any] = attrs.field(validator=attrs.validators.is_callable())
+    `fn(node, rw, found)` also receives what `when(node)` returned (True when
+    there is no `when`).
+    """
+
+    fn: Body = attrs.field(validator=attrs.validators.is_callable())
     ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
+    takes_found: bool = attrs.field(init=False, default=False, repr=False)
 
     def _build(self) -> tuple[Hashable, ...]:
         ops = schema.resolve_ops(self.ops)
         self._set("ops", ops)
+        self._set("takes_found", _takes_found(self.fn))
         return ops
 
     def _default_name(self) -> str:
         return getattr(self.fn, "__name__", "function_rule")
 
+    def match(self, node: Node) -> Any:
+        return self._when(node)
+
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
-        return self.fn(node, rw)
+        if self.takes_found:
+            return self.fn(node, rw, match)  # type: ignore[call-arg]
+        return self.fn(node, rw)  # type: ignore[call-arg]
 
 
 def rule(
@@ -40,14 +73,15 @@ def rule(
     when: Callable[[Node], Any] | None = None,
     doc: str = "",
     tags: Iterable[str] = (),
-) -> Callable[[Callable[[Node, Rewriter], Any]], FunctionRule]:
-    """Decorator: `@rule(roots=(aten.pow.Tensor_Scalar,))` over `fn(node, rw)`.
+) -> Callable[[Body], FunctionRule]:
+    """Decorator: `@rule(roots=(aten.pow.Tensor_Scalar,))` over `fn(node, rw)`
+    or `fn(node, rw, found)` (`found`: what `when` returned).
 
     The function's name and docstring are the rule's name and doc unless
     given.
     """
 
-    def wrap(fn: Callable[[Node, Rewriter], Any]) -> FunctionRule:
+    def wrap(fn: Body) -> FunctionRule:
         return FunctionRule(
             fn=fn,
             ops=tuple(roots),

@@ -186,10 +186,12 @@ def _same_value_type(a: Any, b: Any) -> str | None:
 
 
 def _is_static(node: Node) -> Any:
+    """(cond's parts, the predicate's value, why it is known), or a Miss."""
     parts = _cond_parts(node)
     if isinstance(parts, Miss):
         return parts
-    return True if static_predicate(parts[0]) is not None else Miss("the predicate is only known at run time")
+    known = static_predicate(parts[0])
+    return (parts, *known) if known is not None else Miss("the predicate is only known at run time")
 
 
 @rule(
@@ -205,9 +207,8 @@ def _is_static(node: Node) -> Any:
     ),
     tags=("control_flow", "cond"),
 )
-def cond_constant_predicate(node: Node, rw: Rewriter) -> Any:
-    pred, true_gm, false_gm, operands = _cond_parts(node)  # type: ignore[misc]
-    value, why = static_predicate(pred)  # type: ignore[misc]
+def cond_constant_predicate(node: Node, rw: Rewriter, found: Any) -> Any:
+    (pred, true_gm, false_gm, operands), value, why = found
     outs = pytree.tree_leaves(rw.inline(true_gm if value else false_gm, operands))
     miss = dtype_mismatch(node, outs)
     if miss is not None:  # a Miss is falsy
@@ -222,6 +223,7 @@ def cond_constant_predicate(node: Node, rw: Rewriter) -> Any:
 
 
 def _selectable(node: Node) -> Any:
+    """cond's parts when both branches can be computed and selected between, or a Miss."""
     parts = _cond_parts(node)
     if isinstance(parts, Miss):
         return parts
@@ -247,7 +249,7 @@ def _selectable(node: Node) -> Any:
         why = _same_value_type(tv, fv)
         if why:
             return Miss(f"output {i}: {why}")
-    return True
+    return parts
 
 
 def _predicate_tensor(rw: Rewriter, pred: Node) -> Node:
@@ -274,8 +276,8 @@ def _predicate_tensor(rw: Rewriter, pred: Node) -> Node:
     ),
     tags=("control_flow", "cond"),
 )
-def cond_to_where(node: Node, rw: Rewriter) -> Any:
-    pred, true_gm, false_gm, operands = _cond_parts(node)  # type: ignore[misc]
+def cond_to_where(node: Node, rw: Rewriter, found: Any) -> Any:
+    pred, true_gm, false_gm, operands = found
     p = _predicate_tensor(rw, pred)
     t_out = pytree.tree_leaves(rw.inline(true_gm, operands))
     f_out = pytree.tree_leaves(rw.inline(false_gm, operands))

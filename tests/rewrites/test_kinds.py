@@ -209,3 +209,39 @@ def test_decompose_falls_back_to_the_composite_kernel():
     rt.assert_fired(result, rule, times=1)
     rt.assert_ops(result, absent=[aten.diff.default], present=[aten.sub.Tensor])
     rt.assert_matches_eager(result, fn, [(torch.randn(3, 5),)])
+
+
+class ScaledRelu(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 3.0
+
+
+def test_function_rule_body_receives_what_when_found():
+    """`when` takes the node apart once; the body gets the parts instead of computing them again."""
+    seen = []
+
+    def scale_of(node):
+        (user,) = node.users
+        if user.target is not aten.mul.Tensor or not isinstance(user.args[1], float) or user.args[1] <= 0:
+            return Miss("not multiplied by a positive constant")
+        return user, user.args[1]
+
+    @fx_rewrites.rule(roots=(aten.relu.default,), when=scale_of)
+    def fold_positive_scale(node, rw, found):
+        user, scale = found
+        seen.append(scale)
+        rw.replace(user, rw.call(aten.relu.default, rw.call(aten.mul.Tensor, node.args[0], scale)))
+
+    ep = rt.export(ScaledRelu(), torch.randn(4))
+    result = rt.apply_rules(ep, fold_positive_scale)
+    assert seen == [3.0]
+    rt.assert_fired(result, fold_positive_scale, times=1)
+    rt.assert_matches_eager(result, ScaledRelu(), [(torch.randn(4),), (torch.randn(4) * 7,)])
+
+
+def test_function_rule_body_with_a_wrong_signature_is_refused_naming_the_rule():
+    with pytest.raises(RuleDefinitionError, match=r"'four_params'.*\(node, rw\) or \(node, rw, found\)"):
+
+        @fx_rewrites.rule(roots=(aten.relu.default,))
+        def four_params(node, rw, found, extra):
+            return None
