@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases, RuleSet
 
 #: entry point group third-party backends register under (value: a Backend
 #: instance or a zero-argument callable returning one).
@@ -21,14 +21,16 @@ class Backend(Protocol):
     """A compiler fx-rewrites can hand rewritten graphs to.
 
     - `name`: what users pass as `backend=`.
-    - `rules`: the RuleSet applied before `compile` (usually DEFAULT plus
-      the backend's own packs).
+    - `rules`: what `fx_rewrites.apply(program, backend.rules)` runs before
+      `compile`: a RuleSet (usually DEFAULT plus the backend's own packs) or
+      `Phases` run one after another (ttnn: DEFAULT, then its lowering).
     - `compile(program, example_args)`: a callable taking the same tensors
-      as the program and returning its outputs.
+      as the program and returning its outputs. It takes a program the rules
+      have already rewritten and rewrites nothing itself.
     """
 
     name: str
-    rules: RuleSet
+    rules: RuleSet | Phases
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> Callable[..., Any]: ...
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites import backends
-from fx_rewrites.backends.ttnn import runtime
+from fx_rewrites.backends.ttnn import lower, runtime
 from fx_rewrites.backends.ttnn.coverage import coverage
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             cov = coverage(program, name)
-            fn = backend.compile(program, margs)
+            fn = backend.compile(lower(program), margs)
             diff = "-"
             if not args.no_run:
                 with torch.no_grad():

@@ -46,6 +46,36 @@ class Report:
     notes: list[str] = attrs.field(factory=list)
     attempts: list[Attempt] | None = None
     total_seconds: float = 0.0
+    #: the phases run, in order, when the rules came in phases (see `merged`)
+    phases: list[str] = attrs.field(factory=list)
+
+    @classmethod
+    def merged(cls, runs: list[tuple[str, Report]]) -> Report:
+        """One report for runs made one after another on one graph (phases).
+
+        It converged when every phase did; otherwise its stop reason is the
+        first phase's that did not, and a note names that phase.
+        """
+        first_stop = next(((name, r) for name, r in runs if not r.converged), None)
+        out = cls(
+            stop_reason=first_stop[1].stop_reason if first_stop else "converged",
+            visits=sum(r.visits for _, r in runs),
+            budget=sum(r.budget for _, r in runs),
+            nodes_before=runs[0][1].nodes_before if runs else 0,
+            nodes_after=runs[-1][1].nodes_after if runs else 0,
+            total_seconds=sum(r.total_seconds for _, r in runs),
+            attempts=None if any(r.attempts is None for _, r in runs) else [a for _, r in runs for a in r.attempts],
+            phases=[name for name, _ in runs],
+        )
+        for _, r in runs:
+            out.rewrites.update(r.rewrites)
+            for rule, seconds in r.seconds.items():
+                out.seconds[rule] += seconds
+            out.skips.extend(r.skips)
+            out.notes.extend(r.notes)
+        if first_stop:
+            out.notes.append(f"phase {first_stop[0]!r} stopped: {first_stop[1].stop_reason}")
+        return out
 
     @property
     def converged(self) -> bool:
@@ -68,6 +98,8 @@ class Report:
             f"{self.stop_reason}: {self.total_rewrites} rewrites, {self.visits} node visits, "
             f"{self.nodes_before} -> {self.nodes_after} nodes, {self.total_seconds * 1e3:.1f} ms"
         ]
+        if len(self.phases) > 1:
+            lines.append(f"  phases: {' -> '.join(self.phases)}")
         for name, count in sorted(self.rewrites.items()):
             lines.append(f"  {name}: {count} rewrites, {self.seconds[name] * 1e3:.1f} ms")
         lines += [f"  skipped {s.rule} on {s.node}: {s.cause}" for s in self.skips]

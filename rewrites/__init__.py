@@ -23,7 +23,7 @@ from fx_rewrites.kinds import (
     from_arg,
     rule,
 )
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases, RuleSet
 
 __all__ = [
     "Decompose",
@@ -36,6 +36,7 @@ __all__ = [
     "NonConvergence",
     "NumericMismatch",
     "Pattern",
+    "Phases",
     "Report",
     "Result",
     "RewriteError",

@@ -15,7 +15,7 @@ from fx_rewrites import bisect, engine
 from fx_rewrites.engine import GraphInputError, Report, Rule
 from fx_rewrites.engine import values as fake_values
 from fx_rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases, RuleSet, as_phases
 
 
 @attrs.frozen
@@ -32,16 +32,26 @@ class Result:
     program: ExportedProgram | None = None
 
 
-def _rule_list(rules: RuleSet | Rule | Iterable[Rule] | None) -> Sequence[Rule]:
+def _phases(rules: RuleSet | Phases | Rule | Iterable[Rule] | None) -> Phases:
     if rules is None:
         from fx_rewrites.rules import DEFAULT  # rule packs load on first use
 
-        return DEFAULT.rules
-    if isinstance(rules, RuleSet):
-        return rules.rules
-    if isinstance(rules, Rule):
-        return (rules,)
-    return RuleSet(rules).rules
+        rules = DEFAULT
+    return as_phases(rules)
+
+
+def _run_phases(gm: GraphModule, phases: Phases, budget: int | None, **options: Any) -> Report:
+    """Each phase to its fixpoint, in order; `budget` counts the rewrites of all phases together."""
+    runs: list[tuple[str, Report]] = []
+    remaining = budget
+    for phase in phases.sets:
+        if runs and remaining is not None and remaining <= 0:
+            break
+        report = engine.run(gm.graph, phase.rules, budget=remaining, **options)
+        runs.append((phase.name, report))
+        if remaining is not None:
+            remaining -= report.total_rewrites
+    return runs[0][1] if len(runs) == 1 and len(phases.sets) == 1 else Report.merged(runs)
 
 
 def _prepare(gm: GraphModule, example_inputs: Sequence[Any] | None) -> None:
@@ -65,7 +75,7 @@ def _prepare(gm: GraphModule, example_inputs: Sequence[Any] | None) -> None:
 
 def apply(
     program: ExportedProgram | GraphModule,
-    rules: RuleSet | Rule | Iterable[Rule] | None = None,
+    rules: RuleSet | Phases | Rule | Iterable[Rule] | None = None,
     *,
     example_inputs: Sequence[Any] | None = None,
     on_error: str = "raise",
@@ -78,6 +88,9 @@ def apply(
 ) -> Result:
     """Run `rules` (default `fx_rewrites.rules.DEFAULT`) to a fixpoint.
 
+    `rules` is a RuleSet, a rule, rules, or `Phases` (a backend's `rules`):
+    phases run one after another, each to its own fixpoint.
+
     `program` is a `torch.export.ExportedProgram` (a new one is returned in
     `Result.program`; the input is left untouched) or a `torch.fx.GraphModule`
     (copied first unless `inplace`). A GraphModule without `meta["val"]`
@@ -89,7 +102,7 @@ def apply(
     `NumericMismatch` naming the first rewrite that changed the results
     (found by replaying the rewrites, see `fx_rewrites.bisect`).
     """
-    rule_list = _rule_list(rules)
+    phases = _phases(rules)
     if isinstance(program, ExportedProgram):
         gm = copy_graph_module(program.graph_module)
         expose_signature(program, gm)
@@ -114,11 +127,11 @@ def apply(
         sets = bisect.input_sets(check)
         before = program if isinstance(program, ExportedProgram) else copy_graph_module(program)
         expected = bisect.references(before, sets)
-    report = engine.run(
-        gm.graph,
-        rule_list,
-        budget=budget,
-        on_error=on_error,  # type: ignore[arg-type]
+    report = _run_phases(
+        gm,
+        phases,
+        budget,
+        on_error=on_error,
         strict=strict,
         explain=explain,
         check_shapes=check_shapes,
@@ -131,7 +144,7 @@ def apply(
         def rerun(k: int) -> tuple[ExportedProgram | GraphModule, Report]:
             again = apply(
                 before,
-                rule_list,
+                phases,
                 example_inputs=example_inputs,
                 on_error=on_error,
                 explain=True,

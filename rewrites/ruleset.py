@@ -78,3 +78,59 @@ class RuleSet:
     def untagged(self, *tags: str) -> RuleSet:
         """The rules carrying none of `tags`."""
         return RuleSet([r for r in self.rules if not set(getattr(r, "tags", ())) & set(tags)], name=self.name)
+
+
+@attrs.frozen(init=False)
+class Phases:
+    """Rule sets run one after another, each to its own fixpoint, on one graph.
+
+    A backend whose lowering must see the graph DEFAULT leaves behind says
+    so with phases: `Phases(DEFAULT, TTNN_LOWERING, name="ttnn")`.
+    `fx_rewrites.apply(program, phases)` runs them in order; iterating gives
+    every rule, phase by phase (what `fx-rewrites rules` lists).
+    """
+
+    sets: tuple[RuleSet, ...]
+    name: str
+
+    def __init__(self, *sets: RuleSet | Iterable[Rule], name: str = "phases") -> None:
+        if not sets:
+            raise RuleDefinitionError(f"Phases {name!r}: give at least one rule set")
+        self.__attrs_init__(tuple(s if isinstance(s, RuleSet) else RuleSet(s) for s in sets), name)
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return tuple(rule for s in self.sets for rule in s)
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in s for s in self.sets)
+
+    def __getitem__(self, name: str) -> Rule:
+        for s in self.sets:
+            if name in s:
+                return s[name]
+        raise KeyError(f"no rule named {name!r} in any phase of {self.name!r}; they have {self.names()}")
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.rules]
+
+    def then(self, *more: RuleSet | Iterable[Rule]) -> Phases:
+        """These phases followed by `more`."""
+        return Phases(*self.sets, *more, name=self.name)
+
+
+def as_phases(rules: RuleSet | Phases | Rule | Iterable[Rule]) -> Phases:
+    """What `apply` runs: phases, a rule set (one phase), a rule or rules."""
+    if isinstance(rules, Phases):
+        return rules
+    if isinstance(rules, RuleSet):
+        return Phases(rules, name=rules.name)
+    if isinstance(rules, Rule):
+        return Phases(RuleSet([rules], name=rules.name))
+    return Phases(RuleSet(rules))

@@ -169,10 +169,11 @@ def _check_ttnn(args: argparse.Namespace, backend: Any) -> int:
         expected = _reference(model)
         report = coverage(model.program(), model.label)
         inputs, kwargs = model.inputs()
+        lowered = lower(model.program())
         with torch.no_grad():
-            emulated = verdict(lower(model.program()).module()(*inputs, **kwargs), expected, rtol, atol)
+            emulated = verdict(lowered.module()(*inputs, **kwargs), expected, rtol, atol)
         try:
-            fn = backend.compile(model.program(), inputs)
+            fn = backend.compile(lowered, inputs)
             on_ttnn = verdict(fn(*inputs, **kwargs), expected, rtol, atol)
         except TtnnUnavailable as e:
             on_ttnn = None

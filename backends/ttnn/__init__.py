@@ -1,6 +1,7 @@
 """The ttnn backend: aten -> ttnn lowering as rules, capability partitioning, coverage.
 
-    fn = backends.get("ttnn").compile(program, args)   # lowers and partitions without ttnn
+    backend = backends.get("ttnn")
+    fn = backend.compile(fx_rewrites.apply(program, backend.rules).program, args)  # partitions, without ttnn
     fn(*args)                                          # runs device regions on ttnn
 
 Modules: `runtime` (which ttnn, its device; `use(module)` injects one),

@@ -1,6 +1,8 @@
-"""`TtnnBackend`: lower, partition into device and host regions, run on ttnn.
+"""`TtnnBackend`: its rules lower (DEFAULT, then the ttnn pack); compile partitions into device and host
+regions; calling runs them on ttnn.
 
-fn = backends.get("ttnn").compile(program, args)   # works without ttnn
+backend = backends.get("ttnn")
+fn = backend.compile(fx_rewrites.apply(program, backend.rules).program, args)   # works without ttnn
 fn.partitioning.summary()                          # regions and device share
 fn(*args)                                          # needs ttnn (or backends.ttnn.runtime.use(double))
 """
@@ -25,7 +27,11 @@ from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
 from fx_rewrites.rules.ttnn.ops import is_standin
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases
+
+#: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn: DEFAULT first (SymInts out of tensor slots,
+#: in-place ops made functional, ...), then the ttnn lowering on what DEFAULT left.
+TTNN_PHASES = Phases(DEFAULT, TTNN_RULES, name="ttnn")
 
 
 class TtnnLoweringError(RuntimeError):
@@ -38,17 +44,21 @@ def is_device_node(node: torch.fx.Node) -> bool:
 
 
 def lower(program: ExportedProgram | GraphModule) -> ExportedProgram | GraphModule:
-    """DEFAULT first (SymInts out of tensor slots, in-place ops made functional, ...), then the ttnn pack."""
-    first = apply(program, DEFAULT)
-    second = apply(first.program if first.program is not None else first.graph_module, TTNN_RULES)
-    lowered = second.program if second.program is not None else second.graph_module
-    left = sym_in_tensor_slots(second.graph_module)
+    """The ttnn backend's rules applied: DEFAULT, then the ttnn pack (`TTNN_PHASES`)."""
+    result = apply(program, TTNN_PHASES)
+    lowered = result.program if result.program is not None else result.graph_module
+    _check_lowered(result.graph_module)
+    return lowered
+
+
+def _check_lowered(gm: GraphModule) -> None:
+    left = sym_in_tensor_slots(gm)
     if left:
         raise TtnnLoweringError(
-            "a SymInt is still in a tensor slot after the DEFAULT rules, so ttnn would get a number where it "
-            f"needs a tensor: {left[:5]}. Fix: a rule in rewrites/rules/symbolic.py for this op."
+            "a SymInt is in a tensor slot, so ttnn would get a number where it needs a tensor: "
+            f"{left[:5]}. Fix: apply the backend's rules first (`fx_rewrites.apply(program, backend.rules)`); "
+            "if it stays after them, a rule in rewrites/rules/symbolic.py for this op."
         )
-    return lowered
 
 
 class _DeviceRegion(Interpreter):
@@ -127,18 +137,19 @@ class TtnnBackend:
     """Tenstorrent TT-NN: aten lowered to ttnn calls as rules, the rest on the host."""
 
     name: str = "ttnn"
-    rules: RuleSet = DEFAULT | TTNN_RULES
+    rules: Phases = TTNN_PHASES
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> TtnnCompiled:
-        """Lower (DEFAULT, then the ttnn pack) and partition; needs no ttnn until called."""
+        """Partition a program the rules have lowered; needs no ttnn until called. It rewrites nothing:
+        nodes the rules did not lower to ttnn stand-ins run on the host."""
         if not isinstance(program, (ExportedProgram, GraphModule)):
             raise TypeError(
                 "the ttnn backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
                 f"got {type(program).__name__}"
             )
-        lowered = lower(program)
-        gm = lowered.graph_module if isinstance(lowered, ExportedProgram) else lowered
+        gm = program.graph_module if isinstance(program, ExportedProgram) else program
+        _check_lowered(gm)
         partitioning = partition(gm.graph, is_device_node)
         return TtnnCompiled(
-            split(gm, partitioning), partitioning, lowered if isinstance(lowered, ExportedProgram) else None
+            split(gm, partitioning), partitioning, program if isinstance(program, ExportedProgram) else None
         )

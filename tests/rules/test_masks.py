@@ -282,7 +282,7 @@ def test_iree_end_to_end():
         return x[m], x[x > 0], x[:, 0][m], torch.masked_select(x, x > 1), y
 
     args = (_x(4, 3), torch.tensor([True, False, True, True]))
-    result = fx_rewrites.apply(rt.export(fn, *args), iree.rules | RULES)
+    result = fx_rewrites.apply(rt.export(fn, *args), iree.rules)
     assert not _bool_index_nodes(result)
     rt.assert_ops(result, absent=[aten.masked_select.default, aten.index_put.default, aten.index_put_.default])
     compiled = iree.compile(result.program, args)

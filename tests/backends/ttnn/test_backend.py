@@ -8,7 +8,7 @@ from torch.export import Dim
 
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.ttnn import TtnnUnavailable, lower, runtime
+from fx_rewrites.backends.ttnn import TtnnLoweringError, TtnnUnavailable, lower, runtime
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.rules.ttnn import ops
 from tests.backends.ttnn.conftest import assert_close_bf16
@@ -21,7 +21,7 @@ def _compile(name):
     cls, make_inputs = CASES[name]
     model, args = cls().eval(), make_inputs()
     program = rt.export(model, *args)
-    return model, args, program, backends.get("ttnn").compile(program, args)
+    return model, args, program, backends.get("ttnn").compile(lower(program), args)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -81,7 +81,9 @@ class SizeScaled(torch.nn.Module):
 def test_symint_in_tensor_slot_never_reaches_ttnn(ttnn_impl):
     program = rt.export(SizeScaled(), torch.randn(4, 8), dynamic_shapes=[{0: Dim("batch", min=2, max=64)}])
     assert sym_in_tensor_slots(program.graph_module), "the export no longer has the SymInt in a tensor slot"
-    fn = backends.get("ttnn").compile(program, (torch.randn(4, 8),))
+    with pytest.raises(TtnnLoweringError, match=r"SymInt is in a tensor slot.*apply the backend's rules first"):
+        backends.get("ttnn").compile(program, (torch.randn(4, 8),))  # compile itself rewrites nothing
+    fn = backends.get("ttnn").compile(lower(program), (torch.randn(4, 8),))
     assert sym_in_tensor_slots(fn.graph_module) == []
     for region in fn.partitioning.regions:
         assert sym_in_tensor_slots(fn.graph_module.get_submodule(region.name)) == [], region.name
@@ -98,7 +100,9 @@ def test_compile_refuses_what_is_not_a_program():
 
 def test_rules_are_default_then_ttnn():
     rules = backends.get("ttnn").rules
-    assert "sym_scalar_in_tensor_slot" in rules and "ttnn_linear" in rules and "fuse_round_trip" in rules
+    assert [s.name for s in rules.sets] == ["default", "ttnn"]
+    assert "sym_scalar_in_tensor_slot" in rules.sets[0] and "ttnn_linear" in rules.sets[1]
+    assert "fuse_round_trip" in rules.sets[1]
 
 
 class AdditiveMask(torch.nn.Module):
@@ -111,7 +115,7 @@ class AdditiveMask(torch.nn.Module):
 def test_float32_extremes_stay_finite_in_bfloat16(ttnn_impl):
     scores = torch.randn(2, 8)
     bias = torch.where(torch.rand(2, 8) > 0.3, 0.0, torch.finfo(torch.float32).min)
-    fn = backends.get("ttnn").compile(rt.export(AdditiveMask(), scores, bias), (scores, bias))
+    fn = backends.get("ttnn").compile(lower(rt.export(AdditiveMask(), scores, bias)), (scores, bias))
     assert fn.partitioning.device_share == 1.0
     got = fn(scores, bias)
     assert not got.isnan().any()
@@ -125,6 +129,6 @@ def test_a_graph_module_with_fake_values_compiles_too(ttnn_impl):
         return torch.relu(x @ w) + 1.0
 
     x, w = torch.randn(4, 8), torch.randn(8, 8)
-    fn = backends.get("ttnn").compile(make_fx(f, tracing_mode="fake")(x, w), (x, w))
+    fn = backends.get("ttnn").compile(lower(make_fx(f, tracing_mode="fake")(x, w)), (x, w))
     assert fn.partitioning.device_share == 1.0 and fn.program is None
     assert_close_bf16(fn(x, w), f(x, w))

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites import backends
 from fx_rewrites.app.gallery import gallery
-from fx_rewrites.backends.ttnn import runtime
+from fx_rewrites.backends.ttnn import lower, runtime
 from tests.backends.ttnn import reference_ttnn
 from tests.zoo import registry
 
@@ -29,7 +29,7 @@ def _double():
 
 
 def _check(module, args, kwargs, program):
-    fn = backends.get("ttnn").compile(program, args)  # lowering may leave all on the host (3-D pooling)
+    fn = backends.get("ttnn").compile(lower(program), args)  # lowering may leave all on the host (3-D pooling)
     with torch.no_grad():
         got, expected = fn(*args, **kwargs), module(*args, **kwargs)
     pairs = [
