@@ -66,13 +66,13 @@ def branchy():
     return Branchy(), (torch.ones(2, 3),)
 
 
-class Histogram(torch.nn.Module):
+class Median(torch.nn.Module):
     def forward(self, x):
-        return torch.histc(x, bins=4, min=-2, max=2)
+        return torch.median(x)
 
 
-def histogram():  # aten.histc: no IREE lowering and no rule for it (yet)
-    return Histogram(), (torch.randn(2, 8),)
+def median():  # aten.median: no IREE lowering, no torch decomposition and no rule for it (yet)
+    return Median(), (torch.randn(2, 8),)
 """
 
 
@@ -153,10 +153,10 @@ def test_check_inputs_file(files, capsys):
 
 
 def test_check_fails_with_exit_1_when_the_backend_still_rejects_the_model(files, capsys):
-    code, out, err = _run(capsys, "check", f"{files['model']}:histogram", "--verbose")
+    code, out, err = _run(capsys, "check", f"{files['model']}:median", "--verbose")
     assert code == 1, out + err
     assert "FAIL: after the rules, IreeCompileError" in out
-    assert "[2] IreeCompileError: IREE could not compile `aten.histc` (node 'histc')" in out  # names op and node
+    assert "[2] IreeCompileError: IREE could not compile `aten.median` (node 'median')" in out  # names op and node
     # --verbose: the traceback and iree-compile's own diagnostics
     assert "--- after rules: traceback" in out and "--- after rules: diagnostics" in out
     assert "failed to legalize operation 'torch.operator'" in out

@@ -1,6 +1,10 @@
 """IREE's own pack: ops its importer or compiler cannot take (IREE 3.13).
 
-Not part of DEFAULT: other backends may lower these ops themselves.
+Not part of DEFAULT: other backends may lower these ops themselves. With
+this module's rules, `RULES` holds the hand-written lowerings of ops torch
+cannot decompose (`iree_lowerings`) and the guards against IREE's silent
+wrong results (`iree_guards`); the legality-driven decomposition
+(`iree_legalize`) is a later phase of the backend's rules.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
+from fx_rewrites.rules import iree_guards, iree_lowerings
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -299,6 +304,8 @@ RULES = RuleSet(
         copy_frozen_tensor_in_list,
         conv_single_window_for_iree,
         select_scatter_index_for_iree,
+        *iree_lowerings.RULES,
+        *iree_guards.RULES,
     ],
     name="iree",
 )

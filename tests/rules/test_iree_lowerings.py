@@ -1,0 +1,120 @@
+"""Hand-written lowerings for ops torch cannot decompose (rewrites/rules/iree_lowerings.py), on IREE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.engine import RewriteError
+from fx_rewrites.rules.iree_lowerings import histc_to_one_hot_sum_for_iree, real_fft_to_matmul_for_iree
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def iree():
+    return backends.get("iree")
+
+
+def _fails_then_matches(iree, before, after, module, inputs, error):
+    with pytest.raises(RewriteError, match=error):
+        iree.compile(before, inputs[0])
+    fn = iree.compile(after, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-4, atol=1e-4)
+
+
+# -- histc ---------------------------------------------------------------------------------
+
+
+class ExpertCounts(torch.nn.Module):
+    """MoE routing: tokens per expert from the top-k expert indices (transformers 5's histc)."""
+
+    experts = 8
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        top = torch.topk(logits, 2, dim=-1).indices
+        return torch.histc(top.float(), bins=self.experts, min=0, max=self.experts - 1)
+
+
+class Histograms(torch.nn.Module):
+    """Values outside the range, the last edge, and the data's own range (min == max == 0)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.histc(x, bins=5, min=-1.0, max=1.5), torch.histc(x, bins=7)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_histc_expert_counts(iree, dynamic):
+    shapes = ({0: Dim("tokens", min=2)},) if dynamic else None
+    inputs = [(torch.randn(6, 8),), (torch.randn(11 if dynamic else 6, 8),)]
+    ep = rt.export(ExpertCounts(), *inputs[0], dynamic_shapes=shapes)
+    rt.assert_ops(ep, present=[aten.histc.default])
+    result = rt.apply_rules(ep, histc_to_one_hot_sum_for_iree)
+    rt.assert_fired(result, histc_to_one_hot_sum_for_iree, times=1)
+    rt.assert_ops(result, absent=[aten.histc.default])
+    rt.assert_matches_eager(result, ExpertCounts(), inputs)
+    rt.assert_idempotent(result, histc_to_one_hot_sum_for_iree)
+    _fails_then_matches(iree, ep, result.program, ExpertCounts(), inputs, "histc")
+
+
+def test_histc_edges_and_data_range(iree):
+    x = torch.tensor([-2.0, -1.0, 0.0, 0.49, 0.5, 1.5, 1.6, 1.0, 0.25, 1.25])
+    inputs = [(x,), (torch.randn(10),), (torch.full((10,), 3.0),)]
+    ep = rt.export(Histograms(), x)
+    result = rt.apply_rules(ep, histc_to_one_hot_sum_for_iree)
+    rt.assert_fired(result, histc_to_one_hot_sum_for_iree, times=2)
+    rt.assert_matches_eager(result, Histograms(), inputs)
+    _fails_then_matches(iree, ep, result.program, Histograms(), inputs, "histc")
+
+
+# -- the real part of an FFT (FNet) ----------------------------------------------------------
+
+
+class FourierMixing(torch.nn.Module):
+    """FNet's token mixing: the real part of a 2-D DFT over the sequence and hidden dims."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.fftn(x, dim=(1, 2)).real
+
+
+class FourierVariants(torch.nn.Module):
+    """Chained 1-D FFTs (FNet's other spelling), fft2 with norm="ortho", and a real input kept."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        chained = torch.fft.fft(torch.fft.fft(x, dim=-1), dim=-2).real
+        return chained, torch.fft.fft2(x, norm="ortho").real + x
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_fnet_fourier_mixing(iree, dynamic):
+    shapes = ({0: Dim("batch")},) if dynamic else None
+    inputs = [(torch.randn(2, 6, 8),), (torch.randn(3 if dynamic else 2, 6, 8),)]
+    ep = rt.export(FourierMixing(), *inputs[0], dynamic_shapes=shapes)
+    rt.assert_ops(ep, present=[aten.fft_fftn.default])
+    result = rt.apply_rules(ep, real_fft_to_matmul_for_iree)
+    rt.assert_fired(result, real_fft_to_matmul_for_iree, times=1)
+    rt.assert_ops(result, absent=[aten.fft_fftn.default, aten.real.default])
+    rt.assert_matches_eager(result, FourierMixing(), inputs, rtol=1e-4, atol=1e-4)
+    rt.assert_idempotent(result, real_fft_to_matmul_for_iree)
+    _fails_then_matches(iree, ep, result.program, FourierMixing(), inputs, "fft|complex")
+
+
+def test_fft_variants_and_the_aot_form(iree):
+    x = torch.randn(2, 4, 6)
+    inputs = [(x,), (torch.randn(2, 4, 6),)]
+    for ep in (rt.export(FourierVariants(), x), rt.export(FourierVariants(), x).run_decompositions()):
+        result = rt.apply_rules(ep, real_fft_to_matmul_for_iree)
+        rt.assert_fired(result, real_fft_to_matmul_for_iree, times=2)
+        rt.assert_ops(result, absent=[aten._fft_c2c.default, aten.fft_fft.default, aten.view_as_real.default])
+        rt.assert_matches_eager(result, FourierVariants(), inputs, rtol=1e-4, atol=1e-4)
+        _fails_then_matches(iree, ep, result.program, FourierVariants(), inputs, "fft|complex")
+
+
+def test_imaginary_part_and_inverse_fft_left_alone():
+    ep = rt.export(lambda x: (torch.fft.fft(x).imag, torch.fft.ifft(x).real, torch.fft.rfft(x).real), torch.randn(4, 6))
+    result = rt.apply_rules(ep, real_fft_to_matmul_for_iree)
+    rt.assert_not_fired(result, real_fft_to_matmul_for_iree)
