@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition, split
 from fx_rewrites.backends.ttnn import dispatch, runtime
+from fx_rewrites.backends.ttnn.constants import ConstantCache, constant_nodes, constant_placeholders
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
@@ -62,11 +63,20 @@ def _check_lowered(gm: GraphModule) -> None:
 
 
 class _DeviceRegion(Interpreter):
-    """A device region's graph, each stand-in run as its ttnn call."""
+    """A device region's graph, each stand-in run as its ttnn call; constant nodes come from `cached`."""
 
-    def __init__(self, module: GraphModule, ttnn: Any, device: Any) -> None:
+    def __init__(
+        self, module: GraphModule, ttnn: Any, device: Any, constant: frozenset[str], cached: dict[str, Any]
+    ) -> None:
         super().__init__(module)
-        self.ttnn, self.device = ttnn, device
+        self.ttnn, self.device, self.constant, self.cached = ttnn, device, constant, cached
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.name not in self.constant:
+            return super().run_node(n)
+        if n.name not in self.cached:
+            self.cached[n.name] = super().run_node(n)
+        return self.cached[n.name]
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if is_standin(target):
@@ -77,15 +87,19 @@ class _DeviceRegion(Interpreter):
 class _Regions(Interpreter):
     """The split top-level module: device regions on ttnn, host regions on torch."""
 
-    def __init__(self, module: GraphModule, device_regions: frozenset[str], ttnn: Any, device: Any) -> None:
-        super().__init__(module)
-        self.device_regions, self.ttnn, self.device = device_regions, ttnn, device
+    def __init__(self, compiled: TtnnCompiled, ttnn: Any, device: Any) -> None:
+        super().__init__(compiled.graph_module)
+        self.compiled, self.ttnn, self.device = compiled, ttnn, device
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         sub = self.fetch_attr(target)
-        if target in self.device_regions:
-            return _DeviceRegion(sub, self.ttnn, self.device).run(*args)
-        return sub(*args, **kwargs)
+        plan = self.compiled._constants.get(target)
+        if plan is None:  # a host region
+            return sub(*args, **kwargs)
+        placeholders, constant = plan
+        inputs = [args[i] for i in sorted(placeholders)]
+        cached = self.compiled._cache.region(target, inputs, self.ttnn, self.device)
+        return _DeviceRegion(sub, self.ttnn, self.device, constant, cached).run(*args)
 
 
 @attrs.frozen
@@ -99,14 +113,25 @@ class TtnnCompiled:
     graph_module: GraphModule  # the top-level module calling one submodule per region
     partitioning: Partitioning
     program: ExportedProgram | None = None
+    #: per device region: its placeholders fed by the program's constants, and its nodes computed from them only
+    _constants: dict[str, tuple[frozenset[int], frozenset[str]]] = attrs.field(init=False, repr=False)
+    _cache: ConstantCache = attrs.field(init=False, repr=False, factory=ConstantCache)
+
+    def __attrs_post_init__(self) -> None:
+        feeds = constant_placeholders(self.graph_module, self.program)
+        plans = {}
+        for region in self.partitioning.device_regions:
+            placeholders = feeds.get(region.name, frozenset())
+            sub = self.graph_module.get_submodule(region.name)
+            plans[region.name] = (placeholders, constant_nodes(sub, placeholders))
+        object.__setattr__(self, "_constants", plans)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ttnn = runtime.ttnn_module()
         device = runtime.device(ttnn)
-        names = frozenset(r.name for r in self.partitioning.device_regions)
         flat = self._inputs(args, kwargs)
         with torch.no_grad():
-            out = _Regions(self.graph_module, names, ttnn, device).run(*flat)
+            out = _Regions(self, ttnn, device).run(*flat)
         return self._outputs(out)
 
     def _inputs(self, args: tuple, kwargs: dict) -> list[Any]:

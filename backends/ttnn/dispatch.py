@@ -16,6 +16,8 @@ import torch
 from fx_rewrites.rules.ttnn import ops
 
 Call = Callable[..., Any]
+#: ttnn's tile is 32 x 32
+TILE_WIDTH = 32
 
 
 def _dtype(ttnn: Any, name: str) -> Any:
@@ -60,7 +62,25 @@ def _conv2d(ttnn: Any, dev: Any, x: Any, w: Any, b: Any, c: int, o: int, n: int,
         dilation=tuple(dilation),
         groups=groups,
     )
-    return out[0] if isinstance(out, tuple) else out  # older ttnn returns (output, out_h, out_w, ...)
+    return interleaved(ttnn, out[0] if isinstance(out, tuple) else out)  # older ttnn returns (output, h, w)
+
+
+def interleaved(ttnn: Any, x: Any) -> Any:
+    """conv2d and pooling may leave their output sharded in L1; the ops after them take interleaved
+    tensors (ttnn's conv and pool docs: `sharded_to_interleaved` after them)."""
+    return ttnn.sharded_to_interleaved(x, ttnn.DRAM_MEMORY_CONFIG) if x.is_sharded() else x
+
+
+def _embedding(ttnn: Any, dev: Any, ids: Any, weight: Any) -> Any:
+    """ttnn.embedding tilizes its output only for widths that are a multiple of the tile width (32):
+    otherwise it returns row-major and `to_layout` tilizes (and pads) it."""
+    if weight.shape[-1] % TILE_WIDTH == 0:
+        return ttnn.embedding(ids, weight, layout=ttnn.TILE_LAYOUT)
+    return ttnn.to_layout(ttnn.embedding(ids, weight, layout=ttnn.ROW_MAJOR_LAYOUT), ttnn.TILE_LAYOUT)
+
+
+def _max_pool2d(ttnn: Any, dev: Any, x: Any, *args: Any) -> Any:
+    return interleaved(ttnn, ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]))
 
 
 def _batch_norm(ttnn: Any, dev: Any, x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float) -> Any:
@@ -107,7 +127,7 @@ CALLS: dict[Any, Call] = {
     ops.linear: lambda ttnn, dev, x, w, b, tb: ttnn.linear(x, w, bias=b, transpose_b=tb),
     ops.softmax: lambda ttnn, dev, x, dim: ttnn.softmax(x, dim=dim),
     ops.layer_norm: lambda ttnn, dev, x, w, b, eps: ttnn.layer_norm(x, epsilon=eps, weight=w, bias=b),
-    ops.embedding: lambda ttnn, dev, ids, w: ttnn.embedding(ids, w, layout=ttnn.TILE_LAYOUT),
+    ops.embedding: _embedding,
     ops.reshape: lambda ttnn, dev, x, shape: ttnn.reshape(x, tuple(shape)),
     ops.permute: lambda ttnn, dev, x, dims: ttnn.permute(x, tuple(dims)),
     ops.transpose: _plain("transpose"),
@@ -117,7 +137,7 @@ CALLS: dict[Any, Call] = {
     ops.reduce_mean: _reduce("mean"),
     ops.reduce_max: _reduce("max"),
     ops.conv2d: _conv2d,
-    ops.max_pool2d: lambda ttnn, dev, x, *args: ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]),
+    ops.max_pool2d: _max_pool2d,
     ops.where: _plain("where"),
     ops.pad: _pad,
     ops.expand: lambda ttnn, dev, x, shape: ttnn.expand(x, list(shape)),

@@ -23,6 +23,9 @@ class TtnnUnavailable(RuntimeError):
     """ttnn cannot be imported, or its device cannot be opened."""
 
 
+#: bytes of L1_SMALL per core. ttnn's default is 0, and then conv2d and pooling fail with an `L1_SMALL`
+#: out-of-memory error (ttnn.open_device's docstring; its conv and pool tests use 16384 or 32768)
+L1_SMALL_SIZE = 32768
 #: the module `ttnn_module()` imports when none is injected
 MODULE_NAME = "ttnn"
 _injected: Any = None
@@ -52,10 +55,15 @@ def device(ttnn: Any) -> Any:
     key = id(ttnn)
     if key not in _devices:
         try:
-            _devices[key] = ttnn.open_device(device_id=0)
+            _devices[key] = ttnn.open_device(device_id=0, l1_small_size=L1_SMALL_SIZE)
         except Exception as e:
             raise TtnnUnavailable(
                 f"ttnn is installed but device 0 cannot be opened ({type(e).__name__}: {e}). "
                 "Check that a Tenstorrent card is present and its driver loaded (tt-smi lists it)."
             ) from e
     return _devices[key]
+
+
+def forget_devices() -> None:
+    """Drop the opened devices (tests that change how a device is opened)."""
+    _devices.clear()

@@ -19,7 +19,7 @@ from fx_rewrites.kinds import rule
 from fx_rewrites.rules.ttnn import ops
 
 #: ops whose result keeps its input's layout
-_LAYOUT_PRESERVING = frozenset({ops.reshape, ops.permute, ops.transpose})
+_LAYOUT_PRESERVING = frozenset({ops.reshape, ops.permute, ops.transpose, ops.pad, ops.expand, ops.slice_})
 
 
 def layout_of(node: Node) -> str:

@@ -245,8 +245,15 @@ def _linear_when(node: Node) -> Any:
 )
 def lower_linear(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     bias = bound.get("bias")
-    b = device_value(rw, bias) if isinstance(bias, Node) else None
+    b = row_bias(rw, bias) if isinstance(bias, Node) else None
     return rw.call(ops.linear, device_value(rw, bound["input"]), device_value(rw, bound["weight"]), b, True)
+
+
+def row_bias(rw: Rewriter, bias: Node) -> Node:
+    """A linear bias as ttnn.linear's row vector `[1, N]` on the device (ttnn.linear's docs: most program
+    configs take a `[1, N]` bias); reshaped once with the weights, since it is a constant."""
+    width = int(bias.meta["val"].shape[-1])
+    return rw.call(ops.reshape, device_value(rw, bias), [1, width])
 
 
 def _addmm_when(node: Node) -> Any:
@@ -256,10 +263,19 @@ def _addmm_when(node: Node) -> Any:
     return tensors_ok("self", "mat1", "mat2")(node)
 
 
+def _is_row(val: torch.Tensor) -> bool:
+    """A bias ttnn.linear broadcasts over the output rows: `[N]` or `[1, N]` (static)."""
+    return all(isinstance(s, int) for s in val.shape) and (val.dim() == 1 or (val.dim() == 2 and val.shape[0] == 1))
+
+
 @_lowering("ttnn_addmm", [aten.addmm.default], _addmm_when, "aten.addmm(b, x, W) -> ttnn.linear(x, W, bias=b).")
 def lower_addmm(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
-    x, w, b = (device_value(rw, bound[n]) for n in ("mat1", "mat2", "self"))
-    return rw.call(ops.linear, x, w, b, False)
+    x, w = device_value(rw, bound["mat1"]), device_value(rw, bound["mat2"])
+    bias = bound["self"]
+    if _is_row(bias.meta["val"]):
+        return rw.call(ops.linear, x, w, row_bias(rw, bias), False)
+    # a full [M, N] (or broadcast) addend: ttnn.linear's bias is a row vector, so matmul, then add
+    return rw.call(ops.OPS["add"], rw.call(ops.matmul, x, w), device_value(rw, bias))
 
 
 # -- softmax, layer_norm, embedding --------------------------------------------------------------------
@@ -635,7 +651,32 @@ def _sdpa_when(node: Node) -> Any:
         val = bound[arg].meta.get("val") if isinstance(bound[arg], Node) else None
         if isinstance(val, torch.Tensor) and val.dim() != 4:
             return Miss(f"{arg} has rank {val.dim()}; ttnn's attention takes [batch, heads, sequence, head_dim]")
+    if isinstance(mask, Node) and _mask_shape(mask, bound["query"], bound["key"]) is None:
+        return Miss("the attn_mask's shape is symbolic; ttnn takes it expanded to [b, heads, s_q, s_k] (constants)")
     return tensors_ok("query", "key", "value", "attn_mask")(node)
+
+
+def _mask_shape(mask: Node, query: Node, key: Node) -> list[int] | None:
+    """The shape ttnn's attention wants the mask in: `[b or 1, heads or 1, s_q, s_k]` (its docs: batch and
+    heads may be 1), or None when a size is symbolic."""
+    m, q, k = (n.meta["val"].shape for n in (mask, query, key))
+    if not all(isinstance(s, int) for s in (*m, *q, *k)):
+        return None
+    m4 = [1] * (4 - len(m)) + [int(s) for s in m]
+    return [1 if m4[0] == 1 else int(q[0]), 1 if m4[1] == 1 else int(q[1]), int(q[2]), int(k[2])]
+
+
+def _attention_mask(rw: Rewriter, mask: Node, query: Node, key: Node) -> Node:
+    """The additive mask as a device value of the shape `_mask_shape` gives (HF's `[b, 1, 1, s]` or a rank-2
+    mask is reshaped to rank 4 and expanded over the query rows)."""
+    want = _mask_shape(mask, query, key)
+    assert want is not None  # _sdpa_when declined symbolic shapes
+    shape = [int(s) for s in mask.meta["val"].shape]
+    m = device_value(rw, mask)
+    if len(shape) < 4:
+        shape = [1] * (4 - len(shape)) + shape
+        m = rw.call(ops.reshape, m, shape)
+    return m if shape == want else rw.call(ops.expand, m, want)
 
 
 @_lowering(
@@ -648,7 +689,7 @@ def _sdpa_when(node: Node) -> Any:
 def lower_sdpa(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
     q, k, v = (device_value(rw, bound[n]) for n in ("query", "key", "value"))
     mask = bound.get("attn_mask")
-    m = device_value(rw, mask) if isinstance(mask, Node) else None
+    m = _attention_mask(rw, mask, bound["query"], bound["key"]) if isinstance(mask, Node) else None
     scale = bound.get("scale")
     return rw.call(ops.sdpa, q, k, v, m, bool(bound.get("is_causal", False)), None if scale is None else float(scale))
 
@@ -708,6 +749,9 @@ def _pad_when(node: Node) -> Any:
         return Miss(f"mode={bound['mode']!r}; ttnn.pad pads with a constant")
     if any(isinstance(p, Node) or int(p) < 0 for p in bound["pad"]):
         return Miss("negative or runtime padding")
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() == 4 and len(bound["pad"]) > 4:
+        return Miss("padding a rank-4 tensor in 3 or more dimensions: ttnn.pad is used on rank <= 3 here")
     return tensors_ok("self", static=True)(node)
 
 
@@ -718,8 +762,25 @@ def _pad_when(node: Node) -> Any:
     "constant F.pad -> ttnn.pad(x, padding=[(before, after) per dim], value=).",
 )
 def lower_pad(node: Node, rw: Rewriter, bound: dict[str, Any]) -> Node:
-    value = bound.get("value")
-    return rw.call(ops.pad, device_value(rw, bound["self"]), [int(p) for p in bound["pad"]], float(value or 0.0))
+    value, pad = bound.get("value"), [int(p) for p in bound["pad"]]
+    return pad_tiles(rw, device_value(rw, bound["self"]), pad, float(value or 0.0))
+
+
+def pad_tiles(rw: Rewriter, x: Node, pad: list[int], value: float) -> Node:
+    """ttnn.pad of a TILE device value; `pad` in torch's order (last dimension first, before and after).
+
+    Front padding goes through row-major: "on device tile padding does not support front padding" (ttnn.pad).
+    A rank-4 value is padded as rank 3 (its two leading dimensions merged): ttnn 0.81.1's pad of a rank-4
+    tensor grows only its padded shape, not its logical shape (tools/ttnn_check replays it on the host)."""
+    shape = [int(s) for s in x.meta["val"].shape]
+    if len(shape) == 4:
+        merged = rw.call(ops.reshape, x, [shape[0] * shape[1], *shape[2:]])
+        out = [s + pad[2 * i] + pad[2 * i + 1] if i < len(pad) // 2 else s for i, s in enumerate(reversed(shape))]
+        return rw.call(ops.reshape, pad_tiles(rw, merged, pad, value), list(reversed(out)))
+    if not any(pad[0::2]):
+        return rw.call(ops.pad, x, pad, value)
+    y = rw.call(ops.pad, rw.call(ops.to_layout, x, ops.ROW_MAJOR), pad, value)
+    return rw.call(ops.to_layout, y, ops.TILE)
 
 
 CASTS = [aten._to_copy.default, aten.to.dtype]

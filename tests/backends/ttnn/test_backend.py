@@ -11,6 +11,7 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import TtnnLoweringError, TtnnUnavailable, lower, runtime
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.rules.ttnn import ops
+from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import assert_close_bf16
 from tests.backends.ttnn.models import CASES
 
@@ -132,3 +133,56 @@ def test_a_graph_module_with_fake_values_compiles_too(ttnn_impl):
     fn = backends.get("ttnn").compile(lower(make_fx(f, tracing_mode="fake")(x, w)), (x, w))
     assert fn.partitioning.device_share == 1.0 and fn.program is None
     assert_close_bf16(fn(x, w), f(x, w))
+
+
+class _CountingDouble:
+    """The double, counting what from_torch sends to the device."""
+
+    def __init__(self):
+        self.uploads: list[tuple[int, ...]] = []
+
+    def __getattr__(self, name):
+        return getattr(reference_ttnn, name)
+
+    def from_torch(self, tensor, dtype=None, **kwargs):
+        if kwargs.get("device") is not None:
+            self.uploads.append(tuple(tensor.shape))
+        return reference_ttnn.from_torch(tensor, dtype, **kwargs)
+
+
+def test_weights_reach_the_device_once_per_compiled_function():
+    model, args, _, fn = _compile("mlp")  # two linears and a layer_norm: 6 weights, 1 input
+    counting = _CountingDouble()
+    previous = runtime.use(counting)
+    try:
+        first = fn(*args)
+        n_first = len(counting.uploads)
+        again = fn(args[0] * 0.5)
+        third = fn(*args)
+    finally:
+        runtime.use(previous)
+    assert n_first == 7, counting.uploads  # 6 parameters + the input
+    assert len(counting.uploads) == n_first + 2, counting.uploads[n_first:]  # only the input afterwards
+    assert counting.uploads[n_first:] == [(3, 48), (3, 48)]
+    torch.testing.assert_close(first, third)
+    with torch.no_grad():
+        assert_close_bf16(again, model(args[0] * 0.5))
+
+
+def test_changed_weights_are_uploaded_again():
+    _, args, program, fn = _compile("mlp")
+    previous = runtime.use(reference_ttnn)
+    try:
+        before = fn(*args)
+        with torch.no_grad():
+            for p in program.state_dict.values():
+                p.mul_(-1.0)  # in place: same tensors, new versions
+            after = fn(*args)
+            expected = program.module()(*args)
+    finally:
+        runtime.use(previous)
+        with torch.no_grad():
+            for p in program.state_dict.values():
+                p.mul_(-1.0)
+    assert not torch.allclose(before, after)
+    assert_close_bf16(after, expected)

@@ -35,7 +35,9 @@ def test_linear_keeps_torch_weight_layout_with_transpose_b():
     rt.assert_ops(result, present=[ops.linear, ops.from_torch, ops.to_torch], absent=[aten.linear.default])
     (linear,) = [n for n in result.graph_module.graph.nodes if n.target is ops.linear]
     assert linear.args[3] is True  # transpose_b: W stays [out, in]
-    assert linear.args[1].args[0].name == "p_weight" and linear.args[2].args[0].name == "p_bias"
+    assert linear.args[1].args[0].name == "p_weight"
+    bias = linear.args[2]  # ttnn.linear's bias is a row vector [1, N]
+    assert bias.target is ops.reshape and bias.args[1] == [1, 4] and bias.args[0].args[0].name == "p_bias"
     x = torch.randn(3, 8)
     assert_close_bf16(result.program.module()(x), model(x))
     rt.assert_idempotent(result, RULES)
