@@ -31,8 +31,8 @@ def _layout(ttnn: Any, name: str) -> Any:
 def _from_torch(ttnn: Any, dev: Any, x: Any, dtype: str, layout: str, on_device: bool) -> Any:
     if dtype == "uint32":
         x = x.to(torch.int32)  # ttnn converts int32 host data to uint32
-    elif x.dtype == torch.bool:
-        x = x.to(torch.bfloat16)  # a mask: 1.0 / 0.0
+    elif not x.is_floating_point():
+        x = x.float()  # a bool mask (1.0 / 0.0) or integers: to bfloat16 through float32, as the host cast did
     else:
         x = ops.bf16_finite(x)  # float32's extremes would become +-inf in bfloat16
     device = dev if on_device else None

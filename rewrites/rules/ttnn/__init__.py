@@ -1,16 +1,22 @@
 """The ttnn pack: aten ops lowered to ttnn stand-ins, with the host/device boundary.
 
-Not part of DEFAULT (it changes what runs where); the ttnn backend applies
-DEFAULT first, so SymInts are out of tensor slots before lowering, then
-`RULES`. `ops` defines the stand-ins, `lowering` the aten -> ttnn rules,
-`boundary` the from_torch / to_layout / to_torch conversions.
+Not part of DEFAULT (it changes what runs where); the ttnn backend's rules
+are `Phases(DEFAULT, RULES)`, so SymInts are out of tensor slots before
+lowering. Modules: `ops` (the stand-ins), `checks` (what ttnn can take; the
+shape of a lowering rule), `boundary` (from_torch / to_layout / to_torch),
+and the lowering rules by family: `elementwise`, `nn` (matmul, linear,
+softmax, normalisation, embedding, attention), `conv` (reductions,
+convolution, pooling), `movement` (data movement, padding, casts).
 """
 
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import conv, elementwise, movement, nn, ops
 from fx_rewrites.rules.ttnn.boundary import fuse_round_trip
-from fx_rewrites.rules.ttnn.lowering import RULES as LOWERING
 from fx_rewrites.ruleset import RuleSet
 
-RULES = RuleSet([*LOWERING, fuse_round_trip], name="ttnn")
+#: every ttnn lowering rule; attention and the multi-operand ops first (ties go in this order)
+RULES = RuleSet(
+    [*nn.RULES, *elementwise.RULES, *movement.RULES, *conv.RULES, fuse_round_trip],
+    name="ttnn",
+)
 
 __all__ = ["RULES", "ops"]

@@ -61,6 +61,8 @@ def bf16_finite(x: Any) -> Any:
 
 
 def _from_torch(x: Tensor, dtype: str, layout: str, on_device: bool) -> Tensor:
+    if dtype != "uint32" and not x.is_floating_point():
+        x = x.float()  # integers and bools reach bfloat16 through float32, as a host cast to float would take them
     return bf16_finite(x).to(DEVICE_DTYPES[dtype], copy=True)
 
 

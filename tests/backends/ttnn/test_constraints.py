@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import dispatch, lower, runtime
-from fx_rewrites.rules.ttnn import lowering, ops
+from fx_rewrites.rules.ttnn import movement, nn, ops
+from fx_rewrites.rules.ttnn.boundary import device_value
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import assert_close_bf16
 
@@ -72,7 +73,7 @@ def test_front_padding_goes_through_row_major(double, monkeypatch):
     def naive(rw, x, pad, value):
         return rw.call(ops.pad, x, pad, value)
 
-    monkeypatch.setattr(lowering, "pad_tiles", naive)
+    monkeypatch.setattr(movement, "pad_tiles", naive)
     with pytest.raises(reference_ttnn.TtnnDoubleError, match="tile padding does not support front padding"):
         _run(FrontPad(), x)
 
@@ -89,7 +90,7 @@ def test_attention_mask_is_expanded_to_b_heads_s_s(double, monkeypatch, mask_sha
     assert_close_bf16(*_run(MaskedAttention(), q, k, v, mask))
     if mask_shape == (1, 3, 5, 6):
         return  # already in ttnn's shape: nothing to break
-    monkeypatch.setattr(lowering, "_attention_mask", lambda rw, mask, query, key: lowering.device_value(rw, mask))
+    monkeypatch.setattr(nn, "_attention_mask", lambda rw, mask, query, key: device_value(rw, mask))
     with pytest.raises(reference_ttnn.TtnnDoubleError, match=r"attn_mask of shape .* ttnn takes \[b x nqh x s x s\]"):
         _run(MaskedAttention(), q, k, v, mask)
 
@@ -119,7 +120,7 @@ def test_embedding_tiles_only_widths_of_whole_tiles(double, monkeypatch, width):
 def test_linear_bias_is_a_row_vector(double, monkeypatch):
     model, x = torch.nn.Linear(8, 6).eval(), torch.randn(3, 8)
     assert_close_bf16(*_run(model, x))
-    monkeypatch.setattr(lowering, "row_bias", lambda rw, bias: lowering.device_value(rw, bias))
+    monkeypatch.setattr(nn, "row_bias", lambda rw, bias: device_value(rw, bias))
     with pytest.raises(reference_ttnn.TtnnDoubleError, match=r"bias of shape \(6,\); ttnn.linear takes a row vector"):
         _run(model, x)
 

@@ -121,3 +121,38 @@ def test_symbolic_batch_lowers_shape_generic_ops_only():
     result = rt.apply_rules(rt.apply_rules(ep, DEFAULT).program, RULES, explain=True)
     rt.assert_ops(result, present=[ops.OPS["relu"], aten.view.default])
     assert any("symbolic sizes" in r for r in _reasons(result, "view"))
+
+
+class IntegerMask(torch.nn.Module):
+    """transformers' extended attention mask: int64 input -> slice/unsqueeze/expand -> float cast -> (1 - m) * min."""
+
+    def forward(self, scores, attention_mask):
+        m = attention_mask[:, None, None, :].expand(2, 1, 4, 6).to(torch.float32)
+        return torch.softmax(scores + (1.0 - m) * -1e4, dim=-1)
+
+
+def test_a_mask_built_from_integers_moves_to_the_device():
+    scores, mask = torch.randn(2, 1, 4, 6), torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    result = _lower(IntegerMask(), scores, mask)
+    rt.assert_fired(result, "sink_data_movement")
+    host = [t for t in _targets(result) if not ops.is_standin(t)]
+    assert host == [], host  # the int64 input goes to the device once, as bfloat16 0.0 / 1.0
+    (upload,) = [
+        n for n in result.graph_module.graph.nodes if n.target is ops.from_torch and n.args[0].name == "attention_mask"
+    ]
+    assert upload.args[1:] == ("bfloat16", ops.TILE, True)
+    for s, m in ((scores, mask), (scores * 3.0, mask.flip(-1))):  # (a fully masked row is uniform in bfloat16)
+        assert_close_bf16(result.program.module()(s, m), IntegerMask()(s, m))
+
+
+class IntegerCast(torch.nn.Module):
+    def forward(self, x, ids):
+        return x * ids.to(torch.int32).to(torch.float32)  # an int -> int cast first: wraps, so it stays
+
+
+def test_integer_to_integer_casts_stay_on_the_host():
+    result = _lower(IntegerCast(), torch.randn(3), torch.tensor([1, 2, 3]), explain=True)
+    assert aten._to_copy.default in _targets(result) or aten.to.dtype in _targets(result)
+    assert any("the device holds bfloat16" in r for n in ("to", "_to_copy") for r in _reasons(result, n)) or any(
+        "the device holds bfloat16" in a.reason for a in result.report.explain() if not a.fired
+    )

@@ -1,0 +1,175 @@
+"""Elementwise aten ops -> ttnn: unary math, binary arithmetic, comparisons, where, clamp, leaky_relu, pow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn.boundary import device_value
+from fx_rewrites.rules.ttnn.checks import Bound, bind, lowering, tensors_ok
+from fx_rewrites.ruleset import RuleSet
+
+aten = torch.ops.aten
+
+
+UNARY = {
+    aten.relu.default: "relu",
+    aten.silu.default: "silu",
+    aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh",
+    aten.exp.default: "exp",
+    aten.log.default: "log",
+    aten.sqrt.default: "sqrt",
+    aten.rsqrt.default: "rsqrt",
+    aten.neg.default: "neg",
+    aten.abs.default: "abs",
+    aten.reciprocal.default: "reciprocal",
+    aten.erf.default: "erf",
+    aten.sin.default: "sin",
+    aten.cos.default: "cos",
+    aten.gelu.default: "gelu",
+}
+
+
+def _unary_when(node: Node) -> Any:
+    if node.target is aten.gelu.default and bind(node).get("approximate", "none") not in ("none", None):
+        return Miss("gelu(approximate='tanh'): the lowering maps only the exact (erf) gelu to ttnn.gelu")
+    return tensors_ok("self")(node)
+
+
+@lowering("ttnn_unary", UNARY, _unary_when, "Elementwise unary aten ops -> ttnn.relu/gelu/silu/exp/... .")
+def lower_unary(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops.OPS[UNARY[node.target]], device_value(rw, bound["self"]))
+
+
+BINARY = {
+    aten.add.Tensor: "add",
+    aten.add.Scalar: "add",
+    aten.sub.Tensor: "subtract",
+    aten.sub.Scalar: "subtract",
+    aten.mul.Tensor: "multiply",
+    aten.mul.Scalar: "multiply",
+    aten.div.Tensor: "divide",
+    aten.div.Scalar: "divide",
+    aten.maximum.default: "maximum",
+    aten.minimum.default: "minimum",
+}
+
+
+def _binary_when(node: Node) -> Any:
+    bound = bind(node)
+    if bound.get("alpha", 1) != 1:
+        return Miss(f"alpha={bound['alpha']}: ttnn.add/subtract have no alpha")
+    other = bound["other"]
+    if isinstance(other, Node) and isinstance(other.meta.get("val"), torch.Tensor):
+        return tensors_ok("self", "other")(node, bound)
+    if isinstance(other, Node):
+        return Miss(f"other is a runtime {type(other.meta.get('val')).__name__} ({other.name}); ttnn takes constants")
+    if not isinstance(other, (int, float)) or isinstance(other, bool):
+        return Miss(f"other is {other!r}, not a number")
+    return tensors_ok("self")(node, bound)
+
+
+@lowering("ttnn_binary", BINARY, _binary_when, "Elementwise binary aten ops -> ttnn.add/subtract/multiply/...")
+def lower_binary(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    name, other = BINARY[node.target], bound["other"]
+    a = device_value(rw, bound["self"])
+    if isinstance(other, Node):
+        return rw.call(ops.OPS[name], a, device_value(rw, other))
+    return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
+
+
+@lowering(
+    "ttnn_rsub", [aten.rsub.Scalar, aten.rsub.Tensor], _binary_when, "rsub(x, y) = y - x -> ttnn.subtract / neg + add."
+)
+def lower_rsub(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    x, other = device_value(rw, bound["self"]), bound["other"]
+    if isinstance(other, Node):
+        return rw.call(ops.OPS["subtract"], device_value(rw, other), x)
+    return rw.call(ops.OPS["add_scalar"], rw.call(ops.OPS["neg"], x), ops.bf16_finite(float(other)))
+
+
+def _pow_when(node: Node) -> Any:
+    exponent = node.args[1]
+    if isinstance(exponent, (Node, bool)):
+        return Miss(f"the exponent is a runtime value ({exponent}); ttnn.pow takes a constant")
+    return tensors_ok("self")(node)
+
+
+@lowering("ttnn_pow", [aten.pow.Tensor_Scalar], _pow_when, "aten.pow(x, constant) -> ttnn.pow.")
+def lower_pow(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops.pow_scalar, device_value(rw, bound["self"]), float(bound["exponent"]))
+
+
+# -- comparisons, where, activations with parameters -----------------------------------------------------
+
+COMPARISONS = {
+    getattr(getattr(aten, name), overload): name for name in ops.COMPARE for overload in ("Tensor", "Scalar")
+}
+
+
+def _compare_when(node: Node) -> Any:
+    other = node.args[1]
+    if isinstance(other, Node):
+        return tensors_ok("self", "other", result=(torch.bool,))(node)
+    if isinstance(other, bool) or not isinstance(other, (int, float)):
+        return Miss(f"other is {other!r}, not a number")
+    return tensors_ok("self", result=(torch.bool,))(node)
+
+
+@lowering(
+    "ttnn_compare", COMPARISONS, _compare_when, "gt/lt/ge/le/eq/ne of floats -> ttnn.gt/... (1.0/0.0, read as bool)."
+)
+def lower_compare(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    name, other = COMPARISONS[node.target], bound["other"]
+    a = device_value(rw, bound["self"])
+    if isinstance(other, Node):
+        return rw.call(ops.OPS[name], a, device_value(rw, other))
+    return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
+
+
+@lowering(
+    "ttnn_where",
+    [aten.where.self],
+    tensors_ok("self", "other", masks=("condition",)),
+    "aten.where(cond, x, y) -> ttnn.where (a bool condition goes in as bfloat16 1.0/0.0).",
+)
+def lower_where(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    cond, x, y = (device_value(rw, bound[n]) for n in ("condition", "self", "other"))
+    return rw.call(ops.where, cond, x, y)
+
+
+@lowering("ttnn_leaky_relu", [aten.leaky_relu.default], tensors_ok("self"), "leaky_relu -> ttnn.leaky_relu.")
+def lower_leaky_relu(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops.leaky_relu, device_value(rw, bound["self"]), float(bound.get("negative_slope", 0.01)))
+
+
+def _clamp_when(node: Node) -> Any:
+    bound = bind(node)
+    for key in ("min", "max", "min_val", "max_val"):
+        if isinstance(bound.get(key), Node):
+            return Miss(f"{key} is a graph value; ttnn.clamp takes constants")
+    return tensors_ok("self")(node, bound)
+
+
+@lowering(
+    "ttnn_clamp",
+    [aten.clamp.default, aten.hardtanh.default, aten.clamp_min.default, aten.clamp_max.default],
+    _clamp_when,
+    "clamp / hardtanh / clamp_min / clamp_max with constant bounds -> ttnn.clamp.",
+)
+def lower_clamp(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    lo = bound.get("min", bound.get("min_val", -1.0 if node.target is aten.hardtanh.default else None))
+    hi = bound.get("max", bound.get("max_val", 1.0 if node.target is aten.hardtanh.default else None))
+    lo, hi = (None if v is None else float(v) for v in (lo, hi))
+    return rw.call(ops.clamp, device_value(rw, bound["self"]), lo, hi)
+
+
+RULES = RuleSet(
+    [lower_compare, lower_where, lower_leaky_relu, lower_clamp, lower_unary, lower_binary, lower_rsub, lower_pow],
+    name="ttnn_elementwise",
+)
