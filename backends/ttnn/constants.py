@@ -46,10 +46,12 @@ def constant_nodes(region: GraphModule, placeholders: frozenset[int]) -> frozens
             if index in placeholders:
                 constant.add(node)
             index += 1
-        elif node.op == "call_function" and is_standin(node.target):
-            inputs = node.all_input_nodes
-            if inputs and all(i in constant for i in inputs):
-                constant.add(node)
+        elif (
+            node.op == "call_function"
+            and is_standin(node.target)
+            and all(i in constant for i in node.all_input_nodes)  # factories (no inputs) too
+        ):
+            constant.add(node)
     return frozenset(n.name for n in constant if n.op != "placeholder")
 
 

@@ -29,6 +29,8 @@ def _layout(ttnn: Any, name: str) -> Any:
 
 
 def _from_torch(ttnn: Any, dev: Any, x: Any, dtype: str, layout: str, on_device: bool) -> Any:
+    if x.dim() == 0:
+        x = x.reshape(1)  # ttnn tensors have rank >= 1; a [1] operand broadcasts as the 0-d one did
     if dtype == "uint32":
         x = x.to(torch.int32)  # ttnn converts int32 host data to uint32
     elif not x.is_floating_point():
@@ -81,6 +83,20 @@ def _embedding(ttnn: Any, dev: Any, ids: Any, weight: Any) -> Any:
 
 def _max_pool2d(ttnn: Any, dev: Any, x: Any, *args: Any) -> Any:
     return interleaved(ttnn, ttnn.max_pool2d(x, *args[:8], ceil_mode=args[8]))
+
+
+def _avg_pool2d(ttnn: Any, dev: Any, x: Any, *args: Any) -> Any:
+    """ttnn.avg_pool2d(x, batch, h, w, channels, kernel, stride, padding, ceil_mode, count_include_pad,
+    divisor_override): the same order as the stand-in."""
+    return interleaved(ttnn, ttnn.avg_pool2d(x, *args))
+
+
+def _arange(ttnn: Any, dev: Any, start: int, end: int, step: int) -> Any:
+    return ttnn.arange(start, end, step, dtype=ttnn.bfloat16, device=dev, layout=ttnn.TILE_LAYOUT)
+
+
+def _full(ttnn: Any, dev: Any, shape: list[int], fill_value: float) -> Any:
+    return ttnn.full(list(shape), fill_value, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=dev)
 
 
 def _batch_norm(ttnn: Any, dev: Any, x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float) -> Any:
@@ -138,7 +154,11 @@ CALLS: dict[Any, Call] = {
     ops.reduce_max: _reduce("max"),
     ops.conv2d: _conv2d,
     ops.max_pool2d: _max_pool2d,
+    ops.avg_pool2d: _avg_pool2d,
+    ops.arange: _arange,
+    ops.full: _full,
     ops.where: _plain("where"),
+    ops.where_scalar: _plain("where"),  # ttnn.where(predicate, true_value: float, false_value: Tensor)
     ops.pad: _pad,
     ops.expand: lambda ttnn, dev, x, shape: ttnn.expand(x, list(shape)),
     ops.sdpa: lambda ttnn, dev, q, k, v, mask, causal, scale: ttnn.transformer.scaled_dot_product_attention(

@@ -28,8 +28,8 @@ def layout_of(node: Node) -> str:
         return node.args[2]
     if node.target is ops.to_layout:
         return node.args[1]
-    if node.target is ops.max_pool2d:
-        return ops.ROW_MAJOR  # ttnn.max_pool2d's output_layout default
+    if node.target in ops.ROW_MAJOR_RESULTS:
+        return ops.ROW_MAJOR  # ttnn.max_pool2d's and avg_pool2d's output_layout default
     if node.target in _LAYOUT_PRESERVING and isinstance(node.args[0], Node):
         return layout_of(node.args[0])
     return ops.TILE

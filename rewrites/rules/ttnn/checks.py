@@ -41,8 +41,8 @@ def bind(node: Node) -> Bound:
     return schema.bind(node.target, node.args, dict(node.kwargs))
 
 
-def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> str | None:
-    """Why `arg` cannot be a ttnn tensor, or None."""
+def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES, scalar_ok: bool = False) -> str | None:
+    """Why `arg` cannot be a ttnn tensor, or None (`scalar_ok`: a 0-d tensor may go in as shape [1])."""
     val = arg.meta.get("val") if isinstance(arg, Node) else arg
     if not isinstance(val, torch.Tensor):
         return f"{what} is {type(val).__name__} {val!r}, not a tensor"
@@ -50,7 +50,7 @@ def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES)
         kinds = "float" if dtypes == FLOAT_DTYPES else "/".join(str(d).removeprefix("torch.") for d in dtypes)
         kinds = "bool or float" if dtypes == MASK_DTYPES else kinds
         return f"{what} is {str(val.dtype).removeprefix('torch.')}; the ttnn lowering takes {kinds} tensors"
-    if not 1 <= val.dim() <= MAX_RANK:
+    if not (0 if scalar_ok else 1) <= val.dim() <= MAX_RANK:
         return f"{what} has rank {val.dim()}; ttnn tensors here have rank 1 to {MAX_RANK}"
     if any(isinstance(s, int) and s == 0 for s in val.shape):  # no guard on unbacked sizes
         return f"{what} is empty"
@@ -70,11 +70,13 @@ def tensors_ok(
     static: bool = False,
     masks: Iterable[str] = (),
     result: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    scalars: Iterable[str] = (),
 ) -> Callable[..., Any]:
     """A `when` predicate: the named arguments (float; `indices`: integer; `masks`: bool or float) and the
     node's result (`result` dtypes) can be ttnn tensors (`static`: of static shapes). It returns the binding
-    (or a Miss); `when(node, bound)` reuses a binding the caller made."""
-    index_names, mask_names = tuple(indices), tuple(masks)
+    (or a Miss); `when(node, bound)` reuses a binding the caller made. `scalars`: operands that may be 0-d
+    (elementwise ops broadcast them; they go to the device as shape [1])."""
+    index_names, mask_names, scalar_names = tuple(indices), tuple(masks), frozenset(scalars)
 
     def when(node: Node, bound: Bound | None = None) -> Any:
         bound = bind(node) if bound is None else bound
@@ -84,7 +86,8 @@ def tensors_ok(
             for i, v in enumerate(values if isinstance(values, (list, tuple)) else [values]):
                 if v is None:
                     continue
-                why = problem(v, f"{name}[{i}]" if isinstance(values, (list, tuple)) else name, dtypes)
+                what = f"{name}[{i}]" if isinstance(values, (list, tuple)) else name
+                why = problem(v, what, dtypes, scalar_ok=name in scalar_names)
                 if why:
                     return Miss(why)
         why = problem(node, "the result", result) or (static_problem(node) if static else None)

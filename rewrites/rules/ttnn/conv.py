@@ -159,7 +159,47 @@ def lower_max_pool2d(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.permute, y, [0, 3, 1, 2])
 
 
+def _avg_pool_when(node: Node) -> Any:
+    bound = bind(node)
+    val = bound["self"].meta.get("val") if isinstance(bound["self"], Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() != 4:
+        return Miss(f"a {val.dim()}-D input; ttnn.avg_pool2d takes batched 2-D images")
+    return tensors_ok("self", static=True)(node, bound)
+
+
+@lowering(
+    "ttnn_avg_pool2d",
+    [aten.avg_pool2d.default],
+    _avg_pool_when,
+    "avg_pool2d (NCHW) -> [1, 1, N*H*W, C] row-major, ttnn.avg_pool2d, back to NCHW tiles.",
+)
+def lower_avg_pool2d(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    n, c, h, w = static(bound["self"].meta["val"])
+    _, _, oh, ow = static(node.meta["val"])
+    kernel = pair(bound["kernel_size"])
+    stride, padding = pair(bound.get("stride") or kernel), pair(bound.get("padding", 0))
+    divisor = bound.get("divisor_override")
+    x = rw.call(ops.permute, device_value(rw, bound["self"]), [0, 2, 3, 1])
+    x = rw.call(ops.to_layout, rw.call(ops.reshape, x, [1, 1, n * h * w, c]), ops.ROW_MAJOR)
+    y = rw.call(
+        ops.avg_pool2d,
+        x,
+        n,
+        h,
+        w,
+        c,
+        kernel,
+        stride,
+        padding,
+        bool(bound.get("ceil_mode", False)),
+        bool(bound.get("count_include_pad", True)),
+        None if divisor is None else int(divisor),
+    )
+    y = rw.call(ops.reshape, rw.call(ops.to_layout, y, ops.TILE), [n, oh, ow, c])
+    return rw.call(ops.permute, y, [0, 3, 1, 2])
+
+
 RULES = RuleSet(
-    [lower_reduce, lower_global_avg_pool, lower_conv2d, lower_conv1d, lower_max_pool2d],
+    [lower_reduce, lower_global_avg_pool, lower_conv2d, lower_conv1d, lower_max_pool2d, lower_avg_pool2d],
     name="ttnn_conv",
 )

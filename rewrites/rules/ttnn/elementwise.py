@@ -32,7 +32,28 @@ UNARY = {
     aten.sin.default: "sin",
     aten.cos.default: "cos",
     aten.gelu.default: "gelu",
+    aten.acos.default: "acos",
+    aten.asin.default: "asin",
+    aten.atan.default: "atan",
+    aten.acosh.default: "acosh",
+    aten.asinh.default: "asinh",
+    aten.atanh.default: "atanh",
+    aten.expm1.default: "expm1",
+    aten.log1p.default: "log1p",
+    aten.log2.default: "log2",
+    aten.log10.default: "log10",
+    aten.hardsigmoid.default: "hardsigmoid",
+    aten.hardswish.default: "hardswish",
 }
+#: kept on the host, with the reason: a step function of a bfloat16-rounded input can be off by a whole unit
+#: (floor(2.999) is 2, floor(bfloat16(2.999)) = floor(3.0) is 3), far beyond any bfloat16 tolerance
+DISCONTINUOUS = (
+    aten.floor.default,
+    aten.ceil.default,
+    aten.trunc.default,
+    aten.round.default,
+    aten.sign.default,
+)
 
 
 def _unary_when(node: Node) -> Any:
@@ -66,7 +87,7 @@ def _binary_when(node: Node) -> Any:
         return Miss(f"alpha={bound['alpha']}: ttnn.add/subtract have no alpha")
     other = bound["other"]
     if isinstance(other, Node) and isinstance(other.meta.get("val"), torch.Tensor):
-        return tensors_ok("self", "other")(node, bound)
+        return tensors_ok("self", "other", scalars=("self", "other"))(node, bound)
     if isinstance(other, Node):
         return Miss(f"other is a runtime {type(other.meta.get('val')).__name__} ({other.name}); ttnn takes constants")
     if not isinstance(other, (int, float)) or isinstance(other, bool):
@@ -115,7 +136,7 @@ COMPARISONS = {
 def _compare_when(node: Node) -> Any:
     other = node.args[1]
     if isinstance(other, Node):
-        return tensors_ok("self", "other", result=(torch.bool,))(node)
+        return tensors_ok("self", "other", result=(torch.bool,), scalars=("self", "other"))(node)
     if isinstance(other, bool) or not isinstance(other, (int, float)):
         return Miss(f"other is {other!r}, not a number")
     return tensors_ok("self", result=(torch.bool,))(node)
@@ -169,7 +190,69 @@ def lower_clamp(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.clamp, device_value(rw, bound["self"]), lo, hi)
 
 
+def _step_when(node: Node) -> Any:
+    return Miss(
+        f"{node.target._opname}: a step function of bfloat16-rounded inputs can be off by a whole unit "
+        "(floor(bfloat16(2.999)) is 3); kept on the host"
+    )
+
+
+@lowering("ttnn_step_functions", DISCONTINUOUS, _step_when, "floor/ceil/trunc/round/sign: declined, see the reason.")
+def lower_step(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    """Never reached: `_step_when` always declines, so the coverage report says why these stay on the host."""
+    raise AssertionError("ttnn_step_functions never fires")
+
+
+CASTS = (aten._to_copy.default, aten.to.dtype)
+
+
+def _to_bool_when(node: Node) -> Any:
+    bound = bind(node)
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+        return Miss("not a cast to bool")
+    if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
+        return Miss("a copy that changes device or memory format")
+    return tensors_ok("self", result=(torch.bool,))(node, bound)
+
+
+@lowering("ttnn_to_bool", CASTS, _to_bool_when, "x.to(torch.bool) of a float tensor -> ttnn.ne(x, 0.0) (1.0 / 0.0).")
+def lower_to_bool(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops.OPS["ne_scalar"], device_value(rw, bound["self"]), 0.0)
+
+
+def _masked_fill_when(node: Node) -> Any:
+    bound = bind(node)
+    value = bound["value"]
+    if isinstance(value, (Node, bool)) or not isinstance(value, (int, float)):
+        return Miss(f"value is {value!r}; the lowering fills with a constant")
+    return tensors_ok("self", masks=("mask",))(node, bound)
+
+
+@lowering(
+    "ttnn_masked_fill",
+    [aten.masked_fill.Scalar],
+    _masked_fill_when,
+    "x.masked_fill(mask, value) -> ttnn.where(mask, value, x).",
+)
+def lower_masked_fill(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    mask, x = device_value(rw, bound["mask"]), device_value(rw, bound["self"])
+    return rw.call(ops.where_scalar, mask, ops.bf16_finite(float(bound["value"])), x)
+
+
 RULES = RuleSet(
-    [lower_compare, lower_where, lower_leaky_relu, lower_clamp, lower_unary, lower_binary, lower_rsub, lower_pow],
+    [
+        lower_compare,
+        lower_where,
+        lower_masked_fill,
+        lower_to_bool,
+        lower_leaky_relu,
+        lower_clamp,
+        lower_unary,
+        lower_step,
+        lower_binary,
+        lower_rsub,
+        lower_pow,
+    ],
     name="ttnn_elementwise",
 )

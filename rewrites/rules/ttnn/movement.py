@@ -15,6 +15,7 @@ so the device values are the same.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -174,6 +175,35 @@ MOVEMENTS = (
 BY_OP: dict[Any, Movement] = {op: m for m in MOVEMENTS for op in m.ops}
 
 
+# -- split ---------------------------------------------------------------------------------------------------
+
+
+def _split_when(node: Node) -> Any:
+    bound = bind(node)
+    if not on_device(bound["self"]):
+        return Miss("no operand is on the device and no device op reads it")
+    if not node.users or any(u.target is not operator.getitem for u in node.users):
+        return Miss("the pieces are not each read through getitem")
+    why = problem(bound["self"], "self") or static_problem(node)
+    return Miss(why) if why else bound
+
+
+@rule(roots=(aten.split.Tensor, aten.split_with_sizes.default), when=_split_when, tags=("ttnn",))
+def lower_split(node: Node, rw: Rewriter, bound: Bound) -> Any:
+    """split / split_with_sizes of a device value -> one ttnn.slice per piece."""
+    shape = static(bound["self"].meta["val"])
+    dim = int(bound.get("dim", 0)) % len(shape)
+    size = bound.get("split_size", bound.get("split_sizes"))
+    sizes = list(size) if isinstance(size, (list, tuple)) else [int(size)] * -(-shape[dim] // int(size))
+    x, start, pieces = device_value(rw, bound["self"]), 0, []
+    for piece, val in zip(sizes, node.meta["val"]):
+        starts, ends = [0] * len(shape), list(shape)
+        starts[dim], ends[dim] = start, min(start + int(piece), shape[dim])
+        pieces.append(rw.call(ops.to_torch, rw.call(ops.slice_, x, starts, ends, [1] * len(shape)), val.dtype))
+        start += int(piece)
+    rw.replace(node, pieces)
+
+
 # -- constant padding ---------------------------------------------------------------------------------------
 
 
@@ -229,16 +259,18 @@ def _sinkable(source: Node, bound: Bound) -> Any:
             return Miss("a copy that changes device or memory format")
         if not out.is_floating_point():
             return Miss(f"a cast to {str(out.dtype).removeprefix('torch.')}; the device holds bfloat16")
-        why = problem(bound["self"], "self", SINK_SOURCE_DTYPES) or problem(source, "the result")
+        why = problem(bound["self"], "self", SINK_SOURCE_DTYPES, scalar_ok=True)
+        why = why or problem(source, "the result", scalar_ok=True)
         return Miss(why) if why else bound
-    names = [n for n in movement.operands]
+    names = list(movement.operands)
+    scalar_ok = source.target in IDENTITIES  # a 0-d value goes to the device as shape [1], like a 0-d operand
     for name in names:
         values = bound[name] if isinstance(bound[name], (list, tuple)) else [bound[name]]
         for v in values:
-            why = problem(v, name, SINK_SOURCE_DTYPES)
+            why = problem(v, name, SINK_SOURCE_DTYPES, scalar_ok=scalar_ok)
             if why:
                 return Miss(why)
-    why = problem(source, "the result", SINK_SOURCE_DTYPES) or (
+    why = problem(source, "the result", SINK_SOURCE_DTYPES, scalar_ok=scalar_ok) or (
         static_problem(source) if source.target in _STATIC else None
     )
     if why:
@@ -289,4 +321,4 @@ def sink_data_movement(node: Node, rw: Rewriter, found: tuple[Node, Bound]) -> A
     return None
 
 
-RULES = RuleSet([*(m.rule() for m in MOVEMENTS), lower_pad, sink_data_movement], name="ttnn_movement")
+RULES = RuleSet([*(m.rule() for m in MOVEMENTS), lower_split, lower_pad, sink_data_movement], name="ttnn_movement")

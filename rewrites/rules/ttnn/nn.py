@@ -169,8 +169,6 @@ def _sdpa_when(node: Node) -> Any:
     if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
         return Miss("dropout or grouped-query heads (enable_gqa)")
     mask = bound.get("attn_mask")
-    if isinstance(mask, Node) and getattr(mask.meta.get("val"), "dtype", None) == torch.bool:
-        return Miss("a bool attn_mask; ttnn takes an additive float mask")
     if mask is not None and bound.get("is_causal"):
         return Miss("both attn_mask and is_causal")
     for arg in ("query", "key", "value"):
@@ -179,7 +177,7 @@ def _sdpa_when(node: Node) -> Any:
             return Miss(f"{arg} has rank {val.dim()}; ttnn's attention takes [batch, heads, sequence, head_dim]")
     if isinstance(mask, Node) and _mask_shape(mask, bound["query"], bound["key"]) is None:
         return Miss("the attn_mask's shape is symbolic; ttnn takes it expanded to [b, heads, s_q, s_k] (constants)")
-    return tensors_ok("query", "key", "value", "attn_mask")(node, bound)
+    return tensors_ok("query", "key", "value", masks=("attn_mask",))(node, bound)
 
 
 def _mask_shape(mask: Node, query: Node, key: Node) -> list[int] | None:
@@ -199,6 +197,8 @@ def _attention_mask(rw: Rewriter, mask: Node, query: Node, key: Node) -> Node:
     assert want is not None  # _sdpa_when declined symbolic shapes
     shape = [int(s) for s in mask.meta["val"].shape]
     m = device_value(rw, mask)
+    if mask.meta["val"].dtype == torch.bool:  # True attends: additive 0 there, the most negative bfloat16 elsewhere
+        m = rw.call(ops.OPS["multiply_scalar"], rw.call(ops.OPS["add_scalar"], m, -1.0), ops.BF16_MAX)
     if len(shape) < 4:
         shape = [1] * (4 - len(shape)) + shape
         m = rw.call(ops.reshape, m, shape)
@@ -220,8 +220,45 @@ def lower_sdpa(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.sdpa, q, k, v, m, bool(bound.get("is_causal", False)), None if scale is None else float(scale))
 
 
+def _group_norm_when(node: Node) -> Any:
+    bound = bind(node)
+    val = bound["input"].meta.get("val") if isinstance(bound["input"], Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() < 2:
+        return Miss("an input without a channel dimension")
+    return tensors_ok("input", "weight", "bias", static=True)(node, bound)
+
+
+@lowering(
+    "ttnn_group_norm",
+    [aten.group_norm.default],
+    _group_norm_when,
+    "group_norm -> ttnn mean / subtract / multiply / rsqrt over [N, groups, C/groups*H*W], then the affine.",
+)
+def lower_group_norm(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    shape = [int(s) for s in bound["input"].meta["val"].shape]
+    n, c, groups = shape[0], shape[1], int(bound["num_groups"])
+    x = rw.call(ops.reshape, device_value(rw, bound["input"]), [n, groups, _numel(shape) // (n * groups)])
+    centred = rw.call(ops.OPS["subtract"], x, rw.call(ops.reduce_mean, x, [-1], True))
+    var = rw.call(ops.reduce_mean, rw.call(ops.OPS["multiply"], centred, centred), [-1], True)
+    scale = rw.call(ops.OPS["rsqrt"], rw.call(ops.OPS["add_scalar"], var, float(bound.get("eps", 1e-5))))
+    y = rw.call(ops.reshape, rw.call(ops.OPS["multiply"], centred, scale), shape)
+    per_channel = [1, c] + [1] * (len(shape) - 2)
+    for name, op in (("weight", "multiply"), ("bias", "add")):
+        if isinstance(bound.get(name), Node):
+            y = rw.call(ops.OPS[op], y, rw.call(ops.reshape, device_value(rw, bound[name]), per_channel))
+    return y
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
 RULES = RuleSet(
     [
+        lower_group_norm,
         lower_sdpa,
         lower_batch_norm,
         lower_matmul,

@@ -61,6 +61,8 @@ def bf16_finite(x: Any) -> Any:
 
 
 def _from_torch(x: Tensor, dtype: str, layout: str, on_device: bool) -> Tensor:
+    if x.dim() == 0:
+        x = x.reshape(1)  # a 0-d operand of an elementwise op: ttnn tensors have rank >= 1, [1] broadcasts alike
     if dtype != "uint32" and not x.is_floating_point():
         x = x.float()  # integers and bools reach bfloat16 through float32, as a host cast to float would take them
     return bf16_finite(x).to(DEVICE_DTYPES[dtype], copy=True)
@@ -99,6 +101,18 @@ UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "erf": torch.erf,
     "sin": torch.sin,
     "cos": torch.cos,
+    "acos": torch.acos,
+    "asin": torch.asin,
+    "atan": torch.atan,
+    "acosh": torch.acosh,
+    "asinh": torch.asinh,
+    "atanh": torch.atanh,
+    "expm1": torch.expm1,
+    "log1p": torch.log1p,
+    "log2": torch.log2,
+    "log10": torch.log10,
+    "hardsigmoid": F.hardsigmoid,
+    "hardswish": F.hardswish,
 }
 BINARY: dict[str, Callable[[Tensor, Any], Tensor]] = {
     "add": torch.add,
@@ -171,6 +185,11 @@ def _where(condition: Tensor, true_value: Tensor, false_value: Tensor) -> Tensor
     return _round(torch.where(condition != 0, true_value, false_value))
 
 
+def _where_scalar(condition: Tensor, true_value: float, false_value: Tensor) -> Tensor:
+    """masked_fill: `true_value` where the condition is nonzero."""
+    return _round(torch.where(condition != 0, torch.tensor(true_value, dtype=false_value.dtype), false_value))
+
+
 def _leaky_relu(x: Tensor, negative_slope: float) -> Tensor:
     return _round(F.leaky_relu(x, negative_slope))
 
@@ -200,6 +219,7 @@ def _sdpa(
 
 sdpa = _define("scaled_dot_product_attention", _sdpa)
 where = _define("where", _where)
+where_scalar = _define("where_scalar", _where_scalar)
 leaky_relu = _define("leaky_relu", _leaky_relu)
 clamp = _define("clamp", _clamp)
 batch_norm = _define("batch_norm", _batch_norm)
@@ -338,8 +358,40 @@ def _max_pool2d(
     return _round(out.permute(0, 2, 3, 1).reshape(1, 1, -1, channels))
 
 
+def _avg_pool2d(
+    input_tensor: Tensor,
+    batch_size: int,
+    input_h: int,
+    input_w: int,
+    channels: int,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Tensor:
+    """`input_tensor` is [1, 1, N*H*W, C]; the result is [1, 1, N*OH*OW, C]."""
+    nchw = input_tensor.reshape(batch_size, input_h, input_w, channels).permute(0, 3, 1, 2).float()
+    out = F.avg_pool2d(nchw, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return _round(out.permute(0, 2, 3, 1).reshape(1, 1, -1, channels))
+
+
+def _arange(start: int, end: int, step: int) -> Tensor:
+    return torch.arange(start, end, step, dtype=torch.bfloat16)
+
+
+def _full(shape: list[int], fill_value: float) -> Tensor:
+    return torch.full(shape, fill_value, dtype=torch.bfloat16)
+
+
 conv2d = _define("conv2d", _conv2d)
 max_pool2d = _define("max_pool2d", _max_pool2d)
+avg_pool2d = _define("avg_pool2d", _avg_pool2d)
+arange = _define("arange", _arange)
+full = _define("full", _full)
+#: ops whose row-major result the lowering converts back to TILE
+ROW_MAJOR_RESULTS = frozenset({max_pool2d, avg_pool2d})
 
 
 def is_standin(target: Any) -> bool:

@@ -156,3 +156,93 @@ def test_integer_to_integer_casts_stay_on_the_host():
     assert any("the device holds bfloat16" in r for n in ("to", "_to_copy") for r in _reasons(result, n)) or any(
         "the device holds bfloat16" in a.reason for a in result.report.explain() if not a.fired
     )
+
+
+class Split(torch.nn.Module):
+    def forward(self, x):
+        a, b, c = (x * 2.0).split(4, dim=-1)  # gpt2's qkv split of a linear's output
+        return a + 1.0, b.transpose(0, 1), c.sum(-1)
+
+
+class MaskedFill(torch.nn.Module):
+    def forward(self, x, m):
+        keep = (1.0 - m.to(torch.float32)).to(torch.bool)  # transformers' new-style mask, with a 0-d constant
+        return torch.softmax((x * torch.tensor(2.0)).masked_fill(keep, torch.finfo(torch.float32).min), -1)
+
+
+class BoolMaskAttention(torch.nn.Module):
+    def forward(self, q, mask):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("module", "make", "fired", "present"),
+    [
+        (Split(), lambda: (torch.randn(3, 12),), "lower_split", [ops.slice_]),
+        (
+            MaskedFill(),
+            lambda: (torch.randn(2, 6), torch.tensor([[1, 1, 0, 1, 0, 1]] * 2)),
+            "ttnn_masked_fill",
+            [ops.where_scalar],
+        ),
+        (
+            BoolMaskAttention(),
+            lambda: (torch.randn(1, 2, 5, 8), torch.ones(5, 5, dtype=torch.bool).tril()),
+            "ttnn_sdpa",
+            [ops.sdpa],
+        ),
+        (torch.nn.Hardswish(), lambda: (torch.randn(4, 8) * 4,), "ttnn_unary", [ops.OPS["hardswish"]]),
+        (
+            lambda x: torch.log1p(x.abs()) + torch.atan(x),
+            lambda: (torch.randn(4, 8),),
+            "ttnn_unary",
+            [ops.OPS["log1p"]],
+        ),
+    ],
+    ids=["split", "masked_fill_0d_to_bool", "bool_attention_mask", "hardswish", "log1p_atan"],
+)
+def test_more_of_what_torch_ttnn_lowers(module, make, fired, present):
+    args = make()
+    result = _lower(module, *args)
+    rt.assert_fired(result, fired)
+    rt.assert_ops(result, present=present)
+    host = [t for t in _targets(result) if not ops.is_standin(t)]
+    assert host == [], host
+    again = tuple(a * 0.5 if a.is_floating_point() else a for a in args)
+    for inputs in (args, again):
+        assert_close_bf16(result.program.module()(*inputs), module(*inputs))
+
+
+def test_step_functions_stay_on_the_host_and_say_why():
+    result = _lower(lambda x: torch.floor(x * 3.0), torch.randn(4, 8), explain=True)
+    rt.assert_ops(result, present=[aten.floor.default])
+    assert any("off by a whole unit" in r for r in _reasons(result, "floor"))
+
+
+@pytest.mark.parametrize(
+    ("module", "shape", "fired"),
+    [
+        (torch.nn.GroupNorm(2, 6), (2, 6, 5, 7), "ttnn_group_norm"),
+        (torch.nn.AvgPool2d(3, 1, 1, count_include_pad=False), (2, 4, 6, 8), "ttnn_avg_pool2d"),
+    ],
+    ids=["group_norm", "avg_pool2d"],
+)
+def test_poolformer_ops(module, shape, fired):
+    torch.manual_seed(0)
+    if isinstance(module, torch.nn.GroupNorm):
+        torch.nn.init.uniform_(module.weight, 0.5, 1.5), torch.nn.init.uniform_(module.bias, -0.5, 0.5)
+    x = torch.randn(shape)
+    result = _lower(module.eval(), x)
+    rt.assert_fired(result, fired)
+    assert [t for t in _targets(result) if not ops.is_standin(t)] == []
+    for inputs in (x, x * 3.0 + 1.0):
+        assert_close_bf16(result.program.module()(inputs), module(inputs))
+
+
+def test_factories_of_small_integers_only():
+    result = _lower(lambda x: x * torch.arange(8) + torch.ones(8), torch.randn(3, 8))
+    rt.assert_ops(result, present=[ops.arange, ops.full], absent=[aten.arange.default, aten.ones.default])
+    x = torch.randn(3, 8)
+    assert_close_bf16(result.program.module()(x), x * torch.arange(8) + 1.0)
+    big = _lower(lambda x: x + torch.arange(300), torch.randn(300), explain=True)
+    assert any("exactly only to 256" in r for r in _reasons(big, "arange"))

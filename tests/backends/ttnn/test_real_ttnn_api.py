@@ -52,7 +52,14 @@ class Extras(torch.nn.Module):
     def forward(self, ids, q, mask, c, a, b):
         padded = F.pad(q, (1, 1, 2, 0))
         att = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        return self.emb(ids) * 2.0, padded * 1.5, att, torch.addmm(c, a, b)
+        causal = torch.ones(5, 5, dtype=torch.bool).tril()
+        bool_att = F.scaled_dot_product_attention(q, q, q, attn_mask=causal)
+        head, tail = torch.split(q * 1.0, [3, 5], dim=-1)
+        filled = (q * 2.0).masked_fill(q.gt(0.5).to(torch.float32).to(torch.bool), -1e9)
+        pooled = F.avg_pool2d(q * 1.0, 3, 1, 1, count_include_pad=False)
+        made = torch.arange(5) * q[0, 0, 0, :5] + torch.ones(5) + torch.zeros_like(q[0, 0, 0, :5])
+        outs = (self.emb(ids) * 2.0, padded * 1.5, att, torch.addmm(c, a, b), bool_att, head + 1.0, tail * 2.0)
+        return (*outs, filled, pooled, made)
 
 
 EXTRAS = (

@@ -45,10 +45,12 @@ from tests.backends.ttnn.reference_ttnn._core import (
     MeshDevice,
     Tensor,
     TtnnDoubleError,
+    arange,
     bfloat16,
     close_device,
     float32,
     from_torch,
+    full,
     int32,
     logical,
     open_device,
@@ -87,6 +89,18 @@ reciprocal = unary("reciprocal", torch.reciprocal)
 erf = unary("erf", torch.erf)
 sin = unary("sin", torch.sin)
 cos = unary("cos", torch.cos)
+acos = unary("acos", torch.acos)
+asin = unary("asin", torch.asin)
+atan = unary("atan", torch.atan)
+acosh = unary("acosh", torch.acosh)
+asinh = unary("asinh", torch.asinh)
+atanh = unary("atanh", torch.atanh)
+expm1 = unary("expm1", torch.expm1)
+log1p = unary("log1p", torch.log1p)
+log2 = unary("log2", torch.log2)
+log10 = unary("log10", torch.log10)
+hardsigmoid = unary("hardsigmoid", F.hardsigmoid)
+hardswish = unary("hardswish", F.hardswish)
 
 add = binary("add", torch.add)
 subtract = binary("subtract", torch.sub)
@@ -119,6 +133,7 @@ __all__ = [
     "MeshDevice",
     "Tensor",
     "TtnnDoubleError",
+    "arange",
     "avg_pool2d",
     "batch_norm",
     "bfloat16",
@@ -130,6 +145,7 @@ __all__ = [
     "expand",
     "float32",
     "from_torch",
+    "full",
     "int32",
     "layer_norm",
     "leaky_relu",

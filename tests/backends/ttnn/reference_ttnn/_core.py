@@ -238,3 +238,32 @@ def sharded_to_interleaved(
 
 def sizes(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
+
+
+# -- factories ---------------------------------------------------------------------------------------------
+
+
+def arange(
+    start: int,
+    end: int,
+    step: int = 1,
+    *,
+    dtype: DataType = bfloat16,
+    device: MeshDevice | None = None,
+    memory_config: MemoryConfig = DRAM_MEMORY_CONFIG,
+    layout: Layout = ROW_MAJOR_LAYOUT,
+) -> Tensor:
+    return make(torch.arange(start, end, step).to(torch.bfloat16), dtype, layout, device, memory_config)
+
+
+def full(
+    shape: Sequence[int],
+    fill_value: float,
+    dtype: DataType | None = None,
+    layout: Layout | None = None,
+    device: MeshDevice | None = None,
+    memory_config: MemoryConfig | None = None,
+    optional_tensor: Tensor | None = None,
+) -> Tensor:
+    data = torch.full(sizes(shape), float(fill_value)).to(torch.bfloat16)
+    return make(data, dtype or bfloat16, layout or ROW_MAJOR_LAYOUT, device, memory_config or DRAM_MEMORY_CONFIG)
