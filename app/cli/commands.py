@@ -35,8 +35,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from fx_rewrites.app.gallery import gallery
 
     backend = _backend(args.backend)
+    backend = backend.for_demo() if hasattr(backend, "for_demo") else backend  # ttnn without ttnn: emulated
     examples = [e for e in gallery() if not args.only or e.name in args.only]
-    rows = [run_example(e, backend) for e in track(examples, description=f"demo on {backend.name}")]
+    tolerance = {k: getattr(backend, k) for k in ("rtol", "atol") if hasattr(backend, k)}  # ttnn: bfloat16
+    rows = [run_example(e, backend, **tolerance) for e in track(examples, description=f"demo on {backend.name}")]
     console = _console()
     _print_rows(console, f"fx-rewrites demo: known-failure gallery on {backend.name}", rows, family=True)
     failed = [r.name for r in rows if not r.passed]

@@ -79,7 +79,7 @@ class _DeviceRegion(Interpreter):
         return self.cached[n.name]
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if is_standin(target):
+        if is_standin(target) and self.ttnn is not None:  # None: emulated, each stand-in's own torch body
             return dispatch.call(self.ttnn, self.device, target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
@@ -113,6 +113,8 @@ class TtnnCompiled:
     graph_module: GraphModule  # the top-level module calling one submodule per region
     partitioning: Partitioning
     program: ExportedProgram | None = None
+    #: run device regions on the host with each stand-in's torch body (bfloat16 results), without ttnn
+    emulate: bool = False
     #: per device region: its placeholders fed by the program's constants, and its nodes computed from them only
     _constants: dict[str, tuple[frozenset[int], frozenset[str]]] = attrs.field(init=False, repr=False)
     _cache: ConstantCache = attrs.field(init=False, repr=False, factory=ConstantCache)
@@ -127,8 +129,8 @@ class TtnnCompiled:
         object.__setattr__(self, "_constants", plans)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ttnn = runtime.ttnn_module()
-        device = runtime.device(ttnn)
+        ttnn = None if self.emulate else runtime.ttnn_module()
+        device = None if ttnn is None else runtime.device(ttnn)
         flat = self._inputs(args, kwargs)
         with torch.no_grad():
             out = _Regions(self, ttnn, device).run(*flat)
@@ -163,6 +165,19 @@ class TtnnBackend:
 
     name: str = "ttnn"
     rules: Phases = TTNN_PHASES
+    #: device regions emulated on the host (the stand-ins' torch bodies, bfloat16) instead of run on ttnn
+    emulate: bool = False
+    #: agreement with eager to expect: bfloat16 on the device keeps about 2 significant digits per op
+    rtol: float = 3e-2
+    atol: float = 3e-2
+
+    def for_demo(self) -> TtnnBackend:
+        """This backend, or where ttnn cannot be imported its host emulation, named so (`fx-rewrites demo`)."""
+        try:
+            runtime.ttnn_module()
+        except runtime.TtnnUnavailable:
+            return attrs.evolve(self, name="ttnn (not installed: device regions emulated on the host)", emulate=True)
+        return self
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> TtnnCompiled:
         """Partition a program the rules have lowered; needs no ttnn until called. It rewrites nothing:
@@ -176,5 +191,8 @@ class TtnnBackend:
         _check_lowered(gm)
         partitioning = partition(gm.graph, is_device_node)
         return TtnnCompiled(
-            split(gm, partitioning), partitioning, program if isinstance(program, ExportedProgram) else None
+            split(gm, partitioning),
+            partitioning,
+            program if isinstance(program, ExportedProgram) else None,
+            emulate=self.emulate,
         )

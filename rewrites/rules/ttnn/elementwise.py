@@ -11,6 +11,7 @@ from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.rules.ttnn import ops
 from fx_rewrites.rules.ttnn.boundary import device_value
 from fx_rewrites.rules.ttnn.checks import Bound, bind, lowering, tensors_ok
+from fx_rewrites.rules.ttnn.movement import CASTS, same_place
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -203,16 +204,13 @@ def lower_step(node: Node, rw: Rewriter, bound: Bound) -> Node:
     raise AssertionError("ttnn_step_functions never fires")
 
 
-CASTS = (aten._to_copy.default, aten.to.dtype)
-
-
 def _to_bool_when(node: Node) -> Any:
     bound = bind(node)
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
         return Miss("not a cast to bool")
-    if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
-        return Miss("a copy that changes device or memory format")
+    if not same_place(node, bound):
+        return Miss("a copy that changes device, layout or memory format")
     return tensors_ok("self", result=(torch.bool,))(node, bound)
 
 

@@ -134,9 +134,21 @@ def _slice_check(node: Node, bound: Bound) -> Any:
 
 
 def _cast_check(node: Node, bound: Bound) -> Any:
-    if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
-        return Miss("a copy that changes device or memory format")
+    if not same_place(node, bound):
+        return Miss("a copy that changes device, layout or memory format")
     return tensors_ok(masks=("self",))(node, bound)  # bool -> float too: a device mask is already 1.0 / 0.0
+
+
+def same_place(node: Node, bound: Bound) -> bool:
+    """A cast (`_to_copy`, `to`) that keeps its input's device, strided layout and memory format."""
+    source = bound.get("self")
+    device = bound.get("device")
+    here = source.meta["val"].device if isinstance(source, Node) and "val" in source.meta else None
+    return (
+        bound.get("memory_format") in (None, torch.preserve_format)
+        and bound.get("layout") in (None, torch.strided)
+        and (device is None or torch.device(device) == here)
+    )
 
 
 def _any(node: Node, bound: Bound) -> Any:
@@ -152,7 +164,7 @@ RESHAPES = (
     aten.squeeze.dims,
     aten.flatten.using_ints,
 )
-CASTS = (aten._to_copy.default, aten.to.dtype)
+CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device)
 IDENTITIES = (aten.clone.default, aten.alias.default, aten.contiguous.default)
 
 MOVEMENTS = (
@@ -255,8 +267,8 @@ def _sinkable(source: Node, bound: Bound) -> Any:
     movement = BY_OP[source.target]
     if source.target in CASTS:
         out = source.meta["val"]
-        if bound.get("memory_format") not in (None, torch.preserve_format) or bound.get("device") is not None:
-            return Miss("a copy that changes device or memory format")
+        if not same_place(source, bound):
+            return Miss("a copy that changes device, layout or memory format")
         if not out.is_floating_point():
             return Miss(f"a cast to {str(out.dtype).removeprefix('torch.')}; the device holds bfloat16")
         why = problem(bound["self"], "self", SINK_SOURCE_DTYPES, scalar_ok=True)

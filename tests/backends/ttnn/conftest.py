@@ -1,6 +1,6 @@
 """Which ttnn the backend tests run on: the test double always, real ttnn when a device is there.
 
-`ttnn_impl` is parametrized: "double" (tests/backends/ttnn/reference_ttnn.py)
+`ttnn_impl` is parametrized: "double" (tests/backends/ttnn/reference_ttnn/)
 and "device" (the installed ttnn with device 0). Without ttnn or a device the
 "device" runs are SKIPPED with a reason that says real ttnn was not exercised;
 a skip is never a pass.

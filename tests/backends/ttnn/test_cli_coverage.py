@@ -100,3 +100,10 @@ def test_fails_with_exit_1_beyond_bfloat16_tolerance(model_file, capsys, no_ttnn
     assert code == 1, out + err
     assert "vs eager: WrongResult: max abs diff" in out
     assert "FAIL: rtol 1e-06, atol 1e-06" in out
+
+
+def test_demo_on_ttnn_without_ttnn_emulates_the_device_and_says_so(capsys, no_ttnn):
+    code, out, err = _run(capsys, "demo", "--backend", "ttnn", "--only", "functional_pool2d", "conv_bn_rrelu")
+    assert code == 0, out + err
+    assert "ttnn (not installed: device regions emulated on the host)" in out
+    assert "2/2 pass after rules" in out
