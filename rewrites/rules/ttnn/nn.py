@@ -232,16 +232,15 @@ def _group_norm_when(node: Node) -> Any:
     "ttnn_group_norm",
     [aten.group_norm.default],
     _group_norm_when,
-    "group_norm -> ttnn mean / subtract / multiply / rsqrt over [N, groups, C/groups*H*W], then the affine.",
+    "group_norm -> ttnn.layer_norm over [N, groups, C/groups*H*W] (each group's last dimension), then the affine.",
 )
 def lower_group_norm(node: Node, rw: Rewriter, bound: Bound) -> Node:
     shape = [int(s) for s in bound["input"].meta["val"].shape]
     n, c, groups = shape[0], shape[1], int(bound["num_groups"])
     x = rw.call(ops.reshape, device_value(rw, bound["input"]), [n, groups, _numel(shape) // (n * groups)])
-    centred = rw.call(ops.OPS["subtract"], x, rw.call(ops.reduce_mean, x, [-1], True))
-    var = rw.call(ops.reduce_mean, rw.call(ops.OPS["multiply"], centred, centred), [-1], True)
-    scale = rw.call(ops.OPS["rsqrt"], rw.call(ops.OPS["add_scalar"], var, float(bound.get("eps", 1e-5))))
-    y = rw.call(ops.reshape, rw.call(ops.OPS["multiply"], centred, scale), shape)
+    # normalising each group is a layer_norm over the last dimension of [N, groups, C/groups*H*W]: one fused op
+    normed = rw.call(ops.layer_norm, x, None, None, float(bound.get("eps", 1e-5)))
+    y = rw.call(ops.reshape, normed, shape)
     per_channel = [1, c] + [1] * (len(shape) - 2)
     for name, op in (("weight", "multiply"), ("bias", "add")):
         if isinstance(bound.get(name), Node):

@@ -1,9 +1,11 @@
 """Every gallery and zoo model lowers for ttnn, and the result runs on the test double close to eager.
 
-bfloat16 through a whole network: the largest difference must stay within
-15% of the largest eager output (MobileNetV2, the deepest, is at 10%; the
-stand-ins in float32 match eager to 1e-5, see docs/ttnn.md). Nothing is
-compiled for IREE here.
+Every output element within rtol = atol = 3e-2 of eager (the backend's
+bfloat16 tolerance), except where bfloat16 through a whole network cannot
+(`BFLOAT16_LIMITED`: MobileNetV2, whose lowered graph matches eager exactly
+with float32 stand-ins, see docs/ttnn.md): there the largest difference must
+stay within 15% of the largest eager output, and the test also checks that
+3e-2 is still missed, so a fix shows here. Nothing is compiled for IREE.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from tests.backends.ttnn import reference_ttnn
 from tests.zoo import registry
 
 RELATIVE = 0.15
+TOL = 3e-2
+#: models bfloat16 keeps beyond 3e-2 of eager (docs/ttnn.md, Numerics)
+BFLOAT16_LIMITED = frozenset({"mobilenet_v2"})
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +33,7 @@ def _double():
     runtime.use(previous)
 
 
-def _check(module, args, kwargs, program):
+def _check(module, args, kwargs, program, name=""):
     fn = backends.get("ttnn").compile(lower(program), args)  # lowering may leave all on the host (3-D pooling)
     with torch.no_grad():
         got, expected = fn(*args, **kwargs), module(*args, **kwargs)
@@ -39,6 +44,13 @@ def _check(module, args, kwargs, program):
     ]
     for g, e in pairs:
         assert not g.isnan().any() or e.isnan().any()
+    within = all(torch.allclose(g, e, rtol=TOL, atol=TOL) for g, e in pairs)
+    if name not in BFLOAT16_LIMITED:
+        for g, e in pairs:
+            torch.testing.assert_close(g, e, rtol=TOL, atol=TOL)
+        return
+    assert not within, f"{name} is within {TOL} of eager now: take it out of BFLOAT16_LIMITED"
+    for g, e in pairs:
         scale = max(e.abs().max().item(), 1e-6)
         assert (g - e).abs().max().item() <= RELATIVE * scale, f"max abs diff {(g - e).abs().max().item():.3g}"
 
@@ -58,4 +70,4 @@ def test_zoo_model_lowers_and_runs(entry):
     module = entry.model()
     args, kwargs = entry.inputs(registry.SEEDS[0])
     program = torch.export.export(module, tuple(args), kwargs or None)
-    _check(module, tuple(args), kwargs, program)
+    _check(module, tuple(args), kwargs, program, entry.name)
