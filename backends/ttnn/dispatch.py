@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import ops, ops_extra
 
 Call = Callable[..., Any]
 #: ttnn's tile is 32 x 32
@@ -168,6 +168,15 @@ CALLS: dict[Any, Call] = {
     ops.clamp: lambda ttnn, dev, x, lo, hi: ttnn.clamp(x, min=lo, max=hi),
     ops.batch_norm: _batch_norm,
     ops.slice_: lambda ttnn, dev, x, starts, ends, steps: ttnn.slice(x, list(starts), list(ends), list(steps)),
+    ops_extra.elu: lambda ttnn, dev, x, alpha: ttnn.elu(x, alpha=alpha),
+    ops_extra.tril: lambda ttnn, dev, x, diagonal: ttnn.tril(x, diagonal=diagonal),
+    ops_extra.addcmul: lambda ttnn, dev, a, b, c, value: ttnn.addcmul(a, b, c, value=value),
+    ops_extra.addcdiv: lambda ttnn, dev, a, b, c, value: ttnn.addcdiv(a, b, c, value=value),
+    ops_extra.reduce_min: _reduce("min"),
+    ops_extra.cumsum: lambda ttnn, dev, x, dim: ttnn.cumsum(x, dim),
+    ops_extra.stack: lambda ttnn, dev, xs, dim: ttnn.stack(list(xs), dim),
+    ops_extra.repeat: lambda ttnn, dev, x, dims: ttnn.repeat(x, list(dims)),
+    ops_extra.roll: lambda ttnn, dev, x, shifts, dims: ttnn.roll(x, list(shifts), list(dims)),
 }
 for _name in (*ops.UNARY, *ops.BINARY):
     CALLS[ops.OPS[_name]] = _plain(_name)

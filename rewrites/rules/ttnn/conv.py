@@ -8,7 +8,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import ops, ops_extra
 from fx_rewrites.rules.ttnn.boundary import device_value
 from fx_rewrites.rules.ttnn.checks import Bound, bind, lowering, pair, static, tensors_ok
 from fx_rewrites.ruleset import RuleSet
@@ -17,7 +17,12 @@ aten = torch.ops.aten
 
 # -- reductions ----------------------------------------------------------------------------------------------
 
-REDUCTIONS = {aten.sum.dim_IntList: ops.reduce_sum, aten.mean.dim: ops.reduce_mean, aten.amax.default: ops.reduce_max}
+REDUCTIONS = {
+    aten.sum.dim_IntList: ops.reduce_sum,
+    aten.mean.dim: ops.reduce_mean,
+    aten.amax.default: ops.reduce_max,
+    aten.amin.default: ops_extra.reduce_min,
+}
 
 
 def _reduce_when(node: Node) -> Any:
@@ -199,7 +204,41 @@ def lower_avg_pool2d(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.permute, y, [0, 3, 1, 2])
 
 
+def _cumsum_when(node: Node) -> Any:
+    bound = bind(node)
+    if bound.get("dtype") is not None:
+        return Miss("a cumsum with a dtype change")
+    return tensors_ok("self")(node, bound)
+
+
+@lowering("ttnn_cumsum", [aten.cumsum.default], _cumsum_when, "cumsum of a float tensor -> ttnn.cumsum(x, dim).")
+def lower_cumsum(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops_extra.cumsum, device_value(rw, bound["self"]), int(bound["dim"]))
+
+
+def _argmax_when(node: Node) -> Any:
+    return Miss(
+        f"{node.target._opname}: the index of the largest bfloat16-rounded value can differ from eager's when two "
+        "values round together (an index is never off by a little); kept on the host"
+    )
+
+
+@lowering("ttnn_argmax", [aten.argmax.default, aten.argmin.default], _argmax_when, "argmax / argmin: declined.")
+def lower_argmax(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    """Never reached: `_argmax_when` always declines, so the coverage report says why they stay on the host."""
+    raise AssertionError("ttnn_argmax never fires")
+
+
 RULES = RuleSet(
-    [lower_reduce, lower_global_avg_pool, lower_conv2d, lower_conv1d, lower_max_pool2d, lower_avg_pool2d],
+    [
+        lower_reduce,
+        lower_cumsum,
+        lower_argmax,
+        lower_global_avg_pool,
+        lower_conv2d,
+        lower_conv1d,
+        lower_max_pool2d,
+        lower_avg_pool2d,
+    ],
     name="ttnn_conv",
 )

@@ -8,9 +8,9 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import ops, ops_extra
 from fx_rewrites.rules.ttnn.boundary import device_value
-from fx_rewrites.rules.ttnn.checks import Bound, bind, lowering, tensors_ok
+from fx_rewrites.rules.ttnn.checks import MASK_DTYPES, Bound, bind, lowering, tensors_ok
 from fx_rewrites.rules.ttnn.movement import CASTS, same_place
 from fx_rewrites.ruleset import RuleSet
 
@@ -238,6 +238,87 @@ def lower_masked_fill(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.where_scalar, mask, ops.bf16_finite(float(bound["value"])), x)
 
 
+def _logical_not_when(node: Node) -> Any:
+    bound = bind(node)
+    val = bound["self"].meta.get("val") if isinstance(bound["self"], Node) else None
+    if node.target is aten.bitwise_not.default and getattr(val, "dtype", None) != torch.bool:
+        return Miss("bitwise_not of integers; the device holds bfloat16 (bool only: logical not)")
+    return tensors_ok(masks=("self",), result=(torch.bool,))(node, bound)
+
+
+@lowering(
+    "ttnn_logical_not",
+    [aten.logical_not.default, aten.bitwise_not.default],
+    _logical_not_when,
+    "logical_not, and bitwise_not of bools -> ttnn.logical_not (1.0 / 0.0, read as bool).",
+)
+def lower_logical_not(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops.OPS["logical_not"], device_value(rw, bound["self"]))
+
+
+def _special_values_when(node: Node) -> Any:
+    return Miss(
+        f"{node.target._opname}: values enter the device clamped to bfloat16's finite range (float32's "
+        "extremes would become infinities), so an infinity in the input would not be seen; kept on the host"
+    )
+
+
+@lowering(
+    "ttnn_isinf_isnan",
+    [aten.isinf.default, aten.isnan.default, aten.isposinf.default, aten.isneginf.default],
+    _special_values_when,
+    "isinf / isnan: declined, see the reason.",
+)
+def lower_special_values(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    """Never reached: `_special_values_when` always declines, so the coverage report says why."""
+    raise AssertionError("ttnn_isinf_isnan never fires")
+
+
+def _elu_when(node: Node) -> Any:
+    bound = bind(node)
+    if bound.get("scale", 1) != 1 or bound.get("input_scale", 1) != 1:
+        return Miss("elu with scale or input_scale (selu-like); ttnn.elu takes alpha only")
+    return tensors_ok("self")(node, bound)
+
+
+@lowering("ttnn_elu", [aten.elu.default], _elu_when, "elu(x, alpha) -> ttnn.elu(x, alpha=).")
+def lower_elu(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops_extra.elu, device_value(rw, bound["self"]), float(bound.get("alpha", 1.0)))
+
+
+def _tril_when(node: Node) -> Any:
+    bound = bind(node)
+    if getattr(bound["self"].meta.get("val"), "ndim", 2) < 2:
+        return Miss("tril of a 1-D tensor")
+    return tensors_ok(masks=("self",), result=MASK_DTYPES)(node, bound)
+
+
+@lowering("ttnn_tril", [aten.tril.default], _tril_when, "tril(x, diagonal) -> ttnn.tril (bool masks as 1.0 / 0.0).")
+def lower_tril(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops_extra.tril, device_value(rw, bound["self"]), int(bound.get("diagonal", 0)))
+
+
+ADDC = {aten.addcmul.default: ops_extra.addcmul, aten.addcdiv.default: ops_extra.addcdiv}
+
+
+def _addc_when(node: Node) -> Any:
+    bound = bind(node)
+    out = node.meta.get("val")
+    for name in ("self", "tensor1", "tensor2"):
+        val = bound[name].meta.get("val") if isinstance(bound[name], Node) else None
+        if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(val.shape) != tuple(out.shape):
+            return Miss(f"{name} is broadcast; ttnn.{node.target._opname} is given operands of the result's shape")
+    if isinstance(bound.get("value", 1), Node):
+        return Miss("value is a graph value")
+    return tensors_ok("self", "tensor1", "tensor2")(node, bound)
+
+
+@lowering("ttnn_addcmul_addcdiv", ADDC, _addc_when, "addcmul / addcdiv -> ttnn.addcmul / addcdiv(a, b, c, value=).")
+def lower_addc(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    a, b, c = (device_value(rw, bound[n]) for n in ("self", "tensor1", "tensor2"))
+    return rw.call(ADDC[node.target], a, b, c, float(bound.get("value", 1)))
+
+
 RULES = RuleSet(
     [
         lower_compare,
@@ -251,6 +332,11 @@ RULES = RuleSet(
         lower_binary,
         lower_rsub,
         lower_pow,
+        lower_elu,
+        lower_tril,
+        lower_logical_not,
+        lower_special_values,
+        lower_addc,
     ],
     name="ttnn_elementwise",
 )

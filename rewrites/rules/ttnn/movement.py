@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule, rule
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.rules.ttnn import ops, ops_extra
 from fx_rewrites.rules.ttnn.boundary import device_value, on_device
 from fx_rewrites.rules.ttnn.checks import Bound, Build, bind, lowering, problem, static, static_problem, tensors_ok
 from fx_rewrites.ruleset import RuleSet
@@ -123,6 +123,21 @@ def build_expand(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.expand, device_value(rw, bound["self"]), static(node.meta["val"]))
 
 
+def build_stack(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    dim = int(bound.get("dim", 0)) % node.meta["val"].dim()
+    return rw.call(ops_extra.stack, [device_value(rw, t) for t in bound["tensors"]], dim)
+
+
+def build_repeat(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    return rw.call(ops_extra.repeat, device_value(rw, bound["self"]), [int(r) for r in bound["repeats"]])
+
+
+def build_roll(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    rank = node.meta["val"].dim()
+    dims = [int(d) % rank for d in bound["dims"]]
+    return rw.call(ops_extra.roll, device_value(rw, bound["self"]), [int(s) for s in bound["shifts"]], dims)
+
+
 # -- checks beyond "a float tensor" ---------------------------------------------------------------------------
 
 
@@ -149,6 +164,19 @@ def same_place(node: Node, bound: Bound) -> bool:
         and bound.get("layout") in (None, torch.strided)
         and (device is None or torch.device(device) == here)
     )
+
+
+def _repeat_check(node: Node, bound: Bound) -> Any:
+    if len(bound["repeats"]) != bound["self"].meta["val"].dim():
+        return Miss("repeats add leading dimensions; ttnn.repeat is given one per dimension")
+    return tensors_ok("self", static=True)(node, bound)
+
+
+def _roll_check(node: Node, bound: Bound) -> Any:
+    dims, shifts = list(bound.get("dims") or []), list(bound["shifts"])
+    if not dims or len(dims) != len(shifts) or any(isinstance(v, Node) for v in (*dims, *shifts)):
+        return Miss("a roll of the flattened tensor, or runtime shifts")
+    return tensors_ok("self", static=True)(node, bound)
 
 
 def _any(node: Node, bound: Bound) -> Any:
@@ -182,6 +210,9 @@ MOVEMENTS = (
     Movement("ttnn_expand", (aten.expand.default,), ("self",), _tensor("self", static=True), build_expand, "expand"),
     Movement("ttnn_cast", CASTS, ("self",), _cast_check, build_identity, "a cast of a device value: read back"),
     Movement("ttnn_clone", IDENTITIES, ("self",), _any, build_identity, "clone / alias / contiguous: the value"),
+    Movement("ttnn_stack", (aten.stack.default,), ("tensors",), _tensor("tensors"), build_stack, "stack"),
+    Movement("ttnn_repeat", (aten.repeat.default,), ("self",), _repeat_check, build_repeat, "repeat"),
+    Movement("ttnn_roll", (aten.roll.default,), ("self",), _roll_check, build_roll, "roll"),
 )
 #: op -> its Movement (what sink_data_movement moves)
 BY_OP: dict[Any, Movement] = {op: m for m in MOVEMENTS for op in m.ops}
@@ -290,7 +321,9 @@ def _sinkable(source: Node, bound: Bound) -> Any:
     return movement.check(source, bound) if _all_float(source, names, bound) else _extra_checks(source, bound)
 
 
-_STATIC = frozenset((*RESHAPES, aten.slice.Tensor, aten.select.int, aten.expand.default))
+_STATIC = frozenset(
+    (*RESHAPES, aten.slice.Tensor, aten.select.int, aten.expand.default, aten.repeat.default, aten.roll.default)
+)
 
 
 def _all_float(source: Node, names: Iterable[str], bound: Bound) -> bool:

@@ -220,6 +220,75 @@ def lower_sdpa(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.sdpa, q, k, v, m, bool(bound.get("is_causal", False)), None if scale is None else float(scale))
 
 
+def _baddbmm_when(node: Node) -> Any:
+    bound = bind(node)
+    if any(isinstance(bound.get(k, 1), Node) for k in ("beta", "alpha")):
+        return Miss("beta or alpha is a graph value")
+    return tensors_ok("self", "batch1", "batch2")(node, bound)
+
+
+@lowering(
+    "ttnn_baddbmm",
+    [aten.baddbmm.default],
+    _baddbmm_when,
+    "baddbmm(c, a, b, beta, alpha) -> ttnn.matmul(a, b), scaled by alpha, plus beta * c.",
+)
+def lower_baddbmm(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    beta, alpha = float(bound.get("beta", 1)), float(bound.get("alpha", 1))
+    out = rw.call(ops.matmul, device_value(rw, bound["batch1"]), device_value(rw, bound["batch2"]))
+    if alpha != 1.0:
+        out = rw.call(ops.OPS["multiply_scalar"], out, alpha)
+    if beta == 0.0:  # torch ignores self then (even NaN in it)
+        return out
+    c = device_value(rw, bound["self"])
+    return rw.call(ops.OPS["add"], out, c if beta == 1.0 else rw.call(ops.OPS["multiply_scalar"], c, beta))
+
+
+def _log_softmax_when(node: Node) -> Any:
+    bound = bind(node)
+    if bound.get("dtype") is not None or bound.get("half_to_float"):
+        return Miss("log_softmax with a dtype change")
+    return tensors_ok("self")(node, bound)
+
+
+@lowering(
+    "ttnn_log_softmax",
+    [aten._log_softmax.default, aten.log_softmax.int],
+    _log_softmax_when,
+    "log_softmax -> x - max - log(sum(exp(x - max))) with ttnn.max/subtract/exp/sum/log (ttnn has no log_softmax).",
+)
+def lower_log_softmax(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    x, dim = device_value(rw, bound["self"]), [int(bound["dim"])]
+    shifted = rw.call(ops.OPS["subtract"], x, rw.call(ops.reduce_max, x, dim, True))
+    total = rw.call(ops.reduce_sum, rw.call(ops.OPS["exp"], shifted), dim, True)
+    return rw.call(ops.OPS["subtract"], shifted, rw.call(ops.OPS["log"], total))
+
+
+def _index_select_when(node: Node) -> Any:
+    bound = bind(node)
+    table, index = bound["self"].meta.get("val"), bound["index"]
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(bound["dim"]) % 2 != 0:
+        return Miss("not rows of a 2-D tensor; index_select goes to ttnn.embedding for dim 0 of a matrix only")
+    if not isinstance(index, Node) or getattr(index.meta.get("val"), "ndim", None) != 1:
+        return Miss("the index is not a 1-D tensor")
+    return tensors_ok("self", indices=("index",), static=True)(node, bound)
+
+
+@lowering(
+    "ttnn_index_select",
+    [aten.index_select.default],
+    _index_select_when,
+    "index_select(table, 0, ids) -> ttnn.embedding([1, n] uint32 ids, row-major table), reshaped to [n, width].",
+)
+def lower_index_select(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    n = int(bound["index"].meta["val"].shape[0])
+    ids = device_value(rw, bound["index"], dtype="uint32", layout=ops.ROW_MAJOR)
+    rows = rw.call(
+        ops.embedding, rw.call(ops.reshape, ids, [1, n]), device_value(rw, bound["self"], layout=ops.ROW_MAJOR)
+    )
+    return rw.call(ops.reshape, rows, [n, int(node.meta["val"].shape[1])])
+
+
 def _group_norm_when(node: Node) -> Any:
     bound = bind(node)
     val = bound["input"].meta.get("val") if isinstance(bound["input"], Node) else None
@@ -258,6 +327,9 @@ def _numel(shape: list[int]) -> int:
 RULES = RuleSet(
     [
         lower_group_norm,
+        lower_baddbmm,
+        lower_log_softmax,
+        lower_index_select,
         lower_sdpa,
         lower_batch_norm,
         lower_matmul,

@@ -113,6 +113,7 @@ UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "log10": torch.log10,
     "hardsigmoid": F.hardsigmoid,
     "hardswish": F.hardswish,
+    "logical_not": torch.logical_not,  # 1.0 where the input is 0, else 0.0 (a device "bool")
 }
 BINARY: dict[str, Callable[[Tensor, Any], Tensor]] = {
     "add": torch.add,

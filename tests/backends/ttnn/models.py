@@ -59,10 +59,10 @@ class ConvNet(torch.nn.Module):
 
 
 class HostInTheMiddle(torch.nn.Module):
-    """cumsum has no ttnn lowering: device, host, device."""
+    """i0 has no ttnn lowering: device, host, device."""
 
     def forward(self, x):
-        return torch.relu(torch.cumsum(x * 2.0, dim=-1)) + 1.0
+        return torch.relu(torch.special.i0(x * 2.0)) + 1.0
 
 
 class Misc(torch.nn.Module):

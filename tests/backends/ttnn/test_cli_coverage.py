@@ -21,7 +21,7 @@ class Net(torch.nn.Module):
         self.fc = torch.nn.Linear(40, 40)
 
     def forward(self, x):
-        h = torch.cumsum(F.gelu(self.fc(x)), dim=-1)   # cumsum: no ttnn lowering
+        h = torch.special.i0(F.gelu(self.fc(x)))   # i0: no ttnn lowering
         return torch.softmax(h, -1), (x > 0).sum(-1), x.argmax(-1)  # sum of bools, argmax: host
 
 
@@ -67,15 +67,15 @@ def test_coverage_report_without_ttnn(model_file, capsys, no_ttnn):
     assert code == 0, out + err
     assert "net.py:make: 4 of 7 nodes on device (57.1%); 3 regions (2 device, 1 host)" in out
     assert _row(out, "aten.linear.default") == ["aten.linear.default", "1", "0", "-"]
-    assert _row(out, "aten.cumsum.default") == [
-        "aten.cumsum.default",
+    assert _row(out, "aten.special_i0.default") == [
+        "aten.special_i0.default",
         "0",
         "1",
-        "no ttnn lowering for aten.cumsum.default",
+        "no ttnn lowering for aten.special_i0.default",
     ]
     assert _row(out, "aten.gt.Scalar") == ["aten.gt.Scalar", "1", "0", "-"]
     _, device, host, why = _row(out, "aten.argmax.default")
-    assert (device, host, why) == ("0", "1", "no ttnn lowering for aten.argmax.default")
+    assert (device, host) == ("0", "1") and "round together" in why
     _, device, host, why = _row(out, "aten.sum.dim_IntList")
     assert (device, host) == ("0", "1") and "is bool; the ttnn lowering takes float tensors" in why
     assert "lowered graph on the host (bfloat16 emulation) vs eager: ok" in out

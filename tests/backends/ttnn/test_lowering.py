@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fx_rewrites import testing as rt
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import RULES, ops
+from fx_rewrites.rules.ttnn import RULES, ops, ops_extra
 from tests.backends.ttnn.conftest import assert_close_bf16
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ def test_data_movement_read_only_on_the_device_sinks_there():
 
 
 def test_data_movement_of_host_values_read_on_the_host_stays():
-    result = _lower(lambda x: torch.cumsum(x.view(4, 10), 0), torch.randn(40), explain=True)
+    result = _lower(lambda x: torch.special.i0(x.view(4, 10)), torch.randn(40), explain=True)
     rt.assert_ops(result, present=[aten.view.default], absent=[ops.from_torch])
     assert _reasons(result, "view") == ["when: no operand is on the device and no device op reads it"]
 
@@ -246,3 +246,84 @@ def test_factories_of_small_integers_only():
     assert_close_bf16(result.program.module()(x), x * torch.arange(8) + 1.0)
     big = _lower(lambda x: x + torch.arange(300), torch.randn(300), explain=True)
     assert any("exactly only to 256" in r for r in _reasons(big, "arange"))
+
+
+@pytest.mark.parametrize(
+    ("fn", "make", "fired", "present"),
+    [
+        (lambda x: F.elu(x, 0.5), lambda: (torch.randn(4, 8),), "ttnn_elu", ops_extra.elu),
+        (lambda x: torch.tril(x * 2.0, -1), lambda: (torch.randn(6, 6),), "ttnn_tril", ops_extra.tril),
+        (
+            lambda x, y: torch.addcmul(x, x, y, value=0.5),
+            lambda: (torch.randn(3, 5), torch.randn(3, 5)),
+            "ttnn_addcmul_addcdiv",
+            ops_extra.addcmul,
+        ),
+        (lambda x: torch.cumsum(x * 1.0, 1), lambda: (torch.randn(3, 7),), "ttnn_cumsum", ops_extra.cumsum),
+        (lambda x: torch.amin(x * 1.0, -1), lambda: (torch.randn(3, 7),), "ttnn_reduce", ops_extra.reduce_min),
+        (
+            lambda x, y: torch.stack([x * 1.0, y * 1.0], 1),
+            lambda: (torch.randn(3, 4), torch.randn(3, 4)),
+            "ttnn_stack",
+            ops_extra.stack,
+        ),
+        (lambda x: (x * 1.0).repeat(2, 3), lambda: (torch.randn(3, 4),), "ttnn_repeat", ops_extra.repeat),
+        (lambda x: torch.roll(x * 1.0, (1, -2), (0, 1)), lambda: (torch.randn(3, 4),), "ttnn_roll", ops_extra.roll),
+        (
+            lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0),
+            lambda: (torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5)),
+            "ttnn_baddbmm",
+            ops.matmul,
+        ),
+        (lambda x: torch.log_softmax(x, -1), lambda: (torch.randn(3, 9),), "ttnn_log_softmax", ops.reduce_max),
+        (
+            lambda t, i: torch.index_select(t * 1.0, 0, i),
+            lambda: (torch.randn(10, 8), torch.tensor([3, 0, 9, 3])),
+            "ttnn_index_select",
+            ops.embedding,
+        ),
+    ],
+    ids=[
+        "elu",
+        "tril",
+        "addcmul",
+        "cumsum",
+        "amin",
+        "stack",
+        "repeat",
+        "roll",
+        "baddbmm",
+        "log_softmax",
+        "index_select",
+    ],
+)
+def test_the_rest_of_torch_ttnns_list(fn, make, fired, present):
+    args = make()
+    result = _lower(fn, *args)
+    rt.assert_fired(result, fired)
+    rt.assert_ops(result, present=[present])
+    assert [t for t in _targets(result) if not ops.is_standin(t)] == []
+    again = tuple(a * 0.5 if a.is_floating_point() else a for a in args)
+    for inputs in (args, again):
+        assert_close_bf16(result.program.module()(*inputs), fn(*inputs))
+
+
+def test_argmax_stays_on_the_host_and_says_why():
+    result = _lower(lambda x: torch.argmax(x * 2.0, -1), torch.randn(4, 8), explain=True)
+    rt.assert_ops(result, present=[aten.argmax.default])
+    assert any("round together" in r for r in _reasons(result, "argmax"))
+
+
+def test_logical_not_of_a_device_mask():
+    fn = lambda x: torch.where(torch.logical_not(x > 0.0), x, x * 2.0)
+    result = _lower(fn, torch.randn(4, 8))
+    rt.assert_fired(result, "ttnn_logical_not")
+    assert [t for t in _targets(result) if not ops.is_standin(t)] == []
+    x = torch.randn(4, 8)
+    assert_close_bf16(result.program.module()(x), fn(x))
+
+
+def test_isinf_stays_on_the_host_and_says_why():
+    result = _lower(lambda x: torch.isinf(x * 2.0), torch.randn(4, 8), explain=True)
+    rt.assert_ops(result, present=[aten.isinf.default])
+    assert any("clamped to bfloat16's finite range" in r for r in _reasons(result, "isinf"))

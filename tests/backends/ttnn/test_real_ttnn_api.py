@@ -59,7 +59,22 @@ class Extras(torch.nn.Module):
         pooled = F.avg_pool2d(q * 1.0, 3, 1, 1, count_include_pad=False)
         made = torch.arange(5) * q[0, 0, 0, :5] + torch.ones(5) + torch.zeros_like(q[0, 0, 0, :5])
         outs = (self.emb(ids) * 2.0, padded * 1.5, att, torch.addmm(c, a, b), bool_att, head + 1.0, tail * 2.0)
-        return (*outs, filled, pooled, made)
+        x = q * 1.0
+        more = (
+            F.elu(x, 0.5),
+            torch.tril(x, -1),
+            torch.addcmul(x, x, x, value=0.5),
+            torch.addcdiv(x, x, x + 3.0, value=2.0),
+            x.amin(-1),
+            torch.cumsum(x, -1),
+            torch.stack([x[0], x[0]], 1),
+            x.repeat(1, 2, 1, 1),
+            torch.roll(x, 2, -1),
+            torch.baddbmm(c.expand(2, 3, 5), a.expand(2, 3, 4) * 1.0, b.expand(2, 4, 5) * 1.0, beta=0.5, alpha=2.0),
+            torch.log_softmax(x, -1),
+            torch.index_select(self.emb.weight * 1.0, 0, ids[0]),
+        )
+        return (*outs, filled, pooled, made, *more)
 
 
 EXTRAS = (

@@ -59,8 +59,32 @@ from tests.backends.ttnn.reference_ttnn._core import (
     to_torch,
     uint32,
 )
-from tests.backends.ttnn.reference_ttnn._eltwise import binary, clamp, leaky_relu, pow, reduction, unary, where
-from tests.backends.ttnn.reference_ttnn._movement import concat, expand, pad, permute, reshape, slice, transpose
+from tests.backends.ttnn.reference_ttnn._eltwise import (
+    addcdiv,
+    addcmul,
+    binary,
+    clamp,
+    cumsum,
+    elu,
+    leaky_relu,
+    pow,
+    reduction,
+    tril,
+    unary,
+    where,
+)
+from tests.backends.ttnn.reference_ttnn._movement import (
+    concat,
+    expand,
+    pad,
+    permute,
+    repeat,
+    reshape,
+    roll,
+    slice,
+    stack,
+    transpose,
+)
 from tests.backends.ttnn.reference_ttnn._nn import (
     avg_pool2d,
     batch_norm,
@@ -101,6 +125,7 @@ log2 = unary("log2", torch.log2)
 log10 = unary("log10", torch.log10)
 hardsigmoid = unary("hardsigmoid", F.hardsigmoid)
 hardswish = unary("hardswish", F.hardswish)
+logical_not = unary("logical_not", torch.logical_not)
 
 add = binary("add", torch.add)
 subtract = binary("subtract", torch.sub)
@@ -118,6 +143,7 @@ ne = binary("ne", torch.ne)
 sum = reduction("sum", torch.sum)
 mean = reduction("mean", torch.mean)
 max = reduction("max", torch.amax)
+min = reduction("min", torch.amin)
 
 __all__ = [
     "DEFAULT_L1_SMALL_SIZE",
@@ -133,6 +159,8 @@ __all__ = [
     "MeshDevice",
     "Tensor",
     "TtnnDoubleError",
+    "addcdiv",
+    "addcmul",
     "arange",
     "avg_pool2d",
     "batch_norm",
@@ -141,6 +169,8 @@ __all__ = [
     "close_device",
     "concat",
     "conv2d",
+    "cumsum",
+    "elu",
     "embedding",
     "expand",
     "float32",
@@ -157,14 +187,18 @@ __all__ = [
     "pad",
     "permute",
     "pow",
+    "repeat",
     "reshape",
+    "roll",
     "sharded_to_interleaved",
     "slice",
     "softmax",
+    "stack",
     "to_layout",
     "to_torch",
     "transformer",
     "transpose",
+    "tril",
     "uint32",
     "where",
 ]

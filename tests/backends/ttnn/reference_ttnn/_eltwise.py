@@ -112,3 +112,56 @@ def reduction(name: str, f: Callable[..., torch.Tensor]) -> Callable[..., Tensor
 
     op.__name__ = op.__qualname__ = name
     return op
+
+
+def elu(
+    input_tensor: Tensor,
+    *,
+    alpha: float = 1.0,
+    memory_config: MemoryConfig | None = None,
+    output_tensor: Tensor | None = None,
+    sub_core_grids: Any = None,
+) -> Tensor:
+    return result(F.elu(need(input_tensor, "elu"), alpha), input_tensor.device())
+
+
+def tril(input_tensor: Tensor, *, diagonal: int = 0, memory_config: MemoryConfig | None = None) -> Tensor:
+    return result(torch.tril(need(input_tensor, "tril"), diagonal), input_tensor.device())
+
+
+def _addc(name: str, f: Callable[..., torch.Tensor]) -> Callable[..., Tensor]:
+    def op(
+        input_a: Tensor,
+        input_b: Tensor,
+        input_c: Tensor,
+        *,
+        value: float = 1.0,
+        memory_config: MemoryConfig | None = None,
+        output_tensor: Tensor | None = None,
+    ) -> Tensor:
+        a, b, c = (need(t, name) for t in (input_a, input_b, input_c))
+        if not a.shape == b.shape == c.shape:
+            raise TtnnDoubleError(
+                f"{name}: operands of shapes {[tuple(t.shape) for t in (a, b, c)]}; give equal shapes"
+            )
+        return result(f(a, b, c, value=value), input_a.device())
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+addcmul = _addc("addcmul", torch.addcmul)
+addcdiv = _addc("addcdiv", torch.addcdiv)
+
+
+def cumsum(
+    input: Tensor,
+    dim: int,
+    *,
+    dtype: DataType | None = None,
+    reverse_order: bool = False,
+    out: Tensor | None = None,
+    memory_config: MemoryConfig | None = None,
+) -> Tensor:
+    x = need(input, "cumsum")
+    return result(torch.cumsum(x.flip(dim) if reverse_order else x, dim), input.device())

@@ -118,3 +118,31 @@ def expand(input_tensor: Tensor, output_shape: Sequence[int], *, memory_config: 
         if have != want and have != 1 and want != -1:
             raise TtnnDoubleError(f"expand: dimension {i} of size {have} cannot become {want}")
     return result(x.expand(sizes(output_shape)), input_tensor.device(), input_tensor.layout)
+
+
+def stack(input_tensors: Sequence[Tensor], dim: int) -> Tensor:
+    import torch
+
+    datas = [need(t, "stack") for t in input_tensors]
+    return result(torch.stack(datas, dim), input_tensors[0].device())
+
+
+def repeat(
+    input_tensor: Tensor,
+    repeat_dims: Sequence[int],
+    *,
+    memory_config: MemoryConfig | None = None,
+    optional_output_tensor: Tensor | None = None,
+) -> Tensor:
+    x = need(input_tensor, "repeat")
+    if len(repeat_dims) != x.dim():
+        raise TtnnDoubleError(f"repeat: {len(repeat_dims)} repeats for a rank-{x.dim()} tensor")
+    return result(x.repeat(sizes(repeat_dims)), input_tensor.device())
+
+
+def roll(
+    input_tensor: Tensor, shifts: Sequence[int], dim: Sequence[int], *, memory_config: MemoryConfig | None = None
+) -> Tensor:
+    import torch
+
+    return result(torch.roll(need(input_tensor, "roll"), sizes(shifts), sizes(dim)), input_tensor.device())
