@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from fx_rewrites.api import apply
+from fx_rewrites.app.cli.common import DEMO_NOTE, describe_error
 
 
 @attrs.define
@@ -28,15 +29,19 @@ class Row:
     after: str = ""
     max_diff: float | None = None
     seconds: float = 0.0
+    #: phase ("as is", "after rules") -> the compiler's whole output, kept with --verbose
+    diagnostics: dict[str, str] = attrs.field(factory=dict)
 
     @property
     def passed(self) -> bool:
         return self.after == "ok"
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+def _note(row: Row, phase: str, e: BaseException, verbose: bool) -> str:
+    """The table's note for a failure: cut at a word (`--verbose`: whole, and the compiler's output kept)."""
+    if verbose and getattr(e, "diagnostics", ""):
+        row.diagnostics[phase] = e.diagnostics
+    return describe_error(e, None if verbose else DEMO_NOTE)
 
 
 def _max_diff(got: Any, expected: Any) -> float:
@@ -66,8 +71,8 @@ def _run(backend: Any, program: Any, args: Sequence[Any]) -> Any:
     return backend.compile(program, args)(*args)
 
 
-def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float = 1e-5) -> Row:
-    """Export, try as is, apply the backend's rules, compile, run, compare."""
+def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float = 1e-5, verbose: bool = False) -> Row:
+    """Export, try as is, apply the backend's rules, compile, run, compare (`verbose`: notes uncut)."""
     start = time.perf_counter()
     row = Row(example.name, example.family)
     module, args = example.make()
@@ -79,13 +84,13 @@ def run_example(example: Any, backend: Any, *, rtol: float = 1e-4, atol: float =
         as_is = _export(example, module, args)
         row.as_is = verdict(_run(backend, as_is, copy.deepcopy(args)), expected, rtol, atol)[0]
     except Exception as e:
-        row.as_is = _first_line(e)
+        row.as_is = _note(row, "as is", e, verbose)
     try:
         program = _export(example, module, args)
         result = apply(program, backend.rules)
         row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(result.report.rewrites.items())) or "-"
         row.after, row.max_diff = verdict(_run(backend, result.program, copy.deepcopy(args)), expected, rtol, atol)
     except Exception as e:
-        row.after = _first_line(e)
+        row.after = _note(row, "after rules", e, verbose)
     row.seconds = time.perf_counter() - start
     return row

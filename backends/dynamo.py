@@ -23,9 +23,11 @@ when a backward is first run; `backward="error"` raises
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -41,6 +43,19 @@ from fx_rewrites.ruleset import RuleSet
 PREFIX = "fx_rewrites_"
 
 log = logging.getLogger(__name__)
+
+#: compiled graphs with runtime objects to free before the interpreter shuts down (see `_release_at_exit`)
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Release the compiled graphs dynamo's caches still hold (a graph break keeps them alive to the end).
+
+    Left to interpreter shutdown, IREE's runtime objects outlive their nanobind module, which then prints
+    ~100 lines of `nanobind: leaked ...`."""
+    for compiled in list(_LIVE):
+        compiled.release()
 
 
 class BackwardNotSupported(RuntimeError):
@@ -80,6 +95,8 @@ def _compile_graph(
     result = fx_rewrites.apply(gm, target.rules if rules is None else rules)
     log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
     compiled = target.compile(result.graph_module, example_inputs)
+    if callable(getattr(compiled, "release", None)):
+        _LIVE.add(compiled)
     if on_graph is not None:
         on_graph(CompiledGraph(target.name, kind, gm, example_inputs, result, compiled))
     return make_boxed_func(compiled)

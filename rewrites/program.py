@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import warnings
+from collections.abc import Iterator
 
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
@@ -14,6 +17,16 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.engine import RewriteError
 from fx_rewrites.engine.fxgraph import copy_nodes
+
+
+@contextlib.contextmanager
+def quiet_torch_pytree() -> Iterator[None]:
+    """Silence torch 2.13's FutureWarning about its own pytree code (`isinstance(treespec, LeafSpec)` is
+    deprecated), which copying or exporting a program raises: inside this block only, so a user's own
+    warning filters are left alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        yield
 
 
 class ProgramError(RewriteError):
@@ -99,7 +112,8 @@ def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     input_specs = [s for s in ep.graph_signature.input_specs if getattr(s.arg, "name", None) in placeholders]
     signature = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
-    call_graph = copy.deepcopy(ep.module_call_graph)
+    with quiet_torch_pytree():  # deepcopy of the TreeSpecs in the call graph
+        call_graph = copy.deepcopy(ep.module_call_graph)
     for entry in call_graph:
         if entry.fqn == "" and entry.signature is not None:
             for arg in entry.signature.outputs:

@@ -3,6 +3,7 @@
     fx-rewrites demo [--backend iree]            the known-failure gallery, end to end
     fx-rewrites check MODEL [--backend iree]     one model: as is, after the rules, against eager
     fx-rewrites explain MODEL [--html out.html]  what the rules did to its graph, and why not
+    fx-rewrites compile MODEL -o model.vmfb      a module iree-run-module runs [--params model.irpa: weights apart]
     fx-rewrites rules [--backend NAME]           the rules, their root ops, the failures they fix
 
 MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args)`) or
@@ -20,6 +21,7 @@ import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 
+from fx_rewrites.app.cli.artifacts import cmd_compile
 from fx_rewrites.app.cli.commands import cmd_check, cmd_demo, cmd_explain, cmd_rules
 from fx_rewrites.app.cli.common import (
     EXIT_FAIL,
@@ -49,10 +51,12 @@ def parser() -> argparse.ArgumentParser:
         description="Declarative rules that make PyTorch 2 graphs compile.",
         epilog="Exit status: 0 pass, 1 fail, 2 usage or input error.",
     )
+    p.add_argument("--version", action="version", version=f"fx-rewrites {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the known-failure gallery end to end")
     demo.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
     demo.add_argument("--only", nargs="*", help="run only these gallery examples")
+    demo.add_argument("-v", "--verbose", action="store_true", help="notes uncut, and iree-compile's whole output")
     demo.set_defaults(fn=cmd_demo)
 
     check = sub.add_parser(
@@ -93,11 +97,39 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and torch's side output")
     explain.set_defaults(fn=cmd_explain)
 
+    comp = sub.add_parser(
+        "compile",
+        help="compile a model to a .vmfb that iree-run-module runs (weights optionally in an .irpa)",
+        description="Export MODEL, apply the backend's rules, compile, check the result against eager on the "
+        "example inputs and write the module to -o: a .vmfb that iree-run-module runs and fx_rewrites.load() reads "
+        "back with its call convention. --params puts the weights in an IREE parameter archive (.irpa) instead of "
+        "the module (iree-run-module --parameters=model=FILE.irpa). Exit status: 0 written and matching eager, "
+        "1 fail, 2 usage or input error.",
+    )
+    comp.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    comp.add_argument("-o", "--output", metavar="OUT.vmfb", required=True, help="the compiled module to write")
+    comp.add_argument("--params", metavar="OUT.irpa", help="write the weights to this IREE parameter archive")
+    comp.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
+    comp.add_argument("--inputs", metavar="FILE.pt", help=_INPUTS_HELP)
+    comp.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against eager (default 1e-4)")
+    comp.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance against eager (default 1e-5)")
+    comp.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and the compiler's output")
+    comp.set_defaults(fn=cmd_compile)
+
     rules = sub.add_parser("rules", help="list the rules, their roots and the failures they fix")
     rules.add_argument("--backend", default=None, help="a backend's rules instead of DEFAULT")
     rules.add_argument("-v", "--verbose", action="store_true", help="list every root overload")
     rules.set_defaults(fn=cmd_rules)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fx-rewrites")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _print_error(command: str, e: InputError, verbose: bool) -> None:

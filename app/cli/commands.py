@@ -21,6 +21,7 @@ from fx_rewrites.app.cli.common import (
     _backend,
     _one_line,
     _traceback,
+    describe_error,
 )
 from fx_rewrites.app.cli.inputs import _input_signature
 from fx_rewrites.app.cli.models import Model, _describe_inputs, _load_model, _user_frame
@@ -38,9 +39,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     backend = backend.for_demo() if hasattr(backend, "for_demo") else backend  # ttnn without ttnn: emulated
     examples = [e for e in gallery() if not args.only or e.name in args.only]
     tolerance = {k: getattr(backend, k) for k in ("rtol", "atol") if hasattr(backend, k)}  # ttnn: bfloat16
-    rows = [run_example(e, backend, **tolerance) for e in track(examples, description=f"demo on {backend.name}")]
+    verbose = getattr(args, "verbose", False)
+    progress = track(examples, description=f"demo on {backend.name}")
+    rows = [run_example(e, backend, verbose=verbose, **tolerance) for e in progress]
     console = _console()
     _print_rows(console, f"fx-rewrites demo: known-failure gallery on {backend.name}", rows, family=True)
+    for r in rows:
+        for phase, text in r.diagnostics.items():
+            console.print(f"\n--- {r.name}, {phase}: iree-compile's output\n{text}", markup=False, highlight=False)
     failed = [r.name for r in rows if not r.passed]
     verdict = f"{len(rows) - len(failed)}/{len(rows)} pass after rules"
     console.print(verdict + (f"; failing: {failed}" if failed else ""), markup=False)
@@ -88,11 +94,8 @@ def _cell(outcome: str, notes: list[str]) -> str:
 
 
 def _outcome(e: BaseException) -> str:
-    """An error as one paragraph: its type and message, whitespace collapsed."""
-    text = " ".join(str(e).split())
-    if len(text) > MAX_NOTE:
-        text = text[:MAX_NOTE] + " … (--verbose shows all of it)"
-    return f"{type(e).__name__}: {text}"
+    """An error as one paragraph: its type and message, whitespace collapsed (see `describe_error`)."""
+    return describe_error(e, MAX_NOTE)
 
 
 def _run(backend: Any, program: Any, model: Model) -> Any:

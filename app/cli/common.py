@@ -11,6 +11,8 @@ EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 #: how long a note (an as-is or after-rules failure) may be before --verbose is needed for all of it
 MAX_NOTE = 2000
+#: the same for the demo's notes under its table (a dozen of them)
+DEMO_NOTE = 600
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -44,6 +46,19 @@ def _one_line(e: BaseException) -> str:
     """The first line of an error's message, whitespace collapsed."""
     lines = [" ".join(ln.split()) for ln in str(e).strip().splitlines() if ln.strip()]
     return lines[0].rstrip(".") if lines else ""
+
+
+def describe_error(e: BaseException, limit: int | None = MAX_NOTE) -> str:
+    """An error as one paragraph for a terminal: its type and message, whitespace collapsed, cut at a word
+    boundary after `limit` characters (None: never). For an error that carries the compiler's output
+    (`.diagnostics`, which a shell user cannot reach), it says that --verbose prints it."""
+    text = " ".join((getattr(e, "summary", "") or str(e)).split())
+    if getattr(e, "diagnostics", ""):
+        text += " (--verbose prints iree-compile's whole output)"
+    if limit is not None and len(text) > limit:
+        cut = text.rfind(" ", 0, limit)
+        text = text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " … (--verbose shows all of it)"
+    return f"{type(e).__name__}: {text}"
 
 
 def _traceback(e: BaseException) -> str:

@@ -22,6 +22,7 @@ from fx_rewrites.app.cli.common import (
     _one_line,
 )
 from fx_rewrites.app.cli.inputs import _input_signature, _load_pt2, _random_inputs, _side, _torch_side_output
+from fx_rewrites.app.compile import export_hint
 
 # ----------------------------------------------------------------------------- loading a model
 
@@ -213,22 +214,6 @@ def _load_inputs(path: Path) -> tuple[Any, ...]:
 # ----------------------------------------------------------------------------- export
 
 
-def _export_hint(e: BaseException) -> str:
-    text = str(e)
-    if "data-dependent" in text or type(e).__name__ == "GuardOnDataDependentSymNode":
-        return (
-            "Python control flow on a tensor's value (`if x.sum() > 0:`) cannot be exported. Write the branch "
-            "as torch.cond(pred, true_fn, false_fn, (x,)) (fx-rewrites' cond rules then lower it for the "
-            "backend) or as torch.where(pred, a, b)"
-        )
-    if "Constraints violated" in text or "specialized" in text:
-        return "follow the fix torch suggests below (the example inputs fix a size the model treats as dynamic)"
-    return (
-        "make `torch.export.export(module, example_args)` work on the model first (torch.export.draft_export "
-        "lists every problem at once), or export it yourself and pass the saved .pt2"
-    )
-
-
 def _export(model: Model) -> torch.export.ExportedProgram:
     assert model.module is not None
     args, kwargs = model.inputs()
@@ -239,7 +224,7 @@ def _export(model: Model) -> torch.export.ExportedProgram:
             where = _user_frame(e, model.path) if model.path is not None else ""
             raise InputError(
                 f"torch.export.export could not export the model from {model.label}: {type(e).__name__}: "
-                f"{_one_line(e)}{where}. Fix: {_export_hint(e)}. torch's error follows.",
+                f"{_one_line(e)}{where}. Fix: {export_hint(e, 'pass the saved .pt2')}. torch's error follows.",
                 detail=f"{type(e).__name__}: {str(e).strip()}",
                 cause=e,
                 side=_side(records, stderr),

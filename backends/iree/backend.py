@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.parameters import parameter_hooks
 from fx_rewrites.backends.iree.runtime import IreeCompiled
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules import iree as iree_rules
@@ -59,11 +63,26 @@ class IreeBackend:
                 f"got {type(program).__name__}"
             )
         iree = iree_modules()
-        mlir = import_mlir(iree, prepared)
+        entries = reflection(plan, self.driver)
+        mlir = import_mlir(iree, prepared, reflection=entries)
         key = cache_key(mlir, self.flags)
         vmfb, cached = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, graph_module))
         module = iree.runtime.load_vm_flatbuffer(vmfb, driver=self.driver)
-        return IreeCompiled(plan, module["main"], mlir, vmfb, key, cached)
+        externalize = None
+        if isinstance(program, ExportedProgram):
+            externalize = functools.partial(self._with_parameters, program)
+        unsupported = entries.get(UNSUPPORTED_KEY, "")
+        return IreeCompiled(plan, module["main"], mlir, vmfb, key, cached, externalize, unsupported)
+
+    def _with_parameters(self, program: ExportedProgram) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """`program` compiled with its weights as named parameters (see `parameters`), and those weights."""
+        iree = iree_modules()
+        prepared, plan = prepare_program(program)  # a fresh copy: an import consumes the one it is given
+        hooks = parameter_hooks(iree, prepared)
+        mlir = import_mlir(iree, prepared, reflection=reflection(plan, self.driver, parameters=True), hooks=hooks)
+        key = cache_key(mlir, self.flags)
+        vmfb, _ = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, program.graph_module))
+        return vmfb, hooks.tensors
 
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:

@@ -29,14 +29,19 @@ class IreeImportError(RewriteError):
 class IreeCompileError(RewriteError):
     """`iree-compile` rejected the module.
 
-    The message is the first error with its op, location and a hint;
+    The message is the first error with its op, location and a hint, then
+    where the rest is; `summary` is the message without that last sentence
+    (a command line says where the rest is its own way);
     `diagnostics` holds iree-compile's full output, `mlir` the module text,
     `op` the failing op ("aten.diff", or an IREE-internal one such as
     "arith.cmpi"; "" after a crash) and `node` the graph node it came from.
     """
 
-    def __init__(self, message: str, *, diagnostics: str, mlir: str, op: str = "", node: str = "") -> None:
+    def __init__(
+        self, message: str, *, diagnostics: str, mlir: str, op: str = "", node: str = "", summary: str = ""
+    ) -> None:
         super().__init__(message)
+        self.summary = summary or message
         self.diagnostics = diagnostics
         self.mlir = mlir
         self.op = op
@@ -46,6 +51,9 @@ class IreeCompileError(RewriteError):
 class IreeUnsupportedError(RewriteError, NotImplementedError):
     """The program uses something this backend does not handle yet."""
 
+
+#: where a Python caller finds the rest (a command line replaces this with its --verbose)
+_WHERE = "Full diagnostics in the error's .diagnostics, the MLIR in .mlir."
 
 _ERROR_LINE = re.compile(r"^(?P<loc>.*?):\s*error:\s*(?P<msg>.*)$")
 #: locations the importer writes (see `importing.import_mlir`): loc("fx.<node>@<file>":<line>:<col>)
@@ -90,11 +98,12 @@ def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileEr
         lines = [ln.strip() for ln in diagnostics.splitlines() if ln.strip()]
         crash = next((ln for ln in lines if ln.startswith(("LLVM ERROR", "Assertion", "error:"))), None)
         what = crash or (lines[-1] if lines else "no diagnostics")
-        message = (
+        summary = (
             f"iree-compile failed without an error diagnostic (a crash or resource limit): {what[:300]}. "
-            f"Hint: this is an IREE limitation or bug; {SAVE_TEMPS}. Full output in .diagnostics, MLIR in .mlir."
+            f"Hint: this is an IREE limitation or bug; {SAVE_TEMPS}."
         )
-        return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir)
+        message = f"{summary} {_WHERE}"
+        return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir, summary=summary)
     msg, loc = errors[0]["msg"], errors[0]["loc"]
     op = next((m["op"] for m in (p.search(msg) for p in _OP_PATTERNS) if m), "")
     op = op.removeprefix("torch.")  # 'torch.aten.add_.Tensor' op -> aten.add_.Tensor
@@ -107,12 +116,13 @@ def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileEr
     else:
         what = f"`{op}`" if op else "the module"
         what += f" (node {node!r})" if node else ""
-    more = f" ({len(errors) - 1} more error(s) in .diagnostics)" if len(errors) > 1 else ""
-    message = (
+    more = f" ({len(errors) - 1} more error(s) in the full output)" if len(errors) > 1 else ""
+    summary = (
         f"IREE could not compile {what} at {where}: {_strip_op_print(msg)[:400]}{more}. "
-        f"Hint: {_hint(op or 'this op', msg, lowered)}. Full diagnostics in .diagnostics, MLIR in .mlir."
+        f"Hint: {_hint(op or 'this op', msg, lowered)}."
     )
-    return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir, op=op, node=node)
+    message = f"{summary} {_WHERE}"
+    return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir, op=op, node=node, summary=summary)
 
 
 def import_error(e: BaseException, node: Node | None) -> IreeImportError:

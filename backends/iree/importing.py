@@ -32,8 +32,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
+from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
-from fx_rewrites.backends.iree.runtime import Output, Plan
 from fx_rewrites.program import copy_graph_module, rebuild_program
 from fx_rewrites.rules.symbolic import sym_placeholder_sources
 
@@ -163,7 +163,15 @@ def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
     outputs = _outputs(output, pytree.tree_leaves(output.args[0]), writes)
     graph.lint()
     copy.graph_module.recompile()
-    plan = Plan(program.call_spec.in_spec, program.call_spec.out_spec, tuple(args), tuple(outputs))
+    in_spec = program.call_spec.in_spec
+    plan = Plan(
+        in_spec,
+        program.call_spec.out_spec,
+        tuple(args),
+        tuple(outputs),
+        program_inputs(program),
+        program_ranges(program),
+    )
     return copy, plan
 
 
@@ -252,8 +260,14 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
 # ----------------------------------------------------------------------------- import
 
 
-def import_mlir(iree: Any, program: ExportedProgram | GraphModule) -> str:
-    """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`."""
+def import_mlir(
+    iree: Any, program: ExportedProgram | GraphModule, *, reflection: dict[str, str] | None = None, hooks: Any = None
+) -> str:
+    """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`.
+
+    `reflection` goes into `main`'s `iree.reflection` attribute (the runtime reads it back from the
+    compiled module: `VmFunction.reflection`); `hooks` is an `FxImporterHooks` (see `parameters`).
+    """
     fx_importer = iree.compiler.extras.fx_importer
     current: list[Node | None] = [None]
 
@@ -276,13 +290,18 @@ def import_mlir(iree: Any, program: ExportedProgram | GraphModule) -> str:
             file, line = user[-1] if user else ("?", "0")
             return iree.compiler.ir.Location.file(f"fx.{node.name}@{file}", int(line), 0, context=self._c)
 
-    importer = fx_importer.FxImporter(context=iree.compiler.ir.Context(), graph_node_importer_cls=_TrackingImporter)
+    ir = iree.compiler.ir
+    importer = fx_importer.FxImporter(context=ir.Context(), graph_node_importer_cls=_TrackingImporter, hooks=hooks)
     importer._cc = _NodeLocations(importer._c, py_attr_tracker=importer._py_attr_tracker)  # pinned iree 3.13
     try:
         if isinstance(program, ExportedProgram):
-            importer.import_frozen_program(program, func_name="main")
+            main = importer.import_frozen_program(program, func_name="main")
         else:
-            importer.import_graph_module(program, func_name="main")
+            main = importer.import_graph_module(program, func_name="main")
     except Exception as e:
         raise import_error(e, current[0]) from e
+    if reflection:
+        context = importer._c
+        entries = {k: ir.StringAttr.get(v, context=context) for k, v in reflection.items()}
+        main.attributes["iree.reflection"] = ir.DictAttr.get(entries, context=context)
     return importer.module.operation.get_asm(enable_debug_info=True)

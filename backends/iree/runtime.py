@@ -1,35 +1,17 @@
-"""Calling a compiled module: the call plan, torch <-> host arrays, and `IreeCompiled`."""
+"""Calling a compiled module: torch <-> host arrays, and `IreeCompiled`."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-
-@attrs.frozen(eq=False)
-class Output:
-    """One output: where its value comes from and where it goes."""
-
-    #: index among the compiled function's results; None for a constant output
-    result: int | None
-    constant: Any = None
-    dtype: torch.dtype | None = None
-    #: a mutation's destination: a flat user-input index or a state tensor; None for a user output
-    write: int | torch.Tensor | None = None
-
-
-@attrs.frozen(eq=False)
-class Plan:
-    """How a call maps onto the compiled function and back."""
-
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    #: per argument of the compiled function: a flat input index, or a (mutated) state tensor
-    args: tuple[int | torch.Tensor, ...]
-    outputs: tuple[Output, ...]
+from fx_rewrites.backends.convention import Plan, bind
 
 
 def to_host(value: Any) -> Any:
@@ -72,19 +54,40 @@ class IreeCompiled:
     vmfb: bytes = attrs.field(repr=False)
     key: str = ""
     from_cache: bool = False
+    #: compiles the module again with its weights in a parameter archive: () -> (vmfb, key -> tensor)
+    externalize: Callable[[], tuple[bytes, dict[str, torch.Tensor]]] | None = attrs.field(default=None, repr=False)
+    #: why `save` cannot write this program ("" when it can)
+    unsupported: str = attrs.field(default="", repr=False)
+    #: the parameter archive a loaded module reads its weights from
+    archive: Path | None = None
+
+    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+        """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
+        with its call convention); with `params`, the weights go to that IREE parameter archive (.irpa)."""
+        from fx_rewrites.backends.iree.artifact import save
+
+        save(
+            self.vmfb,
+            path,
+            unsupported=self.unsupported,
+            params=params,
+            externalize=self.externalize,
+            archive=self.archive,
+        )
+
+    def release(self) -> None:
+        """Drop the runtime objects (the function, its VM context and device); calls fail after this.
+
+        IREE's runtime objects are nanobind instances: one still alive when Python shuts down makes
+        nanobind print a page of `leaked ...` lines, so the torch.compile glue releases its graphs at exit.
+        """
+        self.function = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.function is None:
+            raise RuntimeError("this compiled module was released (IreeCompiled.release()); compile or load it again")
         plan = self.plan
-        if kwargs and plan.in_spec.num_children == 2:  # in the order export saw them
-            wanted = plan.in_spec.child(1).context or []
-            if set(kwargs) == set(wanted):
-                kwargs = {k: kwargs[k] for k in wanted}
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != plan.in_spec:
-            raise TypeError(
-                f"the compiled program takes (args, kwargs) shaped {pytree.treespec_pprint(plan.in_spec)}, "
-                f"got {pytree.treespec_pprint(spec)}"
-            )
+        flat = bind(plan, args, kwargs)
         results = self.function(*(to_host(flat[a] if isinstance(a, int) else a) for a in plan.args))
         if not isinstance(results, (tuple, list)):
             results = (results,)

@@ -1,0 +1,194 @@
+"""`fx_rewrites.compile` and `fx_rewrites.load`: a model to a callable (and a file) in one call.
+
+    compiled = fx_rewrites.compile(model, (x,), {"use_cache": False})   # export, the backend's rules, compile
+    compiled(x)                                                           # called like the model
+    compiled.save("model.vmfb")                  # iree-run-module runs it; params="model.irpa" keeps weights apart
+    fx_rewrites.load("model.vmfb")(x)            # the call convention comes back with it; no pickle
+
+It sits above the backends: export (torch.export), `fx_rewrites.apply(program,
+backend.rules)`, then `backend.compile(program, args)`, which never rewrites.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch.export import ExportedProgram
+
+from fx_rewrites.engine import Report, RewriteError
+from fx_rewrites.program import quiet_torch_pytree
+
+
+class ExportFailed(RewriteError):
+    """torch.export could not export the model; the message says why and what to change."""
+
+
+def export_hint(e: BaseException, instead: str = "pass the ExportedProgram") -> str:
+    """What to do about a torch.export failure, from its type and text (`instead`: the way around export)."""
+    text = str(e)
+    if "DynamicCache" in text or "Cache" in type(e).__name__:
+        return (
+            "a transformers cache object (DynamicCache) is among the outputs, and torch.export cannot return it; "
+            "pass use_cache=False in kwargs (fx_rewrites.compile(model, args, {'use_cache': False})), or return "
+            "the cache as tensors"
+        )
+    if "data-dependent" in text or type(e).__name__ == "GuardOnDataDependentSymNode":
+        return (
+            "Python control flow on a tensor's value (`if x.sum() > 0:`) cannot be exported. Write the branch "
+            "as torch.cond(pred, true_fn, false_fn, (x,)) (fx-rewrites' cond rules then lower it for the "
+            "backend) or as torch.where(pred, a, b)"
+        )
+    if "Constraints violated" in text or "specialized" in text:
+        return "follow the fix torch suggests below (the example inputs fix a size the model treats as dynamic)"
+    return (
+        "make `torch.export.export(module, example_args)` work on the model first (torch.export.draft_export "
+        f"lists every problem at once), or export it yourself and {instead}"
+    )
+
+
+@attrs.define(eq=False)
+class Compiled:
+    """A compiled model: call it as the model was called (args and kwargs).
+
+    `program` is the rewritten ExportedProgram, `report` what the rules did,
+    `runtime` the backend's callable (an `IreeCompiled` for IREE). Keyword
+    arguments that were non-tensor constants when it was compiled
+    (`use_cache=False`) may be left out.
+    """
+
+    backend: str
+    program: ExportedProgram = attrs.field(repr=False)
+    report: Report = attrs.field(repr=False)
+    runtime: Any = attrs.field(repr=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runtime(*args, **kwargs)
+
+    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+        """Write the compiled module (IREE: a .vmfb `iree-run-module` runs; with `params`, the weights
+        go to that IREE parameter archive, .irpa). `fx_rewrites.load(path)` reads it back."""
+        save = getattr(self.runtime, "save", None)
+        if save is None:
+            from fx_rewrites.backends.iree.artifact import ArtifactError
+
+            raise ArtifactError(
+                f"the {self.backend} backend writes no artifact. Fix: compile with backend='iree' to save a .vmfb, "
+                "or save the rewritten program with torch.export.save(compiled.program, 'model.pt2')."
+            )
+        save(path, params=params)
+
+
+def _export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None, dynamic_shapes: Any
+) -> ExportedProgram:
+    try:
+        return torch.export.export(model, args, kwargs or None, dynamic_shapes=dynamic_shapes)
+    except Exception as e:
+        raise ExportFailed(
+            f"torch.export could not export {type(model).__name__}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:600]}. Fix: {export_hint(e)}."
+        ) from e
+
+
+def compile(
+    model: torch.nn.Module | ExportedProgram,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    backend: str | Any = "iree",
+    dynamic_shapes: Any = None,
+) -> Compiled:
+    """Export `model` with `args`/`kwargs` (an ExportedProgram is taken as is), apply the backend's
+    rules (`fx_rewrites.apply(program, backend.rules)`) and compile. `backend` is a registered name
+    or a Backend; `dynamic_shapes` goes to torch.export (e.g. `{"x": {0: torch.export.Dim("batch")}}`)."""
+    from fx_rewrites import backends
+    from fx_rewrites.api import apply
+
+    target = backends.get(backend) if isinstance(backend, str) else backend
+    if isinstance(args, list):
+        args = tuple(args)
+    if not isinstance(args, tuple):
+        raise TypeError(
+            f"args is a {type(args).__name__}; it is the tuple of the model's positional inputs: "
+            "fx_rewrites.compile(model, (x,)) for one input"
+        )
+    with quiet_torch_pytree():
+        if isinstance(model, ExportedProgram):
+            if dynamic_shapes is not None:
+                raise TypeError(
+                    "dynamic_shapes= applies when fx_rewrites.compile exports a module; an ExportedProgram "
+                    "already carries its shapes (pass them to torch.export.export instead)"
+                )
+            program = model
+        elif isinstance(model, torch.nn.Module):
+            program = _export(model, args, dict(kwargs) if kwargs else None, dynamic_shapes)
+        else:
+            raise TypeError(
+                f"fx_rewrites.compile takes a torch.nn.Module (a GraphModule is one) or a "
+                f"torch.export.ExportedProgram, got {type(model).__name__}"
+            )
+        result = apply(program, target.rules)
+        runtime = target.compile(result.program, args)
+    return Compiled(target.name, result.program, result.report, runtime)
+
+
+def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, driver: str | None = None):
+    """A compiled module saved with `compiled.save(path)`, called like the model it came from.
+
+    Only the call convention (JSON inside the .vmfb) and IREE's module are
+    read: no pickle, no Python from the file. `params` is the parameter
+    archive it was saved with (default: PATH with the suffix .irpa);
+    `driver` overrides the IREE driver it was compiled for ("local-task")."""
+    from fx_rewrites.backends.iree.artifact import load as load_iree
+
+    return load_iree(Path(path), params=params, driver=driver)
+
+
+def example_inputs(compiled: Any) -> list[str]:
+    """`iree-run-module --input=` values for the compiled function's tensor inputs, zero-filled
+    ("2x3x8x8xf32=0"), or [] when the convention does not say."""
+    plan = getattr(getattr(compiled, "runtime", compiled), "plan", None)
+    if plan is None or not plan.inputs:
+        return []
+    out = []
+    for i in plan.args:
+        item = plan.inputs[i] if isinstance(i, int) and i < len(plan.inputs) else None
+        if item is None or item.kind != "tensor" or not all(isinstance(d, int) for d in item.shape):
+            return []
+        element = _IREE_ELEMENT.get(item.dtype)
+        if element is None:
+            return []
+        out.append("x".join([*(str(d) for d in item.shape), element]) + "=0")
+    return out
+
+
+#: torch dtype -> the element type iree-run-module's --input takes
+_IREE_ELEMENT = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "ui8",
+    torch.bool: "i1",
+}
+
+
+def flat_inputs(compiled: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+    """The tensors the compiled function takes, in order, for a call with `args`/`kwargs`."""
+    from fx_rewrites.backends.convention import bind
+
+    runtime = getattr(compiled, "runtime", compiled)
+    flat = bind(runtime.plan, tuple(args), dict(kwargs or {}))
+    return [flat[i] if isinstance(i, int) else i for i in runtime.plan.args]
+
+
+__all__ = ["Compiled", "ExportFailed", "compile", "example_inputs", "export_hint", "flat_inputs", "load"]

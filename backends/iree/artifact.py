@@ -1,0 +1,238 @@
+"""Compiled programs as files: a .vmfb that carries its own call convention, and optionally an .irpa of weights.
+
+`iree-run-module --module=model.vmfb --function=main` runs the file as is.
+The call convention (`convention.Plan`: the pytree specs of inputs and
+outputs, each input's dtype and shape, the constants torch.export
+specialised, where each result goes) is JSON in the `iree.reflection`
+attribute of `main`, which the runtime reads back (`VmFunction.reflection`),
+so one file is the whole artifact. `load` reads that JSON and hands the
+module to IREE's runtime: no pickle, nothing from the file runs in Python.
+(The module's compiled kernels are machine code, as in any shared library:
+load artifacts you trust.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fx_rewrites.backends.convention import Input, Output, Plan
+from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
+from fx_rewrites.engine import RewriteError
+
+#: `iree.reflection` keys on `main`: the convention (JSON), or why it could not be written
+CALL_KEY = "fx_rewrites.call"
+UNSUPPORTED_KEY = "fx_rewrites.unsupported"
+FORMAT = "fx-rewrites.iree-call"
+VERSION = 1
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class ArtifactError(RewriteError):
+    """A compiled program cannot be saved, or a file cannot be loaded as one."""
+
+
+def _dtype(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ArtifactError(f"unknown dtype {name!r} in the call convention")
+    return dtype
+
+
+def _constant(value: Any, what: str) -> Any:
+    if not isinstance(value, _SCALARS):
+        raise ArtifactError(f"{what} is a constant {type(value).__name__} ({value!r:.60}), which JSON cannot hold")
+    return value
+
+
+def reflection(plan: Plan, driver: str, parameters: bool = False) -> dict[str, str]:
+    """The `iree.reflection` entries for `main`: the convention as JSON, or why it cannot be one."""
+    try:
+        return {CALL_KEY: plan_json(plan, driver, parameters)}
+    except ArtifactError as e:
+        return {UNSUPPORTED_KEY: str(e)}
+
+
+def plan_json(plan: Plan, driver: str, parameters: bool = False) -> str:
+    """`plan` as JSON (ArtifactError for what JSON cannot carry: mutated buffers, custom pytree types)."""
+    if any(isinstance(a, torch.Tensor) for a in plan.args) or any(
+        isinstance(o.write, torch.Tensor) for o in plan.outputs
+    ):
+        raise ArtifactError(
+            "the program mutates buffers (state kept between calls), which a saved artifact cannot carry yet; "
+            "export the model in eval mode without in-place buffer updates"
+        )
+    try:
+        in_spec, out_spec = pytree.treespec_dumps(plan.in_spec), pytree.treespec_dumps(plan.out_spec)
+    except Exception as e:
+        raise ArtifactError(
+            f"the inputs or outputs use a pytree type that cannot be written as JSON ({type(e).__name__}: {e}); "
+            "register it with torch.utils._pytree.register_pytree_node(..., serialized_type_name=...)"
+        ) from None
+    inputs = [
+        {
+            "name": i.name,
+            "path": i.path,
+            "kind": i.kind,
+            "dtype": _dtype(i.dtype),
+            "shape": list(i.shape),
+            "value": _constant(i.value, f"input {i.name or i.path}"),
+        }
+        for i in plan.inputs
+    ]
+    outputs = [
+        {
+            "result": o.result,
+            "constant": _constant(o.constant, f"output {n}"),
+            "dtype": _dtype(o.dtype),
+            "write": o.write,
+        }
+        for n, o in enumerate(plan.outputs)
+    ]
+    document = {
+        "format": FORMAT,
+        "version": VERSION,
+        "made_by": {"fx_rewrites": _version("fx-rewrites"), "iree_compiler": _version("iree-base-compiler")},
+        "driver": driver,
+        "in_spec": in_spec,
+        "out_spec": out_spec,
+        "args": list(plan.args),
+        "inputs": inputs,
+        "outputs": outputs,
+        "ranges": {k: list(v) for k, v in plan.ranges.items()},
+        "parameters": {"scope": SCOPE} if parameters else None,
+    }
+    return json.dumps(document, separators=(",", ":"))
+
+
+def _version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def plan_from_json(text: str, source: str) -> tuple[Plan, dict[str, Any]]:
+    """The Plan a `plan_json` document describes, and the document."""
+    try:
+        doc = json.loads(text)
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise ArtifactError(
+                f"{source} holds call convention {doc.get('format')!r} version {doc.get('version')!r}; this "
+                f"fx-rewrites reads {FORMAT!r} version {VERSION}. Fix: save it again with this version."
+            )
+        inputs = tuple(
+            Input(i["name"], i["path"], i["kind"], _torch_dtype(i["dtype"]), tuple(i["shape"]), i["value"])
+            for i in doc["inputs"]
+        )
+        outputs = tuple(
+            Output(o["result"], o["constant"], _torch_dtype(o["dtype"]), o["write"]) for o in doc["outputs"]
+        )
+        ranges = {k: (v[0], v[1]) for k, v in doc["ranges"].items()}
+        in_spec, out_spec = pytree.treespec_loads(doc["in_spec"]), pytree.treespec_loads(doc["out_spec"])
+        return Plan(in_spec, out_spec, tuple(doc["args"]), outputs, inputs, ranges), doc
+    except ArtifactError:
+        raise
+    except Exception as e:  # a damaged document, or a pytree type this process has not registered
+        raise ArtifactError(
+            f"{source}'s call convention cannot be read: {type(e).__name__}: {e}. Fix: if it names a pytree type "
+            "(a model's output class), import the module that registers it first; else save the artifact again."
+        ) from None
+
+
+# ----------------------------------------------------------------------------- save and load
+
+
+def save(
+    vmfb: bytes,
+    path: str | Path,
+    *,
+    unsupported: str = "",
+    params: str | Path | None = None,
+    externalize: Callable[[], tuple[bytes, dict[str, torch.Tensor]]] | None = None,
+    archive: Path | None = None,
+) -> None:
+    """Write `vmfb` to `path`; with `params`, the weights go to that .irpa instead (`externalize`
+    compiles the module that reads them), or, for a module loaded with its archive, that archive is copied."""
+    from fx_rewrites.backends.iree.parameters import write_archive
+
+    if unsupported:
+        raise ArtifactError(f"cannot save this compiled program: {unsupported}.")
+    path = Path(path)
+    if archive is not None:
+        if params is None:
+            raise ArtifactError(
+                f"this module reads its weights from {archive}. Fix: pass params='NAME.irpa' to save a copy with it."
+            )
+        path.write_bytes(vmfb)
+        if Path(params).resolve() != archive.resolve():
+            shutil.copyfile(archive, params)
+        return
+    if params is None:
+        path.write_bytes(vmfb)
+        return
+    if externalize is None:
+        raise ArtifactError(
+            "only a program from torch.export (fx_rewrites.compile, or IreeBackend.compile of an ExportedProgram) "
+            "can put its weights in a parameter archive; this one takes them as inputs. Fix: save without params="
+        )
+    with_params, tensors = externalize()
+    write_archive(tensors, params)
+    path.write_bytes(with_params)
+
+
+def _looks_like_vmfb(head: bytes) -> bool:
+    """IREE writes a zip whose first entry, module.fb, is a FlatBuffer with the identifier "IREE"."""
+    return head[:4] == b"PK\x03\x04" and b"IREE" in head[:256]
+
+
+def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:
+    """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
+    import iree.runtime
+
+    from fx_rewrites.backends.iree.runtime import IreeCompiled
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"no such file: {path}. Fix: check the path (a .vmfb written by compiled.save).")
+    with path.open("rb") as f:
+        head = f.read(256)
+    if not _looks_like_vmfb(head):
+        raise ArtifactError(f"{path} is not an IREE module (.vmfb). Fix: give the file compiled.save wrote.")
+    probe = iree.runtime.VmModule.mmap(iree.runtime.VmInstance(), str(path))
+    entries = probe.lookup_function("main").reflection if "main" in probe.function_names else {}
+    if CALL_KEY not in entries:
+        raise ArtifactError(
+            f"{path} carries no fx-rewrites call convention (it was not written by compiled.save); "
+            "run it with iree-run-module or iree.runtime directly"
+        )
+    plan, doc = plan_from_json(entries[CALL_KEY], str(path))
+    config = iree.runtime.Config(driver or doc["driver"])
+    modules = []
+    archive = None
+    if doc["parameters"] is not None:
+        archive = Path(params) if params is not None else path.with_suffix(".irpa")
+        if not archive.is_file():
+            raise ArtifactError(
+                f"{path} reads its weights from a parameter archive, and {archive} does not exist. "
+                "Fix: pass params='PATH.irpa' (the file written with it)."
+            )
+        modules.append(load_parameters(config, archive, doc["parameters"]["scope"]))
+    elif params is not None:
+        raise ArtifactError(f"{path} holds its weights itself; it reads no parameter archive. Fix: leave params= out.")
+    modules.append(iree.runtime.VmModule.mmap(config.vm_instance, str(path)))
+    bound = iree.runtime.load_vm_modules(*modules, config=config)
+    return IreeCompiled(plan, bound[-1]["main"], "", path.read_bytes(), archive=archive)
