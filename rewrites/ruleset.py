@@ -11,7 +11,9 @@ from fx_rewrites.engine import Rule
 from fx_rewrites.kinds.base import RuleDefinitionError
 
 
-def _rules(value: Iterable[Any]) -> tuple[Rule, ...]:
+def _rules(value: Rule | Iterable[Any]) -> tuple[Rule, ...]:
+    if isinstance(value, Rule) and not isinstance(value, RuleSet):
+        return (value,)  # one rule: `DEFAULT + my_rule`
     out: list[Rule] = []
     for item in value:
         out.extend(item if isinstance(item, RuleSet) else [item])
@@ -22,8 +24,9 @@ def _rules(value: Iterable[Any]) -> tuple[Rule, ...]:
 class RuleSet:
     """Rules in the order they were given (it breaks priority ties).
 
-    Compose with `a | b` (union; two different rules with one name is an
-    error),
+    Compose with `a | b` or `a + b` (union, in order; `b` may be a RuleSet,
+    one rule or a list of rules; two different rules with one name is an
+    error): `fx_rewrites.apply(ep, DEFAULT + my_rule)`,
     `without("name", ...)`, `tagged("tag")` and `untagged("tag")`.
     """
 
@@ -58,9 +61,24 @@ class RuleSet:
                 return rule
         raise KeyError(f"no rule named {name!r} in RuleSet {self.name!r}; it has {self.names()}")
 
-    def __or__(self, other: RuleSet | Iterable[Rule]) -> RuleSet:
-        other_name = other.name if isinstance(other, RuleSet) else "rules"
+    def __or__(self, other: RuleSet | Rule | Iterable[Rule]) -> RuleSet:
+        if not isinstance(other, (RuleSet, Rule, Iterable)):
+            return NotImplemented
+        if isinstance(other, RuleSet):
+            other_name = other.name
+        else:
+            other_name = other.name if isinstance(other, Rule) else "rules"
         return RuleSet((*self.rules, *_rules(other)), name=f"{self.name}+{other_name}")
+
+    __add__ = __or__
+
+    def __radd__(self, other: Rule | Iterable[Rule]) -> RuleSet:
+        """`my_rule + DEFAULT`: the rule first (it wins priority ties)."""
+        if not isinstance(other, (Rule, Iterable)):
+            return NotImplemented
+        return RuleSet((*_rules(other), *self.rules), name=self.name)
+
+    __ror__ = __radd__
 
     def names(self) -> list[str]:
         return [r.name for r in self.rules]
