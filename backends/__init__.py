@@ -5,7 +5,15 @@ A backend is a name, a RuleSet and `compile(program, example_args)`; see
 the `fx_rewrites.backends` entry point group.
 """
 
-from fx_rewrites.backends.base import ENTRY_POINT_GROUP, Backend, UnknownBackend, get, names, register
+from fx_rewrites.backends.base import (
+    ENTRY_POINT_GROUP,
+    Backend,
+    BackendUnavailable,
+    UnknownBackend,
+    get,
+    names,
+    register,
+)
 from fx_rewrites.backends.eager import EagerBackend
 from fx_rewrites.backends.iree import IreeBackend
 
@@ -21,4 +29,13 @@ def _ttnn_backend() -> Backend:
 
 register(_ttnn_backend, name="ttnn")
 
-__all__ = ["ENTRY_POINT_GROUP", "Backend", "EagerBackend", "UnknownBackend", "get", "names", "register"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendUnavailable",
+    "EagerBackend",
+    "UnknownBackend",
+    "get",
+    "names",
+    "register",
+]

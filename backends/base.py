@@ -35,6 +35,15 @@ class Backend(Protocol):
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> Callable[..., Any]: ...
 
 
+class BackendUnavailable(RuntimeError):
+    """The backend's runtime (a package, a device) is missing here: programs compile, but cannot run.
+
+    Optional members a backend may have, which `fx-rewrites check` reads:
+    `rtol` and `atol` (the agreement with eager to expect) and
+    `describe(program, label) -> str` (a report printed before the results).
+    """
+
+
 class UnknownBackend(LookupError):
     """No backend is registered under the name asked for."""
 

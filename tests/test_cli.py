@@ -162,6 +162,36 @@ def test_check_fails_with_exit_1_when_the_backend_still_rejects_the_model(files,
     assert "failed to legalize operation 'torch.operator'" in out
 
 
+def test_without_verbose_the_note_says_how_to_see_the_compiler_output(files, capsys):
+    """A shell user cannot read an exception's `.diagnostics`: the note points at --verbose instead."""
+    code, out, _ = _run(capsys, "check", f"{files['model']}:median")
+    assert code == 1
+    assert "(--verbose prints iree-compile's whole output)" in out
+    assert ".diagnostics" not in out and "--- after rules: diagnostics" not in out
+
+
+def test_describe_error_cuts_at_a_word():
+    from fx_rewrites.app.cli.common import describe_error
+
+    words = " ".join(f"word{i:03d}" for i in range(200))  # 1,599 characters
+    note = describe_error(ValueError(words), 300)
+    assert note.startswith("ValueError: word000 word001") and note.endswith(" … (--verbose shows all of it)")
+    kept = note.removeprefix("ValueError: ").removesuffix(" … (--verbose shows all of it)")
+    assert len(kept) <= 300 and kept.split()[-1] == f"word{len(kept.split()) - 1:03d}"  # a whole word last
+    assert describe_error(ValueError(words), None) == f"ValueError: {words}"
+
+
+def test_demo_notes_are_whole_sentences_and_verbose_adds_the_compiler_output(capsys):
+    code, out, _ = _run(capsys, "demo", "--only", "tensor_literals")
+    assert code == 0
+    note = next(line for line in out.splitlines() if line.startswith("[1] IreeCompileError:"))
+    # the hint after the error, cut at 300 characters mid-word before, is there whole
+    assert note.endswith("into ops IREE knows. (--verbose prints iree-compile's whole output)"), note
+    code, out, _ = _run(capsys, "demo", "--only", "tensor_literals", "--verbose")
+    assert code == 0 and "--- tensor_literals, as is: iree-compile's output" in out
+    assert "failed to legalize operation 'torch.operator'" in out
+
+
 def test_check_through_the_installed_entry_point(files):
     exe = shutil.which("fx-rewrites")
     assert exe, "the fx-rewrites entry point is not installed: pip install -e '.[test,iree]'"

@@ -217,3 +217,27 @@ def test_a_user_script_sees_no_torch_pytree_warning(tmp_path):
     )
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-3000:]
     assert "FutureWarning" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_no_nanobind_leak_report_after_torch_compile_with_a_graph_break(tmp_path):
+    """A graph break keeps dynamo's compiled graphs (and IREE's runtime objects in them) alive to the end;
+    left to interpreter shutdown they outlive their nanobind module, which printed ~100 `leaked` lines."""
+    script = textwrap.dedent(
+        """
+        import torch, fx_rewrites
+
+        def f(x):
+            y = torch.relu(x) * 2
+            print("graph break")
+            return y + 1
+
+        with torch.no_grad():
+            out = torch.compile(f, backend="fx_rewrites_iree")(torch.randn(4))
+        print("done", out.shape)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0 and "done torch.Size([4])" in proc.stdout, proc.stderr[-3000:]
+    assert "nanobind" not in proc.stderr, proc.stderr[-3000:]

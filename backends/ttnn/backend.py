@@ -171,6 +171,12 @@ class TtnnBackend:
     rtol: float = 3e-2
     atol: float = 3e-2
 
+    def describe(self, program: ExportedProgram | GraphModule, label: str = "model") -> str:
+        """The coverage report (per aten op: nodes on the device, on the host and why), for `fx-rewrites check`."""
+        from fx_rewrites.backends.ttnn.coverage import coverage
+
+        return coverage(program, label).text()
+
     def for_demo(self) -> TtnnBackend:
         """This backend, or where ttnn cannot be imported its host emulation, named so (`fx-rewrites demo`)."""
         try:

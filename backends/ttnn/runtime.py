@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fx_rewrites.backends.base import BackendUnavailable
+
 INSTALL_HINT = (
     "ttnn (Tenstorrent TT-NN) is not installed. Its wheels exist for Python 3.10 on Linux x86_64 only and it "
     "needs a Tenstorrent device (Wormhole or Blackhole) with its driver: on such a machine, "
@@ -19,7 +21,7 @@ INSTALL_HINT = (
 )
 
 
-class TtnnUnavailable(RuntimeError):
+class TtnnUnavailable(BackendUnavailable):
     """ttnn cannot be imported, or its device cannot be opened."""
 
 

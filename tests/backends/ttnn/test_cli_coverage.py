@@ -78,9 +78,9 @@ def test_coverage_report_without_ttnn(model_file, capsys, no_ttnn):
     assert (device, host) == ("0", "1") and "round together" in why
     _, device, host, why = _row(out, "aten.sum.dim_IntList")
     assert (device, host) == ("0", "1") and "is bool; the ttnn lowering takes float tensors" in why
-    assert "lowered graph on the host (bfloat16 emulation) vs eager: ok" in out
+    assert "the rewritten program run by torch vs eager: ok" in out  # the stand-ins' bodies: bfloat16 emulation
     assert re.search(r"not run on ttnn: ttnn \(Tenstorrent TT-NN\) is not installed.*Python 3\.10", out)
-    assert "PASS: rtol 0.03, atol 0.03" in out
+    assert "PASS: after the rules, the program matches eager on torch; not run on ttnn (rtol 0.03, atol 0.03)" in out
 
 
 def test_runs_on_the_double_when_it_is_injected(model_file, capsys):
@@ -99,7 +99,7 @@ def test_fails_with_exit_1_beyond_bfloat16_tolerance(model_file, capsys, no_ttnn
     )
     assert code == 1, out + err
     assert "vs eager: WrongResult: max abs diff" in out
-    assert "FAIL: rtol 1e-06, atol 1e-06" in out
+    assert "FAIL: after the rules, the rewritten program differs from eager (see above; rtol 1e-06, atol 1e-06)" in out
 
 
 def test_demo_on_ttnn_without_ttnn_emulates_the_device_and_says_so(capsys, no_ttnn):
