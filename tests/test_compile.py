@@ -155,6 +155,7 @@ def test_export_failures_say_what_to_change():
         fx_rewrites.compile(Branchy(), (torch.ones(2),))
 
 
+@pytest.mark.slow  # a (tiny) transformers model: the import and export take ~20 s on the shared machine
 def test_a_cache_in_the_outputs_gets_the_use_cache_hint():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
