@@ -63,7 +63,7 @@ def _cases(only: str | None, names: set[str] | None):
     if only in (None, "zoo"):
         from tests.zoo import registry
 
-        for m in registry.MODELS:
+        for m in registry.MODELS if names else registry.FIRST:
             if names is None or m.name in names:
                 args, kwargs = m.inputs(registry.SEEDS[0])
                 yield f"zoo/{m.name}", m.model(), tuple(args), dict(kwargs), None, m.export_error

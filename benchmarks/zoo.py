@@ -89,7 +89,7 @@ def _compare(fn: Any, model: Any, entry: registry.ZooModel) -> tuple[str, float,
             got, expected = fn(*a, **k), model(*a, **k)
             diffs.append(_max_diff(got, expected))
             try:
-                registry.assert_matches(got, expected)
+                registry.assert_matches(got, expected, entry.tolerance)
             except AssertionError as e:
                 verdict, error = "differs", error or str(e)[:300]
     return verdict, max(diffs), error
@@ -119,11 +119,10 @@ def measure_compile_route(entry: registry.ZooModel, backend: Any, model: Any, ro
     return compiled
 
 
-def measure(
-    entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, as_is: bool, compile_route: bool
-) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": entry.name, "family": entry.family}
-    model = entry.model()
+def measure_export_route(
+    entry: registry.ZooModel, backend: Any, rules: Any, model: Any, row: dict[str, Any], *, as_is: bool
+) -> Any:
+    """export -> rules -> IREE into `row`; returns the compiled module (or None where a stage failed)."""
     args, kwargs = entry.inputs(registry.SEEDS[0])
     start = time.perf_counter()
     try:
@@ -131,12 +130,7 @@ def measure(
             program = torch.export.export(model, args, kwargs or None)  # torch prints whole graphs on failure
     except Exception as e:
         row["export"] = f"torch.export fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
-        if compile_route:
-            tc = measure_compile_route(entry, backend, model, row)
-            if tc is not None:
-                row["tc_ms"], row["eager_ms"] = _medians_ms([tc, model], args, kwargs, repeat)
-            torch._dynamo.reset()
-        return row
+        return None
     row["export_s"] = time.perf_counter() - start
     row["nodes_before"] = _calls(program)
     if as_is:
@@ -148,7 +142,11 @@ def measure(
             row["as_is"] = _short(e)
             row["as_is_op"] = getattr(e, "op", "")
     start = time.perf_counter()
-    result = fx_rewrites.apply(program, rules)
+    try:
+        result = fx_rewrites.apply(program, rules)
+    except Exception as e:
+        row["export"] = f"rules fail: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        return None
     row["rules_s"] = time.perf_counter() - start
     row["nodes_after"] = _calls(result.program)
     row["fired"] = dict(sorted(result.report.rewrites.items()))
@@ -159,16 +157,27 @@ def measure(
     except Exception as e:
         row["after"] = _short(e)
         row["error"] = str(e)[:300]
-        return row
+        return None
     row["compile_s"] = time.perf_counter() - start
     row["after"], row["max_diff"], error = _compare(compiled, model, entry)
     if error:
         row["error"] = error
+    return compiled
+
+
+def measure(
+    entry: registry.ZooModel, backend: Any, rules: Any, *, repeat: int, as_is: bool, compile_route: bool
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": entry.name, "family": entry.family}
+    model = entry.model()
+    args, kwargs = entry.inputs(registry.SEEDS[0])
+    compiled = measure_export_route(entry, backend, rules, model, row, as_is=as_is)
     tc = measure_compile_route(entry, backend, model, row) if compile_route else None
-    if tc is None:
-        row["iree_ms"], row["eager_ms"] = _medians_ms([compiled, model], args, kwargs, repeat)
-    else:
-        row["iree_ms"], row["tc_ms"], row["eager_ms"] = _medians_ms([compiled, tc, model], args, kwargs, repeat)
+    timed = {"iree_ms": compiled, "tc_ms": tc}
+    timed = {key: fn for key, fn in timed.items() if fn is not None}
+    if timed and repeat:
+        times = _medians_ms([*timed.values(), model], args, kwargs, repeat)
+        row.update(zip([*timed, "eager_ms"], times))
     torch._dynamo.reset()
     return row
 
@@ -184,7 +193,7 @@ def _tc_cell(row: dict[str, Any]) -> str:
 
 def _fmt(row: dict[str, Any]) -> str:
     if "export" in row:
-        run = f"- / {row['tc_ms']:.2f} / {row['eager_ms']:.2f}" if "tc_ms" in row else ""
+        run = f"- / {row['tc_ms']:.2f} / {row['eager_ms']:.2f}" if "tc_ms" in row and "eager_ms" in row else ""
         return f"| {row['model']} | {row['family']} | {row['export']} | | | | | | {_tc_cell(row)} | {run} | |"
     fired = ", ".join(f"{k} {v}" for k, v in row["fired"].items()) or "none"
     cells = [
@@ -198,7 +207,7 @@ def _fmt(row: dict[str, Any]) -> str:
         f"{row['compile_s']:.1f}" if "compile_s" in row else "",
         _tc_cell(row),
         " / ".join(f"{row[k]:.2f}" if k in row else "-" for k in ("iree_ms", "tc_ms", "eager_ms"))
-        if "iree_ms" in row
+        if "eager_ms" in row
         else "",
         f"{row['export_s']:.1f} / {row['rules_s']:.2f}",
     ]
@@ -214,33 +223,36 @@ HEADER = (
 
 
 def _disagreements(entry: registry.ZooModel, row: dict[str, Any]) -> list[str]:
+    """Where the measurement and the row's `known` failures or `graphs` disagree."""
     out = []
-    if "fired" in row and set(row["fired"]) != set(entry.fires):
-        out.append(f"{entry.name}: fires={sorted(row['fired'])}, registry says {sorted(entry.fires)}")
-    if "as_is_op" in row or row.get("as_is") == "compiles":
-        measured = row.get("as_is_op", "")
-        if measured != entry.as_is:
-            out.append(f"{entry.name}: as_is={measured!r}, registry says {entry.as_is!r}")
-    if "export" in row and not entry.export_error:
-        out.append(f"{entry.name}: {row['export']}")
-    if "tc_fired" in row and set(row["tc_fired"]) != set(entry.compile_fires):
-        out.append(f"{entry.name}: compile_fires={row['tc_fired']}, registry says {sorted(entry.compile_fires)}")
-    if "tc_graphs" in row and row["tc_graphs"] != entry.graphs:
-        out.append(f"{entry.name}: graphs={row['tc_graphs']}, registry says {entry.graphs}")
-    if row.get("tc", "").startswith("fails") and not entry.compile_error:
+    known_export, known_compile = entry.known.get("export"), entry.known.get("compile")
+    export_failed = "export" in row or row.get("after", "matches") != "matches"
+    if export_failed and not known_export:
+        out.append(f"{entry.name}: export route {row.get('export') or row.get('after')}: {row.get('error', '')}")
+    if known_export and not export_failed:
+        out.append(f"{entry.name}: export route passes; the row's Known ({known_export.reason}) is stale")
+    compile_failed = row.get("tc", "matches") != "matches"
+    if compile_failed and not known_compile:
         out.append(f"{entry.name}: torch.compile {row['tc']}: {row.get('tc_error', '')}")
+    if known_compile and "tc" in row and not compile_failed:
+        out.append(f"{entry.name}: torch.compile passes; the row's Known ({known_compile.reason}) is stale")
+    if "tc_graphs" in row and row["tc_graphs"] != entry.graphs:
+        out.append(f"{entry.name}: graphs={row['tc_graphs']}, the row says {entry.graphs}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--from", dest="start", default="", help="start at this zoo name (in table order)")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per model for the medians")
     parser.add_argument("--no-as-is", action="store_true", help="skip compiling the plain exports")
     parser.add_argument("--no-compile-route", action="store_true", help="skip torch.compile(backend=fx_rewrites_iree)")
     options = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     names = [n for n in options.models.split(",") if n] or [m.name for m in registry.MODELS]
+    if options.start:
+        names = names[names.index(options.start) :]
     backend = backends.get("iree")
     rules = backend.rules
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
@@ -259,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(_fmt(row), flush=True)
         notes += _disagreements(entry, row)
-        failed += "export" not in row and row.get("after") != "matches"
-        failed += row.get("tc", "matches") != "matches" and not entry.compile_error
+        failed += bool(_disagreements(entry, row))
     print()
     for route, key in (("export route", "compile_s"), ("torch.compile route (first call)", "tc_compile_s")):
         seconds = [r[key] for r in rows if key in r]

@@ -9,6 +9,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from fx_rewrites import testing as rt
+from tests.zoo import torchvision_cpu
+
+# transformers 5 imports torchvision where it is installed, and PyPI's torchvision wheel cannot load its
+# compiled ops on CPU torch: register the two its import needs before any test imports transformers
+torchvision_cpu.install()
 
 # Hypothesis budgets (tests/fuzz): "ci", the default, keeps the fuzz suite to a minute or two;
 # HYPOTHESIS_PROFILE=local generates 10,000 modules per fuzz test (FUZZ_EXAMPLES to change; hours on 2 cores).

@@ -11,8 +11,10 @@ deselect the zoo with `-m "not zoo"` (it is also `slow`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import re
+import os
+from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
@@ -33,31 +35,25 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-class ExportFailed(Exception):
-    """torch.export failed the way the registry says it does (an expected failure)."""
+#: set FX_REWRITES_ZOO=full to run the rows kept out of CI (`ci=False`: the slowest to compile)
+FULL = os.environ.get("FX_REWRITES_ZOO", "") == "full"
 
 
-class CompileFailed(Exception):
-    """torch.compile failed the way the registry says it does (an expected failure)."""
+def model_params(route: str, stage: str) -> list:
+    """One pytest param per zoo row for a test of `stage` on `route` ("export" or "compile").
 
-
-#: route -> (the registry field naming torch's error, the exception its stage raises, what fails)
-_ROUTES = {
-    "export": ("export_error", ExportFailed, "torch.export"),
-    "compile": ("compile_error", CompileFailed, "torch.compile"),
-}
-
-
-def model_params(route: str) -> list:
-    """One pytest param per zoo model; a model torch cannot take on `route`
-    ("export" or "compile") is a strict expected failure naming torch's error."""
-    field, raises, what = _ROUTES[route]
+    A row whose `Known` failure stops this stage is a strict expected failure
+    (raises KnownFailure) naming the form, the op and the owner; a row kept
+    out of CI is skipped unless FX_REWRITES_ZOO=full.
+    """
     params = []
     for m in registry.MODELS:
-        error = getattr(m, field)
-        marks = (
-            pytest.mark.xfail(raises=raises, strict=True, reason=f"{what} fails: /{error}/ ({m.note})") if error else ()
-        )
+        marks = []
+        known = m.known_at(route, stage)
+        if known:
+            marks.append(pytest.mark.xfail(raises=registry.KnownFailure, strict=True, reason=known.reason))
+        if not m.ci and not FULL:
+            marks.append(pytest.mark.skip(reason=f"local run only (FX_REWRITES_ZOO=full): {m.note}"))
         params.append(pytest.param(m.name, marks=marks, id=m.name))
     return params
 
@@ -79,8 +75,7 @@ class Case:
         self.rules = rules
         self._inputs: dict[int, registry.Inputs] = {}
         self._eager: dict[int, Any] = {}
-        self._export_error: BaseException | None = None
-        self._compile_error: BaseException | None = None
+        self._stages: dict[str, tuple[bool, Any]] = {}
 
     @cached_property
     def model(self) -> torch.nn.Module:
@@ -91,48 +86,53 @@ class Case:
             self._inputs[seed] = self.entry.inputs(seed)
         return self._inputs[seed]
 
-    @cached_property
-    def program(self) -> torch.export.ExportedProgram:
-        if self._export_error is not None:
-            raise self._export_error
-        args, kwargs = self.inputs(registry.SEEDS[0])
+    @contextlib.contextmanager
+    def expect(self, route: str, stage: str) -> Iterator[None]:
+        """Turn a failure the row's `Known` describes (at this stage or before) into KnownFailure."""
         try:
-            return torch.export.export(self.model, args, kwargs or None)
+            yield
+        except registry.KnownFailure:
+            raise
         except Exception as e:
-            error: BaseException = e
-            if self.entry.export_error and re.search(self.entry.export_error, str(e)):
-                first = str(e).strip().splitlines()[0][:300]
-                error = ExportFailed(f"{self.entry.name}: torch.export fails: {type(e).__name__}: {first}")
-                error.__cause__ = e
-            self._export_error = error
-            raise error from e
+            known = self.entry.known_at(route, stage)
+            if known is None or not known.matches(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            raise registry.KnownFailure(f"{self.entry.name}: {known.reason}: {type(e).__name__}: {first}") from e
 
-    @cached_property
+    def _stage(self, route: str, stage: str, make: Any) -> Any:
+        """`make()` once: its result, or its error, is kept (later tests of a failed stage fail alike, fast)."""
+        if stage not in self._stages:
+            try:
+                with self.expect(route, stage):
+                    self._stages[stage] = (True, make())
+            except Exception as e:
+                self._stages[stage] = (False, e)
+        ok, value = self._stages[stage]
+        if not ok:
+            raise value
+        return value
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        args, kwargs = self.inputs(registry.SEEDS[0])
+        return self._stage("export", "export", lambda: torch.export.export(self.model, args, kwargs or None))
+
+    @property
     def result(self) -> fx_rewrites.Result:
-        return fx_rewrites.apply(self.program, self.rules)
+        program = self.program
+        return self._stage("export", "rules", lambda: fx_rewrites.apply(program, self.rules))
 
-    @cached_property
+    @property
     def compiled(self) -> Any:
         args, _ = self.inputs(registry.SEEDS[0])
-        return self.backend.compile(self.result.program, args)
+        program = self.result.program
+        return self._stage("export", "iree", lambda: self.backend.compile(program, args))
 
     @property
     def dynamo(self) -> DynamoRun:
         """torch.compile(model, backend=fx_rewrites_iree, dynamic=False), run on every input set (kept)."""
-        if self._compile_error is not None:
-            raise self._compile_error
-        if not hasattr(self, "_dynamo"):
-            try:
-                self._dynamo = self._run_dynamo()
-            except Exception as e:
-                error: BaseException = e
-                if self.entry.compile_error and re.search(self.entry.compile_error, str(e)):
-                    first = str(e).strip().splitlines()[0][:300]
-                    error = CompileFailed(f"{self.entry.name}: torch.compile fails: {type(e).__name__}: {first}")
-                    error.__cause__ = e
-                self._compile_error = error
-                raise error from e
-        return self._dynamo
+        return self._stage("compile", "compile", self._run_dynamo)
 
     def _run_dynamo(self) -> DynamoRun:
         graphs: list[CompiledGraph] = []
