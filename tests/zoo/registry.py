@@ -151,49 +151,54 @@ MODELS: tuple[ZooModel, ...] = (
         "mlp_ratio": [2, 2, 2]}, image(64), ci=False, note="IREE compiles it in ~110 s (2 cores, loaded)"),
     _tf("mobilevit", "MobileViTModel", {"image_size": 32, "hidden_sizes": [16, 24, 32],
         "neck_hidden_sizes": [8, 8, 16, 16, 24, 24, 32], "num_attention_heads": 2}, image(), ci=False,
-        note="IREE compiles it in ~250 s (2 cores, loaded)"),
+        note="IREE compiles it in ~250 s (2 cores, loaded); outputs std ~5e-4 at this config (needs scaling)"),
     _tf("funnel", "FunnelModel", {"vocab_size": 128, "block_sizes": [1, 1], "d_model": 64, "n_head": 2, "d_head": 32,
-        "d_inner": 128, "num_decoder_layers": 1}),
+        "d_inner": 128, "num_decoder_layers": 1}, known={
+            "export": Known("iree", r"aten\.mul_\.Tensor", "inplace", "`positional_attn *= cls_mask` writes "
+                            "through an `aten.reshape` view: `mul_` stays"),
+            "compile": Known("compile", r"avg_pool2d.*linalg\.generic", "iree", "`avg_pool2d(ceil_mode=True)`: "
+                             "IREE's `linalg.generic` shape check (65 vs 64)")}),
     # -- transformers 5: the forms issue 12 met
     _tf("mixtral", "MixtralModel", {**_GQA, "num_local_experts": 4, "num_experts_per_tok": 2}, note="MoE",
-        known=_both(r"aten\.histc", "legalize", "MoE routing counts tokens per expert with `aten.histc` "
-                    "(no IREE lowering)")),
+        known=_both(r"grouped_mm_fallback", "legalize", "transformers' `grouped_mm_fallback` custom op "
+                    "(the experts' grouped matmul; no IREE lowering)")),
     _tf("qwen2_moe", "Qwen2MoeModel", {**_GQA, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}, note="MoE with a shared expert",
-        known=_both(r"aten\.histc", "legalize", "MoE routing counts tokens per expert with `aten.histc` "
-                    "(no IREE lowering)")),
+        known=_both(r"grouped_mm_fallback", "legalize", "transformers' `grouped_mm_fallback` custom op "
+                    "(the experts' grouped matmul; no IREE lowering)")),
     _tf("t5", "T5ForConditionalGeneration", {**_T5, "use_cache": False}, text(decoder=8),
         note="encoder-decoder: logits through the decoder"),
     _tf("bart_lm", "BartForConditionalGeneration", _SEQ2SEQ, text(decoder=8),
         note="encoder-decoder: logits through the decoder"),
     _tf("rwkv", "RwkvModel", {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
         "attention_hidden_size": 64, "intermediate_size": 128, "context_length": 64, "use_cache": False},
-        text(mask=False), known={
+        text(mask=False), graphs=2, known={
             "export": Known("rules", r"inline_set_grad_enabled.*leaf Variable that requires grad", "inplace",
                             "`wrap_with_set_grad_enabled` (RWKV exported without no_grad): inlining it raises"),
-            "compile": Known("compile", _NOT_CLOSE, "legalize",
-                             "F.pad with a negative pad (RWKV's time shift): IREE returns the input unshifted, "
-                             "silently (wrong numbers)")}),
+            # torch.compile: matches since the IREE pack's negative-pad guard (RWKV's time shift)
+        }),
     _tf("convbert", "ConvBertModel", {**_TEXT, **_BERTISH, "embedding_size": 64, "head_ratio": 2,
         "conv_kernel_size": 3}, known={
             "export": Known("iree", r"aten\.multiply", "legalize", "`aten.multiply` (an alias IREE does not lower)"),
-            "compile": Known("compile", r"aten\.im2col", "legalize", "`aten.im2col` (nn.Unfold; no IREE lowering)")}),
-    _tf("fnet", "FNetModel", {**_TEXT, **_BERTISH}, text(mask=False),
-        known=_both(r"aten\.fft_fftn", "legalize", "`aten.fft_fftn` (IREE has no FFT)")),
-    # IREE's gelu (tanh approximation) is 2.5e-5 off torch's at the first MLP (compared node by node); the random
+            "compile": Known("compile", r"`constant\.int`", "legalize", "a bare `torch.constant.int` IREE cannot "
+                             "legalize, left in the aot graph of ConvBERT's span-based convolution (nn.Unfold)")}),
+    _tf("fnet", "FNetModel", {**_TEXT, **_BERTISH}, text(mask=False)),
+    # padded row: NaN on IREE (the fully-masked-row SDPA form); unpadded: IREE's gelu (tanh approximation) is 2.5e-5 off torch's at the first MLP (compared node by node); the random
     # network carries that to 1e-4 at the output (252 of 2048 elements over atol 1e-5)
     _tf("gemma3", "Gemma3TextModel", {**_DECODER, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention"]}, tolerance=(1e-4, 2e-4)),
+        "layer_types": ["sliding_attention", "full_attention"]}, tolerance=(1e-4, 2e-4),
+        known=_both(r"Greatest absolute difference: nan", "perf", "sliding-window attention on a padded batch: "
+                    "NaN in the padded row on IREE (fully-masked rows: torch gives 0, IREE NaN)")),
     _tf("modernbert", "ModernBertModel", {**_TEXT, **_BERTISH, "local_attention": 8, "global_attn_every_n_layers": 2,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2}),
     # -- transformers 5: more families
     _tf("electra", "ElectraModel", {**_TEXT, **_BERTISH, "embedding_size": 32}),
     _tf("mpnet", "MPNetModel", {**_TEXT, **_BERTISH}),
     _tf("mobilebert", "MobileBertModel", {**_TEXT, **_BERTISH, "embedding_size": 32, "intra_bottleneck_size": 32,
-        "num_feedforward_networks": 2, "true_hidden_size": 32}),
-    _tf("xlm_roberta", "XLMRobertaModel", {**_TEXT, **_BERTISH}),
+        "num_feedforward_networks": 2, "true_hidden_size": 32}, ci=False, note="IREE ~40 s on the torch.compile route under load"),
+    _tf("xlm_roberta", "XLMRobertaModel", {**_TEXT, **_BERTISH}, ci=False, note="roberta in CI"),
     _tf("gpt_neox", "GPTNeoXModel", _DECODER),
-    _tf("qwen2", "Qwen2Model", _GQA),
+    _tf("qwen2", "Qwen2Model", _GQA, ci=False, note="qwen3 and llama in CI"),
     _tf("qwen3", "Qwen3Model", {**_GQA, "head_dim": 16}),
     _tf("gemma", "GemmaModel", {**_DECODER, "num_key_value_heads": 1, "head_dim": 32}),
     _tf("olmo", "OlmoModel", _DECODER),
@@ -201,54 +206,55 @@ MODELS: tuple[ZooModel, ...] = (
     _tf("gptj", "GPTJModel", {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64,
         "rotary_dim": 16, "use_cache": False}),
     _tf("codegen", "CodeGenModel", {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-        "n_ctx": 64, "rotary_dim": 8, "use_cache": False}),
+        "n_ctx": 64, "rotary_dim": 8, "use_cache": False}, ci=False, note="gptj in CI"),
     _tf("mbart", "MBartModel", _SEQ2SEQ, known=_both(_NOT_CLOSE, "iree",
         "`y[:, 1:] = y[:, :-1].clone()` (MBart's shift_tokens_right: slice_scatter of a shifted slice of the "
         "same tensor): IREE writes every position with the first token, silently (wrong numbers)")),
-    _tf("pegasus", "PegasusModel", _SEQ2SEQ, text(decoder=8)),
+    _tf("pegasus", "PegasusModel", _SEQ2SEQ, text(decoder=8), ci=False, note="BART's family twice over (mbart, bart_lm in CI); IREE ~55 s a route under load"),
     _tf("marian", "MarianModel", {**_SEQ2SEQ, "decoder_vocab_size": 128, "pad_token_id": 1,
-        "decoder_start_token_id": 1}, text(decoder=8)),
+        "decoder_start_token_id": 1}, text(decoder=8), ci=False, note="BART's family twice over; IREE ~60 s a route under load"),
     _tf("convnextv2", "ConvNextV2Model", {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}, image()),
     _tf("swinv2", "Swinv2Model", {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1],
-        "num_heads": [2, 2], "window_size": 4}, image()),
-    _tf("efficientnet_hf", "EfficientNetModel", {"image_size": 32, "width_coefficient": 0.25,
-        "depth_coefficient": 0.25, "hidden_dim": 320}, image(), known=_both(
-            r"avg_pool2d.*linalg\.generic|linalg\.generic.*avg_pool2d", "iree",
-            "`avg_pool2d(ceil_mode=True)` over the whole 1x1 map: IREE's `linalg.generic` shape check (321 vs 320)")),
+        "num_heads": [2, 2], "window_size": 4}, image(), ci=False, note="swin in CI; IREE ~50 s a route under load"),
     _tf("mobilenet_v1", "MobileNetV1Model", {"depth_multiplier": 0.25, "image_size": 32, "initializer_range": 0.3},
-        image()),
+        image(), ci=False, note="IREE ~45 s a route under load"),
     _tf("pvt_v2", "PvtV2Model", {"image_size": 32, "hidden_sizes": [16, 32], "depths": [1, 1],
         "num_encoder_blocks": 2, "sr_ratios": [2, 1], "num_attention_heads": [1, 2], "patch_sizes": [7, 3],
-        "strides": [4, 2], "mlp_ratios": [2, 2]}, image()),
+        "strides": [4, 2], "mlp_ratios": [2, 2]}, image(), ci=False, note="segformer's attention in CI; IREE ~45 s a route under load"),
     _tf("focalnet", "FocalNetModel", {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1]},
         image()),
     # 7 of 10112 outputs 2.1e-5 off (float32 rounding through the unnormalised conv feature encoder)
     _tf("data2vec_audio", "Data2VecAudioModel", _WAV2VEC2, audio(), tolerance=(1e-4, 5e-5)),
     _tf("sew", "SEWModel", {**_WAV2VEC2, "squeeze_factor": 2}, audio()),
     # -- torchvision (model code only: tests/zoo/torchvision_cpu.py)
-    _tv("mobilenet_v3_small", {"width_mult": 0.5}, known={"export": _HARDSWISH}),
-    _tv("mobilenet_v3_large", {"width_mult": 0.25}, known={"export": _HARDSWISH}),
-    _tv("efficientnet_b0", known={"export": _DROPOUT}, note="inplace SiLU, stochastic depth (eval: identity)"),
+    _tv("mobilenet_v3_small", {"width_mult": 0.5}, known={"export": _HARDSWISH}, calibrate=True),
+    _tv("mobilenet_v3_large", {"width_mult": 0.25}, known={"export": _HARDSWISH}, ci=False, note="mobilenet_v3_small in CI", calibrate=True),
+    _tv("efficientnet_b0", known={"export": _DROPOUT, "compile": Known("compile", _NOT_CLOSE, "iree",
+        "6% of the logits up to 1e-3 off (rel 0.1) after 16 MBConv blocks of SiLU and sigmoid gates; "
+        "not localised yet")}, note="inplace SiLU, stochastic depth (eval: identity)", calibrate=True),
     _tv("resnet18"),
     _tv("squeezenet1_1", size=64),
-    _tv("shufflenet_v2_x0_5"),
-    _tv("mnasnet0_5", known={"export": _DROPOUT}),
-    _tv("regnet_y_400mf"),
-    _tv("googlenet", {"aux_logits": False, "init_weights": True}, size=64),
-    _tv("densenet121", ci=False, note="121 layers"),
-    _tv("swin_t", ci=False, note="28M parameters"),
+    _tv("shufflenet_v2_x0_5", ci=False, note="IREE ~55 s a route under load"),
+    # torch.compile: 11 of 2000 logits 3.1e-5 off (float32 rounding through 16 blocks)
+    _tv("mnasnet0_5", known={"export": _DROPOUT}, calibrate=True, tolerance=(1e-4, 5e-5)),
+    _tv("regnet_y_400mf", ci=False, note="regnet in CI; IREE ~50 s a route under load"),
+    _tv("googlenet", {"aux_logits": False, "init_weights": True}, size=64, ci=False, note="IREE ~90 s a route under load"),
+    _tv("densenet121", ci=False, note="IREE ~170 s a route under load"),
+    _tv("swin_t", ci=False, note="28M parameters; IREE ~80 s a route under load"),
     # -- timm's test models
     _timm("test_vit", {"img_size": 64}, known={"export": Known("iree", r"aten\._upsample_bicubic2d_aa", "legalize",
         "`_upsample_bicubic2d_aa` (anti-aliased bicubic resize of the position embedding; no IREE lowering)")}),
-    _timm("test_vit_relpos", {"img_size": 64}),
-    _timm("test_efficientnet"),
-    _timm("test_efficientnet_gn"),
+    _timm("test_vit_relpos", {"img_size": 64}, ci=False, note="IREE ~70 s on the torch.compile route under load"),
+    _timm("test_efficientnet", calibrate=True),
+    _timm("test_efficientnet_gn", ci=False, note="test_efficientnet in CI"),
     _timm("test_resnet"),
     _timm("test_convnext"),
     _timm("test_byobnet"),
-    _timm("test_nfnet"),
-    _timm("test_coatnet", {"img_size": 64}),
-    _timm("test_maxvit", {"img_size": 64}),
+    _timm("test_nfnet", ci=False, note="IREE ~215 s on the export route under load", known={"compile": Known(
+        "compile", r"_native_batch_norm_legit", "legalize", "`_native_batch_norm_legit.no_stats` (timm's "
+        "standardized conv weights; no IREE lowering)")}),
+    _timm("test_coatnet", {"img_size": 64}, ci=False, note="IREE ~90 s a route under load"),
+    _timm("test_maxvit", {"img_size": 64}, ci=False, note="IREE ~140 s a route under load"),
     _timm("test_mambaout"),
 )
 # fmt: on
