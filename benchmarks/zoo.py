@@ -1,4 +1,4 @@
-"""The transformers zoo (tests/zoo) on IREE: what the rules do and what it costs.
+"""The zoo (tests/zoo: transformers, torchvision, timm) on IREE: what the rules do and what it costs.
 
 Per model: graph nodes (call_function) before and after the rules, the
 rules that fired, what IREE does with the plain export and with the
