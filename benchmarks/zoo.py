@@ -17,8 +17,8 @@ median run time of the compiled function.
     python benchmarks/zoo.py [--models bert,gpt2_sdpa] [--repeat 20] [--no-as-is] [--no-compile-route]
 
 Prints a Markdown table (and the registry's expectations that disagree
-with what was measured); exits 1 if a model that torch exports does not
-match eager after the rules.
+with what was measured: a failure no row's `known` names, or a `known` that
+no longer fails); exits 1 if there is any.
 """
 
 from __future__ import annotations
