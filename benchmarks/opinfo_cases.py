@@ -1,8 +1,6 @@
 """One OpInfo sample as a tiny exported module, checked on IREE as exported and after the rules.
 
-Used by `opinfo_corpus.py` (the full run, in worker processes) and by
-tests/corpus (a fixed sample in CI). Everything a check finds goes into a
-plain dict (a JSON line of the corpus's results).
+Used by `opinfo_corpus.py` (in worker processes) and tests/corpus (in CI); a check's findings are a dict.
 """
 
 from __future__ import annotations
@@ -43,18 +41,12 @@ def load_ops() -> dict[str, Any]:
     return {op_key(op): op for op in op_db}
 
 
-def pick_dtype(op: Any) -> torch.dtype | None:
-    supported = op.supported_dtypes("cpu")
-    return next((d for d in DTYPES if d in supported), None)
-
-
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def samples(op: Any, dtype: torch.dtype, count: int) -> list[Any]:
-    """The op's first `count` sample inputs on the CPU (seeded), preferring ones without empty
-    or sparse tensors (edge cases no model meets; taken only when nothing else is left)."""
+    """`count` of the op's sample inputs on the CPU (seeded): a new rank signature first."""
     torch.manual_seed(0)
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -64,7 +56,15 @@ def samples(op: Any, dtype: torch.dtype, count: int) -> list[Any]:
         tensors = _tensors((s.input, s.args, s.kwargs))
         dense = all(t.layout == torch.strided for t in tensors)
         (plain if dense and all(t.numel() for t in tensors) else odd).append(s)
-    return (plain + odd)[:count]
+    # each new rank signature first (a 5-d reflect pad lowers unlike a 3-d one), in torch's order; samples
+    # with empty or sparse tensors (edge cases no model meets) only when nothing else is left
+    seen: set[tuple[int, ...]] = set()
+    first, rest = [], []
+    for s in plain:
+        ranks = tuple(t.dim() for t in _tensors((s.input, s.args, s.kwargs)))
+        (rest if ranks in seen else first).append(s)
+        seen.add(ranks)
+    return (first + rest + odd)[:count]
 
 
 class OpModule(torch.nn.Module):
@@ -90,6 +90,11 @@ class OpModule(torch.nn.Module):
         return tuple(t.clone() for t in self.inputs)
 
 
+def pick_dtype(op: Any) -> torch.dtype | None:
+    supported = op.supported_dtypes("cpu")
+    return next((d for d in DTYPES if d in supported), None)
+
+
 def _short(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:limit]}"
@@ -97,6 +102,23 @@ def _short(e: BaseException, limit: int = 160) -> str:
 
 def _graph_ops(program: ExportedProgram) -> list[str]:
     return sorted({op_name(n.target) for n in program.graph.nodes if n.op == "call_function"})
+
+
+def _draws(node: Any) -> bool:
+    """The node's op is tagged nondeterministic_seeded and its arguments do not turn the draw off
+    (dropout_p=0 / p=0, train=False: scaled_dot_product_attention, dropout in eval)."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    named = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+    named |= {a.name: v for a, v in zip(op._schema.arguments, node.args)} | dict(node.kwargs)
+    off = named.get("dropout_p", named.get("p")) == 0 or named.get("train", named.get("training")) is False
+    return not off
+
+
+def _random_ops(program: ExportedProgram) -> list[str]:
+    """Ops of the graph that draw random numbers."""
+    return [op_name(n.target) for n in program.graph.nodes if n.op == "call_function" and _draws(n)]
 
 
 def _is_dynamic(program: ExportedProgram) -> bool:
@@ -204,6 +226,10 @@ def check(op: Any, sample: Any, variant: str, backend: Any, rules: Any, *, as_ex
         return record
     if variant == "dynamic" and not _is_dynamic(program):
         record.update(status="static-only", why="export specialised every dim")
+        return record
+    seeded = _random_ops(program)
+    if seeded:  # IREE's random numbers are not torch's: nothing to compare
+        record.update(status="random", why=f"{seeded[0]} draws random numbers")
         return record
     record["status"] = "checked"
     record["ops"] = _graph_ops(program)

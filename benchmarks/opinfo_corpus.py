@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, keys: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (name.variant); default: all")
-    parser.add_argument("--samples", type=int, default=3, help="sample inputs per op")
+    parser.add_argument("--samples", type=int, default=4, help="sample inputs per op")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for one check")
     parser.add_argument("--results", default=str(ROOT / ".corpus" / "opinfo.jsonl"))

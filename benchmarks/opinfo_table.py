@@ -17,11 +17,17 @@ NOT_COMPARED = {
     "random": "random (eager differs between seeds)",
     "eager-error": "eager fails on the sample",
     "static-only": "export specialised every dim",
+    "uninitialised": "returns uninitialised memory (aten.empty*)",
 }
 
 
+def uninitialised(record: dict[str, Any]) -> bool:
+    """The graph allocates without writing (aten.empty*, new_empty*): torch has no tag for it, so by name."""
+    return any(op.startswith(("aten.empty", "aten.new_empty")) for op in record.get("ops", []))
+
+
 def _checked(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("status") == "checked"]
+    return [r for r in records if r.get("status") == "checked" and not uninitialised(r)]
 
 
 def regressions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,7 +48,7 @@ def _cell(samples: list[dict[str, Any]], column: str) -> str:
         return "-"
     checked = _checked(samples)
     if not checked:
-        status = samples[0].get("status", "?")
+        status = "uninitialised" if uninitialised(samples[0]) else samples[0].get("status", "?")
         return {"static-only": "static only"}.get(status, status)
     states = [r.get(column, {}).get("status", "?") for r in checked]
     passed = states.count("pass")
@@ -113,7 +119,11 @@ def summary_lines(records: list[dict[str, Any]], all_ops: list[str]) -> list[str
         )
     after = Counter(r["after"]["status"] for r in checked)
     lines.append("- samples after the rules, by outcome: " + ", ".join(f"{k} {v}" for k, v in after.most_common()))
-    skipped = Counter(r.get("status") for r in records if "sample" in r and r.get("status") != "checked")
+    skipped = Counter(
+        "uninitialised" if uninitialised(r) else r.get("status")
+        for r in records
+        if "sample" in r and (r.get("status") != "checked" or uninitialised(r))
+    )
     lines.append("- samples not compared: " + (", ".join(f"{k} {v}" for k, v in skipped.most_common()) or "none"))
     reg, crash = regressions(records), apply_crashes(records)
     declined = [r for r in checked if r["after"]["status"] == "apply-declined"]

@@ -15,14 +15,18 @@ from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
 from fx_rewrites.backends.iree.runtime import IreeCompiled
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules import iree as iree_rules
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases, RuleSet
 
-#: IREE-specific rules (rewrites/rules/iree.py), unioned into `IreeBackend.rules` after DEFAULT.
+#: IREE-specific rules (rewrites/rules/iree.py), unioned with DEFAULT in the first phase of `IreeBackend.rules`;
+#: the second phase (`legality.LEGALIZE`) decomposes what IREE cannot lower and guards its wrong results.
 IREE_RULES = iree_rules.RULES
+#: what `IreeBackend.rules` is by default
+RULES = Phases(DEFAULT | IREE_RULES, LEGALIZE, name="iree")
 
 
 @attrs.frozen
@@ -34,7 +38,7 @@ class IreeBackend:
     """
 
     name: str = "iree"
-    rules: RuleSet = DEFAULT | IREE_RULES
+    rules: RuleSet | Phases = RULES
     # f64 demotion (iree's default) breaks f64 inputs and outputs at run time ("buffer view byte length
     # 24 exceeds backing buffer byte length 12"); llvm-cpu runs f64 natively.
     flags: tuple[str, ...] = ("--iree-llvmcpu-target-cpu=host", "--iree-input-demote-f64-to-f32=false")

@@ -2,13 +2,15 @@
 
 Not part of DEFAULT: other backends may lower these ops themselves. With
 this module's rules, `RULES` holds the hand-written lowerings of ops torch
-cannot decompose (`iree_lowerings`) and the guards against IREE's silent
-wrong results (`iree_guards`); the legality-driven decomposition
-(`iree_legalize`) is a later phase of the backend's rules.
+cannot decompose (`iree_lowerings`). The legality-driven decomposition
+(`iree_legalize`) and the guards against IREE's silent wrong results
+(`iree_guards`) are the backend's second phase
+(`fx_rewrites.backends.iree.legality.LEGALIZE`).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
-from fx_rewrites.rules import iree_guards, iree_lowerings
+from fx_rewrites.rules import iree_lowerings
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -271,10 +273,10 @@ def conv_single_window_for_iree(node: Node, rw: Rewriter) -> Any:
 
 def _negative_index(node: Node) -> bool | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
-    index, size = named["index"], node.meta["val"].shape[named["dim"]]
+    index = named["index"]
     if not isinstance(index, int) or index >= 0:
         return Miss(f"index {index} is not a negative int")
-    return isinstance(size, int) or Miss(f"dim {named['dim']} has symbolic size {size}")
+    return True
 
 
 @rule(
@@ -284,14 +286,19 @@ def _negative_index(node: Node) -> bool | Miss:
     tags={"iree"},
     doc=(
         "aten.select_scatter with a negative index (`y[:, -1] = s` after the in-place rule or aot_autograd's "
-        "functionalization: Longformer's sliding-chunk attention) gets index + size. IREE 3.13 compiles the "
-        "negative index without complaint and writes the wrong slice: results differ from eager, no error."
+        "functionalization: Longformer's sliding-chunk attention) gets index + size (a sym_size node when the "
+        "size is symbolic). IREE 3.13 compiles the negative index without complaint and writes the wrong "
+        "slice: results differ from eager, no error."
     ),
 )
 def select_scatter_index_for_iree(node: Node, rw: Rewriter) -> Any:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     dim = named["dim"]
-    index = named["index"] + node.meta["val"].shape[dim]
+    size = node.meta["val"].shape[dim]
+    if isinstance(size, int):
+        index = named["index"] + size
+    else:
+        index = rw.call(operator.add, rw.call(aten.sym_size.int, named["self"], dim), named["index"])
     rw.replace(node, rw.call(aten.select_scatter.default, named["self"], named["src"], dim, index))
 
 
@@ -305,7 +312,6 @@ RULES = RuleSet(
         conv_single_window_for_iree,
         select_scatter_index_for_iree,
         *iree_lowerings.RULES,
-        *iree_guards.RULES,
     ],
     name="iree",
 )

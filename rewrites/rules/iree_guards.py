@@ -24,9 +24,9 @@ _TO_END = 9223372036854775807
 
 
 def _pads(node: Node) -> tuple[Node, list[int]] | Miss:
-    """(input, pads) of a constant pad with a negative amount."""
+    """(input, pads) of a constant or replicate pad with a negative amount."""
     named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if named.get("mode", "constant") != "constant":
+    if named.get("mode", "constant") not in ("constant", "replicate"):
         return Miss(f"mode={named['mode']!r}: torch rejects negative pads there itself")
     pads = list(named["pad"])
     if not all(isinstance(p, int) for p in pads):
@@ -45,13 +45,14 @@ def _negative_pad(node: Node) -> bool | Miss:
     roots=(aten.constant_pad_nd.default, aten.pad.default),
     name="negative_pad_to_slice_for_iree",
     when=_negative_pad,
+    priority=10,  # before the legalize phase's decomposition of the same node
     tags={"iree", "guard"},
     doc=(
-        "A constant pad with a negative amount (a crop: `F.pad(x, (0, 0, 1, -1))`, RWKV's time shift "
-        "`nn.ZeroPad2d((0, 0, 1, -1))`) becomes aten.slice of the cropped sides, then the pad of the "
+        "A constant or replicate pad with a negative amount (a crop: `F.pad(x, (0, 0, 1, -1))`, RWKV's time "
+        "shift `nn.ZeroPad2d((0, 0, 1, -1))`) becomes aten.slice of the cropped sides, then the pad of the "
         "non-negative amounts. IREE 3.13 compiles a negative high pad and silently returns the input "
-        'unshifted (wrong numbers, no error); a negative low pad fails: "expected offsets to be '
-        'non-negative, but got -1".'
+        "unshifted (wrong numbers, no error; replicate with Dim sizes: the wrong shape too); a negative "
+        'low pad fails: "expected offsets to be non-negative, but got -1".'
     ),
 )
 def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
@@ -71,4 +72,65 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, x)
 
 
-RULES = (negative_pad_to_slice_for_iree,)
+# -- several index tensors with symbolic sizes -------------------------------------------------
+
+
+def _multi_index(node: Node) -> tuple[Node, int, list[Node]] | Miss:
+    """(input, first indexed dim, the index tensors) of x[..., i0, i1, ...] with two or more adjacent
+    integer index tensors of which one has a symbolic size, over indexed dims of static size."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, indices = named["self"], list(named["indices"])
+    first = next((i for i, t in enumerate(indices) if t is not None), None)
+    if first is None:
+        return Miss("no index tensor")
+    tensors = indices[first:]
+    if len(tensors) < 2 or any(t is None for t in tensors):
+        return Miss("fewer than two adjacent index tensors")
+    vals = [t.meta.get("val") for t in tensors]
+    if any(v is None or v.dtype not in (torch.int64, torch.int32) for v in vals):
+        return Miss("a boolean (mask) or unknown index")
+    if all(isinstance(s, int) for v in vals for s in v.shape):
+        return Miss("every index has a static size (IREE gathers those right)")
+    sizes = x.meta["val"].shape[first : first + len(tensors)]
+    if not all(isinstance(s, int) for s in sizes):
+        return Miss("an indexed dim has a symbolic size")
+    return x, first, tensors
+
+
+def _has_multi_index(node: Node) -> bool | Miss:
+    found = _multi_index(node)
+    return found if isinstance(found, Miss) else True
+
+
+@rule(
+    roots=(aten.index.Tensor,),
+    name="multi_index_to_flat_gather_for_iree",
+    when=_has_multi_index,
+    priority=10,
+    tags={"iree", "guard"},
+    doc=(
+        "x[i0, i1, i2, i3] with several broadcast index tensors whose sizes are symbolic (torchvision's "
+        "roi_align bilinear gather through torch.compile: the number of boxes is data-dependent) becomes one "
+        "gather: the indexed dims flattened and the indices combined into one linear index (negative ones "
+        'wrapped first). IREE 3.13 rejects the original: "failed to legalize operation '
+        "'torch.aten.index.Tensor_hacked_twin'\" (or an 'arith.cmpi' type error)."
+    ),
+)
+def multi_index_to_flat_gather_for_iree(node: Node, rw: Rewriter) -> Any:
+    x, first, tensors = _multi_index(node)
+    shape = x.meta["val"].shape
+    sizes = [shape[first + i] for i in range(len(tensors))]
+    linear = None
+    for index, size in zip(tensors, sizes):
+        wrapped = rw.call(aten.add.Tensor, index, size)
+        index = rw.call(aten.where.self, rw.call(aten.lt.Scalar, index, 0), wrapped, index)
+        linear = index if linear is None else rw.call(aten.add.Tensor, rw.call(aten.mul.Tensor, linear, size), index)
+    flat_shape = [*(shape[:first] if first else []), -1, *shape[first + len(tensors) :]]
+    if not all(isinstance(s, int) for s in flat_shape):
+        return Miss("a dim outside the indexed ones has a symbolic size")
+    flat = rw.call(aten.reshape.default, x, flat_shape)
+    rw.replace(node, rw.call(aten.index.Tensor, flat, [None] * first + [linear]))
+    return None
+
+
+RULES = (negative_pad_to_slice_for_iree, multi_index_to_flat_gather_for_iree)

@@ -10,6 +10,7 @@ routing counts tokens per expert with it) and the real part of a DFT
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -81,6 +82,78 @@ def histc_to_one_hot_sum_for_iree(node: Node, rw: Rewriter) -> Any:
     hit = rw.call(aten.logical_and.default, hit, rw.call(aten.unsqueeze.default, inside, -1))
     counts = rw.call(aten.sum.dim_IntList, rw.call(aten._to_copy.default, hit, dtype=dtype), [0])
     rw.replace(node, counts)
+
+
+# -- kthvalue ------------------------------------------------------------------------------
+
+
+@rule(
+    roots=(aten.kthvalue.default,),
+    name="kthvalue_to_topk_for_iree",
+    tags={"iree"},
+    doc=(
+        "torch.kthvalue(x, k, dim) becomes the k smallest by aten.topk(largest=False), the last of them "
+        "selected (values and indices; keepdim unsqueezes). torch has no decomposition of kthvalue, and IREE "
+        "3.13's own lowering fails: \"'tm_tensor.topk' op region block must end with a linalg_ext.yield i1\"."
+    ),
+)
+def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, k = named["self"], named["k"]
+    dim, keepdim = named.get("dim", -1), named.get("keepdim", False)
+    smallest = rw.call(aten.topk.default, x, k, dim, False, True)
+    parts = []
+    for i in (0, 1):
+        part = rw.call(aten.select.int, rw.getitem(smallest, i), dim, k - 1)
+        parts.append(rw.call(aten.unsqueeze.default, part, dim) if keepdim else part)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            rw.replace(user, parts[user.args[1]])
+    return None
+
+
+# -- logcumsumexp ---------------------------------------------------------------------------
+
+
+def _logcumsumexp_ok(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = named["self"].meta["val"]
+    if x.dim() == 0:
+        return Miss("a 0-d input")
+    size = x.shape[named["dim"] % x.dim()]
+    return isinstance(size, int) or Miss(f"the scanned dim has symbolic size {size}")
+
+
+@rule(
+    roots=(aten.logcumsumexp.default,),
+    name="logcumsumexp_to_masked_logsumexp_for_iree",
+    when=_logcumsumexp_ok,
+    tags={"iree", "guard"},
+    doc=(
+        "torch.logcumsumexp(x, dim) becomes, for each position i, logsumexp over j <= i: x broadcast to "
+        "[..., n, n], positions j > i set to -inf, log-sum-exp over the last dim less each row's max "
+        "(stable). torch has no decomposition of it, and IREE 3.13's own lowering is wrong: inf where "
+        "eager is finite, no error."
+    ),
+)
+def logcumsumexp_to_masked_logsumexp_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = named["self"]
+    val = x.meta["val"]
+    dim = named["dim"] % val.dim()
+    n = val.shape[dim]
+    last = rw.call(aten.transpose.int, x, dim, -1) if dim != val.dim() - 1 else x
+    rows = rw.call(aten.unsqueeze.default, last, -2)  # [..., 1, n]: row i reads every j
+    k = rw.call(aten.arange.default, n, dtype=torch.int64, device=val.device)
+    keep = rw.call(aten.le.Tensor, rw.call(aten.unsqueeze.default, k, 0), rw.call(aten.unsqueeze.default, k, 1))
+    floor = rw.call(aten.full.default, [], float("-inf"), dtype=val.dtype, device=val.device)
+    masked = rw.call(aten.where.self, keep, rows, floor)  # [..., n, n]: j <= i kept
+    # logsumexp written out (aten.logsumexp imports with a torch.constant.bool IREE 3.13 cannot legalize)
+    top = rw.call(aten.amax.default, masked, [-1], True)  # row i's max over j <= i: finite, x_i is kept
+    shifted = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, masked, top))
+    total = rw.call(aten.log.default, rw.call(aten.sum.dim_IntList, shifted, [-1], True))
+    out = rw.call(aten.squeeze.dim, rw.call(aten.add.Tensor, total, top), -1)
+    rw.replace(node, rw.call(aten.transpose.int, out, dim, -1) if dim != val.dim() - 1 else out)
 
 
 # -- the real part of a DFT ----------------------------------------------------------------
@@ -233,4 +306,9 @@ def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
     return None
 
 
-RULES = (histc_to_one_hot_sum_for_iree, real_fft_to_matmul_for_iree)
+RULES = (
+    histc_to_one_hot_sum_for_iree,
+    kthvalue_to_topk_for_iree,
+    logcumsumexp_to_masked_logsumexp_for_iree,
+    real_fft_to_matmul_for_iree,
+)

@@ -116,3 +116,69 @@ def test_non_negative_and_reflect_pads_left_alone():
     ep = rt.export(lambda x: (F.pad(x, (1, 2)), F.pad(x, (1, 1), mode="reflect")), torch.randn(1, 3, 5))
     result = rt.apply_rules(ep, negative_pad_to_slice_for_iree)
     rt.assert_not_fired(result, negative_pad_to_slice_for_iree)
+
+
+# -- roi_align's gather: four index tensors with a dynamic number of boxes ---------------------------
+
+
+class RoiGather(torch.nn.Module):
+    """torchvision's roi_align bilinear sample: input[box batch, channel, y, x], broadcast over boxes."""
+
+    def forward(self, x, boxes, ys, xs):
+        channels = torch.arange(x.shape[1])
+        return x[
+            boxes[:, None, None, None, None, None],
+            channels[None, :, None, None, None, None],
+            ys[:, None, :, None, :, None],
+            xs[:, None, None, :, None, :],
+        ]
+
+
+def _roi_inputs(boxes: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 8, 8, generator=g)
+    b = torch.randint(0, 2, (boxes,), generator=g)
+    ys = torch.randint(-8, 8, (boxes, 2, 2), generator=g)  # negative indices wrap, as in torch
+    xs = torch.randint(0, 8, (boxes, 2, 2), generator=g)
+    return x, b, ys, xs
+
+
+def test_roi_gather_with_dynamic_boxes():
+    from fx_rewrites.rules.iree_guards import multi_index_to_flat_gather_for_iree as guard
+
+    iree = backends.get("iree")
+    k = Dim("boxes")
+    shapes = (None, {0: k}, {0: k}, {0: k})
+    inputs = [_roi_inputs(5, 0), _roi_inputs(9, 1)]
+    ep = rt.export(RoiGather(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, guard)
+    rt.assert_fired(result, guard, times=1)
+    rt.assert_matches_eager(result, RoiGather(), inputs)
+    rt.assert_idempotent(result, guard)
+    assert _differs_on_iree(iree, ep, RoiGather(), inputs[0])  # IREE rejects it
+    _matches_on_iree(iree, result.program, RoiGather(), inputs)
+
+
+def test_roi_gather_static_left_alone():
+    from fx_rewrites.rules.iree_guards import multi_index_to_flat_gather_for_iree as guard
+
+    ep = rt.export(RoiGather(), *_roi_inputs(5, 0))
+    rt.assert_not_fired(rt.apply_rules(ep, guard), guard)
+
+
+class ReplicateCrop(torch.nn.Module):
+    """A replicate pad cropping one side and padding the other (OpInfo's pad.replicate_negative)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (-1, 2, 1, -2), mode="replicate")
+
+
+def test_replicate_negative_pad_guarded(iree):
+    inputs = [(torch.randn(2, 3, 5, 6),), (torch.randn(2, 3, 5, 6) * 4,)]
+    ep = rt.export(ReplicateCrop(), *inputs[0])
+    result = rt.apply_rules(ep, negative_pad_to_slice_for_iree)
+    rt.assert_fired(result, negative_pad_to_slice_for_iree, times=1)
+    rt.assert_ops(result, present=[aten.slice.Tensor])
+    rt.assert_matches_eager(result, ReplicateCrop(), inputs)
+    assert _differs_on_iree(iree, ep, ReplicateCrop(), inputs[0])  # rejected statically; wrong shape with Dims
+    _matches_on_iree(iree, result.program, ReplicateCrop(), inputs)

@@ -9,7 +9,11 @@ from torch.export import Dim
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.engine import RewriteError
-from fx_rewrites.rules.iree_lowerings import histc_to_one_hot_sum_for_iree, real_fft_to_matmul_for_iree
+from fx_rewrites.rules.iree_lowerings import (
+    histc_to_one_hot_sum_for_iree,
+    kthvalue_to_topk_for_iree,
+    real_fft_to_matmul_for_iree,
+)
 
 aten = torch.ops.aten
 
@@ -118,3 +122,55 @@ def test_imaginary_part_and_inverse_fft_left_alone():
     ep = rt.export(lambda x: (torch.fft.fft(x).imag, torch.fft.ifft(x).real, torch.fft.rfft(x).real), torch.randn(4, 6))
     result = rt.apply_rules(ep, real_fft_to_matmul_for_iree)
     rt.assert_not_fired(result, real_fft_to_matmul_for_iree)
+
+
+# -- kthvalue ---------------------------------------------------------------------------------
+
+
+class KthSmallest(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values, indices = torch.kthvalue(x, 3, dim=1)
+        return values, indices, torch.kthvalue(x, 2, dim=-1, keepdim=True).values
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_kthvalue_as_topk(iree, dynamic):
+    shapes = ({0: Dim("rows")},) if dynamic else None
+    inputs = [(torch.randn(4, 7),), (torch.randn(6 if dynamic else 4, 7),)]
+    ep = rt.export(KthSmallest(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, kthvalue_to_topk_for_iree)
+    rt.assert_fired(result, kthvalue_to_topk_for_iree, times=2)
+    rt.assert_ops(result, present=[aten.topk.default], absent=[aten.kthvalue.default])
+    rt.assert_matches_eager(result, KthSmallest(), inputs)
+    rt.assert_idempotent(result, kthvalue_to_topk_for_iree)
+    _fails_then_matches(iree, ep, result.program, KthSmallest(), inputs, "topk")
+
+
+# -- logcumsumexp -------------------------------------------------------------------------------
+
+
+class LogCumSumExp(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.logcumsumexp(x * 40, dim=1), torch.logcumsumexp(x, dim=-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_logcumsumexp_stable_on_iree(iree, dynamic):
+    from fx_rewrites.rules.iree_lowerings import logcumsumexp_to_masked_logsumexp_for_iree as lowering
+
+    shapes = ({0: Dim("rows")},) if dynamic else None
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(4, 6, 5, generator=g),), (torch.randn(7 if dynamic else 4, 6, 5, generator=g),)]
+    inputs[0][0][:, 2, :] = 3.0  # exp(120) overflows float32: eager stays finite, IREE's lowering does not
+    ep = rt.export(LogCumSumExp(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, lowering)
+    rt.assert_fired(result, lowering, times=2)
+    rt.assert_ops(result, absent=[aten.logcumsumexp.default])
+    rt.assert_matches_eager(result, LogCumSumExp(), inputs, rtol=1e-5, atol=1e-4)
+    rt.assert_idempotent(result, lowering)
+    x = inputs[0][0]
+    wrong = iree.compile(ep, inputs[0])(x)[0]  # IREE 3.13: inf where eager is finite
+    assert torch.isfinite(LogCumSumExp()(x)[0]).all() and not torch.isfinite(wrong).all()
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), LogCumSumExp()(*args), rtol=1e-4, atol=1e-4)

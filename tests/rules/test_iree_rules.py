@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.engine import RewriteError
@@ -165,7 +166,7 @@ def test_frozen_tensor_in_list(iree):
     assert user_list and user_list[0].args[0].target is aten.einsum.default  # user values are left alone
     rt.assert_matches_eager(result, ep, [(x,), (torch.randn(2, 4),)])
     rt.assert_idempotent(result, RULES)
-    full = rt.apply_rules(ep, iree.rules)  # the lifted constant needs the constants pack too
+    full = fx_rewrites.apply(ep, iree.rules)  # the lifted constant needs the constants pack too
     _on_iree(iree, ep.module(), ep, full.program, [(x,), (torch.randn(2, 4),)], "Heterogeneous lists are not supported")
 
 
@@ -278,3 +279,23 @@ def test_select_scatter_negative_index(iree):
     fn = iree.compile(result.program, args)
     for inputs_ in inputs:
         torch.testing.assert_close(fn(*inputs_), model(*inputs_), rtol=1e-4, atol=1e-5)
+
+
+def test_select_scatter_negative_index_with_a_dim_size(iree):
+    """The indexed dim is a Dim: index + size goes through a sym_size node (OpInfo select_scatter, dynamic)."""
+    from torch.export import Dim
+
+    model = LastRow()
+    inputs = [_rows(0), (torch.randn(3, 5, 4), torch.randn(3, 4))]
+    shapes = ({0: Dim("b"), 1: Dim("rows", min=2)}, {0: Dim("b")})
+    functional = rt.apply_rules(rt.export(model, *inputs[0], dynamic_shapes=shapes), backends.get("eager").rules)
+    result = rt.apply_rules(functional.program, RULES)
+    rt.assert_fired(result, select_scatter_index_for_iree, times=1)
+    rt.assert_ops(result, present=[aten.sym_size.int])
+    rt.assert_matches_eager(result, model, inputs)
+    rt.assert_idempotent(result, RULES)
+    wrong = iree.compile(functional.program, inputs[1])
+    assert not torch.allclose(wrong(*inputs[1]), model(*inputs[1])), "IREE now handles a negative index here"
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), model(*args), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,163 @@
+"""Legality-driven decomposition: an op the backend cannot lower is replaced by torch's own decomposition.
+
+One mechanism instead of a rule per op. The backend says which ops it
+cannot lower (IREE: measured, `fx_rewrites.backends.iree.legality`); every
+such op that torch can decompose (`torch._decomp.decomposition_table`, else
+the op's CompositeImplicitAutograd kernel) becomes a root of one rule, which
+inlines that op's decomposition alone, traced on the node's own fake values
+and functionalized. What the decomposition emits is offered to the rule
+again, so the fixpoint decomposes until every op left is legal or has no
+decomposition (the backend's compile error then names it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch._decomp
+from torch._C import DispatchKey
+from torch._dispatch.python import enable_python_dispatcher
+from torch._ops import OpOverload
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import FunctionRule
+
+#: ops torch's table decomposes into themselves or that must stay whole (no op is listed today)
+_KEEP: frozenset[str] = frozenset()
+
+
+def decomposition(op: Any) -> Callable[..., Any] | None:
+    """torch's decomposition of `op`: its `torch._decomp` entry, else its CompositeImplicitAutograd kernel."""
+    if not isinstance(op, OpOverload) or str(op) in _KEEP:
+        return None
+    if op in torch._decomp.decomposition_table:
+        return torch._decomp.decomposition_table[op]
+    if op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd):
+        return op.decompose
+    return None
+
+
+def resolve(names: Iterable[str]) -> list[OpOverload]:
+    """The OpOverloads of `names` ("aten.xlogy.Tensor") that exist in this torch."""
+    ops = []
+    for name in names:
+        try:
+            ops.extend(op for op in schema.resolve_op(name) if isinstance(op, OpOverload))
+        except schema.SchemaError:
+            continue  # an op of another torch version
+    return ops
+
+
+def _mutates(gm: GraphModule) -> list[str]:
+    return [
+        schema.op_name(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, OpOverload) and n.target._schema.is_mutable
+    ]
+
+
+def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> tuple[GraphModule, list[Node]] | Miss:
+    """`fn` applied to `node`'s arguments, traced into a functional graph on their fake values; and the
+    graph's inputs (the node's tensor-valued arguments). A Miss when it cannot be traced."""
+    leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+
+    def body(*vals: Any) -> Any:
+        filled = list(leaves)
+        for i, v in zip(where, vals):
+            filled[i] = v
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return fn(*args, **kwargs)
+
+    inputs = [leaves[i].meta.get("val") for i in where]
+    if any(v is None for v in inputs):
+        return Miss("an argument has no meta['val']")
+    op = schema.op_name(node.target)
+    try:
+        with fake_mode, enable_python_dispatcher():
+            traced = make_fx(body, tracing_mode="real")(*inputs)
+            if _mutates(traced):
+                traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="real")(*inputs)
+    except Exception as e:  # torch's decomposition rejects these arguments
+        text = " ".join(str(e).split())[:200]
+        return Miss(f"torch's decomposition of {op} raised {type(e).__name__}: {text}")
+    out = traced.graph.output_node().args[0]
+    if out is NotImplemented or (isinstance(out, (list, tuple)) and NotImplemented in out):
+        return Miss(f"torch's decomposition of {op} declined these arguments")
+    still = _mutates(traced)
+    if still:
+        return Miss(f"torch's decomposition of {op} writes to its inputs ({still[0]})")
+    if any(n.op == "call_function" and n.target is node.target for n in traced.graph.nodes):
+        return Miss(f"torch's decomposition of {op} calls {op} itself")
+    return traced, [leaves[i] for i in where]
+
+
+def _unbacked(value: Any) -> bool:
+    """Whether a value's sizes hold data-dependent (unbacked) symbols."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            for size in leaf.shape:
+                if isinstance(size, torch.SymInt) and free_unbacked_symbols(size):
+                    return True
+    return False
+
+
+def _inlinable(node: Node) -> Miss | None:
+    """Why `node`'s decomposition cannot be inlined in its place, if it cannot."""
+    returns = [r.type for r in node.target._schema.returns]
+    if any(isinstance(t, torch.ListType) for t in returns) and len(returns) > 1:
+        return Miss("it returns a tensor list inside a tuple, which a replacement cannot stand for")
+    for arg in pytree.tree_leaves((node.args, dict(node.kwargs))):
+        val = arg.meta.get("val") if isinstance(arg, Node) else None
+        if isinstance(val, torch.Tensor) and val.layout != torch.strided:
+            return Miss(f"a {val.layout} input (decompositions trace strided tensors only)")
+    return None
+
+
+def _inline(node: Node, rw: Rewriter) -> Any:
+    fn = decomposition(node.target)
+    if fn is None:
+        return Miss(f"torch has no decomposition of {schema.op_name(node.target)}")
+    why_not = _inlinable(node)
+    if why_not is not None:
+        return why_not
+    traced = trace_decomposition(node, fn, rw.fake_mode)
+    if isinstance(traced, Miss):
+        return traced
+    graph, inputs = traced
+    # data-dependent sizes (nonzero, argwhere): the decomposition's own unbacked symbols cannot be proven
+    # equal to the node's, so the replacement is checked for dtype and rank only
+    rw.replace(node, rw.inline(graph, inputs), same_shape=not _unbacked(node.meta.get("val")))
+    return None
+
+
+def legalize(illegal: Iterable[str], *, name: str, backend: str, tags: Iterable[str] = ()) -> FunctionRule:
+    """One rule decomposing every op of `illegal` (op names, "aten.xlogy.Tensor") that torch can decompose.
+
+    `backend` names the backend in the rule's doc ("IREE 3.13"). Ops of
+    `illegal` without a decomposition are not roots: they stay, and the
+    backend's error names them.
+    """
+    roots = [op for op in resolve(illegal) if decomposition(op) is not None]
+    return FunctionRule(
+        fn=_inline,
+        ops=tuple(roots),
+        name=name,
+        when=None,
+        doc=(
+            f"Ops {backend} cannot lower (measured), each replaced by torch's own decomposition of that op "
+            "alone (torch._decomp, else its CompositeImplicitAutograd kernel), repeatedly until what is left "
+            f"lowers: {len(roots)} ops, e.g. aten.multiply/subtract (aliases), aten.im2col (nn.Unfold), "
+            'aten.xlogy, aten.nll_loss_nd. The error they meet otherwise: "failed to legalize operation '
+            "'torch.operator' that was explicitly marked illegal\" or \"failed to legalize operation "
+            "'torch.aten.xlogy.Tensor'\"."
+        ),
+        tags=frozenset({"legalize", *tags}),
+    )
