@@ -23,6 +23,7 @@ from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from fx_rewrites import schema
@@ -96,7 +97,25 @@ def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> t
         return Miss(f"torch's decomposition of {op} writes to its inputs ({still[0]})")
     if any(n.op == "call_function" and n.target is node.target for n in traced.graph.nodes):
         return Miss(f"torch's decomposition of {op} calls {op} itself")
+    returned: list[Node] = []
+    map_arg(out, returned.append)
+    mismatch = _mismatch(node.meta.get("val"), [n.meta.get("val") for n in returned])
+    if mismatch:
+        return Miss(f"torch's decomposition of {op} returns other values: {mismatch}")
     return traced, [leaves[i] for i in where]
+
+
+def _mismatch(expected: Any, got: list[Any]) -> str:
+    """How the decomposition's outputs differ in dtype or rank from the node's ("" when they do not)."""
+    wanted = [v for v in pytree.tree_leaves(expected) if isinstance(v, torch.Tensor)]
+    if not all(isinstance(v, torch.Tensor) for v in got):
+        return ""  # a structure (torch.return_types): the engine checks the values it unpacks to
+    if len(wanted) != len(got):
+        return f"{len(got)} tensors for {len(wanted)}"
+    for i, (w, g) in enumerate(zip(wanted, got)):
+        if w.dtype != g.dtype or w.dim() != g.dim():
+            return f"output {i} is {g.dtype} rank {g.dim()}, the op gives {w.dtype} rank {w.dim()}"
+    return ""
 
 
 def _unbacked(value: Any) -> bool:
