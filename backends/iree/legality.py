@@ -49,7 +49,11 @@ _check_version()
 
 #: the rule decomposing every illegal op torch can decompose
 LEGALIZE_FOR_IREE = legalize(
-    illegal_ops(), name="legalize_for_iree", backend=f"IREE {legality_data.IREE_VERSION}", tags={"iree"}
+    illegal_ops(),
+    name="legalize_for_iree",
+    backend=f"IREE {legality_data.IREE_VERSION}",
+    lowered=legality_data.LOWERED,
+    tags={"iree"},
 )
 
 #: the last phase of the IREE backend's rules: legality-driven decomposition, and the guards against IREE's

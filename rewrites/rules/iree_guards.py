@@ -33,6 +33,11 @@ def _pads(node: Node) -> tuple[Node, list[int]] | Miss:
         return Miss("a symbolic pad amount")
     if not any(p < 0 for p in pads):
         return Miss("no negative pad")
+    shape = named["self"].meta["val"].shape
+    for i in range(len(pads) // 2):
+        size = shape[len(shape) - 1 - i]
+        if isinstance(size, int) and size + min(pads[2 * i], 0) + min(pads[2 * i + 1], 0) <= 0:
+            return Miss("a crop that leaves nothing of a dim")
     return named["self"], pads
 
 
@@ -68,8 +73,12 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
         named = schema.bind(node.target, node.args, dict(node.kwargs))
         named.update({"self": x, "pad": kept})
         args, kwargs = schema.unbind(node.target, named, explicit=False)
-        x = rw.call(node.target, *args, **kwargs)
+        try:
+            x = rw.call(node.target, *args, **kwargs)
+        except RuntimeError as e:  # replicate of a dim the crop emptied (sizes symbolic): torch refuses it
+            return Miss(f"torch rejects the pad of the cropped tensor: {' '.join(str(e).split())[:120]}")
     rw.replace(node, x)
+    return None
 
 
 # -- several index tensors with symbolic sizes -------------------------------------------------

@@ -12,6 +12,7 @@ decomposition (the backend's compile error then names it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -140,7 +141,28 @@ def _inlinable(node: Node) -> Miss | None:
     return None
 
 
-def _inline(node: Node, rw: Rewriter) -> Any:
+def _dead_end(graph: GraphModule, illegal: frozenset[Any], lowered: frozenset[str]) -> str:
+    """A call in `graph` the backend cannot take and nothing decomposes ("" when none): an illegal op without
+    a decomposition, a torch primitive (prims.div) never seen lowering, a Python function other than the
+    `operator` module's (torch.sym_float)."""
+    for n in graph.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if not isinstance(n.target, OpOverload):
+            module = getattr(n.target, "__module__", None) or ""
+            if module != "_operator" and not module.startswith("torch.return_types") and not isinstance(n.target, type):
+                return schema.op_name(n.target)
+            continue
+        if decomposition(n.target) is not None:
+            continue
+        if n.target in illegal or (n.target.namespace == "prims" and str(n.target) not in lowered):
+            return schema.op_name(n.target)
+    return ""
+
+
+def _inline(
+    node: Node, rw: Rewriter, illegal: frozenset[Any] = frozenset(), lowered: frozenset[str] = frozenset()
+) -> Any:
     fn = decomposition(node.target)
     if fn is None:
         return Miss(f"torch has no decomposition of {schema.op_name(node.target)}")
@@ -151,22 +173,34 @@ def _inline(node: Node, rw: Rewriter) -> Any:
     if isinstance(traced, Miss):
         return traced
     graph, inputs = traced
+    stuck = _dead_end(graph, illegal, lowered)
+    if stuck:
+        return Miss(
+            f"torch's decomposition of {schema.op_name(node.target)} needs {stuck}, which the backend "
+            "cannot lower and nothing decomposes: the op is left as it is"
+        )
     # data-dependent sizes (nonzero, argwhere): the decomposition's own unbacked symbols cannot be proven
     # equal to the node's, so the replacement is checked for dtype and rank only
     rw.replace(node, rw.inline(graph, inputs), same_shape=not _unbacked(node.meta.get("val")))
     return None
 
 
-def legalize(illegal: Iterable[str], *, name: str, backend: str, tags: Iterable[str] = ()) -> FunctionRule:
+def legalize(
+    illegal: Iterable[str], *, name: str, backend: str, lowered: Iterable[str] = (), tags: Iterable[str] = ()
+) -> FunctionRule:
     """One rule decomposing every op of `illegal` (op names, "aten.xlogy.Tensor") that torch can decompose.
+
+    `lowered` names ops seen lowering: a torch primitive (prims.*) outside it is taken for one the backend
+    cannot take, and a decomposition that needs it is declined.
 
     `backend` names the backend in the rule's doc ("IREE 3.13"). Ops of
     `illegal` without a decomposition are not roots: they stay, and the
     backend's error names them.
     """
-    roots = [op for op in resolve(illegal) if decomposition(op) is not None]
+    known = frozenset(resolve(illegal))
+    roots = [op for op in known if decomposition(op) is not None]
     return FunctionRule(
-        fn=_inline,
+        fn=functools.partial(_inline, illegal=known, lowered=frozenset(lowered)),
         ops=tuple(roots),
         name=name,
         when=None,

@@ -87,9 +87,14 @@ def histc_to_one_hot_sum_for_iree(node: Node, rw: Rewriter) -> Any:
 # -- kthvalue ------------------------------------------------------------------------------
 
 
+def _kthvalue_ok(node: Node) -> bool | Miss:
+    return node.args[0].meta["val"].dim() > 0 or Miss("a 0-d input (its only value is the answer)")
+
+
 @rule(
     roots=(aten.kthvalue.default,),
     name="kthvalue_to_topk_for_iree",
+    when=_kthvalue_ok,
     tags={"iree"},
     doc=(
         "torch.kthvalue(x, k, dim) becomes the k smallest by aten.topk(largest=False), the last of them "
