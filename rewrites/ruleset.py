@@ -142,6 +142,34 @@ class Phases:
         """These phases followed by `more`."""
         return Phases(*self.sets, *more, name=self.name)
 
+    def __or__(self, other: RuleSet | Rule | Iterable[Rule]) -> Phases:
+        """`backend.rules + my_rule`: the rule joins the first phase.
+
+        The first phase is the one that fixes the graph (DEFAULT or a
+        backend's own pack); later ones lower or legalize what it left.
+        A rule that must run after them is a phase of its own: `.then(...)`.
+        """
+        if not isinstance(other, (RuleSet, Rule, Iterable)):
+            return NotImplemented
+        return Phases(self.sets[0] | other, *self.sets[1:], name=self.name)
+
+    __add__ = __or__
+
+    def __radd__(self, other: Rule | Iterable[Rule]) -> Phases:
+        """`my_rule + backend.rules`: the rule first in the first phase."""
+        if not isinstance(other, (Rule, Iterable)):
+            return NotImplemented
+        return Phases(other + self.sets[0], *self.sets[1:], name=self.name)
+
+    __ror__ = __radd__
+
+    def without(self, *names: str) -> Phases:
+        """These phases less the rules named (in whichever phase they are)."""
+        unknown = [n for n in names if n not in self]
+        if unknown:
+            raise KeyError(f"no phase of {self.name!r} has rules named {unknown}; they have {self.names()}")
+        return Phases(*(RuleSet([r for r in s if r.name not in names], name=s.name) for s in self.sets), name=self.name)
+
 
 def as_phases(rules: RuleSet | Phases | Rule | Iterable[Rule]) -> Phases:
     """What `apply` runs: phases, a rule set (one phase), a rule or rules."""

@@ -76,3 +76,17 @@ def test_phases_list_and_find_their_rules():
         phases["nope"]
     with pytest.raises(RuleDefinitionError, match="at least one rule set"):
         Phases()
+
+
+def test_a_rule_added_to_phases_joins_the_first_phase_and_runs_there():
+    later = Phases(RuleSet([], name="fix"), RuleSet([lift_to_clone], name="lower"), name="backend")
+    for added in (later + clone_forward, later | clone_forward, [clone_forward] + later):
+        assert isinstance(added, Phases) and added.name == "backend"
+        assert added.sets[0].names() == ["clone_forward"] and added.sets[1].names() == ["lift_to_clone"]
+    # in the first phase clone_forward meets no clone yet: the phase order holds after `+`
+    result = fx_rewrites.apply(rt.export(Fresh(), torch.randn(3)), later + clone_forward)
+    assert dict(result.report.rewrites) == {"lift_to_clone": 1}
+    rt.assert_matches_eager(result, Fresh(), _inputs())
+    assert (later + clone_forward).without("lift_to_clone", "clone_forward").names() == []
+    with pytest.raises(KeyError, match=r"no phase of 'backend' has rules named \['nope'\]"):
+        later.without("nope")
