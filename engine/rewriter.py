@@ -77,6 +77,9 @@ class _Replacement:
     new: Any
     same_shape: bool = True
     after: Node | None = None
+    #: the value `old`'s users (those after `after`) saw, when not old's own
+    #: (an op that resizes its out= argument or changes a tensor's shape in place)
+    reference: Any = None
 
     def users(self) -> list[Node]:
         users = list(self.old.users)
@@ -223,10 +226,15 @@ class Rewriter:
         bindings = values.unbacked_bindings(self.fake_mode, val)
         self.modifications.append(_Modification(node, args, kwargs, val, bindings))
 
-    def replace_uses_after(self, old: Node, new: Node, after: Node) -> None:
+    def replace_uses_after(self, old: Node, new: Node, after: Node, *, reference: Any = None) -> None:
         """Users of `old` that come after `after` read `new` instead: what
-        an in-place op made functional needs (later reads see the update)."""
-        self.replacements.append(_Replacement(old, new, True, after))
+        an in-place op made functional needs (later reads see the update).
+
+        `new` is checked against `old`'s value, or against `reference`: the
+        value those users saw when the op that mutated `old` also changed its
+        shape (`out=` arguments are resized; `unsqueeze_` changes the view),
+        usually that op's own `meta["val"]`."""
+        self.replacements.append(_Replacement(old, new, True, after, reference))
 
     def add_output(self, value: Node, index: int) -> None:
         """Insert `value` into the graph's output tuple at `index` (at commit)."""
@@ -366,7 +374,8 @@ class Rewriter:
             late = [u.name for u in users if isinstance(n, Node) and not n < u]
             if late:
                 raise CheckFailed(f"replacement {n.name!r} comes after users {late} of {old.name!r}")
-        why = values.compatible(old.meta.get("val"), new_val, check_shape=self.check_shapes and r.same_shape)
+        expected = old.meta.get("val") if r.reference is None else r.reference
+        why = values.compatible(expected, new_val, check_shape=self.check_shapes and r.same_shape)
         if why:
             raise CheckFailed(f"replacement for {old.name!r} does not match it: {why}")
 

@@ -1,98 +1,63 @@
-"""In-place ops and mutation (seed 003).
+"""In-place ops and mutation (seed 003; issue 12).
 
-`torch.export.export` in torch 2.13 returns training IR that keeps in-place
-ops (`add_`, `index_put_`, `copy_`, buffer `add_`) and whose signature has
-no mutation outputs. IREE rejects them: "'torch.aten.add_.Tensor' op operand
-#0 must be Multi-dimensional array modeling Torch's Tensor type, but got
-'!torch.vtensor<...>'". The rule turns `op_(x, ...)` into `op(x, ...)`, makes
-later reads of `x` (and of the tensor `x` is a slice/select/view of) read the
-new value, and, when the mutated tensor is a program input or buffer, returns
-the final value as a USER_INPUT_MUTATION / BUFFER_MUTATION output so that
-`ep.module()` has the side effects eager has.
+`torch.export.export` in torch 2.13 returns training IR that keeps ops that
+write into an argument (`add_`, `hardswish_`, `uniform_`, `index_put_`,
+`_index_put_impl_`, `copy_`, buffer `add_`, `out=` overloads such as
+`arange.start_out`) and whose signature has no mutation outputs. IREE
+rejects them: "'torch.aten.add_.Tensor' op operand #0 must be
+Multi-dimensional array modeling Torch's Tensor type, but got
+'!torch.vtensor<...>'", or has no lowering for the op at all.
+
+`functionalize_inplace` is rooted at every ATen overload whose schema
+mutates an argument and calls the functional variant torch pairs with it
+(`functionalize.py`: torchgen's schema groups) instead. Then, for each
+mutated tensor `x`:
+
+- the new value keeps `x`'s dtype (`a += b` with float32 `a` and float64 `b`
+  stays float32, as eager and torch's functionalization do);
+- later reads of `x`, and of the tensors `x` is a slice/select/alias of,
+  read the new value (written back with `slice_scatter` / `select_scatter`);
+- when `x` is a program input or buffer, the final value is returned as a
+  USER_INPUT_MUTATION / BUFFER_MUTATION output, so `ep.module()` has the
+  side effects eager has.
+
+Ops without a functional variant but with a CompositeImplicitAutograd kernel
+(`dropout_`: in eval mode an identity; `alpha_dropout_`, `requires_grad_`)
+are replaced by that kernel traced under torch's functionalization, whose
+in-place writes back (`copy_`) this rule then takes in turn.
 
 It declines (explain() says why) where a correct rewrite needs full
 functionalization: a view created before the mutation and read after it, a
-view op it cannot invert, or a mutated input of a plain GraphModule (no
-signature to record it in). `ExportedProgram.run_decompositions()` handles
-those.
+view op it cannot invert, a mutated input of a plain GraphModule (no
+signature to record it in), or an op with no functional variant (named).
+`ExportedProgram.run_decompositions()` handles those.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from torch._ops import OpOverload
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
 
+from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import compatible
 from fx_rewrites.kinds import rule
 from fx_rewrites.program import input_spec, new_mutations
+from fx_rewrites.rules.functionalize import Composite, Variant, mutating_overloads, variant
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
-_BASES = [
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "index_put",
-    "copy",
-    "fill",
-    "masked_fill",
-    "clamp",
-    "clamp_min",
-    "clamp_max",
-    "relu",
-    "sigmoid",
-    "tanh",
-    "neg",
-    "exp",
-    "zero",
-    "scatter",
-    "scatter_add",
-    "index_add",
-    "addcmul",
-    "lerp",
-    "abs",
-    "sqrt",
-    "rsqrt",
-    "floor",
-    "round",
-    "logical_not",
-    "bitwise_and",
-    "masked_scatter",
-    "index_fill",
-    "hardtanh",
-    "leaky_relu",
-    "silu",
-    "gelu",
-]
-#: in-place overloads whose functional twin has another overload name
-_RENAMED = {aten.pow_.Scalar: aten.pow.Tensor_Scalar, aten.pow_.Tensor: aten.pow.Tensor_Tensor}
+#: every ATen overload whose schema writes to an argument: the rule's roots
+MUTATING_OPS = mutating_overloads("aten")
 
-
-def _same_signature(a: OpOverload, b: OpOverload) -> bool:
-    sig = lambda op: [(x.name, str(x.type)) for x in op._schema.arguments]  # noqa: E731
-    return sig(a) == sig(b)
-
-
-def _functional_twins() -> dict[OpOverload, OpOverload]:
-    """In-place overload -> functional overload with the same arguments."""
-    twins = dict(_RENAMED)
-    for base in _BASES:
-        inplace, functional = getattr(aten, base + "_"), getattr(aten, base)
-        for name in inplace.overloads():
-            if name in functional.overloads():
-                a, b = getattr(inplace, name), getattr(functional, name)
-                if _same_signature(a, b):
-                    twins[a] = b
-    return twins
-
-
-FUNCTIONAL = _functional_twins()
 #: view ops whose effect on the base can be written back functionally
 _SCATTER = {
     aten.slice.Tensor: lambda rw, base, new, args: rw.call(aten.slice_scatter.default, base, new, *args),
@@ -154,55 +119,223 @@ def _mutation_kind(base: Node) -> tuple[OutputKind, str] | Miss:
         return OutputKind.BUFFER_MUTATION, spec.target
     if spec.kind == InputKind.USER_INPUT:
         return OutputKind.USER_INPUT_MUTATION, base.name
+    if spec.kind == InputKind.PARAMETER:  # RWKV rescales its weights in place, under no_grad
+        return OutputKind.PARAMETER_MUTATION, spec.target
     return Miss(f"mutates {spec.kind.name.lower()} {base.name}, which a program cannot return as mutated")
 
 
-def _check(node: Node) -> Any:
-    found = _view_chain(node.args[0])
-    if isinstance(found, Miss):
-        return found
-    chain, links = found
-    why = _aliased_reads(chain, node)
-    if why:
-        return Miss(why)
-    kind = _mutation_kind(chain[-1]) if chain[-1].op == "placeholder" else None
-    if isinstance(kind, Miss):
-        return kind
-    return chain, links, kind
+@attrs.frozen
+class _Written:
+    """One tensor the op writes: argument `arg` (element `item` of a list
+    argument), its view chain down to its base, and how a mutated program
+    input is recorded."""
+
+    arg: str
+    item: int | None
+    chain: list[Node]
+    links: list[tuple[Any, tuple]]
+    kind: tuple[OutputKind, str] | None
 
 
-@rule(
-    roots=tuple(FUNCTIONAL),
-    name="functionalize_inplace",
-    when=lambda node: isinstance(node.args[0], Node) or Miss("mutated argument is not a graph value"),
-    tags={"mutation"},
-    doc=(
-        "In-place ops (add_, mul_, index_put_, copy_, fill_, buffer updates such as "
-        "num_batches_tracked.add_(1)) become functional ops; later reads see the new value and "
-        "mutated inputs/buffers become USER_INPUT_MUTATION / BUFFER_MUTATION outputs. IREE: "
-        "\"'torch.aten.add_.Tensor' op operand #0 must be Multi-dimensional array modeling "
-        "Torch's Tensor type, but got '!torch.vtensor<...>'\"."
-    ),
-)
-def functionalize_inplace(node: Node, rw: Rewriter) -> Any:
-    found = _check(node)
-    if isinstance(found, Miss):
+@attrs.frozen
+class _Plan:
+    variant: Variant
+    named: dict[str, Any]
+    written: tuple[_Written, ...]
+
+
+def _full_arguments(op: OpOverload, node: Node) -> dict[str, Any]:
+    """The node's arguments by name, defaults of `op`'s schema filled in (a
+    functional variant may have other defaults: `bernoulli_.float` has p=0.5,
+    `bernoulli.p` none)."""
+    named = schema.bind(op, node.args, node.kwargs)
+    for a in op._schema.arguments:
+        if a.name not in named and a.has_default_value():
+            named[a.name] = schema.default(a)
+    return named
+
+
+def _writes(node: Node, found: Variant, named: dict[str, Any]) -> tuple[_Written, ...] | Miss:
+    written: list[_Written] = []
+    seen: set[Node] = set()
+    for arg in found.mutated:
+        value = named.get(arg)
+        if value is None:  # an optional mutated argument not given (`Tensor(a!)? running_mean`)
+            continue
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for item, tensor in items:
+            if not isinstance(tensor, Node):
+                return Miss(f"mutated argument {arg!r} is not a graph value")
+            if tensor in seen:
+                return Miss(f"{tensor.name} is written twice by one {node.target}")
+            seen.add(tensor)
+            chain = _view_chain(tensor)
+            if isinstance(chain, Miss):
+                return chain
+            why = _aliased_reads(chain[0], node)
+            if why:
+                return Miss(why)
+            base = chain[0][-1]
+            kind = _mutation_kind(base) if base.op == "placeholder" else None
+            if isinstance(kind, Miss):
+                return kind
+            written.append(_Written(arg, item, *chain, kind))
+    return tuple(written)
+
+
+def _plan(node: Node) -> _Plan | Composite | Miss:
+    found = variant(node.target)
+    if isinstance(found, str):
+        return Miss(found)
+    if isinstance(found, Composite):
         return found
-    chain, links, kind = found
-    new = rw.call(FUNCTIONAL[node.target], *node.args, **node.kwargs)
-    rw.replace(node, new)
-    rw.erase(node)
-    rw.replace_uses_after(chain[0], new, after=node)
-    for (target, args), base in zip(links, chain[1:]):
+    named = _full_arguments(node.target, node)
+    written = _writes(node, found, named)
+    if isinstance(written, Miss):
+        return written
+    return _Plan(found, named, written)
+
+
+def _call_functional(node: Node, rw: Rewriter, plan: _Plan) -> list[Node]:
+    """Insert the functional variant; its outputs, one node each."""
+    v = plan.variant
+    names = {a.name for a in v.functional._schema.arguments}
+    named = {k: x for k, x in plan.named.items() if k in names}
+    if v.options_from is not None:  # factory out= ops: the out tensor's options, as torchgen's kernels pass them
+        out = plan.named[v.options_from].meta["val"]
+        for key, value in (("dtype", out.dtype), ("device", out.device), ("layout", out.layout)):
+            if key in names and named.get(key) is None:
+                named[key] = value
+    args, kwargs = schema.unbind(v.functional, named, explicit=False)
+    call = rw.call(v.functional, *args, **kwargs)
+    count = len(v.functional._schema.returns)
+    return [call] if count == 1 else [rw.getitem(call, i) for i in range(count)]
+
+
+def _written_value(rw: Rewriter, outputs: list[Node], plan: _Plan, w: _Written) -> Node:
+    """The new value of one written tensor, in that tensor's dtype (in-place
+    type promotion: the result is cast back, as eager's `a += b` does)."""
+    v = plan.variant
+    index = v.returns.index(w.arg) if w.arg in v.returns else len(v.returns) + v.extra.index(w.arg)
+    new = outputs[index] if w.item is None else rw.getitem(outputs[index], w.item)
+    want = w.chain[0].meta["val"].dtype
+    if new.meta["val"].dtype != want:
+        new = rw.call(aten._to_copy.default, new, dtype=want)
+    return new
+
+
+def _reference(node: Node, plan: _Plan, w: _Written) -> Any:
+    """What readers of `w`'s tensor after the op saw: the op's own output
+    that aliases it (None when the op does not return it)."""
+    if w.arg not in plan.variant.returns or w.item is not None:
+        return None
+    val = node.meta.get("val")
+    return val[plan.variant.returns.index(w.arg)] if isinstance(val, (tuple, list)) else val
+
+
+def _write_back(node: Node, rw: Rewriter, plan: _Plan, w: _Written, new: Node, outputs_added: int) -> Miss | int:
+    """Make later reads of the written tensor (and of its bases) read `new`;
+    record a mutated program input. Returns the mutation outputs added."""
+    tensor = w.chain[0]
+    old, got = tensor.meta["val"], new.meta["val"]
+    if compatible(old, got) is not None:  # resized (out=) or reshaped in place (unsqueeze_)
+        reference = _reference(node, plan, w)
+        if len(w.chain) > 1 or w.kind is not None or reference is None:
+            return Miss(
+                f"{node.target} changes the shape of {tensor.name} from {tuple(old.shape)} to {tuple(got.shape)}; "
+                "only a tensor made inside the graph, not a view, input or buffer, can take that"
+            )
+        rw.replace_uses_after(tensor, new, after=node, reference=reference)
+        return 0
+    rw.replace_uses_after(tensor, new, after=node)
+    for (target, args), base in zip(w.links, w.chain[1:]):
         updated = _SCATTER[target](rw, base, new, args)
         new.meta[ALIAS_OF] = (target, updated, args)
         rw.replace_uses_after(base, updated, after=node)
         new = updated
-    if kind is not None:
-        added = new_mutations(node.graph)
-        rw.add_output(new, len(added))
-        rw.on_commit(lambda: added.append(kind))
+    if w.kind is None:
+        return 0
+    added = new_mutations(node.graph)
+    rw.add_output(new, len(added) + outputs_added)
+    rw.on_commit(lambda kind=w.kind: added.append(kind))
+    return 1
+
+
+def _functionalize(node: Node, rw: Rewriter, plan: _Plan) -> Miss | None:
+    v = plan.variant
+    outputs = _call_functional(node, rw, plan)
+    new_values = {(w.arg, w.item): _written_value(rw, outputs, plan, w) for w in plan.written}
+    results = []
+    for i, alias in enumerate(v.returns):
+        if alias is None:
+            results.append(outputs[i])
+        elif (alias, None) in new_values:
+            results.append(new_values[(alias, None)])
+        else:  # an optional mutated argument that was not given, or a list
+            results.append(outputs[i])
+    if node.users and results:
+        rw.replace(node, results[0] if len(results) == 1 else results)
+    rw.erase(node)
+    added = 0
+    for w in plan.written:
+        done = _write_back(node, rw, plan, w, new_values[(w.arg, w.item)], added)
+        if isinstance(done, Miss):
+            return done
+        added += done
     return None
+
+
+def _inline_composite(node: Node, rw: Rewriter) -> Miss | None:
+    """Replace `node` by its op's CompositeImplicitAutograd kernel, traced
+    under torch's functionalization (writes to inputs come back as `copy_`)."""
+    op = node.target
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+    inputs = [leaves[i] for i in slots]
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs):
+        return Miss(f"{op} has no functional variant and takes a non-tensor graph value: its kernel is not traced")
+
+    def composite(*tensors: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(slots, tensors):
+            filled[i] = t
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return op.decompose(*args, **kwargs)
+
+    try:
+        with rw.fake_mode:
+            traced = make_fx(torch.func.functionalize(composite, remove="mutations"), tracing_mode="real")(
+                *[n.meta["val"] for n in inputs]
+            )
+    except RuntimeError as e:  # C++ kernels that read a symbolic size as an int (train-mode dropout_: numel())
+        first = str(e).strip().splitlines()[0]
+        return Miss(f"{op} has no functional variant and its CompositeImplicitAutograd kernel fails to trace: {first}")
+    out = rw.inline(traced, inputs)
+    if node.users:
+        rw.replace(node, out)
+    rw.erase(node)
+    return None
+
+
+@rule(
+    roots=MUTATING_OPS,
+    name="functionalize_inplace",
+    when=_plan,
+    tags={"mutation"},
+    doc=(
+        "Ops that write into an argument (every ATen overload whose schema says Tensor(a!): add_, hardswish_, "
+        "uniform_, bernoulli_, index_put_, _index_put_impl_, copy_, out= overloads such as arange.start_out, "
+        "buffer updates such as num_batches_tracked.add_(1)) become the functional variant torch pairs with "
+        "them; the result keeps the written tensor's dtype, later reads see the new value and mutated "
+        "inputs/buffers become USER_INPUT_MUTATION / BUFFER_MUTATION outputs; eval-mode dropout_ is an "
+        "identity. IREE: \"'torch.aten.add_.Tensor' op operand #0 must be Multi-dimensional array modeling "
+        "Torch's Tensor type, but got '!torch.vtensor<...>'\"."
+    ),
+)
+def functionalize_inplace(node: Node, rw: Rewriter, plan: Any) -> Any:
+    if isinstance(plan, Composite):
+        return _inline_composite(node, rw)
+    return _functionalize(node, rw, plan)
 
 
 RULES = RuleSet([functionalize_inplace], name="inplace")

@@ -121,7 +121,12 @@ def _dtype_mismatch(traced: GraphModule, expected: list[Any]) -> Miss | None:
 )
 def inline_set_grad_enabled(node: Node, rw: Rewriter) -> Any:
     body = subgraph(node.args[1])
-    _replace_outputs(rw, node, rw.inline(body, node.args[2:]))
+    # the body's values are computed in its grad mode: under no_grad it may write into a parameter
+    # (RWKV's `_rescale_layers`: weight.div_(...)), which raises "a leaf Variable that requires grad is
+    # being used in an in-place operation" with grad enabled
+    with torch.set_grad_enabled(bool(node.args[0])):
+        outputs = rw.inline(body, node.args[2:])
+    _replace_outputs(rw, node, outputs)
     return None
 
 
