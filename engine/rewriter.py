@@ -267,7 +267,7 @@ class Rewriter:
                 m.node.args = m.args
             if m.kwargs != m.node.kwargs:
                 m.node.kwargs = m.kwargs
-            m.node.meta["val"] = m.val
+            m.node.meta["val"] = values.users_view(m.node.meta.get("val"), m.val)
             if m.bindings:
                 m.node.meta["unbacked_bindings"] = m.bindings
             else:
@@ -275,7 +275,11 @@ class Rewriter:
             m.node.meta["rewrites"] = (*m.node.meta.get("rewrites", ()), self._provenance[-1])
             touched += [m.node, *m.node.users]
             dead += before
+        created = {id(n) for n in self.created}
         for r in self.replacements:
+            if r.same_shape and isinstance(r.new, Node) and id(r.new) in created:
+                seen = r.old.meta.get("val") if r.reference is None else r.reference
+                r.new.meta["val"] = values.users_view(seen, r.new.meta.get("val"))
             users = r.users()
             touched.extend(users)
             if isinstance(r.new, Node) or not isinstance(r.new, Sequence):

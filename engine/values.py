@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import (
@@ -113,11 +114,39 @@ def evaluate(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Any:
             return hit
     fargs, fkwargs = node_value(args), node_value(kwargs)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    with ctx:
-        val = target(*fargs, **fkwargs)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        with ctx:
+            val = target(*fargs, **fkwargs)
+    else:
+        # symbolic sizes: CompositeImplicitAutograd ops (aten.pad) run their C++ kernels, which read
+        # sizes as ints and specialise the program's dynamic sizes, unless the Python dispatcher routes
+        # them to torch's symbolic-aware Python kernels, as torch.export does while tracing
+        known = len(shape_env.replacements)
+        with ctx, enable_python_dispatcher():
+            val = target(*fargs, **fkwargs)
+        if len(shape_env.replacements) != known:
+            _check_no_specialisation(shape_env, known, target)
     if key is not None and _storable(fake_mode, val):
         memo.values[key] = val  # type: ignore[union-attr]
     return val
+
+
+class Specialised(MissingValue):
+    """Evaluating a new node fixed a dynamic size of the program to a number."""
+
+
+def _check_no_specialisation(shape_env: Any, known: int, target: Any) -> None:
+    """Raise when the evaluation just done replaced a size symbol by a constant
+    (the program would silently become static for that size)."""
+    fixed = [(a, b) for a, b in list(shape_env.replacements.items())[known:] if getattr(b, "is_number", False)]
+    if fixed:
+        sizes = ", ".join(f"{a} = {b}" for a, b in fixed)
+        raise Specialised(
+            f"computing the value of {getattr(target, '__name__', target)} on symbolic sizes specialised them "
+            f"({sizes}): the program's dynamic sizes would become static; the shape environment keeps that "
+            "guard, so re-export the program before rewriting it again"
+        )
 
 
 class _Memo:
@@ -240,6 +269,27 @@ def describe(val: Any) -> str:
     if isinstance(val, (list, tuple)):
         return "(" + ", ".join(describe(v) for v in val) + ")"
     return f"{type(val).__name__} {val!r}"
+
+
+def _form(val: Any) -> Any:
+    """Sizes as written (an int and a symbolic size equal to it differ)."""
+    if isinstance(val, torch.Tensor):
+        return tuple(s if type(s) is int else ("sym", s.node.expr) for s in val.shape)
+    if isinstance(val, (list, tuple)):
+        return tuple(_form(v) for v in val)
+    return None
+
+
+def users_view(seen: Any, new: Any) -> Any:
+    """The value a replacement should carry: `seen` (what the replaced value's
+    users were typed against) when `new` is the same value with its sizes
+    written otherwise (`1` for `(s53//6)`, or another expression provably
+    equal), else `new`. Backends type each node from its own value: a
+    producer typed [?, ?, 1, 1] feeding users typed [?, ?, ?, ?] fails to
+    import in IREE."""
+    if seen is None or seen is new or compatible(seen, new) is not None:
+        return new
+    return seen if _form(seen) != _form(new) else new
 
 
 def compatible(old: Any, new: Any, *, check_shape: bool = True) -> str | None:

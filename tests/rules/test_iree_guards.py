@@ -62,14 +62,7 @@ class Crops(torch.nn.Module):
         return F.pad(x, (-1, 2)), F.pad(x, (0, 0, -2, 0), value=1.5), torch.constant_pad_nd(x, [1, -1, -1, 1])
 
 
-#: the engine evaluates a new aten.pad / constant_pad_nd with the C++ meta kernel, which specialises symbolic
-#: sizes (the program's input becomes static); "inplace" fixes fake values in the engine (issue 12, item 4)
-_ENGINE_SPECIALISES = pytest.mark.xfail(
-    strict=True, reason="engine: fake values of the new pad specialise the Dim sizes (issue 12, item 4)"
-)
-DYNAMIC = pytest.mark.parametrize(
-    "dynamic", [False, pytest.param(True, marks=_ENGINE_SPECIALISES)], ids=["static", "dim"]
-)
+DYNAMIC = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 
 SHIFT_INPUTS = [(torch.randn(2, 5, 4),), (torch.randn(2, 5, 4) * 3,)]
 SHIFT_DYNAMIC = [(torch.randn(2, 5, 4),), (torch.randn(3, 9, 4),)]

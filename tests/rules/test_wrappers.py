@@ -3,6 +3,7 @@ pre-dispatch make_fx graphs (raw _set_grad_enabled / _enter_autocast)."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -364,3 +365,88 @@ def test_cond_under_autocast_exports_raw_calls_and_is_retraced():
     rt.assert_matches_eager(result, m, inputs, **BF16)
     rt.assert_idempotent(result, RULES, control_flow.RULES)
     _roundtrip(result.program)
+
+
+# -- issue 12: a no_grad block that writes into parameters (RWKV exported without no_grad) --------------
+
+
+class RescaleWeights(torch.nn.Module):
+    """What transformers' RWKV does in eval mode (`_rescale_layers`): parameters divided in place under
+    no_grad, inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.div_(2)
+        return self.lin(x)
+
+
+def _rescale_calls(fn, inputs):
+    """Outputs of successive calls (each call rescales the weights again)."""
+    return [fn(*args) for args in inputs]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_no_grad_block_writing_a_parameter(dynamic):
+    inputs = _inputs((2, 3)) if not dynamic else [*_inputs((2, 3), n=1), *_inputs((5, 3), n=1)]
+    ep = rt.export(RescaleWeights(), *inputs[0], dynamic_shapes=({0: Dim("b")},) if dynamic else None)
+    # before: inlining computed the body's values with grad enabled and raised "a leaf Variable that
+    # requires grad is being used in an in-place operation"
+    result = fx_rewrites.apply(ep, fx_rewrites.rules.DEFAULT)
+    rt.assert_fired(result, inline_set_grad_enabled, times=1)
+    rt.assert_fired(result, inplace.functionalize_inplace, times=1)
+    rt.assert_ops(result, absent=[*WRAPPER_OPS, aten.div_.Tensor])
+    specs = [(s.kind.name, s.target) for s in result.program.graph_signature.output_specs]
+    assert specs == [("PARAMETER_MUTATION", "lin.weight"), ("USER_OUTPUT", None)]
+    with torch.no_grad():  # the unlifted module copies the new weight into the parameter (torch's, as after
+        got = _rescale_calls(result.program.module(), inputs)  # run_decompositions)
+    torch.testing.assert_close(got, _rescale_calls(RescaleWeights(), inputs))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_no_grad_block_writing_a_parameter_on_iree(dynamic):
+    from fx_rewrites import backends
+    from fx_rewrites.engine import RewriteError
+
+    iree = backends.get("iree")
+    inputs = _inputs((2, 3)) if not dynamic else [*_inputs((2, 3), n=1), *_inputs((5, 3), n=1)]
+    ep = rt.export(RescaleWeights(), *inputs[0], dynamic_shapes=({0: Dim("b")},) if dynamic else None)
+    with pytest.raises(RewriteError):
+        iree.compile(ep, inputs[0])  # the wrapper HOP has no importer
+    fn = iree.compile(fx_rewrites.apply(ep, iree.rules).program, inputs[0])
+    torch.testing.assert_close(_rescale_calls(fn, inputs), _rescale_calls(RescaleWeights(), inputs))
+
+
+@pytest.mark.slow
+def test_rwkv_exported_without_no_grad_on_iree():
+    transformers = pytest.importorskip("transformers")
+    from fx_rewrites import backends
+
+    config = transformers.RwkvConfig(
+        vocab_size=64,
+        context_length=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+    )  # rescale_every=6: with 2 layers the in-place rescale divides by 1, so every call computes the same
+    # (the exported program rescales on each call, eager once: export records the branch its flag took)
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(config).eval()
+    state = copy.deepcopy(model.state_dict())
+    ids = [torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    ep = torch.export.export(model, (ids[0],), {"use_cache": False})
+    assert wrap_with_set_grad_enabled in rt.targets(ep)
+    iree = backends.get("iree")
+    result = fx_rewrites.apply(ep, iree.rules)
+    rt.assert_fired(result, inline_set_grad_enabled, times=1)
+    model.load_state_dict(state)
+    fn = iree.compile(result.program, (ids[0],))
+    for x in ids:
+        torch.testing.assert_close(
+            fn(x, use_cache=False).logits, model(x, use_cache=False).logits, rtol=1e-4, atol=1e-5
+        )
