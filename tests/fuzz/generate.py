@@ -1,6 +1,6 @@
 """Random small modules holding the forms the rule packs rewrite, for differential fuzzing.
 
-A `Spec` is data: an input shape, whether the batch is dynamic, and a chain of
+A `Spec` is data: an input shape, which of its dims are exported dynamic, and a chain of
 `Step`s, each a (kind, parameter) pair that maps the running 4-d tensor to the
 next. `FuzzNet(spec)` runs the chain; `specs()` is the hypothesis strategy.
 Every step keeps the tensor 4-d and float32 and keeps values bounded (no exp,
@@ -40,7 +40,7 @@ class Spec:
     height: int
     width: int
     steps: tuple[Step, ...]
-    dynamic: bool = False  # torch.export Dim on the batch
+    dynamic: tuple[int, ...] = ()  # dims of the input exported with torch.export.Dim.AUTO
     mutate_input: bool = False  # forward starts with an in-place op on its input
     two_outputs: bool = False
     seed: int = 0  # weights, constants and inputs
@@ -49,13 +49,22 @@ class Spec:
         return (batch or self.batch, self.channels, self.height, self.width)
 
     def inputs(self) -> list[tuple[torch.Tensor]]:
-        """The example input, then one more (another batch size when the batch is dynamic)."""
+        """The example input, then one more, one larger along each dynamic dim."""
         gen = torch.Generator().manual_seed(self.seed)
-        other = self.batch + 1 if self.dynamic else self.batch
-        return [(torch.randn(self.shape(), generator=gen),), (torch.randn(self.shape(other), generator=gen) * 3,)]
+        other = tuple(s + 1 if i in self.dynamic else s for i, s in enumerate(self.shape()))
+        return [(torch.randn(self.shape(), generator=gen),), (torch.randn(other, generator=gen) * 3,)]
 
     def dynamic_shapes(self) -> Any:
-        return ({0: torch.export.Dim("batch", min=2, max=16)},) if self.dynamic else None
+        """Dim.AUTO on the dynamic dims: a dim the module's code fixes (a buffer's channels, a view to
+        the example's sizes) is specialised by export instead of failing it; `exported` says which stayed."""
+        return ({i: torch.export.Dim.AUTO for i in self.dynamic},) if self.dynamic else None
+
+    def exported(self, program: torch.export.ExportedProgram) -> Spec:
+        """This spec with `dynamic` narrowed to the dims still symbolic in `program` (so the second
+        input set varies only those)."""
+        x = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "x").meta["val"]
+        kept = tuple(i for i in self.dynamic if not isinstance(x.shape[i], int))
+        return attrs.evolve(self, dynamic=kept)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -162,7 +171,23 @@ def _buffer_copy(net, i, x, p):
     return x - buf
 
 
+def _promoting_add(net, i, x, p):
+    y = x * 1
+    y += torch.full((x.shape[-1],), p, dtype=torch.float64)  # float32 += float64 stays float32
+    return y
+
+
+def _sum_out(net, i, x, p):
+    total = torch.empty(0)
+    torch.sum(x, p, keepdim=True, out=total)  # an out= overload, resized
+    return x - total / 8
+
+
 step("inplace_add")(_inplace_add)
+step("inplace_hardswish")(lambda net, i, x, p: F.hardswish(x * 1, inplace=True))
+step("dropout_inplace")(lambda net, i, x, p: F.dropout(x * 1, p, training=False, inplace=True))
+step("promoting_add")(_promoting_add)
+step("sum_out")(_sum_out)
 step("inplace_slice")(_inplace_slice)
 step("inplace_relu")(_inplace_relu)
 step("buffer_add", setup=_buffer_setup)(_buffer_add)
@@ -263,7 +288,7 @@ step("dropout_eval")(lambda net, i, x, p: F.dropout(x, p, training=False))
 step("rrelu_eval")(lambda net, i, x, p: F.rrelu(x, training=False))
 step("conv", setup=_conv_setup)(lambda net, i, x, p: getattr(net, f"conv{i}")(x))
 
-# SymInts in tensor slots (symbolic when the batch is dynamic, plain ints otherwise)
+# SymInts in tensor slots (symbolic when the dim is dynamic, plain ints otherwise)
 step("mul_batch")(lambda net, i, x, p: x * x.shape[0])
 step("add_batch")(lambda net, i, x, p: x + x.shape[0] / p)
 step("pow_batch")(lambda net, i, x, p: torch.tanh(x) ** x.shape[0])
@@ -311,6 +336,9 @@ _PARAMS: dict[str, st.SearchStrategy] = {
     "amax_keepdim": st.integers(1, 3),
     "softmax": st.integers(1, 3),
     "inplace_add": _SCALAR,
+    "dropout_inplace": st.sampled_from([0.1, 0.5]),
+    "promoting_add": _SCALAR,
+    "sum_out": st.integers(1, 3),
     "inplace_slice": _SCALAR,
     "buffer_add": _SCALAR,
     "mask_sum": st.sampled_from([-0.5, 0.0, 0.5]),
@@ -357,15 +385,19 @@ def steps_for(
 @st.composite
 def specs(draw: st.DrawFn, max_steps: int = 5, exclude: frozenset[str] = frozenset()) -> Spec:
     """Specs of up to `max_steps` steps, none of a kind in `exclude`."""
-    dynamic = draw(st.booleans())
-    batch = draw(st.integers(2 if dynamic else 1, 4))
-    channels, height, width = draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([4, 6]))
+    dynamic = tuple(sorted(draw(st.sets(st.integers(0, 3), min_size=1)))) if draw(st.booleans()) else ()
+    low = [2 if i in dynamic else 1 for i in range(4)]  # Dim.AUTO specialises a size-1 example
+    batch, channels = draw(st.integers(low[0], 4)), draw(st.integers(low[1], 3))
+    height, width = draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([4, 6]))
+    steps = draw(steps_for((channels, height, width), max_steps, exclude))
+    if any(s.kind in SETUP for s in steps):  # buffers, batch norm and conv are built for the example's channels
+        dynamic = tuple(d for d in dynamic if d != 1)
     return Spec(
         batch=batch,
         channels=channels,
         height=height,
         width=width,
-        steps=draw(steps_for((channels, height, width), max_steps, exclude)),
+        steps=steps,
         dynamic=dynamic,
         mutate_input=draw(st.booleans()),
         two_outputs=draw(st.booleans()),

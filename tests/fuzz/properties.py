@@ -1,6 +1,6 @@
 """The properties every generated module must keep through `fx_rewrites.apply`.
 
-`check_default(spec)`: export, apply DEFAULT, then
+`check_default(spec)`: export (the input's dims in `spec.dynamic` with Dim.AUTO), apply DEFAULT, then
 - the run converged with no skipped rule, and the graph lints;
 - the rewritten program matches eager (outputs, mutated input, buffers after the call);
 - applying DEFAULT again rewrites nothing (idempotent);
@@ -20,14 +20,15 @@ import fx_rewrites
 from tests.fuzz.generate import ATOL, RTOL, FuzzNet, Spec, fresh
 
 
-def export(spec: Spec) -> tuple[FuzzNet, torch.export.ExportedProgram]:
+def export(spec: Spec) -> tuple[FuzzNet, torch.export.ExportedProgram, Spec]:
+    """The module, its export, and the spec narrowed to the dims that stayed dynamic (`Spec.exported`)."""
     # torch 2.13 keeps state between exports that can make a later export with a Dim batch and torch.cond
     # fail ("specialized it to be a constant"); a fresh dynamo state per case (docs/reliability.md)
     torch._dynamo.reset()
     net = FuzzNet(spec).eval()
     args = spec.inputs()[0]
     ep = torch.export.export(fresh(net), tuple(a.clone() for a in args), dynamic_shapes=spec.dynamic_shapes())
-    return net, ep
+    return net, ep, spec.exported(ep)
 
 
 def _eager(net: FuzzNet, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], dict]:
@@ -65,8 +66,9 @@ def _saved_and_loaded(program: torch.export.ExportedProgram) -> torch.export.Exp
     return torch.export.load(buffer)
 
 
-def check_default(spec: Spec) -> fx_rewrites.Result:
-    net, ep = export(spec)
+def check_default(spec: Spec) -> Spec:
+    """The checks above; returns the spec narrowed to the dims that stayed dynamic."""
+    net, ep, spec = export(spec)
     result = fx_rewrites.apply(ep)
     report = result.report
     assert report.converged and not report.skips, report.summary()
@@ -76,11 +78,11 @@ def check_default(spec: Spec) -> fx_rewrites.Result:
     again = fx_rewrites.apply(result.program)
     assert again.report.total_rewrites == 0, f"second apply rewrote again: {dict(again.report.rewrites)}"
     assert_matches(_saved_and_loaded(result.program), net, spec, "after save and load")
-    return result
+    return spec
 
 
-def check_iree(spec: Spec, backend: Any) -> None:
-    net, ep = export(spec)
+def check_iree(spec: Spec, backend: Any) -> Spec:
+    net, ep, spec = export(spec)
     result = fx_rewrites.apply(ep, backend.rules)
     assert result.report.converged and not result.report.skips, result.report.summary()
     for n, inputs in enumerate(spec.inputs()):
@@ -98,3 +100,4 @@ def check_iree(spec: Spec, backend: Any) -> None:
                 equal_nan=True,
                 msg=lambda m, name=name, n=n: f"IREE, input set {n}, {name}: {m}",
             )
+    return spec

@@ -20,7 +20,7 @@ from hypothesis import given, seed, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
 from fx_rewrites import backends
-from tests.fuzz.generate import specs
+from tests.fuzz.generate import Spec, specs
 from tests.fuzz.graphs import check_graph, graph_specs
 from tests.fuzz.properties import check_default, check_iree
 
@@ -36,18 +36,20 @@ IREE_EXAMPLES = max(4, settings.default.max_examples // 8)
 
 
 def _logged(check, spec, *args) -> None:
-    """Run a check; with FUZZ_LOG=path, append one line per case (outcome, spec) for long local runs."""
+    """Run a check; with FUZZ_LOG=path, append one line per case (outcome, spec; for modules also the dims
+    that stayed dynamic after export) for long local runs."""
     log = os.environ.get("FUZZ_LOG")
     try:
-        check(spec, *args)
+        exported = check(spec, *args)
     except BaseException as e:
         if log:
             with open(log, "a") as f:
                 f.write(f"FAIL {type(e).__name__}\t{spec!r}\n")
         raise
     if log:
+        kept = f"\tkept_dynamic={exported.dynamic}" if isinstance(exported, Spec) else ""
         with open(log, "a") as f:
-            f.write(f"ok\t{spec!r}\n")
+            f.write(f"ok\t{spec!r}{kept}\n")
 
 
 @seed(SEED)
