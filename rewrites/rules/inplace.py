@@ -238,7 +238,12 @@ def _write_back(node: Node, rw: Rewriter, plan: _Plan, w: _Written, new: Node, o
     record a mutated program input. Returns the mutation outputs added."""
     tensor = w.chain[0]
     old, got = tensor.meta["val"], new.meta["val"]
-    if compatible(old, got) is not None:  # resized (out=) or reshaped in place (unsqueeze_)
+    if torch.Tag.inplace_view in node.target.tags:  # t_, unsqueeze_, as_strided_: new sizes/strides, same data
+        if w.kind is not None:
+            return Miss(f"{node.target} changes the sizes or strides of graph input {tensor.name} for its caller")
+        rw.replace_uses_after(tensor, new, after=node, reference=_reference(node, plan, w))
+        return 0
+    if compatible(old, got) is not None:  # resized (out=)
         reference = _reference(node, plan, w)
         if len(w.chain) > 1 or w.kind is not None or reference is None:
             return Miss(

@@ -385,3 +385,16 @@ def test_roots_are_every_mutating_aten_overload():
         assert op in MUTATING_OPS
     assert all(mutated_arguments(op) for op in MUTATING_OPS)
     assert aten.add.Tensor not in MUTATING_OPS
+
+
+def test_metadata_change_of_an_input_is_declined():
+    class Transposed(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.t_()  # the caller's tensor is transposed: same data, other strides
+            return x + 1
+
+    ep = rt.export(Transposed(), torch.randn(3, 3))
+    result = rt.apply_rules(ep, RULES, explain=True)
+    rt.assert_not_fired(result, functionalize_inplace)
+    (attempt,) = result.report.explain("functionalize_inplace")
+    assert "changes the sizes or strides of graph input x" in attempt.reason
