@@ -1,0 +1,190 @@
+"""Guards against IREE 3.13 writing a tensor into itself (silent wrong results).
+
+`aten.slice_scatter(t, src, ...)` and `aten.index_put(t, indices, values)`
+whose source reads `t` (MBart's `shift_tokens_right`: `y = x.clone();
+y[:, 1:] = y[:, :-1].clone()`): IREE folds the clones, ties the result to
+`t`'s buffer and copies the source out of that same buffer while it writes
+it. An overlapping shift then reads elements it already overwrote (every
+position gets the first token) or, for a contiguous range, fails at run
+time ("source and target ranges must not overlap within the same buffer").
+
+The guards rewrite such a scatter into a form whose result is a fresh
+tensor: a `cat` of the untouched pieces and the source, or a scatter into
+zeros picked by a mask with `where`. They fire whenever the source's
+values depend on the written tensor (IREE folds clones, views and `x * 1`,
+so which chains it sees through cannot be listed); the rewritten forms
+compute the same values exactly. docs/iree-3.13-findings.md section 8 has
+the measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+
+aten = torch.ops.aten
+
+#: aten.slice's "to the end" as torch.export writes it
+_TO_END = 9223372036854775807
+
+
+def _tensor_inputs(node: Node) -> list[Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _buffer(dest: Node) -> set[Node]:
+    """`dest` and what IREE may give the same buffer: back through ops with one tensor operand
+    (views, clones, copies, and unary math IREE folds to the identity, such as `x * 1`)."""
+    chain = {dest}
+    node = dest
+    while node.op == "call_function" and len(inputs := _tensor_inputs(node)) == 1:
+        node = inputs[0]
+        chain.add(node)
+    return chain
+
+
+#: the operand of these ops whose values they read; their other tensor operands give only a shape, dtype or
+#: device (aten.copy's destination), so a read of those cannot alias a write (torch's schemas do not say it)
+_DATA_OPERAND = {aten.copy.default: 1}
+#: ops that read only sizes
+_SIZES_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+
+
+def _data_inputs(node: Node) -> list[Node]:
+    if node.op != "call_function" or node.target in _SIZES_ONLY:
+        return []
+    if node.target in _DATA_OPERAND:
+        operand = node.args[_DATA_OPERAND[node.target]]
+        return [operand] if isinstance(operand, Node) else []
+    return node.all_input_nodes
+
+
+def _reads(src: Any, buffer: set[Node]) -> bool:
+    """Whether the values of `src` depend on the values of a node of `buffer`."""
+    if not isinstance(src, Node):
+        return False
+    seen: set[Node] = set()
+    todo = [src]
+    while todo:
+        node = todo.pop()
+        if node in buffer:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(n for n in _data_inputs(node) if n not in seen)
+    return False
+
+
+def _full(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> Node:
+    """`fill` in `like`'s shape, built from its sizes (not from `like`: no data dependence on it)."""
+    val = like.meta["val"]
+    sizes = [s if isinstance(s, int) else rw.call(aten.sym_size.int, like, d) for d, s in enumerate(val.shape)]
+    return rw.call(aten.full.default, sizes, fill, dtype=dtype, device=val.device)
+
+
+# -- slice_scatter ---------------------------------------------------------------------------------------
+
+
+def _bound(value: Any, size: Any, default: Any) -> Any:
+    """`value` as slice_scatter reads it (negative from the end, clamped), or None when unknown here."""
+    if value is None:
+        return default
+    if not isinstance(value, int):
+        return None  # a SymInt node: the where-form handles it
+    if value >= _TO_END:
+        return size
+    at = size + value if value < 0 else value
+    if statically_known_true(at >= 0) and statically_known_true(at <= size):
+        return at
+    if value >= 0 and statically_known_true(at >= size):
+        return size
+    return None
+
+
+def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if not _reads(named["src"], _buffer(named["self"])):
+        return Miss("the source does not read the tensor it is written into")
+    return named
+
+
+@rule(
+    roots=(aten.slice_scatter.default,),
+    name="slice_scatter_of_itself_for_iree",
+    when=_slice_scatter,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.slice_scatter(t, src, ...) whose src reads t (MBart's shift_tokens_right: `y = x.clone(); "
+        "y[:, 1:] = y[:, :-1].clone()`) becomes cat(t[..start], src, t[end..]) (step 1), or a slice_scatter "
+        "into zeros picked by a mask with where (a step, symbolic bounds). IREE 3.13 folds the clones and "
+        "copies src out of t's buffer while writing it: every shifted position gets the first element "
+        '(silently), or, for a contiguous range, "source and target ranges must not overlap within the same '
+        'buffer" at run time.'
+    ),
+)
+def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
+    x, src = named["self"], named["src"]
+    dim, start, end, step = named.get("dim", 0), named.get("start"), named.get("end"), named.get("step", 1)
+    dim = dim % x.meta["val"].dim()
+    size = x.meta["val"].shape[dim]
+    lo, hi = _bound(start, size, 0), _bound(end, size, size)
+    if step == 1 and lo is not None and hi is not None and statically_known_true(lo <= hi):
+        pieces = []
+        if not statically_known_true(lo == 0):
+            pieces.append(rw.call(aten.slice.Tensor, x, dim, 0, start))
+        pieces.append(src)
+        if not statically_known_true(hi == size):
+            pieces.append(rw.call(aten.slice.Tensor, x, dim, end, _TO_END))
+        rw.replace(node, rw.call(aten.cat.default, pieces, dim) if len(pieces) > 1 else src)
+        return
+    scattered = rw.call(aten.slice_scatter.default, _full(rw, x, 0, src.meta["val"].dtype), src, dim, start, end, step)
+    ones = rw.call(aten.ones_like.default, src, dtype=torch.bool)
+    mask = rw.call(aten.slice_scatter.default, _full(rw, x, False, torch.bool), ones, dim, start, end, step)
+    rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
+
+
+# -- index_put ---------------------------------------------------------------------------------------------
+
+
+def _index_put(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if not _reads(named["values"], _buffer(named["self"])):
+        return Miss("the values do not read the tensor they are written into")
+    return named
+
+
+@rule(
+    roots=(aten.index_put.default, aten._unsafe_index_put.default),
+    name="index_put_of_itself_for_iree",
+    when=_index_put,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.index_put(t, indices, values) whose values read t (`torch.index_put(x, (i,), x[:-1])`, "
+        "`y[:, idx] = y[:, :-2:2]`) scatters into a fresh tensor: into zeros picked by a mask with where, or, "
+        "with accumulate=True, into -0.0 (0 for integers) then added to t (exact where each index occurs "
+        "once). IREE 3.13 scatters in place into t's buffer while reading values from it: silently wrong."
+    ),
+)
+def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
+    x, indices, values = named["self"], named["indices"], named["values"]
+    dtype = x.meta["val"].dtype
+    if named.get("accumulate", False):
+        # -0.0 + v == v for every float v (0.0 + -0.0 would be +0.0), so untouched elements stay bit-exact
+        fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0
+        scattered = rw.call(node.target, _full(rw, x, fill, dtype), indices, values, True)
+        rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
+        return
+    scattered = rw.call(node.target, _full(rw, x, False if dtype is torch.bool else 0, dtype), indices, values)
+    ones = rw.call(aten.ones_like.default, values, dtype=torch.bool)
+    mask = rw.call(node.target, _full(rw, x, False, torch.bool), indices, ones)
+    rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
+
+
+RULES = (slice_scatter_of_itself_for_iree, index_put_of_itself_for_iree)
