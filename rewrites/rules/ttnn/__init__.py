@@ -7,16 +7,17 @@ shape of a lowering rule), `boundary` (from_torch / to_layout / to_torch),
 and the lowering rules by family: `elementwise`, `nn` (matmul, linear,
 softmax, normalisation, embedding, attention), `conv` (reductions,
 convolution, pooling), `movement` (data movement, padding, casts),
-`factories` (arange, full, zeros, ones).
+`scatter` (slice_scatter, select_scatter), `factories` (arange, full, zeros,
+ones).
 """
 
-from fx_rewrites.rules.ttnn import conv, elementwise, factories, movement, nn, ops
+from fx_rewrites.rules.ttnn import conv, elementwise, factories, movement, nn, ops, scatter
 from fx_rewrites.rules.ttnn.boundary import fuse_round_trip
 from fx_rewrites.ruleset import RuleSet
 
 #: every ttnn lowering rule; attention and the multi-operand ops first (ties go in this order)
 RULES = RuleSet(
-    [*nn.RULES, *elementwise.RULES, *movement.RULES, *conv.RULES, *factories.RULES, fuse_round_trip],
+    [*nn.RULES, *elementwise.RULES, *movement.RULES, *conv.RULES, *scatter.RULES, *factories.RULES, fuse_round_trip],
     name="ttnn",
 )
 

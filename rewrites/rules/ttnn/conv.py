@@ -40,6 +40,27 @@ def lower_reduce(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(REDUCTIONS[node.target], device_value(rw, bound["self"]), dims, bool(bound.get("keepdim", False)))
 
 
+def _all_when(node: Node) -> Any:
+    bound = bind(node)
+    dims = bound.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return Miss("all() over every dimension (a 0-d result); the lowering takes all(x, dim)")
+    return tensors_ok(masks=("self",), result=(torch.bool,))(node, bound)
+
+
+@lowering(
+    "ttnn_all",
+    [aten.all.dim, aten.all.dims, aten.all.default],
+    _all_when,
+    "all(x, dim) of a bool or float tensor -> ttnn.min(ttnn.ne(x, 0), dim) (1.0 / 0.0, read back as bool).",
+)
+def lower_all(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    dims = bound["dim"]
+    dims = [int(d) for d in dims] if isinstance(dims, (list, tuple)) else [int(dims)]
+    nonzero = rw.call(ops.OPS["ne_scalar"], device_value(rw, bound["self"]), 0.0)
+    return rw.call(ops_extra.reduce_min, nonzero, dims, bool(bound.get("keepdim", False)))
+
+
 def _global_pool_when(node: Node) -> Any:
     if list(node.args[1]) != [1, 1]:
         return Miss(f"output_size {list(node.args[1])}: only global pooling (1, 1) maps to a ttnn mean")
@@ -232,6 +253,7 @@ def lower_argmax(node: Node, rw: Rewriter, bound: Bound) -> Node:
 RULES = RuleSet(
     [
         lower_reduce,
+        lower_all,
         lower_cumsum,
         lower_argmax,
         lower_global_avg_pool,

@@ -54,6 +54,8 @@ DISCONTINUOUS = (
     aten.trunc.default,
     aten.round.default,
     aten.sign.default,
+    aten.remainder.Tensor,  # jumps by the divisor: remainder(bfloat16(2.999), 1) is 0, not 0.999
+    aten.remainder.Scalar,
 )
 
 
@@ -178,15 +180,20 @@ def _clamp_when(node: Node) -> Any:
     return tensors_ok("self")(node, bound)
 
 
+#: the bounds an op clamps to when its arguments do not say (hardtanh's defaults; relu6 has none to give)
+_CLAMP_DEFAULTS = {aten.hardtanh.default: (-1.0, 1.0), aten.relu6.default: (0.0, 6.0)}
+
+
 @lowering(
     "ttnn_clamp",
-    [aten.clamp.default, aten.hardtanh.default, aten.clamp_min.default, aten.clamp_max.default],
+    [aten.clamp.default, aten.hardtanh.default, aten.relu6.default, aten.clamp_min.default, aten.clamp_max.default],
     _clamp_when,
-    "clamp / hardtanh / clamp_min / clamp_max with constant bounds -> ttnn.clamp.",
+    "clamp / hardtanh / relu6 / clamp_min / clamp_max with constant bounds -> ttnn.clamp.",
 )
 def lower_clamp(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    lo = bound.get("min", bound.get("min_val", -1.0 if node.target is aten.hardtanh.default else None))
-    hi = bound.get("max", bound.get("max_val", 1.0 if node.target is aten.hardtanh.default else None))
+    lo_default, hi_default = _CLAMP_DEFAULTS.get(node.target, (None, None))
+    lo = bound.get("min", bound.get("min_val", lo_default))
+    hi = bound.get("max", bound.get("max_val", hi_default))
     lo, hi = (None if v is None else float(v) for v in (lo, hi))
     return rw.call(ops.clamp, device_value(rw, bound["self"]), lo, hi)
 
@@ -194,11 +201,16 @@ def lower_clamp(node: Node, rw: Rewriter, bound: Bound) -> Node:
 def _step_when(node: Node) -> Any:
     return Miss(
         f"{node.target._opname}: a step function of bfloat16-rounded inputs can be off by a whole unit "
-        "(floor(bfloat16(2.999)) is 3); kept on the host"
+        "(floor(bfloat16(2.999)) is 3; remainder(bfloat16(2.999), 1) is 0, not 0.999); kept on the host"
     )
 
 
-@lowering("ttnn_step_functions", DISCONTINUOUS, _step_when, "floor/ceil/trunc/round/sign: declined, see the reason.")
+@lowering(
+    "ttnn_step_functions",
+    DISCONTINUOUS,
+    _step_when,
+    "floor/ceil/trunc/round/sign/remainder: declined, see the reason.",
+)
 def lower_step(node: Node, rw: Rewriter, bound: Bound) -> Node:
     """Never reached: `_step_when` always declines, so the coverage report says why these stay on the host."""
     raise AssertionError("ttnn_step_functions never fires")
@@ -319,6 +331,28 @@ def lower_addc(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ADDC[node.target], a, b, c, float(bound.get("value", 1)))
 
 
+def _xlogy_when(node: Node) -> Any:
+    bound = bind(node)
+    if not isinstance(bound.get("other"), Node):
+        return Miss("a number for y; the lowering takes two tensors")
+    return tensors_ok("self", "other", scalars=("self", "other"))(node, bound)
+
+
+@lowering(
+    "ttnn_xlogy",
+    [aten.xlogy.Tensor],
+    _xlogy_when,
+    "xlogy(x, y) -> where(x == 0, (0 or y's NaN), x * log(y)) with ttnn.eq/where/log/multiply.",
+)
+def lower_xlogy(node: Node, rw: Rewriter, bound: Bound) -> Node:
+    """Not ttnn.xlogy: its docs define it as x * log(y), which is NaN at x = y = 0 where torch gives 0.
+    torch: 0 where x is 0 unless y is NaN (then NaN); `y == y` is false exactly for NaN."""
+    x, y = device_value(rw, bound["self"]), device_value(rw, bound["other"])
+    nan_or_zero = rw.call(ops.where_scalar, rw.call(ops.OPS["eq"], y, y), 0.0, y)
+    product = rw.call(ops.OPS["multiply"], x, rw.call(ops.OPS["log"], y))
+    return rw.call(ops.where, rw.call(ops.OPS["eq_scalar"], x, 0.0), nan_or_zero, product)
+
+
 RULES = RuleSet(
     [
         lower_compare,
@@ -337,6 +371,7 @@ RULES = RuleSet(
         lower_logical_not,
         lower_special_values,
         lower_addc,
+        lower_xlogy,
     ],
     name="ttnn_elementwise",
 )

@@ -251,6 +251,26 @@ def test_factories_of_small_integers_only():
 @pytest.mark.parametrize(
     ("fn", "make", "fired", "present"),
     [
+        (lambda x: F.relu6(x * 4.0), lambda: (torch.randn(4, 8),), "ttnn_clamp", ops.clamp),
+        (
+            lambda x, y: torch.xlogy(x * 1.0, y.abs()),  # zeros in x: 0, even where y is 0 too
+            lambda: (torch.randn(3, 5) * (torch.rand(3, 5) > 0.5), torch.randn(3, 5) * (torch.rand(3, 5) > 0.3)),
+            "ttnn_xlogy",
+            ops.where,
+        ),
+        (lambda x: torch.all(x > -0.5, -1), lambda: (torch.randn(4, 6),), "ttnn_all", ops_extra.reduce_min),
+        (
+            lambda x, s: torch.slice_scatter(x * 1.0, s * 2.0, 1, 2, 4),
+            lambda: (torch.randn(3, 6), torch.randn(3, 2)),
+            "ttnn_slice_scatter",
+            ops.concat,
+        ),
+        (
+            lambda x, s: torch.select_scatter(x * 1.0, s * 2.0, 0, -1),
+            lambda: (torch.randn(3, 6), torch.randn(6)),
+            "ttnn_slice_scatter",
+            ops.concat,
+        ),
         (lambda x: F.elu(x, 0.5), lambda: (torch.randn(4, 8),), "ttnn_elu", ops_extra.elu),
         (lambda x: torch.tril(x * 2.0, -1), lambda: (torch.randn(6, 6),), "ttnn_tril", ops_extra.tril),
         (
@@ -284,6 +304,11 @@ def test_factories_of_small_integers_only():
         ),
     ],
     ids=[
+        "relu6",
+        "xlogy",
+        "all",
+        "slice_scatter",
+        "select_scatter",
         "elu",
         "tril",
         "addcmul",
@@ -327,3 +352,46 @@ def test_isinf_stays_on_the_host_and_says_why():
     result = _lower(lambda x: torch.isinf(x * 2.0), torch.randn(4, 8), explain=True)
     rt.assert_ops(result, present=[aten.isinf.default])
     assert any("clamped to bfloat16's finite range" in r for r in _reasons(result, "isinf"))
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "node", "reason"),
+    [
+        # (on the host input itself: a device op before it would feed it bfloat16-rounded values)
+        (lambda x: torch.remainder(x, 0.75), (torch.randn(4, 8),), "remainder", "off by a whole unit"),
+        (lambda x: torch.all(x > 0.0), (torch.randn(4, 8),), "all", "all() over every dimension"),
+        (
+            lambda x, s: torch.slice_scatter(x * 1.0, s * 1.0, 1, 0, 6, 2),
+            (torch.randn(3, 6), torch.randn(3, 3)),
+            "slice_scatter",
+            "step=2: a strided slice write",
+        ),
+    ],
+    ids=["remainder", "all_elements", "strided_slice_scatter"],
+)
+def test_leftovers_decline_with_a_reason(fn, args, node, reason):
+    result = _lower(fn, *args, explain=True)
+    (left,) = [n for n in result.graph_module.graph.nodes if n.name.startswith(node)]
+    assert any(reason in r for r in _reasons(result, left.name)), _reasons(result, left.name)
+    for inputs in (args, tuple(a * 0.5 for a in args)):
+        assert_close_bf16(result.program.module()(*inputs), fn(*inputs))
+
+
+def test_leftovers_with_a_symbolic_batch():
+    """xlogy and all take symbolic sizes (elementwise, reductions); slice_scatter's bounds are constants in
+    ttnn.slice, so it declines."""
+    from torch.export import Dim
+
+    def fn(x, y):
+        return torch.xlogy(x * 1.0, y.abs()).all(-1), torch.slice_scatter(x * 1.0, y[:, :2] * 2.0, 1, 1, 3)
+
+    ep = rt.export(fn, torch.randn(3, 6), torch.randn(3, 6), dynamic_shapes=[{0: Dim("b")}, {0: Dim("b")}])
+    result = rt.apply_rules(rt.apply_rules(ep, DEFAULT).program, RULES, explain=True)
+    rt.assert_fired(result, "ttnn_xlogy")
+    rt.assert_fired(result, "ttnn_all")
+    assert any("symbolic sizes" in r for r in _reasons(result, "slice_scatter"))
+    for b in (2, 5):
+        x, y = torch.randn(b, 6), torch.randn(b, 6)
+        got, expected = result.program.module()(x, y), fn(x, y)
+        torch.testing.assert_close(got[0], expected[0])
+        assert_close_bf16(got[1], expected[1])
