@@ -23,16 +23,17 @@ from torch.utils import _pytree as pytree
 from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition, split
 from fx_rewrites.backends.ttnn import dispatch, runtime
-from fx_rewrites.backends.ttnn.constants import ConstantCache, constant_nodes, constant_placeholders
+from fx_rewrites.backends.ttnn.constants import ConstantCache, region_plans
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
+from fx_rewrites.rules.ttnn import FOLD as TTNN_FOLD
 from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
 from fx_rewrites.rules.ttnn.ops import is_standin
 from fx_rewrites.ruleset import Phases
 
 #: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn: DEFAULT first (SymInts out of tensor slots,
-#: in-place ops made functional, ...), then the ttnn lowering on what DEFAULT left.
-TTNN_PHASES = Phases(DEFAULT, TTNN_RULES, name="ttnn")
+#: in-place ops made functional, ...), then the folds into convolutions, then the ttnn lowering.
+TTNN_PHASES = Phases(DEFAULT, TTNN_FOLD, TTNN_RULES, name="ttnn")
 
 
 class TtnnLoweringError(RuntimeError):
@@ -45,7 +46,7 @@ def is_device_node(node: torch.fx.Node) -> bool:
 
 
 def lower(program: ExportedProgram | GraphModule) -> ExportedProgram | GraphModule:
-    """The ttnn backend's rules applied: DEFAULT, then the ttnn pack (`TTNN_PHASES`)."""
+    """The ttnn backend's rules applied: DEFAULT, the folds, then the ttnn pack (`TTNN_PHASES`)."""
     result = apply(program, TTNN_PHASES)
     lowered = result.program if result.program is not None else result.graph_module
     _check_lowered(result.graph_module)
@@ -62,14 +63,12 @@ def _check_lowered(gm: GraphModule) -> None:
         )
 
 
-class _DeviceRegion(Interpreter):
-    """A device region's graph, each stand-in run as its ttnn call; constant nodes come from `cached`."""
+class _CachingRegion(Interpreter):
+    """A region's graph run node by node; its constant nodes come from `cached` (filled on the first call)."""
 
-    def __init__(
-        self, module: GraphModule, ttnn: Any, device: Any, constant: frozenset[str], cached: dict[str, Any]
-    ) -> None:
+    def __init__(self, module: GraphModule, constant: frozenset[str], cached: dict[str, Any]) -> None:
         super().__init__(module)
-        self.ttnn, self.device, self.constant, self.cached = ttnn, device, constant, cached
+        self.constant, self.cached = constant, cached
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.name not in self.constant:
@@ -77,6 +76,16 @@ class _DeviceRegion(Interpreter):
         if n.name not in self.cached:
             self.cached[n.name] = super().run_node(n)
         return self.cached[n.name]
+
+
+class _DeviceRegion(_CachingRegion):
+    """A device region's graph, each stand-in run as its ttnn call."""
+
+    def __init__(
+        self, module: GraphModule, ttnn: Any, device: Any, constant: frozenset[str], cached: dict[str, Any]
+    ) -> None:
+        super().__init__(module, constant, cached)
+        self.ttnn, self.device = ttnn, device
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if is_standin(target) and self.ttnn is not None:  # None: emulated, each stand-in's own torch body
@@ -93,12 +102,13 @@ class _Regions(Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         sub = self.fetch_attr(target)
-        plan = self.compiled._constants.get(target)
-        if plan is None:  # a host region
+        placeholders, constant = self.compiled._constants[target]
+        if target in self.compiled._host and not constant:
             return sub(*args, **kwargs)
-        placeholders, constant = plan
         inputs = [args[i] for i in sorted(placeholders)]
         cached = self.compiled._cache.region(target, inputs, self.ttnn, self.device)
+        if target in self.compiled._host:  # values computed from constants only (folded weights): once
+            return _CachingRegion(sub, constant, cached).run(*args)
         return _DeviceRegion(sub, self.ttnn, self.device, constant, cached).run(*args)
 
 
@@ -115,18 +125,14 @@ class TtnnCompiled:
     program: ExportedProgram | None = None
     #: run device regions on the host with each stand-in's torch body (bfloat16 results), without ttnn
     emulate: bool = False
-    #: per device region: its placeholders fed by the program's constants, and its nodes computed from them only
+    #: per region: its placeholders fed by constants, and its nodes computed from constants only
     _constants: dict[str, tuple[frozenset[int], frozenset[str]]] = attrs.field(init=False, repr=False)
+    _host: frozenset[str] = attrs.field(init=False, repr=False)
     _cache: ConstantCache = attrs.field(init=False, repr=False, factory=ConstantCache)
 
     def __attrs_post_init__(self) -> None:
-        feeds = constant_placeholders(self.graph_module, self.program)
-        plans = {}
-        for region in self.partitioning.device_regions:
-            placeholders = feeds.get(region.name, frozenset())
-            sub = self.graph_module.get_submodule(region.name)
-            plans[region.name] = (placeholders, constant_nodes(sub, placeholders))
-        object.__setattr__(self, "_constants", plans)
+        object.__setattr__(self, "_constants", region_plans(self.graph_module, self.program))
+        object.__setattr__(self, "_host", frozenset(r.name for r in self.partitioning.host_regions))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ttnn = None if self.emulate else runtime.ttnn_module()

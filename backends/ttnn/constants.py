@@ -1,44 +1,89 @@
-"""Weights once: device values computed only from the program's constants are kept across calls.
+"""Weights once: values computed only from the program's constants are kept across calls.
 
-A device region's placeholder is constant when the top-level graph feeds it a
-parameter, buffer or constant of the ExportedProgram; a stand-in node is
-constant when all its tensor inputs are. `ConstantCache` keeps the values of
-constant nodes (the `from_torch` of a weight, a bias reshaped to `[1, N]`, a
-host conv weight) for the compiled function's life, so weights reach the
-device once, as torch-ttnn does. The cache is dropped when a constant tensor
+A region's placeholder is constant when the top-level graph feeds it a
+parameter, buffer or constant of the ExportedProgram, or a value an earlier
+region computed from constants only; a node is constant when all its inputs
+are (a stand-in, or on the host an op without random numbers or mutation:
+the folded convolution weights of `rules/ttnn/fold.py`, which the lowering
+leaves on the host). `ConstantCache` keeps the values of constant nodes (the
+`from_torch` of a weight, a bias reshaped to `[1, N]`, a host conv weight, a
+folded weight computed in float32) for the compiled function's life, so they
+are computed once and reach the device once, as torch-ttnn does. The cache is dropped when a constant tensor
 changes (its identity or in-place version counter) or another ttnn module or
 device is used.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from fx_rewrites.rules.ttnn.constants import CONSTANT_KINDS, cacheable
 from fx_rewrites.rules.ttnn.ops import is_standin
 
-_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
-
-def constant_placeholders(top: GraphModule, program: ExportedProgram | None) -> dict[str, frozenset[int]]:
-    """Per region submodule: the indices of its placeholders that receive one of the program's constants."""
-    if program is None:
-        return {}
-    kinds = {s.arg.name: s.kind for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
-    constant = {n for n in top.graph.nodes if n.op == "placeholder" and kinds.get(n.name) in _CONSTANT_KINDS}
-    out: dict[str, frozenset[int]] = {}
+def region_plans(top: GraphModule, program: ExportedProgram | None) -> dict[str, tuple[frozenset[int], frozenset[str]]]:
+    """Per region submodule of the split module (host and device, in order): the indices of its placeholders
+    that receive constants (the program's, or values earlier regions computed from them only), and the names
+    of its nodes computed from constants only."""
+    kinds = (
+        {}
+        if program is None
+        else {s.arg.name: s.kind for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    )
+    constant: set[Node] = {
+        n
+        for n in top.graph.nodes
+        if n.op == "get_attr" or (n.op == "placeholder" and kinds.get(n.name) in CONSTANT_KINDS)
+    }
+    plans: dict[str, tuple[frozenset[int], frozenset[str]]] = {}
+    constant_outputs: dict[Node, frozenset[int]] = {}
     for node in top.graph.nodes:
         if node.op == "call_module":
-            out[str(node.target)] = frozenset(i for i, a in enumerate(node.args) if a in constant)
-    return out
+            region = top.get_submodule(str(node.target))
+            placeholders = frozenset(i for i, a in enumerate(node.args) if a in constant)
+            names = constant_nodes(region, placeholders)
+            plans[str(node.target)] = (placeholders, names)
+            outputs = region.graph.output_node().args[0]
+            constant_outputs[node] = frozenset(
+                i for i, o in enumerate(outputs) if isinstance(o, Node) and o.name in names
+            )
+        elif node.target is operator.getitem and node.args[1] in constant_outputs.get(node.args[0], ()):
+            constant.add(node)
+    return plans
+
+
+def program_constants(program: ExportedProgram | GraphModule) -> set[Node]:
+    """The call nodes of a program's graph computed from its constants only (at least one input, all
+    constant; ops without random numbers or mutation): what the ttnn backend computes once on the host."""
+    if isinstance(program, GraphModule):
+        kinds, graph = {}, program.graph
+    else:
+        kinds = {s.arg.name: s.kind for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+        graph = program.graph
+    constant: set[Node] = set()
+    for node in graph.nodes:
+        if (
+            node.op == "get_attr"
+            or (node.op == "placeholder" and kinds.get(node.name) in CONSTANT_KINDS)
+            or (
+                node.op == "call_function"
+                and cacheable(node.target)
+                and node.all_input_nodes
+                and all(i in constant for i in node.all_input_nodes)
+            )
+        ):
+            constant.add(node)
+    return {n for n in constant if n.op == "call_function"}
 
 
 def constant_nodes(region: GraphModule, placeholders: frozenset[int]) -> frozenset[str]:
-    """Names of the region's nodes whose values depend on constant placeholders only."""
+    """Names of the region's nodes whose values depend on constant placeholders only: stand-ins (factories,
+    which have no inputs, too) and, in host regions, any op without random numbers or mutation."""
     constant: set[Node] = set()
     index = 0
     for node in region.graph.nodes:
@@ -46,13 +91,13 @@ def constant_nodes(region: GraphModule, placeholders: frozenset[int]) -> frozens
             if index in placeholders:
                 constant.add(node)
             index += 1
-        elif (
+        elif node.op == "get_attr" or (
             node.op == "call_function"
-            and is_standin(node.target)
-            and all(i in constant for i in node.all_input_nodes)  # factories (no inputs) too
+            and (is_standin(node.target) or cacheable(node.target))
+            and all(i in constant for i in node.all_input_nodes)
         ):
             constant.add(node)
-    return frozenset(n.name for n in constant if n.op != "placeholder")
+    return frozenset(n.name for n in constant if n.op == "call_function")
 
 
 class ConstantCache:

@@ -4,11 +4,15 @@
     print(cov.text())                      # the table `fx-rewrites check MODEL --backend ttnn` prints
     cov.device_share                       # lowered nodes / nodes after DEFAULT
 
-Counted on the graph the ttnn pack receives (after DEFAULT), one count per
+Counted on the graph the ttnn phases receive (after DEFAULT), one count per
 call node except `operator.getitem` (tuple plumbing): a node is on the
-device when a lowering rule replaced it. The reason a node stayed on the host
-is what the lowering rule said when it declined (`apply(..., explain=True)`),
-or that no rule lowers its op.
+device when a lowering rule replaced it (a batch norm folded into the
+convolution before it counts with that convolution). The reason a node
+stayed on the host is what the lowering rule said when it declined
+(`apply(..., explain=True)`), or that no rule lowers its op. Nodes computed
+from the program's constants only are counted apart (`once`): the backend
+computes them once on the host, they are not per-call work, and the device
+share leaves them out.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from torch.fx import Graph, GraphModule, Node
 from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition
 from fx_rewrites.backends.ttnn.backend import is_device_node
+from fx_rewrites.backends.ttnn.constants import program_constants
 from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules.ttnn import FOLD as TTNN_FOLD
 from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
 from fx_rewrites.rules.ttnn.ops import is_standin
+from fx_rewrites.ruleset import Phases
 from fx_rewrites.schema import op_name
 
 
@@ -37,6 +44,8 @@ class OpCoverage:
     on_device: int
     on_host: int
     reasons: tuple[tuple[str, int], ...] = ()
+    #: nodes computed from the program's constants only: once, on the host (not in `total`)
+    once: int = 0
 
     @property
     def total(self) -> int:
@@ -58,13 +67,20 @@ class Coverage:
         return sum(o.on_device for o in self.ops)
 
     @property
+    def nodes_once(self) -> int:
+        """Nodes computed from constants only (once per compiled function, on the host)."""
+        return sum(o.once for o in self.ops)
+
+    @property
     def device_share(self) -> float:
+        """Device nodes over per-call nodes (constants-only nodes left out)."""
         return self.nodes_on_device / self.nodes if self.nodes else 1.0
 
     def summary(self) -> str:
         p = self.partitioning
+        once = f"; {self.nodes_once} computed once from constants" if self.nodes_once else ""
         return (
-            f"{self.nodes_on_device} of {self.nodes} nodes on device ({self.device_share:.1%}); "
+            f"{self.nodes_on_device} of {self.nodes} nodes on device ({self.device_share:.1%}){once}; "
             f"{p.num_regions} regions ({len(p.device_regions)} device, {len(p.host_regions)} host)"
         )
 
@@ -73,6 +89,8 @@ class Coverage:
         rows = [("op", "device", "host", "why on host")]
         for o in self.ops:
             why = "; ".join(f"{r} (x{n})" if n > 1 else r for r, n in o.reasons)
+            if o.once:
+                why = "; ".join(w for w in (f"{o.once} computed once from constants", why) if w)
             rows.append((o.op, str(o.on_device), str(o.on_host), why or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
@@ -88,26 +106,31 @@ def _reason(text: str) -> str:
 
 
 def coverage(program: ExportedProgram | GraphModule, label: str = "model") -> Coverage:
-    """Lower `program` (DEFAULT, then the ttnn pack) and count what went where."""
+    """Lower `program` (DEFAULT, the folds, then the ttnn pack) and count what went where."""
     first = apply(program, DEFAULT)
     before = first.program if first.program is not None else first.graph_module
-    second = apply(before, TTNN_RULES, explain=True)
+    second = apply(before, Phases(TTNN_FOLD, TTNN_RULES, name="ttnn"), explain=True)
     attempts: dict[str, list[str]] = defaultdict(list)
     for a in second.report.explain():
-        if not a.fired and a.rule != "fuse_round_trip":
+        if not a.fired and a.rule != "fuse_round_trip" and a.rule not in TTNN_FOLD:
             attempts[a.node].append(_reason(a.reason))
-    totals = Counter(op_name(n.target) for n in _counted(first.graph_module.graph))
+    once_nodes = program_constants(before)
+    totals = Counter(op_name(n.target) for n in _counted(first.graph_module.graph) if n not in once_nodes)
+    once = Counter(op_name(n.target) for n in _counted(first.graph_module.graph) if n in once_nodes)
+    after = second.program if second.program is not None else second.graph_module
+    constant_after = program_constants(after)
     host: Counter = Counter()
     reasons: dict[str, Counter] = defaultdict(Counter)
     for node in _counted(second.graph_module.graph):
-        if is_standin(node.target):
+        if is_standin(node.target) or node in constant_after:  # constants-only: counted in `once` (or made by a fold)
             continue
         name = op_name(node.target)
         host[name] += 1
         for why in dict.fromkeys(attempts.get(node.name) or [f"no ttnn lowering for {name}"]):
             reasons[name][why] += 1
+    names = set(totals) | set(once)
     ops = tuple(
-        OpCoverage(name, totals[name] - host[name], host[name], tuple(reasons[name].most_common()))
-        for name in sorted(totals, key=lambda k: (-host[k], -totals[k], k))
+        OpCoverage(name, totals[name] - host[name], host[name], tuple(reasons[name].most_common()), once[name])
+        for name in sorted(names, key=lambda k: (-host[k], -totals[k], -once[k], k))
     )
     return Coverage(label, ops, partition(second.graph_module.graph, is_device_node))

@@ -23,6 +23,7 @@ from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule
 from fx_rewrites.rules.ttnn import ops
 from fx_rewrites.rules.ttnn.boundary import to_host
+from fx_rewrites.rules.ttnn.constants import constant_reason
 
 aten = torch.ops.aten
 
@@ -98,7 +99,8 @@ def tensors_ok(
 
 def lowering(name: str, roots: Iterable[Any], when: Callable[[Node], Any], doc: str) -> Callable[[Build], FunctionRule]:
     """Decorator: `build(node, rw, bound) -> device value | Miss` becomes a rule that replaces the node by
-    `to_torch(build(...))`; `bound` is what `when` returned."""
+    `to_torch(build(...))`; `bound` is what `when` returned. A node computed from the program's constants
+    only is declined first: it stays on the host, computed once in float32 (`constants.py`)."""
 
     def wrap(build: Build) -> FunctionRule:
         def body(node: Node, rw: Rewriter, bound: Bound) -> Any:
@@ -108,8 +110,12 @@ def lowering(name: str, roots: Iterable[Any], when: Callable[[Node], Any], doc: 
             rw.replace(node, out if out.target is ops.to_torch else to_host(rw, out, node))
             return None
 
+        def device_when(node: Node) -> Any:
+            why = constant_reason(node)
+            return Miss(why) if why else when(node)
+
         body.__name__ = build.__name__
-        return FunctionRule(fn=body, ops=tuple(roots), name=name, when=when, doc=doc, tags=frozenset({"ttnn"}))
+        return FunctionRule(fn=body, ops=tuple(roots), name=name, when=device_when, doc=doc, tags=frozenset({"ttnn"}))
 
     return wrap
 

@@ -159,6 +159,13 @@ def lower_conv1d(node: Node, rw: Rewriter, bound: Bound) -> Node:
     return rw.call(ops.permute, rw.call(ops.reshape, y, [n, out_len, out_c]), [0, 2, 1])
 
 
+def conv_problem(node: Node) -> str | None:
+    """Why the ttnn lowering keeps convolution `node` on the host, or None when it lowers it."""
+    when = _conv1d_when if node.target is aten.conv1d.default else _conv_when
+    found = when(node)
+    return found.reason if isinstance(found, Miss) else None
+
+
 def _pool_when(node: Node) -> Any:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if isinstance(val, torch.Tensor) and val.dim() != 4:

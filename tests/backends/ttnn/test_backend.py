@@ -99,11 +99,11 @@ def test_compile_refuses_what_is_not_a_program():
         backends.get("ttnn").compile(torch.nn.ReLU(), ())
 
 
-def test_rules_are_default_then_ttnn():
+def test_rules_are_default_then_the_folds_then_ttnn():
     rules = backends.get("ttnn").rules
-    assert [s.name for s in rules.sets] == ["default", "ttnn"]
-    assert "sym_scalar_in_tensor_slot" in rules.sets[0] and "ttnn_linear" in rules.sets[1]
-    assert "fuse_round_trip" in rules.sets[1]
+    assert [s.name for s in rules.sets] == ["default", "ttnn_fold", "ttnn"]
+    assert "sym_scalar_in_tensor_slot" in rules.sets[0] and "ttnn_fold_batch_norm" in rules.sets[1]
+    assert "ttnn_linear" in rules.sets[2] and "fuse_round_trip" in rules.sets[2]
 
 
 class AdditiveMask(torch.nn.Module):
