@@ -15,10 +15,11 @@ from fx_rewrites.backends.base import (
     register,
 )
 from fx_rewrites.backends.eager import EagerBackend
-from fx_rewrites.backends.iree import IreeBackend
+from fx_rewrites.backends.iree import BACKEND_TARGETS, TARGETS, IreeBackend
 
 register(EagerBackend())
-register(IreeBackend())
+for _name, _target in BACKEND_TARGETS.items():  # iree (llvm-cpu), iree-cuda, iree-rocm, iree-vulkan
+    register(IreeBackend(name=_name, target=TARGETS[_target]))
 
 
 def _ttnn_backend() -> Backend:

@@ -39,7 +39,7 @@ from fx_rewrites import backends
 from fx_rewrites.backends.base import Backend
 from fx_rewrites.ruleset import RuleSet
 
-#: what `dynamo_backend` names its backends: fx_rewrites_<backend name>
+#: what `dynamo_backend` names its backends: fx_rewrites_<backend name, "-" as "_">
 PREFIX = "fx_rewrites_"
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def dynamo_backend(
         raise ValueError(f"backward must be 'eager' or 'error', got {backward!r}")
     from torch._dynamo.backends.common import aot_autograd
 
-    name = f"{PREFIX}{backend if isinstance(backend, str) else backend.name}"
+    # a Python name, as torch.compile(backend="fx_rewrites_iree_cuda") finds it: "-" becomes "_"
+    name = f"{PREFIX}{backend if isinstance(backend, str) else backend.name}".replace("-", "_")
     compile_graph = functools.partial(_compile_graph, backend, rules, on_graph)
     aot = aot_autograd(
         fw_compiler=functools.partial(compile_graph, "forward"),
@@ -169,6 +170,10 @@ def dynamo_backend(
 fx_rewrites_iree = dynamo_backend("iree")
 #: torch.compile(model, backend=fx_rewrites_eager): graphs rewritten with DEFAULT, run by torch (the reference)
 fx_rewrites_eager = dynamo_backend("eager")
+#: the same for IREE's GPU targets (backends iree-cuda, iree-rocm, iree-vulkan): compiled for the GPU, run there
+fx_rewrites_iree_cuda = dynamo_backend("iree-cuda")
+fx_rewrites_iree_rocm = dynamo_backend("iree-rocm")
+fx_rewrites_iree_vulkan = dynamo_backend("iree-vulkan")
 
 __all__ = [
     "PREFIX",
@@ -177,4 +182,7 @@ __all__ = [
     "dynamo_backend",
     "fx_rewrites_eager",
     "fx_rewrites_iree",
+    "fx_rewrites_iree_cuda",
+    "fx_rewrites_iree_rocm",
+    "fx_rewrites_iree_vulkan",
 ]

@@ -20,24 +20,38 @@ down); compiled modules are cached by the hash of the MLIR text, in memory
 and, when `FX_REWRITES_IREE_CACHE` names a directory, on disk. iree is
 imported on first compile: `pip install -e '.[iree]'`.
 
+One backend per compile target is registered: `iree` (llvm-cpu, this host),
+`iree-cuda`, `iree-rocm`, `iree-vulkan` (`targets`); the same rules (plus
+each target's performance rules) and call convention. `artifact(program)`
+compiles without a device; `compile` also loads on the device
+(`IreeDeviceError` when it is absent).
+
 Modules: `errors` (what it raises), `cache`, `importing` (graph -> MLIR and
-the call plan), `runtime` (`IreeCompiled`), `backend` (`IreeBackend`).
+the call plan), `runtime` (`IreeCompiled`, `IreeArtifact`), `targets`
+(`IreeTarget`, `TARGETS`), `backend` (`IreeBackend`).
 """
 
-from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend
+from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend, rules_for
 from fx_rewrites.backends.iree.cache import CACHE_ENV, CompileCache
-from fx_rewrites.backends.iree.errors import IreeCompileError, IreeImportError, IreeUnsupportedError
+from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeImportError, IreeUnsupportedError
 from fx_rewrites.backends.iree.importing import INSTALL_HINT
-from fx_rewrites.backends.iree.runtime import IreeCompiled
+from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
+from fx_rewrites.backends.iree.targets import BACKEND_TARGETS, TARGETS, IreeTarget
 
 __all__ = [
+    "BACKEND_TARGETS",
     "CACHE_ENV",
     "INSTALL_HINT",
     "IREE_RULES",
+    "TARGETS",
     "CompileCache",
+    "IreeArtifact",
     "IreeBackend",
     "IreeCompileError",
     "IreeCompiled",
+    "IreeDeviceError",
     "IreeImportError",
+    "IreeTarget",
     "IreeUnsupportedError",
+    "rules_for",
 ]

@@ -1,4 +1,10 @@
-"""`IreeBackend`: import, compile (or take from the cache) and load."""
+"""`IreeBackend`: import, compile (or take from the cache) and load, for one IREE target.
+
+cpu = IreeBackend()                                   # llvm-cpu for this host, local-task
+gpu = IreeBackend(name="iree-cuda", target=TARGETS["cuda"], device="cuda://0")
+artifact = gpu.artifact(program)                       # compile only: no GPU needed
+fn = gpu.compile(program, args)                        # compile and load on the device
+"""
 
 from __future__ import annotations
 
@@ -13,40 +19,81 @@ from torch.fx import GraphModule
 
 from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
-from fx_rewrites.backends.iree.errors import compile_error
+from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
-from fx_rewrites.backends.iree.runtime import IreeCompiled
+from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
+from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules import iree as iree_rules
+from fx_rewrites.rules.attention import attention_as_matmul_softmax
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE-specific rules (rewrites/rules/iree.py), unioned with DEFAULT in the first phase of `IreeBackend.rules`;
 #: the second phase (`legality.LEGALIZE`) decomposes what IREE cannot lower and guards its wrong results.
 IREE_RULES = iree_rules.RULES
-#: what `IreeBackend.rules` is by default
-RULES = Phases(DEFAULT | IREE_RULES, LEGALIZE, name="iree")
+
+
+#: a third phase, per target. Vulkan: IREE 3.13's SPIR-V code generation cannot lower its own attention
+#: ("'iree_linalg_ext.online_attention' op result #0 must be variadic of ranked tensor"), so attention is
+#: written out (matmul, softmax, matmul) after the guard.
+TARGET_PHASES: dict[str, RuleSet] = {
+    "vulkan-spirv": RuleSet([attention_as_matmul_softmax], name="iree-vulkan-attention"),
+}
+
+
+def rules_for(target: IreeTarget) -> Phases:
+    """What an IREE backend for `target` applies: DEFAULT and the IREE pack, legalize and guards, then the
+    target's own phase (`TARGET_PHASES`) where it has one."""
+    own = [TARGET_PHASES[target.name]] if target.name in TARGET_PHASES else []
+    name = "iree" if target.name == "llvm-cpu" else f"iree-{target.name}"
+    return Phases(DEFAULT | IREE_RULES, LEGALIZE, *own, name=name)
+
+
+#: what `IreeBackend.rules` is by default (llvm-cpu)
+RULES = rules_for(TARGETS["llvm-cpu"])
+
+
+def _check_device(backend: IreeBackend, attribute: Any, device: str | None) -> None:
+    if device is None:
+        return
+    scheme = device.split("://", 1)[0]
+    drivers = ("local-task", "local-sync") if backend.target.name == "llvm-cpu" else (backend.target.driver,)
+    if scheme not in drivers:
+        raise ValueError(
+            f"device {device!r} is not one the {backend.target.name} code of backend {backend.name!r} runs on; "
+            f"give a {' or '.join(drivers)} device (e.g. {drivers[0]!r} or '{drivers[0]}://0')"
+        )
 
 
 @attrs.frozen
 class IreeBackend:
-    """IREE on the CPU: llvm-cpu code for this host, run by the local-task driver.
+    """IREE for one compile target (`targets.TARGETS`): llvm-cpu for this host by default.
 
-    `flags` are extra `iree-compile` arguments; `cache` is shared by every
-    compile of this backend instance.
+    - `target`: what iree-compile builds for and the HAL driver that runs it.
+    - `rules`: DEFAULT and the IREE pack, legalize and guards, the target's own phase (`rules_for`).
+    - `flags`: iree-compile arguments the code needs (default: the target's); `perf_flags`:
+      the target's measured ones, dropped for a module the compiler rejects with them.
+    - `driver`: the HAL driver (default: the target's; `local-sync` runs on the calling thread).
+    - `device`: an IREE device URI (`cuda://0`, `cuda://GPU-<uuid>`, `hip://1`, `vulkan://0`);
+      None: the driver's first device.
+    - `cache`: compiled modules, shared by every compile of this instance.
     """
 
     name: str = "iree"
-    rules: RuleSet | Phases = RULES
-    # f64 demotion (iree's default) breaks f64 inputs and outputs at run time ("buffer view byte length
-    # 24 exceeds backing buffer byte length 12"); llvm-cpu runs f64 natively.
-    flags: tuple[str, ...] = ("--iree-llvmcpu-target-cpu=host", "--iree-input-demote-f64-to-f32=false")
-    driver: str = "local-task"
+    target: IreeTarget = TARGETS["llvm-cpu"]
+    rules: RuleSet | Phases = attrs.field(default=attrs.Factory(lambda self: rules_for(self.target), takes_self=True))
+    flags: tuple[str, ...] = attrs.field(default=attrs.Factory(lambda self: self.target.flags, takes_self=True))
+    perf_flags: tuple[str, ...] = attrs.field(
+        default=attrs.Factory(lambda self: self.target.perf_flags, takes_self=True)
+    )
+    driver: str = attrs.field(default=attrs.Factory(lambda self: self.target.driver, takes_self=True))
+    device: str | None = attrs.field(default=None, validator=_check_device)
     cache: CompileCache = attrs.field(factory=CompileCache, eq=False, repr=False)
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
-        """Import, compile (or take from the cache) and load `program`.
+        """Import, compile (or take from the cache) and load `program` on this backend's device.
 
         `program` is an ExportedProgram (the callable takes its user inputs,
         as `program.module()` does) or a functional ATen GraphModule whose
@@ -55,6 +102,24 @@ class IreeBackend:
         every placeholder, as the GraphModule does; see `importing`).
         `example_args` are not needed: both carry their shapes.
         """
+        artifact = self.artifact(program)
+        function = self.load(artifact.vmfb)
+        externalize = None
+        if isinstance(program, ExportedProgram):
+            externalize = functools.partial(self._with_parameters, program)
+        return IreeCompiled(
+            artifact.plan,
+            function,
+            artifact.mlir,
+            artifact.vmfb,
+            artifact.key,
+            artifact.from_cache,
+            externalize,
+            artifact.unsupported,
+        )
+
+    def artifact(self, program: ExportedProgram | GraphModule) -> IreeArtifact:
+        """Import and compile `program` (or take it from the cache) without loading it: no device needed."""
         if isinstance(program, ExportedProgram):
             prepared, plan = prepare_program(program)
             graph_module = program.graph_module
@@ -69,14 +134,10 @@ class IreeBackend:
         iree = iree_modules()
         entries = reflection(plan, self.driver)
         mlir = import_mlir(iree, prepared, reflection=entries)
-        key = cache_key(mlir, self.flags)
+        flags = (*self.flags, *self.perf_flags)
+        key = cache_key(mlir, (self.target.name, *flags))
         vmfb, cached = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, graph_module))
-        module = iree.runtime.load_vm_flatbuffer(vmfb, driver=self.driver)
-        externalize = None
-        if isinstance(program, ExportedProgram):
-            externalize = functools.partial(self._with_parameters, program)
-        unsupported = entries.get(UNSUPPORTED_KEY, "")
-        return IreeCompiled(plan, module["main"], mlir, vmfb, key, cached, externalize, unsupported)
+        return IreeArtifact(plan, mlir, vmfb, key, cached, self.target.name, flags, entries.get(UNSUPPORTED_KEY, ""))
 
     def _with_parameters(self, program: ExportedProgram) -> tuple[bytes, dict[str, torch.Tensor]]:
         """`program` compiled with its weights as named parameters (see `parameters`), and those weights."""
@@ -84,14 +145,44 @@ class IreeBackend:
         prepared, plan = prepare_program(program)  # a fresh copy: an import consumes the one it is given
         hooks = parameter_hooks(iree, prepared)
         mlir = import_mlir(iree, prepared, reflection=reflection(plan, self.driver, parameters=True), hooks=hooks)
-        key = cache_key(mlir, self.flags)
+        key = cache_key(mlir, (self.target.name, *self.flags, *self.perf_flags))
         vmfb, _ = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, program.graph_module))
         return vmfb, hooks.tensors
 
+    def load(self, vmfb: bytes) -> Any:
+        """The `main` function of compiled `vmfb` bytes, loaded on this backend's device."""
+        rt = iree_modules().runtime
+        uri = self.device or self.driver
+        try:
+            device = rt.get_device(uri)
+        except (RuntimeError, ValueError) as e:
+            cause = str(e).split("; ", 1)[-1].strip()
+            raise IreeDeviceError(
+                f"backend {self.name!r} runs {self.target.name} code on {self.target.device}, and IREE's "
+                f"{self.driver!r} driver found none at {uri!r}: {cause}. Compiling needs no device "
+                f"(`backends.get({self.name!r}).artifact(program)` gives the vmfb bytes); to run on this "
+                "machine's CPU use the 'iree' backend",
+                driver=self.driver,
+                device=uri,
+                cause=str(e),
+            ) from None
+        config = rt.Config(device=device)
+        module = rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config)
+        return module["main"]
+
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:
+            return self._run_compiler(iree, mlir, gm, (*self.flags, *self.perf_flags))
+        except IreeCompileError as e:
+            frontend = e.op.startswith(("aten.", "prims."))  # a torch op IREE cannot lower: no flag changes that
+            if not self.perf_flags or frontend:
+                raise
+            return self._run_compiler(iree, mlir, gm, self.flags)
+
+    def _run_compiler(self, iree: Any, mlir: str, gm: GraphModule, flags: Sequence[str]) -> bytes:
+        try:
             return iree.compiler.compile_str(
-                mlir, input_type="torch", target_backends=["llvm-cpu"], extra_args=list(self.flags)
+                mlir, input_type="torch", target_backends=[self.target.name], extra_args=list(flags)
             )
         except iree.compiler.CompilerToolError as e:
             # str(e): "Error invoking ...\nDiagnostics:\n<stderr>\n\nInvoked with: ..."

@@ -6,6 +6,7 @@ import re
 
 from torch.fx import GraphModule, Node
 
+from fx_rewrites.backends.base import BackendUnavailable
 from fx_rewrites.engine import RewriteError
 from fx_rewrites.schema import op_name
 
@@ -46,6 +47,21 @@ class IreeCompileError(RewriteError):
         self.mlir = mlir
         self.op = op
         self.node = node
+
+
+class IreeDeviceError(RewriteError, BackendUnavailable):
+    """The device a backend runs on is absent (no GPU, no driver library) or the URI names none: the program
+    compiles (`IreeBackend.artifact`) but cannot run here (a `BackendUnavailable`, "not run" in `check`).
+
+    `driver` is the HAL driver asked for, `device` the URI (or the driver
+    name for its first device), `cause` the runtime's own text.
+    """
+
+    def __init__(self, message: str, *, driver: str, device: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.driver = driver
+        self.device = device
+        self.cause = cause
 
 
 class IreeUnsupportedError(RewriteError, NotImplementedError):

@@ -40,6 +40,22 @@ def from_device(value: Any, dtype: torch.dtype | None) -> Any:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)  # the dtype the graph promised
 
 
+@attrs.frozen(eq=False)
+class IreeArtifact:
+    """A compiled, unloaded program: `vmfb` bytes for `target` (built with `flags`), the call plan,
+    the imported MLIR, the cache key and whether the bytes came from the cache."""
+
+    plan: Plan = attrs.field(repr=False)
+    mlir: str = attrs.field(repr=False)
+    vmfb: bytes = attrs.field(repr=False)
+    key: str = ""
+    from_cache: bool = False
+    target: str = "llvm-cpu"
+    flags: tuple[str, ...] = ()
+    #: why the program cannot be saved with its call convention ("" when it can)
+    unsupported: str = ""
+
+
 @attrs.define(eq=False)
 class IreeCompiled:
     """A compiled program: call it like `program.module()` (or the GraphModule it was compiled from).

@@ -1,0 +1,77 @@
+"""IREE compile targets: what `iree-compile` is told, which HAL driver runs the result, which rules go first.
+
+    TARGETS["cuda"]   # IreeTarget(name="cuda", driver="cuda", flags=("--iree-cuda-target=sm_80", ...))
+
+One backend per target is registered (`iree`, `iree-cuda`, `iree-rocm`,
+`iree-vulkan`), each `IreeBackend(target=...)` with the same call
+convention; the compile needs no device (CI compiles every target), running
+needs one (`IreeDeviceError` says so when it is absent).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+#: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
+#: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
+_KEEP_F64 = "--iree-input-demote-f64-to-f32=false"
+
+
+@attrs.frozen
+class IreeTarget:
+    """One `iree-compile` target backend and the HAL driver that runs its code.
+
+    - `name`: `--iree-hal-target-backends` (`llvm-cpu`, `cuda`, `rocm`, `vulkan-spirv`).
+    - `driver`: the runtime's HAL driver (`local-task`, `cuda`, `hip`, `vulkan`).
+    - `flags`: what code for this target needs (the architecture it is built for).
+    - `perf_flags`: chosen by measurement (benchmarks/runtime.py); a module the compiler
+      rejects with them is compiled again without them (`IreeBackend.compile`).
+    - `device`: what the hardware is, for error messages.
+    """
+
+    name: str
+    driver: str
+    flags: tuple[str, ...] = ()
+    perf_flags: tuple[str, ...] = ()
+    device: str = ""
+
+
+TARGETS: dict[str, IreeTarget] = {
+    "llvm-cpu": IreeTarget(
+        name="llvm-cpu",
+        driver="local-task",
+        flags=("--iree-llvmcpu-target-cpu=host", _KEEP_F64),
+        device="this host's CPU",
+    ),
+    "cuda": IreeTarget(
+        name="cuda",
+        driver="cuda",
+        # IREE 3.13's CUDA target refuses sm_90 ("missing GPU target in #hal.executable.target"); PTX for
+        # sm_80 is JIT-compiled by the driver and runs on Ampere, Ada and Hopper.
+        flags=("--iree-cuda-target=sm_80", _KEEP_F64),
+        device="an NVIDIA GPU (CUDA driver, libcuda.so)",
+    ),
+    "rocm": IreeTarget(
+        name="rocm",
+        driver="hip",
+        flags=("--iree-rocm-target=gfx942", _KEEP_F64),  # MI300; pass flags=(...) for another chip
+        device="an AMD GPU (HIP runtime, libamdhip64.so)",
+    ),
+    "vulkan-spirv": IreeTarget(
+        name="vulkan-spirv",
+        driver="vulkan",
+        # IREE 3.13's default SPIR-V environment (a mobile baseline) has no Int64: BERT's mask fails ("failed to
+        # legalize operation 'vector.insert_strided_slice'"). Desktop GPUs have it; the default is NVIDIA's
+        # (pass flags=("--iree-vulkan-target=rdna3",) for AMD, see docs/performance.md). f64 is demoted.
+        flags=("--iree-vulkan-target=ampere",),
+        device="a Vulkan GPU (a Vulkan loader, libvulkan.so, and a driver)",
+    ),
+}
+
+#: registered backend name -> target
+BACKEND_TARGETS: dict[str, str] = {
+    "iree": "llvm-cpu",
+    "iree-cuda": "cuda",
+    "iree-rocm": "rocm",
+    "iree-vulkan": "vulkan-spirv",
+}
