@@ -82,21 +82,36 @@ def _view_link(node: Node) -> tuple[Any, Node, tuple] | Miss | None:
         return node.meta[ALIAS_OF]
     if not _is_view(node):
         return None
-    if node.target not in _SCATTER:
-        return Miss(f"{node.name} is a {node.target} view, which this rule cannot write back through")
     return node.target, node.args[0], tuple(node.args[1:])
 
 
-def _view_chain(x: Node) -> tuple[list[Node], list[tuple[Any, tuple]]] | Miss:
+def _view_chain(x: Node) -> tuple[list[Node], list[tuple[Any, tuple]]]:
     """[x, base of x, base of that, ...] and the (view op, args) between them."""
     chain, links = [x], []
     while (link := _view_link(chain[-1])) is not None:
-        if isinstance(link, Miss):
-            return link
         target, base, args = link
         chain.append(base)
         links.append((target, args))
     return chain, links
+
+
+def _written_through(chain: list[Node], links: list[tuple[Any, tuple]], mutation: Node) -> int | Miss:
+    """How many view links the write must go back through: down to the
+    deepest base read after `mutation` (all of them when the base is a
+    program input, whose caller sees the write). A base nobody reads later
+    needs no new value: Funnel's `positional_attn *= cls_mask` writes
+    through `aten.reshape` views of a product read nowhere else."""
+    depth = len(links) if chain[-1].op == "placeholder" else 0
+    for i, base in enumerate(chain[1:], start=1):
+        if any(mutation < user for user in base.users):
+            depth = max(depth, i)
+    for (target, _), view in zip(links[:depth], chain):
+        if target not in _SCATTER:
+            return Miss(
+                f"{mutation.name} writes {chain[0].name}, whose base {chain[depth].name} is read after it, through "
+                f"{view.name} (a {target} view): this rule cannot write back through {target}"
+            )
+    return depth
 
 
 def _aliased_reads(chain: list[Node], mutation: Node) -> str | None:
@@ -127,7 +142,7 @@ def _mutation_kind(base: Node) -> tuple[OutputKind, str] | Miss:
 @attrs.frozen
 class _Written:
     """One tensor the op writes: argument `arg` (element `item` of a list
-    argument), its view chain down to its base, and how a mutated program
+    argument), its view chain down to the deepest base read later, and how a mutated program
     input is recorded."""
 
     arg: str
@@ -169,17 +184,18 @@ def _writes(node: Node, found: Variant, named: dict[str, Any]) -> tuple[_Written
             if tensor in seen:
                 return Miss(f"{tensor.name} is written twice by one {node.target}")
             seen.add(tensor)
-            chain = _view_chain(tensor)
-            if isinstance(chain, Miss):
-                return chain
-            why = _aliased_reads(chain[0], node)
+            chain, links = _view_chain(tensor)
+            why = _aliased_reads(chain, node)
             if why:
                 return Miss(why)
-            base = chain[0][-1]
+            depth = _written_through(chain, links, node)
+            if isinstance(depth, Miss):
+                return depth
+            base = chain[-1]
             kind = _mutation_kind(base) if base.op == "placeholder" else None
             if isinstance(kind, Miss):
                 return kind
-            written.append(_Written(arg, item, *chain, kind))
+            written.append(_Written(arg, item, chain[: depth + 1], links[:depth], kind))
     return tuple(written)
 
 

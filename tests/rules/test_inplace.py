@@ -4,6 +4,7 @@ through the ExportedProgram signature, so ep.module() mutates like eager."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -398,3 +399,48 @@ def test_metadata_change_of_an_input_is_declined():
     rt.assert_not_fired(result, functionalize_inplace)
     (attempt,) = result.report.explain("functionalize_inplace")
     assert "changes the sizes or strides of graph input x" in attempt.reason
+
+
+class RelativeShift(torch.nn.Module):
+    """Funnel's `_relative_shift_gather` then `positional_attn *= cls_mask`:
+    the in-place product writes through two `aten.reshape` views of a
+    product that nothing else reads (`read_base` reads it after as well)."""
+
+    def __init__(self, read_base: bool = False) -> None:
+        super().__init__()
+        self.read_base = read_base
+
+    def forward(self, q: torch.Tensor, r: torch.Tensor, mask: torch.Tensor) -> Any:
+        scores = torch.einsum("bnid,td->bnit", q, r)
+        b, n, s, rel = scores.shape
+        shifted = torch.reshape(scores, [b, n, rel, s])[:, :, 1:, :]
+        shifted = torch.reshape(shifted, [b, n, s, rel - 1])[..., :s]
+        shifted *= mask
+        return (shifted, scores.sum()) if self.read_base else shifted
+
+
+def _relative_shift_inputs(s: int) -> tuple:
+    return torch.randn(2, 2, s, 8), torch.randn(2 * s + 1, 8), (torch.rand(s, s) > 0.3).float()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_in_place_through_reshape_views_of_an_unread_base(dynamic):
+    seq = Dim("seq", min=2, max=32)
+    shapes = ({2: seq}, {0: 2 * seq + 1}, {0: seq, 1: seq}) if dynamic else None
+    ep = rt.export(RelativeShift(), *_relative_shift_inputs(5), dynamic_shapes=shapes)
+    assert aten.mul_.Tensor in rt.targets(ep) and aten.reshape.default in rt.targets(ep)
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, functionalize_inplace, times=1)
+    rt.assert_ops(result, present=[aten.mul.Tensor], absent=[aten.mul_.Tensor])
+    inputs = [_relative_shift_inputs(5), _relative_shift_inputs(7 if dynamic else 5)]
+    rt.assert_matches_eager(result, RelativeShift(), inputs)
+    rt.assert_idempotent(result, RULES)
+
+
+def test_in_place_through_a_reshape_of_a_base_read_later_is_declined():
+    ep = rt.export(RelativeShift(read_base=True), *_relative_shift_inputs(5))
+    result = rt.apply_rules(ep, RULES, explain=True)
+    rt.assert_not_fired(result, functionalize_inplace)
+    (attempt,) = result.report.explain("functionalize_inplace")
+    assert "is read after it" in attempt.reason and "aten.reshape.default" in attempt.reason, attempt.reason
+    rt.assert_matches_eager(result, RelativeShift(read_base=True), [_relative_shift_inputs(5)])

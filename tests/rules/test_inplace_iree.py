@@ -24,7 +24,9 @@ from tests.rules.test_inplace import (
     OutVariants,
     PromotingAdd,
     RandomFill,
+    RelativeShift,
     _check_random_fill,
+    _relative_shift_inputs,
 )
 
 Dim = torch.export.Dim
@@ -102,3 +104,12 @@ def test_other_out_and_in_place_forms(iree, dynamic):
     m = OutVariants(two_outs=not dynamic, foreach=False)  # IREE 3.13 has no lowering for _foreach_add
     inputs = [(torch.randn(3, 4),), (torch.randn(6 if dynamic else 3, 4) * 3,)]
     _matches(_compiled(iree, m, inputs, ({0: Dim("b")},) if dynamic else None), m, inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_in_place_through_reshape_views(iree, dynamic):
+    """Funnel's `positional_attn *= cls_mask` through `aten.reshape` views."""
+    seq = Dim("seq", min=2, max=32)
+    shapes = ({2: seq}, {0: 2 * seq + 1}, {0: seq, 1: seq}) if dynamic else None
+    inputs = [_relative_shift_inputs(5), _relative_shift_inputs(7 if dynamic else 5)]
+    _matches(_compiled(iree, RelativeShift(), inputs, shapes), RelativeShift(), inputs)
