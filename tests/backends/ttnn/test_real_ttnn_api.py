@@ -42,7 +42,8 @@ def _ttnn_python() -> str:
 
 
 class Extras(torch.nn.Module):
-    """What CASES leave out: front padding, a narrow embedding, attention masks to expand, a full addmm addend."""
+    """What CASES leave out: front padding, a narrow embedding, attention masks to expand, a full addmm addend,
+    and the composed lowerings (xlogy, all, slice/select_scatter, relu6)."""
 
     def __init__(self):
         super().__init__()
@@ -73,6 +74,11 @@ class Extras(torch.nn.Module):
             torch.baddbmm(c.expand(2, 3, 5), a.expand(2, 3, 4) * 1.0, b.expand(2, 4, 5) * 1.0, beta=0.5, alpha=2.0),
             torch.log_softmax(x, -1),
             torch.index_select(self.emb.weight * 1.0, 0, ids[0]),
+            torch.xlogy(x, x.abs()),
+            torch.all(x > 0.5, -1),
+            torch.slice_scatter(x, x[..., 2:4] * 2.0, -1, 2, 4),
+            torch.select_scatter(x, x[..., 0] * 2.0, -1, 1),
+            F.relu6(x * 8.0),
         )
         return (*outs, filled, pooled, made, *more)
 
