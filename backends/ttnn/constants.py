@@ -58,8 +58,9 @@ def region_plans(top: GraphModule, program: ExportedProgram | None) -> dict[str,
 
 
 def program_constants(program: ExportedProgram | GraphModule) -> set[Node]:
-    """The call nodes of a program's graph computed from its constants only (at least one input, all
-    constant; ops without random numbers or mutation): what the ttnn backend computes once on the host."""
+    """The call nodes of a program's graph computed from its constants only (ops without random numbers or
+    mutation whose inputs are all constant, factories with none included): what the compiled function
+    computes once, on the host or the device (`constant_nodes` caches the same nodes per region)."""
     if isinstance(program, GraphModule):
         kinds, graph = {}, program.graph
     else:
@@ -73,7 +74,6 @@ def program_constants(program: ExportedProgram | GraphModule) -> set[Node]:
             or (
                 node.op == "call_function"
                 and cacheable(node.target)
-                and node.all_input_nodes
                 and all(i in constant for i in node.all_input_nodes)
             )
         ):

@@ -10,8 +10,9 @@ device when a lowering rule replaced it (a batch norm folded into the
 convolution before it counts with that convolution). The reason a node
 stayed on the host is what the lowering rule said when it declined
 (`apply(..., explain=True)`), or that no rule lowers its op. Nodes computed
-from the program's constants only are counted apart (`once`): the backend
-computes them once on the host, they are not per-call work, and the device
+from the program's constants or factories only are counted apart (`once`):
+the compiled function computes them on its first call (on the host, or a
+lowered factory on the device), they are not per-call work, and the device
 share leaves them out.
 """
 

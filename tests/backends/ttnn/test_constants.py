@@ -109,3 +109,31 @@ def test_constant_work_is_redone_when_a_constant_changes_in_place():
     assert rsqrts.calls == 2
     assert not torch.allclose(before, after, atol=0.1)
     assert_close_bf16(after, expected)
+
+
+class PositionMask(torch.nn.Module):
+    """A mask built from aranges in int64 (as transformers' masking utilities do): no input reaches it."""
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-1])
+        allowed = (pos.unsqueeze(0) + 1) >= pos.unsqueeze(1)
+        return torch.softmax(x + (~allowed).to(x.dtype) * -1e4, -1)
+
+
+def test_work_on_factories_only_is_counted_once_and_runs_once():
+    """The int64 mask chain stays on the host (integers), but it reads no input: the compiled function
+    computes it on the first call only, and the coverage report counts it as such, not as per-call host work."""
+    model = PositionMask()
+    x = torch.randn(2, 6, 6)
+    program = rt.export(model, x)
+    cov = coverage(program, "position_mask")
+    once = {o.op: o.once for o in cov.ops if o.once}
+    assert once.get("aten.ge.Tensor") == 1 and once.get("aten.unsqueeze.default") == 2, cov.text()
+    assert cov.device_share == 1.0, cov.text()
+    fn = backends.get("ttnn").compile(lower(program), (x,))
+    compares = _Counting(aten.ge.Tensor)
+    with compares:
+        results = [fn(x * scale) for scale in (1.0, 3.0)]
+    assert compares.calls == 1
+    for scale, got in zip((1.0, 3.0), results):
+        assert_close_bf16(got, model(x * scale))
