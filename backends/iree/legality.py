@@ -12,7 +12,7 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from fx_rewrites.backends.iree import legality_data
-from fx_rewrites.rules import iree_guards, iree_views
+from fx_rewrites.rules import iree_guards, iree_pooling, iree_views
 from fx_rewrites.rules.iree_legalize import legalize
 from fx_rewrites.ruleset import RuleSet
 
@@ -58,4 +58,6 @@ LEGALIZE_FOR_IREE = legalize(
 
 #: the last phase of the IREE backend's rules: legality-driven decomposition, and the guards against IREE's
 #: silent wrong results (on forms from export and from decompositions alike)
-LEGALIZE = RuleSet([LEGALIZE_FOR_IREE, *iree_guards.RULES, *iree_views.RULES], name="iree-legalize")
+LEGALIZE = RuleSet(
+    [LEGALIZE_FOR_IREE, *iree_guards.RULES, *iree_views.RULES, *iree_pooling.RULES], name="iree-legalize"
+)

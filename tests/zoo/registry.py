@@ -151,9 +151,8 @@ MODELS: tuple[ZooModel, ...] = (
         "neck_hidden_sizes": [8, 8, 16, 16, 24, 24, 32], "num_attention_heads": 2}, image(), ci=False,
         note="IREE compiles it in ~250 s (2 cores, loaded); outputs std ~5e-4 at this config (needs scaling)"),
     _tf("funnel", "FunnelModel", {"vocab_size": 128, "block_sizes": [1, 1], "d_model": 64, "n_head": 2, "d_head": 32,
-        "d_inner": 128, "num_decoder_layers": 1}, known=_both(r"avg_pool2d.*linalg\.generic", "iree",
-        "`avg_pool2d(ceil_mode=True)`: IREE's `linalg.generic` shape check (65 vs 64)"),
-        note="`positional_attn *= cls_mask` through `aten.reshape` views"),
+        "d_inner": 128, "num_decoder_layers": 1},
+        note="`positional_attn *= cls_mask` through `aten.reshape` views; `avg_pool2d(ceil_mode=True)` guarded"),
     # -- transformers 5: the forms issue 12 met
     _tf("mixtral", "MixtralModel", {**_GQA, "num_local_experts": 4, "num_experts_per_tok": 2}, note="MoE",
         known=_both(r"grouped_mm_fallback", "legalize", "transformers' `grouped_mm_fallback` custom op "

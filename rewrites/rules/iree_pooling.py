@@ -1,0 +1,137 @@
+"""Guard against IREE 3.13's ceil-mode average pooling with a one-wide window.
+
+`avg_pool{1,2,3}d(..., ceil_mode=True)` where some spatial dim has kernel 1
+and stride 1 (Funnel's `F.avg_pool2d(x, (2, 1), stride=(2, 1),
+ceil_mode=True)`), or a window wider than the (padded) input (transformers'
+EfficientNet pooler, `nn.AvgPool2d(1280, ceil_mode=True)` on a 7x7 map),
+fails in IREE: "'linalg.generic' op inferred input/output operand #2 has
+shape's dimension #1 to be 10, but found 9", whatever the input's sizes.
+The guard writes ceil mode out (a too wide window becomes the padded input's
+width: torch gives one output over all of it): the input padded (the
+pooling's own padding, and on the high side the extra that ceil mode reads
+past the input), window sums (`divisor_override=1`, ceil_mode=False), divided
+by the count torch divides by, which is the same pooling of ones padded the
+same way (ones in the pooling's own padding when count_include_pad, zeros
+elsewhere). docs/iree-3.13-findings.md section 8 has the measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+
+aten = torch.ops.aten
+
+#: the ops, with their number of spatial dims
+_AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
+
+
+def _per_dim(value: Any, n: int, default: list[int]) -> list[int]:
+    """A pooling argument (int, or list of 1 or n) as n ints; `default` when empty."""
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return list(default)
+    if isinstance(value, int):
+        return [value] * n
+    values = list(value)
+    return values * n if len(values) == 1 else values
+
+
+def _ceil_extra(size: Any, kernel: int, stride: int, pad: int) -> int | None:
+    """How far past the padded input ceil mode's last window reads (None: unknown here).
+
+    With stride <= kernel - pad no window is dropped for starting in the high padding, so padding by
+    stride - 1 gives ceil mode's output size for every size, symbolic too."""
+    if not isinstance(size, int):
+        return stride - 1 if stride <= kernel - pad else None
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    if (out - 1) * stride >= size + pad:  # torch drops a last window that starts in the high padding
+        out -= 1
+    return max(0, (out - 1) * stride + kernel - (size + 2 * pad))
+
+
+def _ceil_pool(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if not named.get("ceil_mode", False):
+        return Miss("ceil_mode=False")
+    n = _AVG_POOLS[node.target]
+    kernel = _per_dim(named["kernel_size"], n, [])
+    stride = _per_dim(named.get("stride"), n, kernel)
+    pad = _per_dim(named.get("padding", 0), n, [0] * n)
+    sizes = named["self"].meta["val"].shape[-n:]
+    # a window wider than the padded input: one output, over all of it (torch allows no second one)
+    wide = [isinstance(size, int) and k > size + 2 * p for size, k, p in zip(sizes, kernel, pad)]
+    if not any(k == 1 and s == 1 for k, s in zip(kernel, stride)) and not any(wide):
+        return Miss(
+            "no spatial dim with kernel 1 and stride 1, nor a window wider than the input (IREE 3.13 pools those)"
+        )
+    kernel = [size + 2 * p if w else k for size, k, p, w in zip(sizes, kernel, pad, wide)]
+    extra = [_ceil_extra(size, k, s, p) for size, k, s, p in zip(sizes, kernel, stride, pad)]
+    if None in extra:
+        return Miss("a symbolic size with stride > kernel - padding: ceil mode's output size is not a fixed pad")
+    return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "extra": extra}
+
+
+def _pad(rw: Rewriter, x: Node, low: list[int], high: list[int], value: float) -> Node:
+    """constant_pad_nd of the last len(low) dims (its pad list runs from the last dim backwards)."""
+    if not any(low) and not any(high):
+        return x
+    pads = [amount for lo, hi in zip(reversed(low), reversed(high)) for amount in (lo, hi)]
+    return rw.call(aten.constant_pad_nd.default, x, pads, value)
+
+
+@rule(
+    roots=tuple(_AVG_POOLS),
+    name="avg_pool_ceil_mode_for_iree",
+    when=_ceil_pool,
+    tags={"iree", "guard", "pooling"},
+    doc=(
+        "avg_pool1d/2d/3d with ceil_mode=True and a spatial dim of kernel 1, stride 1 (Funnel's "
+        "`F.avg_pool2d(x, (2, 1), stride=(2, 1), ceil_mode=True)`) or a window wider than the input (narrowed "
+        "to the padded input): the input padded explicitly (its own "
+        "padding, and what ceil mode reads past the end), window sums by the same pooling with ceil_mode=False "
+        "and divisor_override=1, divided by torch's divisor (the pooling of ones padded alike; or "
+        "divisor_override). IREE 3.13: \"'linalg.generic' op inferred input/output operand #2 has shape's "
+        'dimension #1 to be 10, but found 9" for any size.'
+    ),
+)
+def avg_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+    x, n = found["self"], found["n"]
+    kernel, stride, pad, extra = found["kernel"], found["stride"], found["pad"], found["extra"]
+    high = [p + e for p, e in zip(pad, extra)]
+    if n == 1:  # avg_pool1d has no divisor_override: pool as 2d over a unit dim (kernel 1 without ceil mode)
+        x = rw.call(aten.unsqueeze.default, x, -2)
+        kernel, stride = [1, *kernel], [1, *stride]
+        pad, extra, high = [0, *pad], [0, *extra], [0, *high]
+    op = aten.avg_pool2d.default if len(kernel) == 2 else aten.avg_pool3d.default
+
+    def sums(t: Node, divisor: int) -> Node:
+        return rw.call(op, t, kernel, stride, [0] * len(kernel), False, True, divisor)
+
+    padded = _pad(rw, x, pad, high, 0.0)
+    divisor = found.get("divisor_override")
+    if divisor is not None:
+        out = sums(padded, divisor)
+    else:
+        # ones of the spatial sizes only (the count broadcasts over batch and channels)
+        lead = x.meta["val"].dim() - len(kernel)
+        ones_like = x
+        for dim in range(lead):
+            ones_like = rw.call(aten.slice.Tensor, ones_like, dim, 0, 1)
+        ones = rw.call(aten.ones_like.default, ones_like)
+        cip = found.get("count_include_pad", True)
+        ones = _pad(rw, ones, pad, pad, 1.0 if cip else 0.0)
+        ones = _pad(rw, ones, [0] * len(kernel), extra, 0.0)
+        count = sums(ones, 1)
+        out = rw.call(aten.div.Tensor, sums(padded, 1), count)
+    if n == 1:
+        out = rw.call(aten.squeeze.dim, out, -2)
+    rw.replace(node, out)
+
+
+RULES = (avg_pool_ceil_mode_for_iree,)
