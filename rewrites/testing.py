@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 
 from fx_rewrites.api import Result, apply
 from fx_rewrites.engine import Rule
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases, RuleSet
 from fx_rewrites.schema import op_name
 
 
@@ -49,8 +49,13 @@ def export(
     return torch.export.export(mod, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes)
 
 
-def apply_rules(program: ExportedProgram | GraphModule, *rules: Rule | RuleSet, **options: Any) -> Result:
-    """`fx_rewrites.apply` with exactly these rules (or rule sets)."""
+def apply_rules(program: ExportedProgram | GraphModule, *rules: Rule | RuleSet | Phases, **options: Any) -> Result:
+    """`fx_rewrites.apply` with exactly these rules (or rule sets); one `Phases`
+    (a backend's `rules`) is run as its phases, each to its own fixpoint."""
+    if len(rules) == 1 and isinstance(rules[0], Phases):
+        return apply(program, rules[0], **options)
+    if any(isinstance(r, Phases) for r in rules):
+        raise TypeError("apply_rules: give one Phases alone (combine phases with Phases.then(...) first)")
     return apply(program, RuleSet(list(rules)), **options)
 
 
@@ -119,7 +124,7 @@ def assert_matches_eager(
     assert checked, "assert_matches_eager was given no inputs"
 
 
-def assert_idempotent(result: Result, *rules: Rule | RuleSet) -> None:
+def assert_idempotent(result: Result, *rules: Rule | RuleSet | Phases) -> None:
     """Applying the rules again to the result rewrites nothing."""
     source = result.program if result.program is not None else result.graph_module
     again = apply_rules(source, *rules) if rules else apply(source)

@@ -90,3 +90,16 @@ def test_a_rule_added_to_phases_joins_the_first_phase_and_runs_there():
     assert (later + clone_forward).without("lift_to_clone", "clone_forward").names() == []
     with pytest.raises(KeyError, match=r"no phase of 'backend' has rules named \['nope'\]"):
         later.without("nope")
+
+
+def test_testing_apply_rules_takes_phases_and_runs_them_in_order():
+    ep = rt.export(Fresh(), torch.randn(3))
+    phases = Phases(RuleSet([lift_to_clone], name="first"), RuleSet([clone_forward], name="second"))
+    result = rt.apply_rules(ep, phases)
+    assert result.report.phases == ["first", "second"]
+    rt.assert_fired(result, "clone_forward", times=1)  # only the second phase sees the clone
+    rt.assert_ops(result, absent=[aten.lift_fresh_copy.default, aten.clone.default])
+    rt.assert_matches_eager(result, Fresh(), _inputs())
+    rt.assert_idempotent(result, phases)
+    with pytest.raises(TypeError, match="one Phases alone"):
+        rt.apply_rules(ep, phases, lift_to_clone)
