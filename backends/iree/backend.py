@@ -17,6 +17,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx_rewrites.backends.iree import wrong_forms
 from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
@@ -79,6 +80,8 @@ class IreeBackend:
     - `device`: an IREE device URI (`cuda://0`, `cuda://GPU-<uuid>`, `hip://1`, `vulkan://0`);
       None: the driver's first device.
     - `cache`: compiled modules, shared by every compile of this instance.
+    - `refuse_wrong_forms`: refuse (IreeUnsupportedError) the forms IREE 3.13 computes wrong
+      (`wrong_forms`); False compiles them, for measuring IREE itself, never for results.
     """
 
     name: str = "iree"
@@ -91,6 +94,7 @@ class IreeBackend:
     driver: str = attrs.field(default=attrs.Factory(lambda self: self.target.driver, takes_self=True))
     device: str | None = attrs.field(default=None, validator=_check_device)
     cache: CompileCache = attrs.field(factory=CompileCache, eq=False, repr=False)
+    refuse_wrong_forms: bool = True
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
         """Import, compile (or take from the cache) and load `program` on this backend's device.
@@ -131,6 +135,8 @@ class IreeBackend:
                 "the IREE backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
                 f"got {type(program).__name__}"
             )
+        if self.refuse_wrong_forms:  # IREE's silent wrong results: an error naming the node instead
+            wrong_forms.refuse(graph_module)
         iree = iree_modules()
         entries = reflection(plan, self.driver)
         mlir = import_mlir(iree, prepared, reflection=entries)

@@ -142,4 +142,96 @@ def multi_index_to_flat_gather_for_iree(node: Node, rw: Rewriter) -> Any:
     return None
 
 
-RULES = (negative_pad_to_slice_for_iree, multi_index_to_flat_gather_for_iree)
+# -- variance of nothing ------------------------------------------------------------------------
+
+#: var / std (and their _mean pairs) in every functional overload
+_VARIANCES = tuple(
+    getattr(packet, name)
+    for packet in (aten.var, aten.std, aten.var_mean, aten.std_mean)
+    for name in packet.overloads()
+    if not getattr(packet, name)._schema.is_mutable
+)
+
+
+def _numel(value: Any) -> int | None:
+    """The number of elements of a tensor value, None when a size is symbolic."""
+    if not isinstance(value, torch.Tensor) or not all(isinstance(s, int) for s in value.shape):
+        return None
+    return value.numel()
+
+
+def empty_variance(node: Node) -> bool | Miss:
+    """Whether `node` reduces an empty input (static sizes) to a non-empty result: every group it
+    reduces is then empty, and torch gives NaN for each variance and mean."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if _numel(named["self"].meta.get("val")) != 0:
+        return Miss("the input is not statically empty")
+    outputs = node.meta.get("val")
+    outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    if any(_numel(v) in (None, 0) for v in outputs):
+        return Miss("a result that is empty or has symbolic sizes")
+    return True
+
+
+@rule(
+    roots=_VARIANCES,
+    name="empty_variance_for_iree",
+    when=empty_variance,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.var / std / var_mean / std_mean of a statically empty input with a non-empty result (every "
+        "group reduced is empty: torch gives NaN) becomes aten.full of NaN. IREE 3.13 compiles the "
+        "reduction and returns a number where torch gives NaN (OpInfo var.unbiased, std.unbiased on a (0, 5) "
+        "input): wrong numbers, no error."
+    ),
+)
+def empty_variance_for_iree(node: Node, rw: Rewriter) -> Any:
+    outputs = node.meta["val"]
+    many = isinstance(outputs, (list, tuple))
+    nans = [
+        rw.call(aten.full.default, list(v.shape), float("nan"), dtype=v.dtype, device=v.device)
+        for v in (outputs if many else (outputs,))
+    ]
+    rw.replace(node, nans if many else nans[0])
+
+
+# -- instance_norm's running statistics ---------------------------------------------------------
+
+
+def _instance_norm_with_stats(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if not named["use_input_stats"]:
+        return Miss("use_input_stats=False: the running statistics are what it normalises by")
+    if named["running_mean"] is None and named["running_var"] is None:
+        return Miss("no running statistics")
+    return True
+
+
+@rule(
+    roots=(aten.instance_norm.default,),
+    name="instance_norm_input_stats_for_iree",
+    when=_instance_norm_with_stats,
+    priority=10,  # before the legalize phase's decomposition of the same node
+    tags={"iree", "guard"},
+    doc=(
+        "aten.instance_norm with use_input_stats=True normalises by the input's own statistics: its "
+        "running_mean / running_var only receive an update, which the exported graph does not keep (it "
+        "returns the normalised tensor alone). They are dropped, so torch's decomposition of the op (which "
+        "would write to them: the legalize phase declines it) applies. IREE 3.13 lowers the op itself "
+        "wrong with dynamic sizes (OpInfo nn.functional.instance_norm exported with Dim.AUTO: max abs diff "
+        "11), no error."
+    ),
+)
+def instance_norm_input_stats_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named.update(running_mean=None, running_var=None)
+    args, kwargs = schema.unbind(node.target, named, explicit=False)
+    rw.replace(node, rw.call(node.target, *args, **kwargs))
+
+
+RULES = (
+    negative_pad_to_slice_for_iree,
+    multi_index_to_flat_gather_for_iree,
+    empty_variance_for_iree,
+    instance_norm_input_stats_for_iree,
+)

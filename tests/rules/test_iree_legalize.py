@@ -145,3 +145,26 @@ def test_a_decomposition_that_raises_is_a_named_decline(monkeypatch):
     rt.assert_ops(result, present=[aten.xlogy.Tensor])
     reasons = [attempt.reason for attempt in result.report.explain()]
     assert reasons == ["torch's decomposition of aten.xlogy.Tensor raised ValueError: not for these arguments"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_inputs_of_equal_metadata_stay_distinct(dynamic):
+    """instance_norm's decomposition makes repeat(weight) and repeat(bias), whose fake values the engine memoises
+    into one object; decomposing _native_batch_norm_legit on them must still read the weight and the bias
+    (it once used the bias twice: wrong numbers)."""
+
+    def fn(x, weight, bias):
+        return F.instance_norm(x, weight=weight, bias=bias, eps=0.5)
+
+    inputs = [
+        (torch.randn(3, 2, 3, 4), torch.randn(2), torch.randn(2)),
+        (torch.randn(3, 2, 3, 4), torch.randn(2), torch.randn(2)),
+    ]
+    shapes = ({0: Dim("n"), 2: Dim("h")}, None, None) if dynamic else None
+    if dynamic:
+        inputs[1] = (torch.randn(2, 2, 5, 4), torch.randn(2), torch.randn(2))
+    ep = rt.export(fn, *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, legality.LEGALIZE_FOR_IREE)
+    rt.assert_fired(result, "legalize_for_iree", times=2)
+    rt.assert_ops(result, absent=[aten.instance_norm.default, aten._native_batch_norm_legit.no_stats])
+    rt.assert_matches_eager(result, fn, inputs, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,130 @@
+"""Forms IREE 3.13 compiles and computes WRONG, refused before compiling.
+
+A wrong number is worse than an error. The IREE rules rewrite these forms
+into ones IREE computes right (the legalize phase's decompositions and the
+guards in `fx_rewrites.rules.iree_guards`); what is still in the graph when
+`IreeBackend.compile` sees it (a program compiled without the rules, or a
+form the rules could not rewrite) is refused with an `IreeUnsupportedError`
+that names the node, the op, what IREE gets wrong and the fix. Each entry
+was measured on the OpInfo corpus (docs/opinfo.md); each has a test showing
+IREE wrong on it (tests/rules/test_iree_wrong_forms.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fx_rewrites import schema
+from fx_rewrites.backends.iree.errors import IreeUnsupportedError
+from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
+from fx_rewrites.engine import Miss
+from fx_rewrites.rules.iree_guards import empty_variance
+
+aten = torch.ops.aten
+
+APPLY = "apply the backend's rules first: `fx_rewrites.apply(program, fx_rewrites.backends.get('iree').rules)`"
+
+
+def _decomposed_by_rules(node: Node) -> str:
+    return f"{WRONG_IN_SOME_FORMS[schema.op_name(node.target)]}; fix: {APPLY}, which decompose it"
+
+
+def _symbolic(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not all(isinstance(s, int) for s in value.shape)
+
+
+def _bag_weights(node: Node) -> str:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if named.get("per_sample_weights") is None:
+        return ""
+    return (
+        "wrong numbers with per_sample_weights (nn.functional.embedding_bag, mode='sum': max abs diff 65.6); "
+        "torch has no decomposition of it; fix: weight the rows yourself, "
+        "`(F.embedding(indices, weight) * per_sample_weights.unsqueeze(-1))` summed per bag"
+    )
+
+
+def _instance_norm(node: Node) -> str:
+    if not _symbolic(node.args[0].meta.get("val")):
+        return ""
+    return f"wrong numbers with dynamic sizes (max abs diff 11); fix: {APPLY}, which decompose it"
+
+
+def _empty_variance(node: Node) -> str:
+    if isinstance(empty_variance(node), Miss):
+        return ""
+    return f"a number instead of torch's NaN on an empty input; fix: {APPLY}, which give NaN"
+
+
+def _logcumsumexp(node: Node) -> str:
+    return (
+        "wrong numbers (inf where torch is finite); fix: "
+        f"{APPLY}: with static sizes they lower it to a masked logsumexp; with a dynamic size along the "
+        "scanned dim nothing does, so export that dim static"
+    )
+
+
+def _negative_pad(node: Node) -> str:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    pads = named.get("pad", named.get("padding", ()))
+    if not any(isinstance(p, int) and p < 0 for p in pads):
+        return ""
+    return (
+        "a negative pad (a crop) comes back uncropped or of the wrong shape; fix: crop with slicing "
+        f"(x[..., a:-b]) before padding; {APPLY}: they do so where torch accepts the pad of the cropped tensor"
+    )
+
+
+#: op -> why IREE computes this node wrong ("" when the node's form is computed right)
+_CHECKS: dict[Any, Callable[[Node], str]] = {
+    **{op: _decomposed_by_rules for name in WRONG_IN_SOME_FORMS for op in schema.resolve_op(name)},
+    **{
+        op: _bag_weights
+        for op in (
+            aten.embedding_bag.default,
+            aten.embedding_bag.padding_idx,
+            aten._embedding_bag.default,
+            aten._embedding_bag_forward_only.default,
+        )
+    },
+    aten.instance_norm.default: _instance_norm,
+    **{
+        getattr(packet, name): _empty_variance
+        for packet in (aten.var, aten.std, aten.var_mean, aten.std_mean)
+        for name in packet.overloads()
+        if not getattr(packet, name)._schema.is_mutable
+    },
+    aten.logcumsumexp.default: _logcumsumexp,
+    aten.constant_pad_nd.default: _negative_pad,
+    aten.pad.default: _negative_pad,
+    aten.replication_pad1d.default: _negative_pad,
+    aten.replication_pad2d.default: _negative_pad,
+    aten.replication_pad3d.default: _negative_pad,
+}
+
+
+def wrong_forms(gm: GraphModule) -> list[tuple[Node, str]]:
+    """(node, why) for every node of `gm` in a form IREE 3.13 computes wrong."""
+    found = []
+    for node in gm.graph.nodes:
+        check = _CHECKS.get(node.target) if node.op == "call_function" else None
+        why = check(node) if check is not None else ""
+        if why:
+            found.append((node, why))
+    return found
+
+
+def refuse(gm: GraphModule) -> None:
+    """Raise `IreeUnsupportedError` naming the first node IREE 3.13 would compute wrong."""
+    found = wrong_forms(gm)
+    if found:
+        node, why = found[0]
+        more = f" ({len(found) - 1} more such node(s))" if len(found) > 1 else ""
+        raise IreeUnsupportedError(
+            f"IREE 3.13 computes {schema.op_name(node.target)} (node {node.name!r}) wrong in this form: "
+            f"{why}{more}. Refused rather than giving wrong numbers."
+        )
