@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -36,8 +37,10 @@ def _pads(node: Node) -> tuple[Node, list[int]] | Miss:
     shape = named["self"].meta["val"].shape
     for i in range(len(pads) // 2):
         size = shape[len(shape) - 1 - i]
-        if isinstance(size, int) and size + min(pads[2 * i], 0) + min(pads[2 * i + 1], 0) <= 0:
-            return Miss("a crop that leaves nothing of a dim")
+        # a symbolic size by its example value: slicing it empty would specialise it (the engine refuses)
+        size = size if isinstance(size, int) else optimization_hint(size, fallback=-1)
+        if size < 0 or size + min(pads[2 * i], 0) + min(pads[2 * i + 1], 0) <= 0:
+            return Miss("a crop that leaves nothing of a dim (or of its example size)")
     return named["self"], pads
 
 
