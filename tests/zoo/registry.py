@@ -216,8 +216,11 @@ MODELS: tuple[ZooModel, ...] = (
     # export route: 2 of 2000 logits 1.5e-5 off (float32 rounding through 15 hardswish blocks)
     _tv("mobilenet_v3_large", {"width_mult": 0.25}, ci=False, note="mobilenet_v3_small in CI", calibrate=True,
         tolerance=(1e-4, 5e-5)),
-    _tv("efficientnet_b0", known=_both(_NOT_CLOSE, "iree", "6% of the logits up to 1e-3 off (rel 0.1) after 16 "
-        "MBConv blocks of SiLU and sigmoid gates; not localised yet"), note="inplace SiLU, stochastic depth (eval: identity)", calibrate=True),
+    # float32 noise, not an IREE bug: torch float32 is as far from float64 (2.1e-3, 8.1e-3 on the two input sets)
+    # as IREE is (2.3e-3, 7.7e-3), and torch with mkldnn off is 3.4e-3 / 7.3e-3 from torch with it on; the
+    # calibrated logits reach 143 / 253 (docs/zoo.md)
+    _tv("efficientnet_b0", note="inplace SiLU, stochastic depth (eval: identity)", calibrate=True,
+        tolerance=(1e-4, 2e-2)),
     _tv("resnet18"),
     _tv("squeezenet1_1", size=64),
     _tv("shufflenet_v2_x0_5", ci=False, note="IREE ~55 s a route under load"),
