@@ -1,6 +1,6 @@
-"""Guard against IREE 3.13's ceil-mode average pooling with a one-wide window.
+"""Guards against IREE 3.13's ceil-mode pooling with a one-wide or too wide window.
 
-`avg_pool{1,2,3}d(..., ceil_mode=True)` where some spatial dim has kernel 1
+`avg_pool{1,2,3}d(..., ceil_mode=True)` (and `max_pool{1,2,3}d`) where some spatial dim has kernel 1
 and stride 1 (Funnel's `F.avg_pool2d(x, (2, 1), stride=(2, 1),
 ceil_mode=True)`), or a window wider than the (padded) input (transformers'
 EfficientNet pooler, `nn.AvgPool2d(1280, ceil_mode=True)` on a 7x7 map),
@@ -12,7 +12,8 @@ pooling's own padding, and on the high side the extra that ceil mode reads
 past the input), window sums (`divisor_override=1`, ceil_mode=False), divided
 by the count torch divides by, which is the same pooling of ones padded the
 same way (ones in the pooling's own padding when count_include_pad, zeros
-elsewhere). docs/iree-3.13-findings.md section 8 has the measurements.
+elsewhere). Max pooling: the input padded with -inf, then ceil_mode=False.
+docs/iree-3.13-findings.md section 8 has the measurements.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ aten = torch.ops.aten
 
 #: the ops, with their number of spatial dims
 _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
+#: max pooling without indices (with indices, the padded input would shift them)
+_MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
+_POOLS = {**_AVG_POOLS, **_MAX_POOLS}
 
 
 def _per_dim(value: Any, n: int, default: list[int]) -> list[int]:
@@ -59,22 +63,27 @@ def _ceil_pool(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     if not named.get("ceil_mode", False):
         return Miss("ceil_mode=False")
-    n = _AVG_POOLS[node.target]
+    n = _POOLS[node.target]
     kernel = _per_dim(named["kernel_size"], n, [])
     stride = _per_dim(named.get("stride"), n, kernel)
     pad = _per_dim(named.get("padding", 0), n, [0] * n)
+    dilation = _per_dim(named.get("dilation", 1), n, [1] * n)
+    span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
     sizes = named["self"].meta["val"].shape[-n:]
     # a window wider than the padded input: one output, over all of it (torch allows no second one)
-    wide = [isinstance(size, int) and k > size + 2 * p for size, k, p in zip(sizes, kernel, pad)]
+    wide = [
+        isinstance(size, int) and d == 1 and k > size + 2 * p for size, k, p, d in zip(sizes, kernel, pad, dilation)
+    ]
     if not any(k == 1 and s == 1 for k, s in zip(kernel, stride)) and not any(wide):
         return Miss(
             "no spatial dim with kernel 1 and stride 1, nor a window wider than the input (IREE 3.13 pools those)"
         )
     kernel = [size + 2 * p if w else k for size, k, p, w in zip(sizes, kernel, pad, wide)]
-    extra = [_ceil_extra(size, k, s, p) for size, k, s, p in zip(sizes, kernel, stride, pad)]
+    span = [size + 2 * p if w else k for size, k, p, w in zip(sizes, span, pad, wide)]
+    extra = [_ceil_extra(size, k, s, p) for size, k, s, p in zip(sizes, span, stride, pad)]
     if None in extra:
         return Miss("a symbolic size with stride > kernel - padding: ceil mode's output size is not a fixed pad")
-    return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "extra": extra}
+    return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation, "extra": extra}
 
 
 def _pad(rw: Rewriter, x: Node, low: list[int], high: list[int], value: float) -> Node:
@@ -134,4 +143,29 @@ def avg_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, out)
 
 
-RULES = (avg_pool_ceil_mode_for_iree,)
+def _lowest(dtype: torch.dtype) -> float | int:
+    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+@rule(
+    roots=tuple(_MAX_POOLS),
+    name="max_pool_ceil_mode_for_iree",
+    when=_ceil_pool,
+    tags={"iree", "guard", "pooling"},
+    doc=(
+        "max_pool1d/2d/3d (without indices) with ceil_mode=True and a spatial dim of kernel 1, stride 1 "
+        '(Funnel\'s pooling in its "max" / "min" modes) or a window wider than the input: the input padded '
+        "with -inf (the lowest integer) by its own padding and what ceil mode reads past the end, then the same "
+        "pooling with padding 0 and ceil_mode=False. IREE 3.13 fails as avg_pool does: \"'linalg.generic' op "
+        "inferred input/output operand #2 has shape's dimension #1 to be 10, but found 9\"."
+    ),
+)
+def max_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+    x, pad = found["self"], found["pad"]
+    high = [p + e for p, e in zip(pad, found["extra"])]
+    padded = _pad(rw, x, pad, high, _lowest(x.meta["val"].dtype))
+    zeros = [0] * found["n"]
+    rw.replace(node, rw.call(node.target, padded, found["kernel"], found["stride"], zeros, found["dilation"], False))
+
+
+RULES = (avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree)

@@ -1,4 +1,4 @@
-"""Guard against IREE's ceil-mode average pooling with a one-wide window (rewrites/rules/iree_pooling.py).
+"""Guards against IREE's ceil-mode pooling with a one-wide window (rewrites/rules/iree_pooling.py).
 
 The "fails on IREE" test compiles the program after every rule of the IREE
 backend but this guard and asserts IREE 3.13 rejects it, so it fails once
@@ -16,7 +16,7 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
-from fx_rewrites.rules.iree_pooling import avg_pool_ceil_mode_for_iree as guard
+from fx_rewrites.rules.iree_pooling import RULES, avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree
 
 aten = torch.ops.aten
 
@@ -63,16 +63,33 @@ class WidePools(torch.nn.Module):
         )
 
 
+class MaxPools(torch.nn.Module):
+    """Funnel's "max" and "min" modes, 1d and 3d, a window wider than the input, a dilated window."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            F.max_pool2d(x, (2, 1), stride=(2, 1), ceil_mode=True),
+            -F.max_pool2d(-x, (2, 1), stride=(2, 1), ceil_mode=True),
+            F.max_pool1d(x[:, 0], 1, stride=1, ceil_mode=True),
+            F.max_pool3d(x.unsqueeze(1), (2, 1, 2), stride=(2, 1, 2), ceil_mode=True),
+            F.max_pool2d(x, 8, ceil_mode=True),
+            F.max_pool2d(x, (2, 1), stride=(2, 1), padding=(1, 0), dilation=(2, 1), ceil_mode=True),
+        )
+
+
 def _x(*shape: int, seed: int) -> tuple[torch.Tensor]:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)),)
 
 
+_AVG, _MAX = avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree
+#: module, two input sets, (guard, times it fires)
 CASES = {
     # odd time: ceil mode's last window is half outside
-    "funnel": (FunnelPool(), [_x(2, 1, 9, 8, seed=0), _x(2, 1, 9, 8, seed=1)], 1),
-    "padded": (PaddedPools(), [_x(2, 3, 7, 6, seed=0), _x(2, 3, 7, 6, seed=1)], 5),
-    "dropped": (DroppedWindow(), [_x(2, 3, 8, 5, seed=0), _x(2, 3, 8, 5, seed=1)], 1),
-    "wide": (WidePools(), [_x(2, 3, 7, 5, seed=0), _x(2, 3, 7, 5, seed=1)], 2),
+    "funnel": (FunnelPool(), [_x(2, 1, 9, 8, seed=0), _x(2, 1, 9, 8, seed=1)], (_AVG, 1)),
+    "padded": (PaddedPools(), [_x(2, 3, 7, 6, seed=0), _x(2, 3, 7, 6, seed=1)], (_AVG, 5)),
+    "dropped": (DroppedWindow(), [_x(2, 3, 8, 5, seed=0), _x(2, 3, 8, 5, seed=1)], (_AVG, 1)),
+    "wide": (WidePools(), [_x(2, 3, 7, 5, seed=0), _x(2, 3, 7, 5, seed=1)], (_AVG, 2)),
+    "max": (MaxPools(), [_x(2, 3, 7, 6, seed=0), _x(2, 3, 7, 6, seed=1)], (_MAX, 6)),
 }
 #: torch.export specialises a dim that ceil mode pools (its guards test the size's parity): the Dim sizes are
 #: the batch and the one-wide window's dim
@@ -80,6 +97,7 @@ DYNAMIC = {
     "funnel": ([_x(2, 1, 9, 8, seed=0), _x(3, 1, 9, 5, seed=1)], ({0: Dim("b"), 3: Dim("h")},)),
     "padded": ([_x(2, 3, 7, 6, seed=0), _x(4, 3, 7, 6, seed=1)], ({0: Dim("b")},)),
     "wide": ([_x(2, 3, 7, 5, seed=0), _x(3, 4, 7, 5, seed=1)], ({0: Dim("b"), 1: Dim("c")},)),
+    "max": ([_x(2, 3, 7, 6, seed=0), _x(4, 3, 7, 6, seed=1)], ({0: Dim("b")},)),
 }
 
 
@@ -91,7 +109,7 @@ def _pairs(got, expected) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_fails_on_iree_without_the_guard(iree, case):
     module, inputs, _ = CASES[case]
     ep = rt.export(module, *inputs[0])
-    unguarded = fx_rewrites.apply(ep, iree.rules.without(guard.name)).program
+    unguarded = fx_rewrites.apply(ep, iree.rules.without(*(r.name for r in RULES))).program
     with pytest.raises(Exception, match=r"linalg\.generic.*inferred input/output operand"):
         iree.compile(unguarded, inputs[0])
 
@@ -101,7 +119,7 @@ GUARDED = [(case, False) for case in sorted(CASES)] + [(case, True) for case in 
 
 @pytest.mark.parametrize(("case", "dynamic"), GUARDED, ids=[f"{c}-{'dim' if d else 'static'}" for c, d in GUARDED])
 def test_guarded_matches_eager(iree, case, dynamic):
-    module, inputs, fires = CASES[case]
+    module, inputs, (guard, fires) = CASES[case]
     shapes = None
     if dynamic:
         inputs, shapes = DYNAMIC[case]
@@ -117,8 +135,13 @@ def test_guarded_matches_eager(iree, case, dynamic):
 
 
 def test_pools_iree_takes_left_alone():
-    def pools(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.avg_pool2d(x, 2, ceil_mode=True), F.avg_pool2d(x, (2, 1), stride=(2, 1))
+    def pools(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            F.avg_pool2d(x, 2, ceil_mode=True),
+            F.avg_pool2d(x, (2, 1), stride=(2, 1)),
+            F.max_pool2d(x, 3, stride=2, ceil_mode=True),
+        )
 
-    result = rt.apply_rules(rt.export(pools, torch.randn(1, 2, 5, 5)), guard)
-    rt.assert_not_fired(result, guard)
+    result = rt.apply_rules(rt.export(pools, torch.randn(1, 2, 5, 5)), *RULES)
+    for guard in RULES:
+        rt.assert_not_fired(result, guard)
