@@ -37,7 +37,8 @@ def _and_when(node: Node) -> Any:
             return Miss(f"{name} is {value!r}, not a tensor")
         val = value.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
-            return Miss(f"{name} is not a bool tensor (integer & is bitwise; the lowering takes bool masks)")
+            what = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "not a tensor"
+            return Miss(f"{name} is {what}, not bool: the lowering takes bool masks (integer & is bitwise)")
     return tensors_ok(masks=("self", "other"), result=(torch.bool,), scalars=("self", "other"))(node, bound)
 
 
