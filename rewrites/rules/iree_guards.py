@@ -232,7 +232,48 @@ def instance_norm_input_stats_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(node.target, *args, **kwargs))
 
 
+# -- ones / zeros of symbolic sizes -----------------------------------------------------------
+
+#: the filled-tensor factories IREE 3.13 gets wrong with symbolic sizes -> their fill value
+_FILLED = {
+    aten.ones.default: 1,
+    aten.zeros.default: 0,
+    aten.new_ones.default: 1,
+    aten.new_zeros.default: 0,
+}
+
+
+def _symbolic_size(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(s, int) for s in named["size"]):
+        return Miss("static sizes (IREE fills those right)")
+    return True
+
+
+@rule(
+    roots=tuple(_FILLED),
+    name="filled_tensor_to_full_for_iree",
+    when=_symbolic_size,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.ones / zeros / new_ones / new_zeros with a symbolic size become aten.full of 1 or 0 (same "
+        "sizes, dtype, device). IREE 3.13 reduces such a tensor as if each dynamic dim had size 1: "
+        "`torch.ones(x.shape[0]).sum()` gives 1 for 5, `(torch.zeros(n) + 1).sum()` too (masked.mean's "
+        "element count with Dim sizes: a mean twice too large), no error; aten.full of the same sizes "
+        "reduces right."
+    ),
+)
+def filled_tensor_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    val = node.meta["val"]
+    options = {"dtype": val.dtype, "layout": val.layout, "device": val.device}
+    if named.get("pin_memory") is not None:
+        options["pin_memory"] = named["pin_memory"]
+    rw.replace(node, rw.call(aten.full.default, list(named["size"]), _FILLED[node.target], **options))
+
+
 RULES = (
+    filled_tensor_to_full_for_iree,
     negative_pad_to_slice_for_iree,
     multi_index_to_flat_gather_for_iree,
     empty_variance_for_iree,

@@ -41,9 +41,11 @@ def decomposition(op: Any) -> Callable[..., Any] | None:
         return None
     if op in torch._decomp.decomposition_table:
         return torch._decomp.decomposition_table[op]
-    if op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd):
-        return op.decompose
-    return None
+    try:
+        composite = op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # an op make_fx records but the dispatcher does not register (aten.size.default)
+        return None
+    return op.decompose if composite else None
 
 
 def resolve(names: Iterable[str]) -> list[OpOverload]:
@@ -178,6 +180,38 @@ def _dead_end(graph: GraphModule, illegal: frozenset[Any], lowered: frozenset[st
     return ""
 
 
+def _registered(op: OpOverload) -> bool:
+    try:
+        op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _symbolic(value: Any) -> bool:
+    return any(
+        isinstance(size, torch.SymInt)
+        for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor)
+        for size in leaf.shape
+    )
+
+
+def _specialises(node: Node, graph: GraphModule) -> str:
+    """How the traced decomposition fixes the node's symbolic sizes ("" when it keeps them): a size query
+    make_fx records as an op the dispatcher does not know (aten.size.default: torch.kron, torch.gradient and
+    linalg.multi_dot with Dim sizes), or outputs of static sizes for a node of symbolic ones."""
+    for n in graph.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, OpOverload) and not _registered(n.target):
+            return f"reads sizes through {schema.op_name(n.target)}"
+    if _symbolic(node.meta.get("val")):
+        returned: list[Node] = []
+        map_arg(graph.graph.output_node().args[0], returned.append)
+        if not any(_symbolic(n.meta.get("val")) for n in returned):
+            return "returns static sizes for symbolic ones"
+    return ""
+
+
 def _inline(
     node: Node, rw: Rewriter, illegal: frozenset[Any] = frozenset(), lowered: frozenset[str] = frozenset()
 ) -> Any:
@@ -191,6 +225,12 @@ def _inline(
     if isinstance(traced, Miss):
         return traced
     graph, inputs = traced
+    specialised = _specialises(node, graph)
+    if specialised:
+        return Miss(
+            f"torch's decomposition of {schema.op_name(node.target)} {specialised}, which would turn the "
+            "program's dynamic sizes static: the op is left as it is"
+        )
     stuck = _dead_end(graph, illegal, lowered)
     if stuck:
         return Miss(

@@ -168,3 +168,26 @@ def test_inputs_of_equal_metadata_stay_distinct(dynamic):
     rt.assert_fired(result, "legalize_for_iree", times=2)
     rt.assert_ops(result, absent=[aten.instance_norm.default, aten._native_batch_norm_legit.no_stats])
     rt.assert_matches_eager(result, fn, inputs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [torch.kron, lambda a, b: torch.linalg.multi_dot([a, b.T]), lambda a, b: torch.gradient(a * b.sum())[0]],
+    ids=["kron", "multi_dot", "gradient"],
+)
+def test_decomposition_that_specialises_dims_is_a_named_decline(fn):
+    """With Dim.AUTO sizes (which torch.export itself fixes for these ops: their C++ kernels read sizes as ints)
+    torch's decompositions of kron / multi_dot / gradient read sizes through aten.size, an op the dispatcher does
+    not know: declined with that reason (the op stays, IREE's error names it), never a RuleError (the corpus
+    met 9). Static, they are decomposed and match."""
+    inputs = [(torch.randn(3, 4), torch.randn(2, 4)), (torch.randn(5, 4), torch.randn(3, 4))]
+    dims = ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO})
+    dynamic = rt.export(fn, *inputs[0], dynamic_shapes=dims)
+    result = fx_rewrites.apply(dynamic, legality.LEGALIZE_FOR_IREE, explain=True)
+    before = {t for t in rt.targets(dynamic) if isinstance(t, torch._ops.OpOverload) and t.namespace == "aten"}
+    assert before <= set(rt.targets(result)), "the op was rewritten"
+    assert any("reads sizes through aten.size" in attempt.reason for attempt in result.report.explain())
+    rt.assert_matches_eager(result, fn, inputs[:1], rtol=1e-4, atol=1e-5)
+    static = rt.apply_rules(rt.export(fn, *inputs[0]), legality.LEGALIZE_FOR_IREE)
+    rt.assert_fired(static, "legalize_for_iree")
+    rt.assert_matches_eager(static, fn, inputs[:1], rtol=1e-4, atol=1e-5)

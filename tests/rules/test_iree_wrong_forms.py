@@ -199,3 +199,28 @@ def test_logcumsumexp_with_dims_refused():
     assert _wrong_on_raw_iree(ep, fn, args)
     with pytest.raises(IreeUnsupportedError, match=r"logcumsumexp.*export that dim static"):
         IREE.compile(rt.apply_rules(ep, IREE.rules).program, args)
+
+
+class CountedMean(torch.nn.Module):
+    """masked.mean without a mask as torch writes it: a sum over an element count summed from ones."""
+
+    def forward(self, x):
+        count = torch.ones(x.shape[0], x.shape[1], dtype=torch.int64).sum([0, 1])
+        return x.sum([0, 1]) / count, (torch.zeros(x.shape[0]) + 1).sum(0), x.new_ones(x.shape[1]).sum(0)
+
+
+def test_ones_and_zeros_of_symbolic_sizes_become_full():
+    from fx_rewrites.rules.iree_guards import filled_tensor_to_full_for_iree as guard
+
+    inputs = [(torch.randn(5, 3),), (torch.randn(4, 7),)]
+    model = CountedMean()
+    ep = rt.export(model, *inputs[0], dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+    assert _wrong_on_raw_iree(ep, model, inputs[0])  # IREE 3.13: counts 1 per dynamic dim
+    result = rt.apply_rules(ep, guard)
+    rt.assert_fired(result, guard, times=3)
+    rt.assert_ops(result, absent=[aten.ones.default, aten.zeros.default, aten.new_ones.default])
+    rt.assert_matches_eager(result, model, inputs)
+    rt.assert_idempotent(result, guard)
+    _matches_on_iree(rt.apply_rules(ep, IREE.rules).program, model, inputs)
+    static = rt.export(model, *inputs[0])
+    rt.assert_not_fired(rt.apply_rules(static, guard), guard)
