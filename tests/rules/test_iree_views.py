@@ -67,6 +67,14 @@ class IndexPutShift(torch.nn.Module):
         return torch.index_put(x, (rows,), x[:-1]), torch.index_put(x, (rows,), x[:-1], accumulate=True)
 
 
+class IndexCopyAdd(torch.nn.Module):
+    """index_copy and index_add of the tensor's own rows: the legalize phase makes them index_put."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(1, x.shape[0])
+        return torch.index_copy(x, 0, rows, x[:-1]), torch.index_add(x, 0, rows, x[:-1])
+
+
 def _ids(batch: int, seq: int, seed: int) -> tuple[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, 100, (batch, seq), generator=g)
@@ -98,6 +106,12 @@ CASES = {
         [_floats(2, 8, seed=0), _floats(3, 11, seed=1)],
         ({0: Dim("batch"), 1: Dim("seq", min=5)},),
     ),
+    "index_copy_add_float": (
+        IndexCopyAdd(),
+        [_floats(5, 3, seed=0), _floats(5, 3, seed=1)],
+        [_floats(5, 3, seed=0), _floats(8, 4, seed=1)],
+        ({0: Dim("rows", min=3), 1: Dim("cols")},),
+    ),
     "index_put_float": (
         IndexPutShift(),
         [_floats(5, 3, seed=0), _floats(5, 3, seed=1)],
@@ -126,7 +140,7 @@ def test_wrong_on_iree_without_the_guards(iree, case):
     ep = rt.export(module, *inputs[0])
     unguarded = _unguarded(iree, ep)
     rt.assert_ops(
-        unguarded, present=[aten.index_put.default if case.startswith("index_put") else aten.slice_scatter.default]
+        unguarded, present=[aten.index_put.default if case.startswith("index_") else aten.slice_scatter.default]
     )
     args = inputs[0]
     try:
@@ -144,7 +158,7 @@ def test_guarded_matches_eager(iree, case, dynamic):
     inputs = dim_inputs if dynamic else static_inputs
     ep = rt.export(module, *inputs[0], dynamic_shapes=shapes if dynamic else None)
     result = rt.apply_rules(_unguarded(iree, ep), *RULES)
-    guard = index_put_of_itself_for_iree if case.startswith("index_put") else slice_scatter_of_itself_for_iree
+    guard = index_put_of_itself_for_iree if case.startswith("index_") else slice_scatter_of_itself_for_iree
     rt.assert_fired(result, guard)
     rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
     rt.assert_idempotent(result, *RULES)
