@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
 from fx_rewrites.engine import Miss
 from fx_rewrites.rules.iree_guards import empty_variance
+from fx_rewrites.rules.iree_views import index_put_of_itself_for_iree, slice_scatter_of_itself_for_iree
 
 aten = torch.ops.aten
 
@@ -79,6 +80,19 @@ def _negative_pad(node: Node) -> str:
     )
 
 
+def _into_itself(node: Node) -> str:
+    guard = (
+        slice_scatter_of_itself_for_iree if node.target == aten.slice_scatter.default else index_put_of_itself_for_iree
+    )
+    if isinstance(guard.when(node), Miss):
+        return ""
+    return (
+        "its source reads the tensor it writes into (MBart's `y[:, 1:] = y[:, :-1].clone()`): IREE copies in "
+        "place, so shifted positions get the first element, or it fails at run time ('source and target "
+        f"ranges must not overlap'); fix: {APPLY}, which write into a fresh tensor"
+    )
+
+
 #: op -> why IREE computes this node wrong ("" when the node's form is computed right)
 _CHECKS: dict[Any, Callable[[Node], str]] = {
     **{op: _decomposed_by_rules for name in WRONG_IN_SOME_FORMS for op in schema.resolve_op(name)},
@@ -104,6 +118,9 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
     aten.replication_pad1d.default: _negative_pad,
     aten.replication_pad2d.default: _negative_pad,
     aten.replication_pad3d.default: _negative_pad,
+    aten.slice_scatter.default: _into_itself,
+    aten.index_put.default: _into_itself,
+    aten._unsafe_index_put.default: _into_itself,
 }
 
 
