@@ -51,12 +51,29 @@ def index_rules(rules: Iterable[Rule]) -> dict[Hashable, list[Rule]]:
     return dict(index)
 
 
+#: recent rule lists' indexes keyed by the rules' ids (each entry holds its rules, so those ids stay
+#: theirs): a rule rooted at every mutating ATen overload (1,537 roots) makes DEFAULT's index cost ~1.5 ms
+#: to build, which a run on a small graph (one phase of a backend) would otherwise pay every call
+_INDEXES: dict[tuple[int, ...], tuple[tuple[Rule, ...], dict[int, list[Rule]]]] = {}
+_INDEXES_KEPT = 32
+
+
+def _index_by_id(rules: Sequence[Rule]) -> dict[int, list[Rule]]:
+    """`index_rules` keyed by id(target) (OpOverload.__hash__ is Python code), cached per rule list."""
+    held = tuple(rules)
+    key = tuple(map(id, held))
+    hit = _INDEXES.get(key)
+    if hit is None:
+        while len(_INDEXES) >= _INDEXES_KEPT:
+            _INDEXES.pop(next(iter(_INDEXES)))
+        hit = _INDEXES[key] = (held, {id(target): found for target, found in index_rules(held).items()})
+    return hit[1]
+
+
 class _Run:
     def __init__(self, graph: Graph, rules: Sequence[Rule], **opts: Any) -> None:
         self.graph = graph
-        # keyed by id: the rules hold their roots, and OpOverload.__hash__
-        # is Python code called on every lookup
-        self.index = {id(target): rules for target, rules in index_rules(rules).items()}
+        self.index = _index_by_id(rules)
         self.fake_mode = opts["fake_mode"]
         self.on_error: OnError = opts["on_error"]
         self.strict: bool = opts["strict"]

@@ -161,3 +161,18 @@ def test_duplicate_rule_names_are_refused():
             torch.fx.Graph(),
             [r.collapse_relu, fx_rewrites.Pattern(name="collapse_relu", pattern=r.relu_relu, replacement=r.relu)],
         )
+
+
+def test_rule_index_is_built_once_per_rule_list(add_relu_ep, monkeypatch):
+    """The index (by root target) is cached per list of rules: functionalize_inplace alone has 1,537 roots."""
+    from fx_rewrites.engine import driver
+
+    built = []
+    real = driver.index_rules
+    monkeypatch.setattr(driver, "index_rules", lambda rules: built.append(rules) or real(rules))
+    a, b = _clamp_rule("a", 0), _clamp_rule("b", 0)
+    for _ in range(3):
+        rt.assert_fired(rt.apply_rules(add_relu_ep, a, b), "a", times=1)
+    assert len(built) == 1
+    rt.assert_fired(rt.apply_rules(add_relu_ep, b, a), "b", times=1)  # another order: another index
+    assert len(built) == 2
