@@ -11,9 +11,14 @@ from __future__ import annotations
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
 from fx_rewrites.backends.iree import legality_data
+from fx_rewrites.engine import Miss
 from fx_rewrites.rules import iree_guards, iree_pooling, iree_views
-from fx_rewrites.rules.iree_legalize import legalize
+from fx_rewrites.rules.iree_legalize import legalize, legalize_form
 from fx_rewrites.ruleset import RuleSet
 
 #: ops IREE 3.13 compiles and runs but computes WRONG in some of the forms the OpInfo corpus met (hand-written:
@@ -72,8 +77,57 @@ LEGALIZE_FOR_IREE = legalize(
     tags={"iree"},
 )
 
+
+def _reflect_pad(node: Node) -> bool | Miss:
+    if node.target is not torch.ops.aten.pad.default:
+        return True  # aten.reflection_pad1d/2d/3d
+    mode = schema.bind(node.target, node.args, dict(node.kwargs)).get("mode", "constant")
+    return True if mode == "reflect" else Miss(f"mode={mode!r} (IREE lowers it)")
+
+
+def _eval_batch_norm(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if named["training"] is not False:
+        return Miss("training=True (IREE lowers it)")
+    if named["input"].meta["val"].dim() == 4:
+        return Miss("a 4-d input (IREE lowers it)")
+    return True
+
+
+#: forms of ops IREE 3.13 lowers in other forms (legality_data.PARTIAL), decomposed in just those forms
+PARTIAL_FORMS = (
+    legalize_form(
+        (torch.ops.aten.pad.default, *(getattr(torch.ops.aten, f"reflection_pad{n}d").default for n in (1, 2, 3))),
+        when=_reflect_pad,
+        name="decompose_reflect_pad_for_iree",
+        doc=(
+            "F.pad(mode='reflect') (exported as aten.pad) replaced by torch's decomposition, down to index "
+            'arithmetic. IREE 3.13 fails on it: 5-d (reflection_pad3d) "failed to legalize operation '
+            "'torch.constant.int'\", 4-d with an asymmetric pad \"LLVM Translation failed for operation: "
+            'builtin.unrealized_conversion_cast".'
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+    legalize_form(
+        (torch.ops.aten.native_batch_norm.default,),
+        when=_eval_batch_norm,
+        name="decompose_eval_batch_norm_for_iree",
+        doc=(
+            "aten.native_batch_norm with training=False on an input other than 4-d (the aot / torch.compile "
+            "route's eval batch norm) replaced by torch's decomposition. IREE 3.13 fails on a 3-d input: "
+            "\"'tensor.cast' op operand type 'tensor<3xf32>' and result type ... are cast incompatible\"."
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+)
+
 #: the last phase of the IREE backend's rules: legality-driven decomposition, and the guards against IREE's
 #: silent wrong results (on forms from export and from decompositions alike)
 LEGALIZE = RuleSet(
-    [LEGALIZE_FOR_IREE, *iree_guards.RULES, *iree_views.RULES, *iree_pooling.RULES], name="iree-legalize"
+    [LEGALIZE_FOR_IREE, *PARTIAL_FORMS, *iree_guards.RULES, *iree_views.RULES, *iree_pooling.RULES],
+    name="iree-legalize",
 )

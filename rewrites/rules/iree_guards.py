@@ -157,8 +157,12 @@ _VARIANCES = tuple(
 
 
 def _numel(value: Any) -> int | None:
-    """The number of elements of a tensor value, None when a size is symbolic."""
-    if not isinstance(value, torch.Tensor) or not all(isinstance(s, int) for s in value.shape):
+    """The number of elements of a tensor value: 0 when a size is 0, None when a size is symbolic."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if any(isinstance(s, int) and s == 0 for s in value.shape):
+        return 0
+    if not all(isinstance(s, int) for s in value.shape):
         return None
     return value.numel()
 

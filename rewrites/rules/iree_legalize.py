@@ -272,3 +272,25 @@ def legalize(
         ),
         tags=frozenset({"legalize", *tags}),
     )
+
+
+def legalize_form(
+    ops: Iterable[OpOverload],
+    *,
+    when: Callable[[Node], Any],
+    name: str,
+    doc: str,
+    illegal: Iterable[str] = (),
+    lowered: Iterable[str] = (),
+    tags: Iterable[str] = (),
+) -> FunctionRule:
+    """A rule decomposing `ops` (torch's own decomposition, as `legalize` does) only in the forms `when`
+    accepts: for ops the backend lowers in some forms and fails in others."""
+    return FunctionRule(
+        fn=functools.partial(_inline, illegal=frozenset(resolve(illegal)), lowered=frozenset(lowered)),
+        ops=tuple(ops),
+        name=name,
+        when=when,
+        doc=doc,
+        tags=frozenset({"legalize", *tags}),
+    )

@@ -143,6 +143,17 @@ def test_variance_of_an_empty_input_is_nan():
     _matches_on_iree(result.program, model, inputs)
 
 
+def test_variance_of_an_empty_input_with_a_dim():
+    """OpInfo's var.unbiased with Dim.AUTO: the empty dim is specialised to 0, the other stays symbolic."""
+    fn = lambda x: torch.var(x, unbiased=True)
+    inputs = [(torch.randn(0, 5),), (torch.randn(0, 7),)]
+    ep = rt.export(fn, *inputs[0], dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+    assert _wrong_on_raw_iree(ep, fn, inputs[0])
+    result = rt.apply_rules(ep, IREE.rules)
+    rt.assert_fired(result, "empty_variance_for_iree", times=1)
+    _matches_on_iree(result.program, fn, inputs)
+
+
 def test_variance_of_one_element_left_alone_and_right():
     """The other degenerate case (fewer elements than the correction) IREE gets right: NaN too."""
     fn = lambda x: (torch.var(x, 0), torch.std(x, 1))
@@ -187,6 +198,52 @@ def test_replicate_crop_with_dims_the_guard_cannot_take_is_refused():
     rt.assert_not_fired(result, "negative_pad_to_slice_for_iree")
     with pytest.raises(IreeUnsupportedError, match="negative pad"):
         IREE.compile(result.program, args)
+
+
+REFLECT = [
+    ("reflect-3d", lambda x: F.pad(x, (1, 1, 1, 2, 2, 1), mode="reflect"), (1, 2, 4, 5, 6)),
+    ("reflect-2d-asymmetric", lambda x: F.pad(x, (1, 1, 1, 2), mode="reflect"), (1, 2, 5, 6)),
+]
+
+
+@pytest.mark.parametrize(("fn", "shape"), [c[1:] for c in REFLECT], ids=[c[0] for c in REFLECT])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_reflect_pad_decomposed(fn, shape, dynamic):
+    """IREE 3.13 fails on reflect pads (5-d: `torch.constant.int`; 4-d asymmetric: an LLVM translation error)."""
+    inputs = [(torch.randn(2, *shape[1:]),), (torch.randn(3 if dynamic else 2, *shape[1:]),)]
+    ep = rt.export(fn, *inputs[0], dynamic_shapes=({0: Dim("batch")},) if dynamic else None)
+    with pytest.raises(RewriteError):
+        IREE.compile(ep, inputs[0])
+    result = rt.apply_rules(ep, IREE.rules)
+    rt.assert_fired(result, "decompose_reflect_pad_for_iree")
+    rt.assert_ops(result, absent=[aten.pad.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default])
+    rt.assert_matches_eager(result, fn, inputs)
+    _matches_on_iree(result.program, fn, inputs)
+
+
+def test_eval_native_batch_norm_on_a_3d_input():
+    """The aot route's eval batch norm on (N, C, L): IREE 3.13 `'tensor.cast' op ... cast incompatible`."""
+
+    def fn(x, mean, var, weight, bias):
+        return aten.native_batch_norm.default(x, weight, bias, mean, var, False, 0.1, 1e-5)[0]
+
+    def args(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(2, 3, 5, generator=g), torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5,
+                torch.randn(3, generator=g), torch.randn(3, generator=g))  # fmt: skip
+
+    inputs = [args(0), args(1)]
+    ep = rt.export(fn, *inputs[0])
+    with pytest.raises(RewriteError, match=r"tensor\.cast"):
+        IREE.compile(ep, inputs[0])
+    result = rt.apply_rules(ep, IREE.rules)
+    rt.assert_fired(result, "decompose_eval_batch_norm_for_iree", times=1)
+    rt.assert_matches_eager(result, fn, inputs, rtol=1e-5, atol=1e-5)
+    _matches_on_iree(result.program, fn, inputs)
+    training = rt.export(
+        lambda x, m, v, w, b: aten.native_batch_norm.default(x, w, b, m, v, True, 0.1, 1e-5)[0], *inputs[0]
+    )
+    rt.assert_not_fired(rt.apply_rules(training, IREE.rules), "decompose_eval_batch_norm_for_iree")
 
 
 def test_logcumsumexp_with_dims_refused():
