@@ -188,13 +188,17 @@ def _registered(op: OpOverload) -> bool:
     return True
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value, inside tuples and torch.return_types structures too."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
 def _symbolic(value: Any) -> bool:
-    return any(
-        isinstance(size, torch.SymInt)
-        for leaf in pytree.tree_leaves(value)
-        if isinstance(leaf, torch.Tensor)
-        for size in leaf.shape
-    )
+    return any(isinstance(size, torch.SymInt) for t in _tensors(value) for size in t.shape)
 
 
 def _specialises(node: Node, graph: GraphModule) -> str:
@@ -207,7 +211,8 @@ def _specialises(node: Node, graph: GraphModule) -> str:
     if _symbolic(node.meta.get("val")):
         returned: list[Node] = []
         map_arg(graph.graph.output_node().args[0], returned.append)
-        if not any(_symbolic(n.meta.get("val")) for n in returned):
+        values = [n.meta.get("val") for n in returned]
+        if any(_tensors(v) for v in values) and not any(_symbolic(v) for v in values):
             return "returns static sizes for symbolic ones"
     return ""
 
