@@ -23,7 +23,11 @@ from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
 from fx_rewrites.engine import Miss
 from fx_rewrites.rules.iree_guards import empty_variance
-from fx_rewrites.rules.iree_views import index_put_of_itself_for_iree, slice_scatter_of_itself_for_iree
+from fx_rewrites.rules.iree_views import (
+    index_put_of_itself_for_iree,
+    slice_scatter_of_itself_for_iree,
+    writes_whole_tensor,
+)
 
 aten = torch.ops.aten
 
@@ -86,6 +90,8 @@ def _into_itself(node: Node) -> str:
     )
     if isinstance(guard.when(node), Miss):
         return ""
+    if node.target == aten.slice_scatter.default and writes_whole_tensor(node):
+        return ""  # the write-back through a view (`y[:, -1] = s` on a slice of y): no shifted range was measured wrong
     return (
         "its source reads the tensor it writes into (MBart's `y[:, 1:] = y[:, :-1].clone()`): IREE copies in "
         "place, so shifted positions get the first element, or it fails at run time ('source and target "

@@ -108,6 +108,16 @@ def _bound(value: Any, size: Any, default: Any) -> Any:
     return None
 
 
+def writes_whole_tensor(node: Node) -> bool:
+    """Whether a slice_scatter writes every element (step 1 over the whole dim: functionalization's write-back
+    through a view, `slice_scatter(t, f(slice(t, d, 0, end)), d, 0, end)`); the guard then returns the source."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    val = named["self"].meta["val"]
+    size = val.shape[named.get("dim", 0) % val.dim()]
+    lo, hi = _bound(named.get("start"), size, 0), _bound(named.get("end"), size, size)
+    return named.get("step", 1) == 1 and lo is not None and hi is not None and statically_known_true(hi - lo == size)
+
+
 def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     if not _reads(named["src"], _buffer(named["self"])):
