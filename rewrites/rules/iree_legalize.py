@@ -188,32 +188,13 @@ def _registered(op: OpOverload) -> bool:
     return True
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a value, inside tuples and torch.return_types structures too."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _symbolic(value: Any) -> bool:
-    return any(isinstance(size, torch.SymInt) for t in _tensors(value) for size in t.shape)
-
-
 def _specialises(node: Node, graph: GraphModule) -> str:
-    """How the traced decomposition fixes the node's symbolic sizes ("" when it keeps them): a size query
-    make_fx records as an op the dispatcher does not know (aten.size.default: torch.kron, torch.gradient and
-    linalg.multi_dot with Dim sizes), or outputs of static sizes for a node of symbolic ones."""
+    """How the traced decomposition fixes the node's symbolic sizes ("" when it does not seem to): a size
+    query make_fx records as an op the dispatcher does not know (aten.size.default: torch.kron, torch.gradient
+    and linalg.multi_dot with Dim sizes, whose sizes torch.export itself already fixed)."""
     for n in graph.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, OpOverload) and not _registered(n.target):
             return f"reads sizes through {schema.op_name(n.target)}"
-    if _symbolic(node.meta.get("val")):
-        returned: list[Node] = []
-        map_arg(graph.graph.output_node().args[0], returned.append)
-        values = [n.meta.get("val") for n in returned]
-        if any(_tensors(v) for v in values) and not any(_symbolic(v) for v in values):
-            return "returns static sizes for symbolic ones"
     return ""
 
 
