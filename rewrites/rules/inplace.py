@@ -271,7 +271,8 @@ def _write_back(node: Node, rw: Rewriter, plan: _Plan, w: _Written, new: Node, o
     rw.replace_uses_after(tensor, new, after=node)
     for (target, args), base in zip(w.links, w.chain[1:]):
         updated = _SCATTER[target](rw, base, new, args)
-        new.meta[ALIAS_OF] = (target, updated, args)
+        if updated is not new:  # alias/detach: base and view are one value now (a self-link would never end)
+            new.meta[ALIAS_OF] = (target, updated, args)
         rw.replace_uses_after(base, updated, after=node)
         new = updated
     if w.kind is None:

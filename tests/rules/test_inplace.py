@@ -444,3 +444,21 @@ def test_in_place_through_a_reshape_of_a_base_read_later_is_declined():
     (attempt,) = result.report.explain("functionalize_inplace")
     assert "is read after it" in attempt.reason and "aten.reshape.default" in attempt.reason, attempt.reason
     rt.assert_matches_eager(result, RelativeShift(read_base=True), [_relative_shift_inputs(5)])
+
+
+class WritesThroughAnAliasTwice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        z = aten.alias.default(y)
+        z.add_(1)
+        z.mul_(3)  # the second write goes through the first one's new value
+        return y + 1
+
+
+def test_two_writes_through_an_alias_of_a_base_read_later():
+    ep = rt.export(WritesThroughAnAliasTwice(), torch.randn(3, 4))
+    assert aten.alias.default in rt.targets(ep)
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, functionalize_inplace, times=2)
+    assert _mutating_left(result) == []
+    rt.assert_matches_eager(result, WritesThroughAnAliasTwice(), [(torch.randn(3, 4),), (torch.randn(3, 4) * 3,)])
