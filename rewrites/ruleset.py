@@ -11,6 +11,11 @@ from fx_rewrites.engine import Rule
 from fx_rewrites.kinds.base import RuleDefinitionError
 
 
+def _names(items: tuple[str | Rule, ...]) -> tuple[str, ...]:
+    """`without("name")` and `without(rule)` alike."""
+    return tuple(item.name if isinstance(item, Rule) else item for item in items)
+
+
 def _rules(value: Rule | Iterable[Any]) -> tuple[Rule, ...]:
     if isinstance(value, Rule) and not isinstance(value, RuleSet):
         return (value,)  # one rule: `DEFAULT + my_rule`
@@ -83,7 +88,9 @@ class RuleSet:
     def names(self) -> list[str]:
         return [r.name for r in self.rules]
 
-    def without(self, *names: str) -> RuleSet:
+    def without(self, *rules: str | Rule) -> RuleSet:
+        """This set less the rules given (by name or the rule itself)."""
+        names = _names(rules)
         unknown = [n for n in names if n not in self]
         if unknown:
             raise KeyError(f"RuleSet {self.name!r} has no rules named {unknown}")
@@ -163,8 +170,9 @@ class Phases:
 
     __ror__ = __radd__
 
-    def without(self, *names: str) -> Phases:
-        """These phases less the rules named (in whichever phase they are)."""
+    def without(self, *rules: str | Rule) -> Phases:
+        """These phases less the rules given, by name or rule (in whichever phase they are)."""
+        names = _names(rules)
         unknown = [n for n in names if n not in self]
         if unknown:
             raise KeyError(f"no phase of {self.name!r} has rules named {unknown}; they have {self.names()}")

@@ -88,6 +88,8 @@ def test_a_rule_added_to_phases_joins_the_first_phase_and_runs_there():
     assert dict(result.report.rewrites) == {"lift_to_clone": 1}
     rt.assert_matches_eager(result, Fresh(), _inputs())
     assert (later + clone_forward).without("lift_to_clone", "clone_forward").names() == []
+    assert (later + clone_forward).without(lift_to_clone).names() == ["clone_forward"]  # a rule, not only its name
+    assert RuleSet([lift_to_clone, clone_forward]).without(clone_forward).names() == ["lift_to_clone"]
     with pytest.raises(KeyError, match=r"no phase of 'backend' has rules named \['nope'\]"):
         later.without("nope")
 
