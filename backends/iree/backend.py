@@ -26,9 +26,8 @@ from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
-from fx_rewrites.rules import DEFAULT
+from fx_rewrites.rules import DEFAULT, iree_perf
 from fx_rewrites.rules import iree as iree_rules
-from fx_rewrites.rules.attention import attention_as_matmul_softmax
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE-specific rules (rewrites/rules/iree.py), unioned with DEFAULT in the first phase of `IreeBackend.rules`;
@@ -36,18 +35,11 @@ from fx_rewrites.ruleset import Phases, RuleSet
 IREE_RULES = iree_rules.RULES
 
 
-#: a third phase, per target. Vulkan: IREE 3.13's SPIR-V code generation cannot lower its own attention
-#: ("'iree_linalg_ext.online_attention' op result #0 must be variadic of ranked tensor"), so attention is
-#: written out (matmul, softmax, matmul) after the guard.
-TARGET_PHASES: dict[str, RuleSet] = {
-    "vulkan-spirv": RuleSet([attention_as_matmul_softmax], name="iree-vulkan-attention"),
-}
-
-
 def rules_for(target: IreeTarget) -> Phases:
     """What an IREE backend for `target` applies: DEFAULT and the IREE pack, legalize and guards, then the
-    target's own phase (`TARGET_PHASES`) where it has one."""
-    own = [TARGET_PHASES[target.name]] if target.name in TARGET_PHASES else []
+    target's performance phase (`rules/iree_perf.py`'s `BY_TARGET`) where it has rules."""
+    perf = iree_perf.BY_TARGET.get(target.name)
+    own = [perf] if perf is not None and len(perf) else []
     name = "iree" if target.name == "llvm-cpu" else f"iree-{target.name}"
     return Phases(DEFAULT | IREE_RULES, LEGALIZE, *own, name=name)
 
@@ -73,7 +65,7 @@ class IreeBackend:
     """IREE for one compile target (`targets.TARGETS`): llvm-cpu for this host by default.
 
     - `target`: what iree-compile builds for and the HAL driver that runs it.
-    - `rules`: DEFAULT and the IREE pack, legalize and guards, the target's own phase (`rules_for`).
+    - `rules`: DEFAULT and the IREE pack, legalize and guards, the target's performance phase (`rules_for`).
     - `flags`: iree-compile arguments the code needs (default: the target's); `perf_flags`:
       the target's measured ones, dropped for a module the compiler rejects with them.
     - `driver`: the HAL driver (default: the target's; `local-sync` runs on the calling thread).

@@ -24,7 +24,7 @@ from fx_rewrites.rules.attention import (
     attention_fully_masked_rows_guard,
     flash_attention_for_cpu_to_sdpa,
 )
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.ruleset import Phases
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -103,9 +103,11 @@ def test_guard_leaves_unmasked_attention_alone():
 
 @pytest.fixture(scope="module")
 def iree_own_attention() -> IreeBackend:
-    """llvm-cpu with IREE's own attention lowering (the default rules, which do not write attention out)."""
-    backend = IreeBackend()
-    assert attention_as_matmul_softmax.name not in backend.rules
+    """llvm-cpu with IREE's own attention lowering: the default rules less the performance phase (which writes
+    attention out), without the performance flags (data tiling rejects IREE's attention lowering)."""
+    default = IreeBackend()
+    backend = IreeBackend(rules=Phases(*default.rules.sets[:-1]), perf_flags=())
+    assert attention_as_matmul_softmax.name in default.rules and attention_as_matmul_softmax.name not in backend.rules
     return backend
 
 
@@ -207,11 +209,10 @@ def test_written_out_declines_dropout_and_half_precision():
 
 @pytest.mark.parametrize("name", ["bool_mask", "float_mask", "causal", "gqa"])
 def test_written_out_on_iree_matches_eager(name):
-    """The llvm-cpu route with attention written out after the guard: fully masked rows give 0."""
+    """The default llvm-cpu route: guard, then attention written out; fully masked rows give 0."""
     iree = backends.get("iree")
     module, inputs = CASES[name][0], _case_inputs(name)
-    rules = iree.rules.then(RuleSet([attention_as_matmul_softmax]))
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]), rules)
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
     rt.assert_fired(result, attention_as_matmul_softmax, times=1)
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
