@@ -171,9 +171,11 @@ class IreeBackend:
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:
             return self._run_compiler(iree, mlir, gm, (*self.flags, *self.perf_flags))
-        except IreeCompileError as e:
-            frontend = e.op.startswith(("aten.", "prims."))  # a torch op IREE cannot lower: no flag changes that
-            if not self.perf_flags or frontend:
+        except IreeCompileError:
+            # The performance flags can make a lowering fail that works without them (data tiling: IREE's own
+            # attention, aten.logcumsumexp), so any failure is retried without them; its error is then the one
+            # raised, as it would be without performance flags.
+            if not self.perf_flags:
                 raise
             return self._run_compiler(iree, mlir, gm, self.flags)
 
