@@ -77,9 +77,25 @@ def _val(node: Any) -> Any:
 
 def _logsumexp_unread(node: Node) -> bool | Miss:
     users = list(node.users)
-    if users and all(u.target is operator.getitem and u.args[1] == 0 for u in users):
-        return True
-    return Miss("the logsumexp output (index 1) is read: only the fused kernel computes it")
+    if not (users and all(u.target is operator.getitem and u.args[1] == 0 for u in users)):
+        return Miss("the logsumexp output (index 1) is read: only the fused kernel computes it")
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    mask, query, key = _val(named.get("attn_mask")), _val(named["query"]), _val(named["key"])
+    if query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        # the kernel serves grouped-query heads itself; SDPA would need enable_gqa, left to IREE as it came
+        return Miss(f"{query.shape[-3]} query heads and {key.shape[-3]} key heads")
+    if named.get("is_causal", False) and query.shape[-2] != key.shape[-2]:
+        # the kernel aligns a causal mask to the last key (a cached decoder), SDPA to the first
+        return Miss(f"is_causal with {query.shape[-2]} queries and {key.shape[-2]} keys")
+    if mask is not None:
+        scores = (*query.shape[:-1], key.shape[-2])
+        try:
+            if tuple(torch.broadcast_shapes(tuple(mask.shape), scores)) != scores:
+                raise RuntimeError
+        except RuntimeError:
+            # the kernel takes masks SDPA refuses (a cached decoder's [2, 2] mask for [2, 4] scores)
+            return Miss(f"a mask of shape {tuple(mask.shape)} does not broadcast to the scores {scores}")
+    return True
 
 
 @rule(

@@ -217,3 +217,16 @@ def test_written_out_on_iree_matches_eager(name):
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(fn(*args), module(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_flash_for_cpu_with_grouped_query_heads_stays():
+    """The CPU kernel serves 4 query heads from 2 key heads itself (a cached Llama); SDPA would refuse that."""
+    module, args = Attend(enable_gqa=True), _qkv(0, heads=4, kv_heads=2)
+    torch._dynamo.reset()
+    graphs = []
+    with torch.no_grad():
+        got = torch.compile(module, backend=dynamo_backend("eager", on_graph=graphs.append))(*args)
+    torch.testing.assert_close(got, module(*args))
+    gm = graphs[0].graph_module
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in rt.targets(gm)
+    rt.assert_not_fired(rt.apply_rules(gm, flash_attention_for_cpu_to_sdpa), flash_attention_for_cpu_to_sdpa)
