@@ -83,7 +83,6 @@ def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> t
     inputs = [leaves[i].meta.get("val") for i in where]
     if any(v is None for v in inputs):
         return Miss("an argument has no meta['val']")
-    inputs = _distinct(inputs, fake_mode)
     op = schema.op_name(node.target)
     try:
         with fake_mode, enable_python_dispatcher():
@@ -107,23 +106,6 @@ def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> t
     if mismatch:
         return Miss(f"torch's decomposition of {op} returns other values: {mismatch}")
     return traced, [leaves[i] for i in where]
-
-
-def _distinct(values: list[Any], fake_mode: Any) -> list[Any]:
-    """`values` with every tensor a distinct object. The engine memoises fake values by metadata, so two
-    nodes of equal shape (repeat(weight), repeat(bias)) can hold the same FakeTensor; make_fx tracks inputs
-    by identity and would read both from one placeholder (instance_norm's decomposition then used the bias
-    as the weight: wrong numbers). A repeated one is replaced by a fresh fake tensor of the same metadata."""
-    seen: set[int] = set()
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            if id(v) in seen:
-                with fake_mode:
-                    v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-            seen.add(id(v))
-        out.append(v)
-    return out
 
 
 def _mismatch(expected: Any, got: list[Any]) -> str:

@@ -21,29 +21,61 @@ def _node(gm, target):
     return next(n for n in gm.graph.nodes if n.target is target)
 
 
-def test_memo_returns_the_first_value_for_equal_metadata():
+def _hits(monkeypatch) -> list:
+    """Record the memo's hits (each is rebuilt by `values._fresh`)."""
+    hits: list = []
+    fresh = values._fresh
+
+    def spy(mode, hit):
+        hits.append(hit)
+        return fresh(mode, hit)
+
+    monkeypatch.setattr(values, "_fresh", spy)
+    return hits
+
+
+def test_memo_returns_the_first_value_for_equal_metadata(monkeypatch):
+    hits = _hits(monkeypatch)
     gm = _graph(lambda x, y: (x + y).relu() * y, torch.randn(3, 4), torch.randn(3, 4))
     mode = values.find_fake_mode(gm.graph)
     add = _node(gm, aten.add.Tensor)
     first = values.evaluate(mode, aten.sub.Tensor, add.args, {})
     again = values.evaluate(mode, aten.sub.Tensor, add.args, {})
-    assert again is first
+    assert hits == [first]
     assert tuple(first.shape) == (3, 4) and first.dtype == torch.float32
+    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype)
     # other metadata, other value: alpha=2 is a different key, int 1 is not float 1.0
-    assert values.evaluate(mode, aten.sub.Tensor, add.args, {"alpha": 2}) is not first
-    assert values.evaluate(mode, aten.mul.Scalar, (add.args[0], 1), {}) is not values.evaluate(
-        mode, aten.mul.Scalar, (add.args[0], 1.0), {}
-    )
+    values.evaluate(mode, aten.sub.Tensor, add.args, {"alpha": 2})
+    values.evaluate(mode, aten.mul.Scalar, (add.args[0], 1), {})
+    values.evaluate(mode, aten.mul.Scalar, (add.args[0], 1.0), {})
+    assert hits == [first]
 
 
-def test_memo_keys_symbolic_sizes_by_expression():
+def test_a_memo_hit_is_a_distinct_fake_tensor():
+    """Two nodes must never share one fake value: make_fx tells its inputs
+    apart by identity, and a decomposition traced on two shared values read
+    one input for both (instance_norm used its bias as its weight)."""
+    gm = _graph(lambda x, y: (x + y).relu() * y, torch.randn(3, 4), torch.randn(3, 4))
+    mode = values.find_fake_mode(gm.graph)
+    add = _node(gm, aten.add.Tensor)
+    first = values.evaluate(mode, aten.sub.Tensor, add.args, {})
+    again = values.evaluate(mode, aten.sub.Tensor, add.args, {})
+    assert again is not first
+    pair = values.evaluate(mode, aten.var_mean.correction, (add,), {"dim": [1]})
+    other = values.evaluate(mode, aten.var_mean.correction, (add,), {"dim": [1]})
+    assert type(other) is type(pair) and all(a is not b for a, b in zip(pair, other))
+
+
+def test_memo_keys_symbolic_sizes_by_expression(monkeypatch):
+    hits = _hits(monkeypatch)
     batch = Dim("batch", min=2, max=64)
     gm = _graph(lambda x, y: (x + y).relu(), torch.randn(3, 4), torch.randn(3, 4), dynamic=({0: batch}, {0: batch}))
     mode = values.find_fake_mode(gm.graph)
     add = _node(gm, aten.add.Tensor)
     first = values.evaluate(mode, aten.mul.Tensor, add.args, {})
-    assert values.evaluate(mode, aten.mul.Tensor, add.args, {}) is first
-    assert not isinstance(first.shape[0], int)  # still symbolic
+    again = values.evaluate(mode, aten.mul.Tensor, add.args, {})
+    assert hits == [first] and again.shape == first.shape
+    assert not isinstance(first.shape[0], int) and not isinstance(again.shape[0], int)  # still symbolic
 
 
 def test_views_and_data_dependent_ops_are_not_memoised():

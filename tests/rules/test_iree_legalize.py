@@ -149,9 +149,9 @@ def test_a_decomposition_that_raises_is_a_named_decline(monkeypatch):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 def test_inputs_of_equal_metadata_stay_distinct(dynamic):
-    """instance_norm's decomposition makes repeat(weight) and repeat(bias), whose fake values the engine memoises
+    """instance_norm's decomposition makes repeat(weight) and repeat(bias), whose fake values the engine memoised
     into one object; decomposing _native_batch_norm_legit on them must still read the weight and the bias
-    (it once used the bias twice: wrong numbers)."""
+    (it once used the bias twice: wrong numbers; the engine's memo now gives each node its own fake value)."""
 
     def fn(x, weight, bias):
         return F.instance_norm(x, weight=weight, bias=bias, eps=0.5)
