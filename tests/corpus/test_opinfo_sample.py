@@ -28,7 +28,7 @@ EXPECTED = {
     "nn.functional.unfold": ("compile", "pass"),  # legalize: aten.im2col
     "nn.functional.nll_loss": ("compile", "pass"),  # legalize: nll_loss_nd -> nll_loss_forward -> ...
     "addmv": ("compile", "pass"),  # legalize: not in torch-mlir's dialect
-    "logcumsumexp": ("wrong", "pass"),  # IREE's own lowering gives inf; hand-written lowering
+    "logcumsumexp": ("unsupported", "pass"),  # IREE gives inf: refused as exported (wrong_forms), hand-written lowering
     "median": ("compile", "compile"),  # no decomposition, no rule: IREE's error names the op
 }
 
