@@ -304,23 +304,14 @@ def test_entry_point_names():
 # -- a detection model (torchvision) ---------------------------------------------------------
 
 
-class KnownGatherFailure(Exception):
-    """Faster R-CNN failed on IREE the way the note below says (a strict expected failure)."""
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(
-    raises=KnownGatherFailure,
-    strict=True,
-    reason="roi_align's 4-index gather (`aten.index.Tensor` with data-dependent sizes) fails in IREE as "
-    "`arith.cmpi` (owned by 'legalize': gather guards)",
-)
 def test_faster_rcnn_through_torch_compile():
     """torchvision's Faster R-CNN (random weights) through torch.compile(backend="fx_rewrites_iree"), two image sets.
 
     nms is data-dependent: dynamo breaks the graph there and it runs eagerly
     (tests/zoo/torchvision_cpu.py provides it on CPU torch); the graphs
-    around it run on IREE.
+    around it run on IREE. roi_align's bilinear gather indexes with int32
+    tensors, which IREE rejects (`int32_index_to_int64_for_iree` casts them).
     """
     from tests.zoo import torchvision_cpu
 
@@ -344,10 +335,5 @@ def test_faster_rcnn_through_torch_compile():
         images = [torch.rand(3, 64, 64, generator=g) for _ in range(2)]
         with torch.no_grad():
             expected = model(images)
-            try:
-                got = compiled(images)
-            except BackendCompilerFailed as e:
-                if "aten.index.Tensor" in str(e) and "arith.cmpi" in str(e):
-                    raise KnownGatherFailure(str(e).splitlines()[1][:300]) from e
-                raise
+            got = compiled(images)
         _assert_close(got, expected)

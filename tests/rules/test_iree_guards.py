@@ -181,3 +181,74 @@ def test_replicate_negative_pad_guarded(iree):
     rt.assert_matches_eager(result, ReplicateCrop(), inputs)
     assert _differs_on_iree(iree, ep, ReplicateCrop(), inputs[0])  # rejected statically; wrong shape with Dims
     _matches_on_iree(iree, result.program, ReplicateCrop(), inputs)
+
+
+# -- int32 index tensors (torchvision's roi_align: y.int(), x.int() next to an int64 arange) ------------
+
+
+class RoiGatherInt32(torch.nn.Module):
+    """roi_align's bilinear gather as torchvision writes it: box and pixel indices int32, channels int64."""
+
+    def forward(self, x, boxes, ys, xs):
+        return RoiGather()(x, boxes.int(), ys.int(), xs.int())
+
+
+class MixedIndexPut(torch.nn.Module):
+    """index_put (accumulate) with an int32 and an int64 index tensor."""
+
+    def forward(self, x, rows, cols, values):
+        return torch.index_put(x, (rows.int(), cols), values, accumulate=True)
+
+
+def _put_inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(4, 5, generator=g),
+        torch.randint(0, 4, (n,), generator=g),
+        torch.randint(0, 5, (n,), generator=g),
+        torch.randn(n, generator=g),
+    )
+
+
+@DYNAMIC
+def test_int32_roi_gather_guarded(iree, dynamic):
+    """Faster R-CNN through torch.compile: IREE rejects any int32 index, static sizes or not."""
+    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
+    from fx_rewrites.rules.iree_guards import multi_index_to_flat_gather_for_iree as flat
+
+    k = Dim("boxes")
+    shapes = (None, {0: k}, {0: k}, {0: k}) if dynamic else None
+    inputs = [_roi_inputs(5, 0), _roi_inputs(9 if dynamic else 5, 1)]
+    ep = rt.export(RoiGatherInt32(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, guard, flat)
+    rt.assert_fired(result, guard, times=1)
+    rt.assert_fired(result, flat, times=1 if dynamic else 0)
+    rt.assert_matches_eager(result, RoiGatherInt32(), inputs)
+    rt.assert_idempotent(result, guard)
+    index = next(n for n in result.graph_module.graph.nodes if n.target is aten.index.Tensor)
+    assert all(i is None or i.meta["val"].dtype == torch.int64 for i in index.args[1])
+    assert _differs_on_iree(iree, ep, RoiGatherInt32(), inputs[0])  # IREE rejects it: 'arith.cmpi'
+    _matches_on_iree(iree, result.program, RoiGatherInt32(), inputs)
+
+
+@DYNAMIC
+def test_mixed_index_put_guarded(iree, dynamic):
+    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
+
+    n = Dim("n")
+    shapes = (None, {0: n}, {0: n}, {0: n}) if dynamic else None
+    inputs = [_put_inputs(3, 0), _put_inputs(6 if dynamic else 3, 1)]
+    ep = rt.export(MixedIndexPut(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, guard)
+    rt.assert_fired(result, guard, times=1)
+    rt.assert_matches_eager(result, MixedIndexPut(), inputs)
+    rt.assert_idempotent(result, guard)
+    assert _differs_on_iree(iree, ep, MixedIndexPut(), inputs[0])  # IREE rejects the mixed index list
+    _matches_on_iree(iree, result.program, MixedIndexPut(), inputs)
+
+
+def test_int64_and_mask_indices_left_alone():
+    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
+
+    ep = rt.export(lambda x, i, m: (x[i], x[m]), torch.randn(4, 3), torch.tensor([2, 0]), torch.randn(4, 3) > 0)
+    rt.assert_not_fired(rt.apply_rules(ep, guard), guard)
