@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.rules.iree_index_guards import int32_index_to_int64_for_iree, negative_put_index_for_iree
 
 aten = torch.ops.aten
 
@@ -82,72 +83,6 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
             return Miss(f"torch rejects the pad of the cropped tensor: {' '.join(str(e).split())[:120]}")
     rw.replace(node, x)
     return None
-
-
-# -- int32 index tensors ------------------------------------------------------------------------
-
-
-def _index_list_ops() -> dict[Any, tuple[str, ...]]:
-    """Every functional aten op that takes a list of optional index tensors (`Tensor?[]`: aten.index,
-    index_put, _unsafe_index, ...), read from torch's schemas -> the names of those arguments."""
-    found = {}
-    for op_schema in torch._C._jit_get_all_schemas():
-        if not op_schema.name.startswith("aten::") or op_schema.is_mutable:
-            continue
-        names = tuple(a.name for a in op_schema.arguments if str(a.type) == "List[Optional[Tensor]]")
-        packet = getattr(aten, op_schema.name.removeprefix("aten::"), None)
-        overload = op_schema.overload_name or "default"
-        if names and packet is not None and hasattr(packet, overload):
-            found[getattr(packet, overload)] = names
-    return found
-
-
-_INDEX_LISTS = _index_list_ops()
-
-
-def _int32_indices(node: Node) -> dict[str, list[Any]] | Miss:
-    """The index lists of `node` (argument name -> list) when one of their tensors is int32."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    lists = {name: list(named[name]) for name in _INDEX_LISTS[node.target]}
-    for indices in lists.values():
-        for index in indices:
-            val = index.meta.get("val") if isinstance(index, Node) else None
-            if isinstance(val, torch.Tensor) and val.dtype == torch.int32:
-                return lists
-    return Miss("no int32 index tensor")
-
-
-def _has_int32_index(node: Node) -> bool | Miss:
-    found = _int32_indices(node)
-    return found if isinstance(found, Miss) else True
-
-
-@rule(
-    roots=tuple(_INDEX_LISTS),
-    name="int32_index_to_int64_for_iree",
-    when=_has_int32_index,
-    priority=20,  # before multi_index_to_flat_gather_for_iree: its linear index is then computed in int64
-    tags={"iree", "guard"},
-    doc=(
-        "An int32 index tensor of aten.index / index_put / _unsafe_index (every op whose schema takes a "
-        "`Tensor?[]` index list) is cast to int64; the values, and so the result, are the same. IREE 3.13 "
-        "fails on any int32 index of aten.index, static sizes or not (torchvision's roi_align through "
-        "torch.compile: y.int() / x.int() next to an int64 arange): \"'arith.cmpi' op requires all operands to "
-        'have the same type"; index_put with int32 and int64 indices: "operand types should have the same '
-        'type as the list contained type".'
-    ),
-)
-def int32_index_to_int64_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    for name, indices in _int32_indices(node).items():
-        named[name] = [
-            rw.call(aten._to_copy.default, index, dtype=torch.int64)
-            if isinstance(index, Node) and index.meta["val"].dtype == torch.int32
-            else index
-            for index in indices
-        ]
-    args, kwargs = schema.unbind(node.target, named, explicit=False)
-    rw.replace(node, rw.call(node.target, *args, **kwargs))
 
 
 # -- several index tensors with symbolic sizes -------------------------------------------------
@@ -346,6 +281,7 @@ RULES = (
     filled_tensor_to_full_for_iree,
     negative_pad_to_slice_for_iree,
     int32_index_to_int64_for_iree,
+    negative_put_index_for_iree,
     multi_index_to_flat_gather_for_iree,
     empty_variance_for_iree,
     instance_norm_input_stats_for_iree,

@@ -7,6 +7,10 @@ guarded graph matches eager on two input sets, static and with Dim dims.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -213,8 +217,8 @@ def _put_inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:
 @DYNAMIC
 def test_int32_roi_gather_guarded(iree, dynamic):
     """Faster R-CNN through torch.compile: IREE rejects any int32 index, static sizes or not."""
-    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
     from fx_rewrites.rules.iree_guards import multi_index_to_flat_gather_for_iree as flat
+    from fx_rewrites.rules.iree_index_guards import int32_index_to_int64_for_iree as guard
 
     k = Dim("boxes")
     shapes = (None, {0: k}, {0: k}, {0: k}) if dynamic else None
@@ -233,7 +237,7 @@ def test_int32_roi_gather_guarded(iree, dynamic):
 
 @DYNAMIC
 def test_mixed_index_put_guarded(iree, dynamic):
-    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
+    from fx_rewrites.rules.iree_index_guards import int32_index_to_int64_for_iree as guard
 
     n = Dim("n")
     shapes = (None, {0: n}, {0: n}, {0: n}) if dynamic else None
@@ -248,7 +252,64 @@ def test_mixed_index_put_guarded(iree, dynamic):
 
 
 def test_int64_and_mask_indices_left_alone():
-    from fx_rewrites.rules.iree_guards import int32_index_to_int64_for_iree as guard
+    from fx_rewrites.rules.iree_index_guards import int32_index_to_int64_for_iree as guard
 
     ep = rt.export(lambda x, i, m: (x[i], x[m]), torch.randn(4, 3), torch.tensor([2, 0]), torch.randn(4, 3) > 0)
     rt.assert_not_fired(rt.apply_rules(ep, guard), guard)
+
+
+# -- negative indices of a put --------------------------------------------------------------------
+
+
+class NegativePut(torch.nn.Module):
+    """x.index_put((rows, cols), v) and its accumulating form, rows possibly negative."""
+
+    def forward(self, x, rows, cols, values):
+        return torch.index_put(x, (rows, cols), values), torch.index_put(x, (rows,), values[:, None], True)
+
+
+def _negative_put_inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(8, generator=g)[:n] - 4  # distinct rows, some negative: a put's result is then defined
+    return torch.randn(4, 5, generator=g), rows, torch.randint(0, 5, (n,), generator=g), torch.randn(n, generator=g)
+
+
+_RAW_PUT = """
+import torch
+from torch.export import Dim
+from fx_rewrites import testing as rt
+from tests.rules.test_iree_guards import RAW_IREE, NegativePut, _negative_put_inputs
+args = _negative_put_inputs(4, 0)
+shapes = ({0: Dim("rows", min=4)}, {0: Dim("n", max=4)}, {0: Dim("n", max=4)}, {0: Dim("n", max=4)})
+ep = rt.export(NegativePut(), *args, dynamic_shapes=shapes if DYNAMIC else None)
+got = RAW_IREE.compile(ep, args)(*args)
+print("MATCH" if all(torch.allclose(g, e) for g, e in zip(got, NegativePut()(*args))) else "WRONG")
+"""
+
+
+def _raw_put_is_wrong(dynamic: bool) -> bool:
+    """IREE itself runs NegativePut's exported program wrong or crashes (a negative index is written out of
+    bounds: a segfault or a corrupted heap), in a child process so that this one survives it."""
+    script = _RAW_PUT.replace("DYNAMIC", str(dynamic))
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode in (0,) or done.returncode < 0, f"the child failed otherwise: {done.stderr[-2000:]}"
+    return done.returncode < 0 or done.stdout.strip().endswith("WRONG")  # killed by a signal, or wrong numbers
+
+
+@DYNAMIC
+def test_negative_put_index_guarded(iree, dynamic):
+    from fx_rewrites.rules.iree_index_guards import negative_put_index_for_iree as guard
+
+    n = Dim("n", max=4)
+    shapes = ({0: Dim("rows", min=4)}, {0: n}, {0: n}, {0: n}) if dynamic else None
+    second = (torch.randn(6, 5), torch.tensor([-6, 5, -1]), torch.tensor([0, 4, 2]), torch.randn(3))
+    inputs = [_negative_put_inputs(4, 0), second if dynamic else _negative_put_inputs(4, 1)]
+    ep = rt.export(NegativePut(), *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, guard)
+    rt.assert_fired(result, guard, times=2)
+    rt.assert_ops(result, present=[aten.where.self])
+    rt.assert_matches_eager(result, NegativePut(), inputs)
+    rt.assert_idempotent(result, guard)
+    assert _raw_put_is_wrong(dynamic)  # wrong numbers or a crash: IREE writes out of bounds
+    _matches_on_iree(iree, result.program, NegativePut(), inputs)
