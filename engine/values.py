@@ -261,8 +261,7 @@ def _storable(fake_mode: Any, val: Any) -> bool:
     share one symbol between two nodes)."""
     tensors = val if isinstance(val, (tuple, list)) else (val,)
     if not all(
-        isinstance(t, torch.Tensor) and getattr(t, "constant", None) is None and _at_offset_zero(t)
-        for t in tensors
+        isinstance(t, torch.Tensor) and getattr(t, "constant", None) is None and _at_offset_zero(t) for t in tensors
     ):
         return False
     shape_env = getattr(fake_mode, "shape_env", None)
