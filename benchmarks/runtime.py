@@ -306,13 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    threads = torch.get_num_threads()
     if args.mode == "cpu1":
         torch.set_num_threads(1)
     start_load = load()
     rows = []
-    for name in names:
-        print(f"[{name}] {load()}", file=sys.stderr, flush=True)
-        rows.append(measure(MODELS[name], args))
+    try:
+        for name in names:
+            print(f"[{name}] {load()}", file=sys.stderr, flush=True)
+            rows.append(measure(MODELS[name], args))
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
     text = tables(rows, args.mode, args.repeat, (start_load, load()))
     print(text)
     plot_path = args.plot or (DOCS / f"runtime-{args.mode}.png" if args.write else None)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -28,7 +29,9 @@ def benchmarks():
 def test_quick_run_prints_the_table_and_plots(benchmarks, capsys, tmp_path):
     runtime, _ = benchmarks
     plot = tmp_path / "runtime.png"
+    threads = torch.get_num_threads()
     assert runtime.main(["--quick", "--models", "bert", "--plot", str(plot)]) == 0
+    assert torch.get_num_threads() == threads  # the zoo's eager references ran on one thread after it once
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| bert |")]
     assert len(rows) == 2, out  # the times row and the compile-stages row

@@ -101,9 +101,10 @@ MODELS: tuple[ZooModel, ...] = (
     _tf("vit", "ViTModel", _VIT, image()),
     _tf("resnet", "ResNetModel", {**_CNN, "layer_type": "basic"}, image()),
     _tf("convnext", "ConvNextModel", {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}, image()),
-    # 17 fixed blocks (no depth knob), made thin; initializer_range 0.3: 0.02 shrinks every output to ~1e-26
+    # 17 fixed blocks (no depth knob), made thin; initializer_range 0.3: 0.02 shrinks every output to ~1e-26.
+    # atol 1e-4: torch's own float32 differs by 2.7e-5 between 1 and 2 threads and by 5e-5 from float64 (measured)
     _tf("mobilenet_v2", "MobileNetV2Model", {"depth_multiplier": 0.25, "image_size": 32, "initializer_range": 0.3},
-        image()),
+        image(), tolerance=(1e-4, 1e-4)),
     _tf("swin", "SwinModel", {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1],
         "num_heads": [2, 2], "window_size": 4}, image()),
     _tf("whisper_encoder", "models.whisper.modeling_whisper.WhisperEncoder", {"d_model": 64, "encoder_layers": 2,
