@@ -8,11 +8,13 @@ from `OpOverload._schema`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
+from torch.fx import Node
+from torch.utils import _pytree as pytree
 
 _MISSING = object()
 
@@ -127,3 +129,19 @@ def unbind(op: OpOverload, named: dict[str, Any], *, explicit: bool) -> tuple[tu
             pending.clear()
             args.append(value)
     return tuple(args), kwargs
+
+
+def over_graph_values(node: Node, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[Node]]:
+    """`fn` called with `node`'s arguments as a function of the graph values among them (the rest fixed as
+    the node has them), and those graph values in order: what make_fx traces to decompose one node."""
+    leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+
+    def body(*vals: Any) -> Any:
+        filled = list(leaves)
+        for i, v in zip(where, vals):
+            filled[i] = v
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return fn(*args, **kwargs)
+
+    return body, [leaves[i] for i in where]

@@ -16,7 +16,6 @@ from torch._C import DispatchKey
 from torch._ops import OpOverload
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -61,23 +60,12 @@ class Decompose(RuleBase):
         return f"decompose_{self.ops[0]._opname}"
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
-        fn = self.table[node.target]
-        leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
-        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
-
-        def body(*vals: Any) -> Any:
-            filled = list(leaves)
-            for i, v in zip(where, vals):
-                filled[i] = v
-            args, kwargs = pytree.tree_unflatten(filled, spec)
-            return fn(*args, **kwargs)
-
-        inputs = [leaves[i].meta["val"] for i in where]
+        body, graph_values = schema.over_graph_values(node, self.table[node.target])
         with rw.fake_mode:
-            traced = make_fx(body, tracing_mode="real")(*inputs)
+            traced = make_fx(body, tracing_mode="real")(*[n.meta["val"] for n in graph_values])
         out = next(n for n in traced.graph.nodes if n.op == "output").args[0]
         if out is NotImplemented or (isinstance(out, (list, tuple)) and NotImplemented in out):
             return Miss("the decomposition declined these arguments")
-        new = rw.inline(traced, [leaves[i] for i in where])
+        new = rw.inline(traced, graph_values)
         rw.replace(node, new)
         return None

@@ -43,7 +43,6 @@ from torch._ops import OpOverload
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -311,18 +310,9 @@ def _inline_composite(node: Node, rw: Rewriter) -> Miss | None:
     """Replace `node` by its op's CompositeImplicitAutograd kernel, traced
     under torch's functionalization (writes to inputs come back as `copy_`)."""
     op = node.target
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
-    inputs = [leaves[i] for i in slots]
+    composite, inputs = schema.over_graph_values(node, op.decompose)
     if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs):
         return Miss(f"{op} has no functional variant and takes a non-tensor graph value: its kernel is not traced")
-
-    def composite(*tensors: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for i, t in zip(slots, tensors):
-            filled[i] = t
-        args, kwargs = pytree.tree_unflatten(filled, spec)
-        return op.decompose(*args, **kwargs)
 
     try:
         with rw.fake_mode:

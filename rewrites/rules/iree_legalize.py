@@ -70,17 +70,8 @@ def _mutates(gm: GraphModule) -> list[str]:
 def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> tuple[GraphModule, list[Node]] | Miss:
     """`fn` applied to `node`'s arguments, traced into a functional graph on their fake values; and the
     graph's inputs (the node's tensor-valued arguments). A Miss when it cannot be traced."""
-    leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
-    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
-
-    def body(*vals: Any) -> Any:
-        filled = list(leaves)
-        for i, v in zip(where, vals):
-            filled[i] = v
-        args, kwargs = pytree.tree_unflatten(filled, spec)
-        return fn(*args, **kwargs)
-
-    inputs = [leaves[i].meta.get("val") for i in where]
+    body, graph_values = schema.over_graph_values(node, fn)
+    inputs = [n.meta.get("val") for n in graph_values]
     if any(v is None for v in inputs):
         return Miss("an argument has no meta['val']")
     op = schema.op_name(node.target)
@@ -105,7 +96,7 @@ def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> t
     mismatch = _mismatch(node.meta.get("val"), [n.meta.get("val") for n in returned])
     if mismatch:
         return Miss(f"torch's decomposition of {op} returns other values: {mismatch}")
-    return traced, [leaves[i] for i in where]
+    return traced, graph_values
 
 
 def _mismatch(expected: Any, got: list[Any]) -> str:
