@@ -15,8 +15,12 @@ mutated tensor `x`:
 
 - the new value keeps `x`'s dtype (`a += b` with float32 `a` and float64 `b`
   stays float32, as eager and torch's functionalization do);
-- later reads of `x`, and of the tensors `x` is a slice/select/alias of,
-  read the new value (written back with `slice_scatter` / `select_scatter`);
+- later reads of `x`, of its bases and of every other view of them made
+  before the write read the new values, written back as torch's
+  functionalization does (`inplace_views.py`: `x.narrow(...).copy_(src)`
+  becomes a `slice_scatter`; `select_scatter`, `diagonal_scatter`,
+  `as_strided_scatter`, inverse views for `view`/`reshape`/`permute`, pieces
+  of `split`/`unbind`), only as deep as a base read later or a program input;
 - when `x` is a program input or buffer, the final value is returned as a
   USER_INPUT_MUTATION / BUFFER_MUTATION output, so `ep.module()` has the
   side effects eager has.
@@ -26,10 +30,11 @@ Ops without a functional variant but with a CompositeImplicitAutograd kernel
 are replaced by that kernel traced under torch's functionalization, whose
 in-place writes back (`copy_`) this rule then takes in turn.
 
-It declines (explain() says why) where a correct rewrite needs full
-functionalization: a view created before the mutation and read after it, a
-view op it cannot invert, a mutated input of a plain GraphModule (no
-signature to record it in), or an op with no functional variant (named).
+It declines (explain() says why) where a correct rewrite needs more: an
+alias it cannot follow (a view op called with keywords, an in-place op left
+in the graph whose output is read later), a view torch's functionalization
+cannot invert, a mutated input of a plain GraphModule (no signature to
+record it in), or an op with no functional variant (named).
 `ExportedProgram.run_decompositions()` handles those.
 """
 
@@ -49,6 +54,7 @@ from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import compatible
 from fx_rewrites.kinds import rule
 from fx_rewrites.program import input_spec, new_mutations
+from fx_rewrites.rules import inplace_views
 from fx_rewrites.rules.functionalize import Composite, Variant, mutating_overloads, variant
 from fx_rewrites.ruleset import RuleSet
 
@@ -56,73 +62,6 @@ aten = torch.ops.aten
 
 #: every ATen overload whose schema writes to an argument: the rule's roots
 MUTATING_OPS = mutating_overloads("aten")
-
-#: view ops whose effect on the base can be written back functionally
-_SCATTER = {
-    aten.slice.Tensor: lambda rw, base, new, args: rw.call(aten.slice_scatter.default, base, new, *args),
-    aten.select.int: lambda rw, base, new, args: rw.call(aten.select_scatter.default, base, new, *args),
-    aten.alias.default: lambda rw, base, new, args: new,
-    aten.detach.default: lambda rw, base, new, args: new,
-}
-
-
-#: meta key on a functional stand-in for a view: (view op, base, view args),
-#: so a second mutation through it is written back to the base as well.
-ALIAS_OF = "fx_rewrites_alias_of"
-
-
-def _is_view(node: Node) -> bool:
-    return isinstance(node.target, OpOverload) and node.target.is_view
-
-
-def _view_link(node: Node) -> tuple[Any, Node, tuple] | Miss | None:
-    """(view op, base, view args) when `node` aliases another tensor."""
-    if ALIAS_OF in node.meta:
-        return node.meta[ALIAS_OF]
-    if not _is_view(node):
-        return None
-    return node.target, node.args[0], tuple(node.args[1:])
-
-
-def _view_chain(x: Node) -> tuple[list[Node], list[tuple[Any, tuple]]]:
-    """[x, base of x, base of that, ...] and the (view op, args) between them."""
-    chain, links = [x], []
-    while (link := _view_link(chain[-1])) is not None:
-        target, base, args = link
-        chain.append(base)
-        links.append((target, args))
-    return chain, links
-
-
-def _written_through(chain: list[Node], links: list[tuple[Any, tuple]], mutation: Node) -> int | Miss:
-    """How many view links the write must go back through: down to the
-    deepest base read after `mutation` (all of them when the base is a
-    program input, whose caller sees the write). A base nobody reads later
-    needs no new value: Funnel's `positional_attn *= cls_mask` writes
-    through `aten.reshape` views of a product read nowhere else."""
-    depth = len(links) if chain[-1].op == "placeholder" else 0
-    for i, base in enumerate(chain[1:], start=1):
-        if any(mutation < user for user in base.users):
-            depth = max(depth, i)
-    for (target, _), view in zip(links[:depth], chain):
-        if target not in _SCATTER:
-            return Miss(
-                f"{mutation.name} writes {chain[0].name}, whose base {chain[depth].name} is read after it, through "
-                f"{view.name} (a {target} view): this rule cannot write back through {target}"
-            )
-    return depth
-
-
-def _aliased_reads(chain: list[Node], mutation: Node) -> str | None:
-    """A view of a mutated tensor made before `mutation` and read after it."""
-    for tensor in chain:
-        for user in tensor.users:
-            if user in chain or not _is_view(user) or not user < mutation:
-                continue
-            late = [u.name for u in user.users if mutation < u]
-            if late:
-                return f"{user.name} views {tensor.name} before the mutation and is read after it by {late}"
-    return None
 
 
 def _mutation_kind(base: Node) -> tuple[OutputKind, str] | Miss:
@@ -141,13 +80,14 @@ def _mutation_kind(base: Node) -> tuple[OutputKind, str] | Miss:
 @attrs.frozen
 class _Written:
     """One tensor the op writes: argument `arg` (element `item` of a list
-    argument), its view chain down to the deepest base read later, and how a mutated program
-    input is recorded."""
+    argument), the tensor, which of its aliases the write must update, and
+    how a mutated program input (the memory's owner) is recorded."""
 
     arg: str
     item: int | None
-    chain: list[Node]
-    links: list[tuple[Any, tuple]]
+    tensor: Node
+    aliases: inplace_views.WriteBack
+    root: Node
     kind: tuple[OutputKind, str] | None
 
 
@@ -183,18 +123,17 @@ def _writes(node: Node, found: Variant, named: dict[str, Any]) -> tuple[_Written
             if tensor in seen:
                 return Miss(f"{tensor.name} is written twice by one {node.target}")
             seen.add(tensor)
-            chain, links = _view_chain(tensor)
-            why = _aliased_reads(chain, node)
-            if why:
-                return Miss(why)
-            depth = _written_through(chain, links, node)
-            if isinstance(depth, Miss):
-                return depth
-            base = chain[-1]
-            kind = _mutation_kind(base) if base.op == "placeholder" else None
+            root = inplace_views.view_chain(tensor)[-1]
+            kind = _mutation_kind(root) if root.op == "placeholder" else None
             if isinstance(kind, Miss):
                 return kind
-            written.append(_Written(arg, item, chain[: depth + 1], links[:depth], kind))
+            aliases = inplace_views.plan(tensor, node, record_root=kind is not None)
+            if isinstance(aliases, Miss):
+                return aliases
+            written.append(_Written(arg, item, tensor, aliases, root, kind))
+    shared = [w.root.name for w in written if w.aliases.targets]
+    if len(shared) != len(set(shared)):
+        return Miss(f"{node.target} writes two views of one tensor ({sorted(shared)}) that are read later")
     return tuple(written)
 
 
@@ -233,7 +172,7 @@ def _written_value(rw: Rewriter, outputs: list[Node], plan: _Plan, w: _Written) 
     v = plan.variant
     index = v.returns.index(w.arg) if w.arg in v.returns else len(v.returns) + v.extra.index(w.arg)
     new = outputs[index] if w.item is None else rw.getitem(outputs[index], w.item)
-    want = w.chain[0].meta["val"].dtype
+    want = w.tensor.meta["val"].dtype
     if new.meta["val"].dtype != want:
         new = rw.call(aten._to_copy.default, new, dtype=want)
     return new
@@ -248,61 +187,69 @@ def _reference(node: Node, plan: _Plan, w: _Written) -> Any:
     return val[plan.variant.returns.index(w.arg)] if isinstance(val, (tuple, list)) else val
 
 
-def _write_back(node: Node, rw: Rewriter, plan: _Plan, w: _Written, new: Node, outputs_added: int) -> Miss | int:
-    """Make later reads of the written tensor (and of its bases) read `new`;
-    record a mutated program input. Returns the mutation outputs added."""
-    tensor = w.chain[0]
+def _write_back(
+    node: Node, rw: Rewriter, plan: _Plan, w: _Written, new: Node, outputs_added: int
+) -> Miss | tuple[Node, int]:
+    """Make later reads of the written tensor and of the aliases it shares
+    memory with read the new values; record a mutated program input.
+    Returns what later readers of the written tensor read, and the mutation
+    outputs added."""
+    tensor = w.tensor
     old, got = tensor.meta["val"], new.meta["val"]
     if torch.Tag.inplace_view in node.target.tags:  # t_, unsqueeze_, as_strided_: new sizes/strides, same data
         if w.kind is not None:
             return Miss(f"{node.target} changes the sizes or strides of graph input {tensor.name} for its caller")
         rw.replace_uses_after(tensor, new, after=node, reference=_reference(node, plan, w))
-        return 0
+        return new, 0
     if compatible(old, got) is not None:  # resized (out=)
         reference = _reference(node, plan, w)
-        if len(w.chain) > 1 or w.kind is not None or reference is None:
+        if w.root is not tensor or w.aliases.targets or reference is None:
             return Miss(
                 f"{node.target} changes the shape of {tensor.name} from {tuple(old.shape)} to {tuple(got.shape)}; "
                 "only a tensor made inside the graph, not a view, input or buffer, can take that"
             )
         rw.replace_uses_after(tensor, new, after=node, reference=reference)
-        return 0
-    rw.replace_uses_after(tensor, new, after=node)
-    for (target, args), base in zip(w.links, w.chain[1:]):
-        updated = _SCATTER[target](rw, base, new, args)
-        if updated is not new:  # alias/detach: base and view are one value now (a self-link would never end)
-            new.meta[ALIAS_OF] = (target, updated, args)
-        rw.replace_uses_after(base, updated, after=node)
-        new = updated
-    if w.kind is None:
-        return 0
-    added = new_mutations(node.graph)
-    rw.add_output(new, len(added) + outputs_added)
+        return new, 0
+    if not w.aliases.targets:  # nothing else reads this memory later
+        rw.replace_uses_after(tensor, new, after=node)
+        return new, 0
+    values = inplace_views.trace(rw, w.aliases, new)
+    if isinstance(values, Miss):
+        return values
+    for alias, value in values.items():
+        if value is not alias:
+            rw.replace_uses_after(alias, value, after=node)
+    root = values.get(w.root, w.root)
+    if w.kind is None or root is w.root:  # not a program input, or written nowhere (a reshape that copies)
+        return values[tensor], 0
+    added = new_mutations(node.graph)  # the caller's tensor: a mutation output
+    rw.add_output(root, len(added) + outputs_added)
     rw.on_commit(lambda kind=w.kind: added.append(kind))
-    return 1
+    return values[tensor], 1
 
 
 def _functionalize(node: Node, rw: Rewriter, plan: _Plan) -> Miss | None:
     v = plan.variant
     outputs = _call_functional(node, rw, plan)
     new_values = {(w.arg, w.item): _written_value(rw, outputs, plan, w) for w in plan.written}
+    read_later, added = {}, 0
+    for w in plan.written:
+        done = _write_back(node, rw, plan, w, new_values[(w.arg, w.item)], added)
+        if isinstance(done, Miss):
+            return done
+        read_later[(w.arg, w.item)], outputs_added = done
+        added += outputs_added
     results = []
     for i, alias in enumerate(v.returns):
         if alias is None:
             results.append(outputs[i])
-        elif (alias, None) in new_values:
-            results.append(new_values[(alias, None)])
+        elif (alias, None) in read_later:
+            results.append(read_later[(alias, None)])
         else:  # an optional mutated argument that was not given, or a list
             results.append(outputs[i])
     if node.users and results:
         rw.replace(node, results[0] if len(results) == 1 else results)
     rw.erase(node)
-    added = 0
-    for w in plan.written:
-        done = _write_back(node, rw, plan, w, new_values[(w.arg, w.item)], added)
-        if isinstance(done, Miss):
-            return done
-        added += done
     return None
 
 

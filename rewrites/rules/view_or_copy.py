@@ -4,11 +4,10 @@
 input, yet it returns a fresh tensor whenever the input is not contiguous
 (BEiT's `relative_coords = (...).permute(1, 2, 0).contiguous()`, written
 into afterwards with `relative_coords[:, :, 0] += 3`). Rules that follow
-view chains (the in-place pack writes a mutation back through every view
-to its base) have to give up on it: "contiguous is a aten.contiguous.default
-view, which this rule cannot write back through", and the in-place op stays
-(IREE: "'torch.aten.add_.Tensor' op operand #0 must be Multi-dimensional
-array modeling Torch's Tensor type, but got '!torch.vtensor<...>'").
+view chains have to tell the two apart (the in-place pack once declined:
+"contiguous is a aten.contiguous.default view, which this rule cannot write
+back through"; it now replays the chain under torch's functionalization,
+which reads the same strides).
 
 The node's fake value says which case it is: `contiguous_view_or_copy`
 turns a copying contiguous into `aten.clone(x, memory_format=...)` and an

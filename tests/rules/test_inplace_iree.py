@@ -28,6 +28,14 @@ from tests.rules.test_inplace import (
     _check_random_fill,
     _relative_shift_inputs,
 )
+from tests.rules.test_inplace_views import (
+    KVCache,
+    NarrowCopy,
+    ReshapedWrites,
+    StaleAliases,
+    WritesThroughViews,
+    _narrow_inputs,
+)
 
 Dim = torch.export.Dim
 aten = torch.ops.aten
@@ -113,3 +121,37 @@ def test_in_place_through_reshape_views(iree, dynamic):
     shapes = ({2: seq}, {0: 2 * seq + 1}, {0: seq, 1: seq}) if dynamic else None
     inputs = [_relative_shift_inputs(5), _relative_shift_inputs(7 if dynamic else 5)]
     _matches(_compiled(iree, RelativeShift(), inputs, shapes), RelativeShift(), inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_narrow_copy(iree, dynamic):
+    """`y.narrow(1, 1, n).copy_(src)` into a tensor read later: IREE rejects the `copy_` as exported."""
+    n = Dim("n", min=2, max=64)
+    shapes = ({0: Dim("b"), 1: n + 2}, {0: Dim("b"), 1: n}) if dynamic else None
+    second = _narrow_inputs(3, 5) if dynamic else (torch.randn(2, 5) * 3, torch.randn(2, 3))
+    inputs = [_narrow_inputs(2, 3), second]
+    _matches(_compiled(iree, NarrowCopy(), inputs, shapes), NarrowCopy(), inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_narrow_copy_into_a_buffer(iree, dynamic):
+    inputs = [(torch.randn(2, 3, 4),), (torch.randn(2, 5 if dynamic else 3, 4) * 3,)]
+    shapes = ({1: Dim("t", min=1, max=6)},) if dynamic else None
+    _matches(_compiled(iree, KVCache(), inputs, shapes), KVCache(), inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_writes_through_views(iree, dynamic):
+    """Writes through transpose, permute, view, unsqueeze/squeeze, split and unbind pieces, select, a copying
+    reshape and a view made before them, of a tensor read later."""
+    m = WritesThroughViews(static_only=not dynamic, diagonal=False)
+    inputs = [(torch.randn(4, 4),), (torch.randn(6 if dynamic else 4, 4) * 3,)]
+    shapes = ({0: Dim("b", min=4)},) if dynamic else None
+    _matches(_compiled(iree, m, inputs, shapes), m, inputs)
+    inputs = [(torch.randn(4, 6),), (torch.randn(5 if dynamic else 4, 6) * 3,)]
+    _matches(_compiled(iree, ReshapedWrites(), inputs, ({0: Dim("b")},) if dynamic else None), ReshapedWrites(), inputs)
+
+
+def test_writes_through_split_and_unbind_pieces(iree):
+    inputs = [(torch.randn(2, 4),), (torch.randn(2, 4) * 3,)]
+    _matches(_compiled(iree, StaleAliases(), inputs), StaleAliases(), inputs)

@@ -1,0 +1,224 @@
+"""Writes through views, written back as torch's functionalization does.
+
+A tensor an in-place op writes may be a view (`narrow`, `select`,
+`diagonal`, `as_strided`, `view`, `reshape`, `permute`, a piece of `split` or
+`unbind`, ...) of a base that other views share. After the write, every
+alias of that memory read later must read the new values. This module finds
+them from the graph (view ops by their schema, `Tensor(a)` returns, and
+`getitem` of multi-output views) and asks torch for the new values: the view
+chain is replayed on the base's fake value under `torch.func.functionalize`,
+the written view is overwritten with its new value, and what torch's
+functionalization gives for the base and each alias read later is inlined.
+Its view inverses (`at::functionalization::FunctionalInverses`: slice_scatter,
+select_scatter, diagonal_scatter, as_strided_scatter, the inverse view of
+`view`/`unsqueeze`/`transpose`, ...) are used as torch defines them, and a
+`reshape` or `contiguous` that copies a non-contiguous base writes nothing
+back, as in eager (decided from the fake value's strides). `torch._C.
+_functionalization` exposes only the forward replay (`ViewMeta`), not the
+inverses, hence the trace.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import attrs
+import torch
+from torch._ops import OpOverload
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import compatible
+
+aten = torch.ops.aten
+
+
+@attrs.frozen
+class Link:
+    """`view = op(base, *args)`, or its element `item` for a multi-output view (`split`, `unbind`)."""
+
+    op: OpOverload
+    base: Node
+    args: tuple
+    item: int | None = None
+
+
+def _aliased_argument(op: OpOverload) -> int | None:
+    """Position of the argument a view op's output aliases (its schema's `Tensor(a)` argument)."""
+    for i, a in enumerate(op._schema.arguments):
+        if a.alias_info is not None and not a.alias_info.is_write:
+            return i
+    return None
+
+
+def _view_call(node: Node) -> Link | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, OpOverload) or not target.is_view or node.kwargs:
+        return None
+    if _aliased_argument(target) != 0 or not node.args or not isinstance(node.args[0], Node):
+        return None
+    return Link(target, node.args[0], tuple(node.args[1:]))
+
+
+def view_link(node: Node) -> Link | None:
+    """How `node` aliases another tensor of the graph, or None."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        source, item = node.args
+        link = _view_call(source) if isinstance(source, Node) else None
+        return None if link is None or not isinstance(item, int) else attrs.evolve(link, item=item)
+    if isinstance(node.meta.get("val"), (list, tuple)):  # a multi-output view itself: only its items alias
+        return None
+    return _view_call(node)
+
+
+def view_chain(x: Node) -> list[Node]:
+    """[x, the tensor x views, the tensor that views, ...]: the last one owns the memory."""
+    chain = [x]
+    while (link := view_link(chain[-1])) is not None:
+        chain.append(link.base)
+    return chain
+
+
+def _aliases_argument(user: Node, tensor: Node) -> bool:
+    """Whether `user`'s output may alias `tensor`: passed where its schema says `Tensor(a)` or
+    `Tensor(a!)`, with a return that says so too."""
+    op = user.target
+    if not isinstance(op, OpOverload) or not any(r.alias_info is not None for r in op._schema.returns):
+        return False
+    named = schema.bind(op, user.args, user.kwargs)
+    return any(a.alias_info is not None and named.get(a.name) is tensor for a in op._schema.arguments)
+
+
+def _aliases(root: Node, mutation: Node) -> list[Node] | Miss:
+    """Every tensor sharing `root`'s memory through views (root included), or why that is not known: an
+    alias this module cannot follow (a view op called with keywords, an in-place op left in the graph
+    before `mutation`) that is read."""
+    found, todo = [root], [root]
+    while todo:
+        tensor = todo.pop()
+        for user in tensor.users:
+            if user is mutation or user in found:
+                continue
+            link = _view_call(user)
+            if link is not None and link.base is tensor and isinstance(user.meta.get("val"), (list, tuple)):
+                items = [i for i in user.users if i.target is operator.getitem and view_link(i) is not None]
+                found.extend(items)
+                todo.extend(items)
+            elif link is not None and link.base is tensor:
+                found.append(user)
+                todo.append(user)
+            elif _aliases_argument(user, tensor) and (
+                (user.target.is_view and user.users) or (user < mutation and any(mutation < u for u in user.users))
+            ):
+                return Miss(f"{user.name} ({user.target}) aliases {tensor.name} in a way this rule does not follow")
+    return found
+
+
+@attrs.frozen
+class WriteBack:
+    """How a write to `written` reaches the tensors that alias it: traced from `base` (a tensor of the
+    written view chain), the aliases `targets` read after the mutation get new values. Empty targets: the
+    write reaches nobody else (the written tensor's later readers just read its new value)."""
+
+    written: Node
+    base: Node
+    targets: tuple[Node, ...]
+
+
+def plan(x: Node, mutation: Node, *, record_root: bool) -> WriteBack | Miss:
+    """Which aliases of `x` a write by `mutation` must update: those made before it and read after it,
+    and the root itself when `record_root` (a program input whose caller sees the write)."""
+    chain = view_chain(x)
+    root = chain[-1]
+    aliases = _aliases(root, mutation)
+    if isinstance(aliases, Miss):
+        return aliases
+    live = [a for a in aliases if a is not x and a < mutation and any(mutation < u for u in a.users)]
+    if record_root and root not in live:
+        live.append(root)
+    if not live:
+        return WriteBack(x, x, ())
+    position = {n: i for i, n in enumerate(chain)}
+    depth = 0
+    for alias in live:  # where the alias's own chain meets x's: the base to trace from is the deepest one
+        depth = max(depth, next(position[n] for n in view_chain(alias) if n in position))
+    targets = [chain[depth], *(a for a in live if a is not chain[depth])]
+    if x is not chain[depth]:
+        targets.append(x)
+    return WriteBack(x, chain[depth], tuple(targets))
+
+
+def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
+    """The value each target of `wb` has after `wb.written` becomes `new`, inlined before the root."""
+    links: dict[Node, Link] = {}
+    node_links = []
+    for target in wb.targets:
+        node = target
+        while node is not wb.base:
+            link = view_link(node)
+            if link is None:
+                return Miss(f"{target.name} is not a view of {wb.base.name}")
+            if node not in links:
+                links[node] = link
+                node_links.append(node)
+            node = link.base
+    leaves, spec = pytree.tree_flatten([links[n].args for n in node_links])
+    graph_values = [leaf for leaf in leaves if isinstance(leaf, Node)]
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+
+    def body(base: torch.Tensor, value: torch.Tensor, *vals: Any) -> tuple[torch.Tensor, ...]:
+        filled = list(leaves)
+        for i, v in zip(where, vals):
+            filled[i] = v
+        args_of = dict(zip(node_links, pytree.tree_unflatten(filled, spec)))
+        replayed: dict[Node, torch.Tensor] = {wb.base: base}
+
+        def replay(node: Node) -> torch.Tensor:
+            if node not in replayed:
+                link = links[node]
+                out = link.op(replay(link.base), *args_of[node])
+                replayed[node] = out if link.item is None else out[link.item]
+            return replayed[node]
+
+        views = [replay(t) for t in wb.targets]  # every view made before the write, as in the program
+        replay(wb.written).copy_(value)
+        return tuple(views)
+
+    if wb.targets == (wb.written,):  # the written tensor itself (a program input): its new value, no trace
+        return {wb.written: new}
+    inputs = [wb.base, new, *graph_values]
+    try:
+        with rw.fake_mode, torch.no_grad():  # a parameter written under no_grad (RWKV) is a leaf needing grad
+            traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="real")(
+                *[n.meta["val"] for n in inputs]
+            )
+    except RuntimeError as e:  # a view torch's functionalization cannot invert
+        first = str(e).strip().splitlines()[0]
+        return Miss(f"writing {wb.written.name} back to {wb.base.name} fails under torch's functionalization: {first}")
+    why = _tidy(traced)
+    if why:
+        return Miss(f"writing {wb.written.name} back to {wb.base.name}: {why}")
+    outs = rw.inline(traced, inputs)
+    return dict(zip(wb.targets, outs))
+
+
+def _tidy(traced: GraphModule) -> str | None:
+    """Drop what the rule does itself from the scratch trace: functionalize's copy back into the traced
+    base (`copy_` into a placeholder) and `aten.copy` of the new value onto a view of its own dtype and
+    sizes (the value itself). Returns what is left that mutates, if anything."""
+    graph = traced.graph
+    for node in list(graph.nodes):
+        if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+            graph.erase_node(node)
+        elif node.target is aten.copy.default:
+            dst, src = node.args[:2]
+            if isinstance(src, Node) and compatible(dst.meta.get("val"), src.meta.get("val")) is None:
+                node.replace_all_uses_with(src)
+                graph.erase_node(node)
+    graph.eliminate_dead_code()
+    left = [str(n.target) for n in graph.nodes if isinstance(n.target, OpOverload) and n.target._schema.is_mutable]
+    return f"the traced write-back still mutates ({left})" if left else None
