@@ -21,7 +21,7 @@ from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
-from fx_rewrites.rules import attention, iree_lowerings, iree_moe
+from fx_rewrites.rules import attention, iree_lowerings, iree_moe, iree_scatters
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -312,6 +312,7 @@ RULES = RuleSet(
         conv_single_window_for_iree,
         select_scatter_index_for_iree,
         *iree_lowerings.RULES,
+        *iree_scatters.RULES,
         *iree_moe.RULES,
         *attention.GUARDS,
     ],

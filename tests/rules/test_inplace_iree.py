@@ -142,9 +142,9 @@ def test_narrow_copy_into_a_buffer(iree, dynamic):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 def test_writes_through_views(iree, dynamic):
-    """Writes through transpose, permute, view, unsqueeze/squeeze, split and unbind pieces, select, a copying
-    reshape and a view made before them, of a tensor read later."""
-    m = WritesThroughViews(static_only=not dynamic, diagonal=False)
+    """Writes through diagonal, transpose, permute, view, unsqueeze/squeeze, split and unbind pieces, select,
+    as_strided, a copying reshape and a view made before them, of a tensor read later."""
+    m = WritesThroughViews(static_only=not dynamic)
     inputs = [(torch.randn(4, 4),), (torch.randn(6 if dynamic else 4, 4) * 3,)]
     shapes = ({0: Dim("b", min=4)},) if dynamic else None
     _matches(_compiled(iree, m, inputs, shapes), m, inputs)

@@ -99,15 +99,14 @@ class WritesThroughViews(torch.nn.Module):
     """In-place writes through every kind of view of a tensor read afterwards, and a view made before the
     writes and read after them (`tail`, a view of a view)."""
 
-    def __init__(self, static_only: bool = True, diagonal: bool = True) -> None:
+    def __init__(self, static_only: bool = True) -> None:
         super().__init__()
-        self.static_only, self.diagonal = static_only, diagonal
+        self.static_only = static_only
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = x * 2
         tail = y[0][1:]
-        if self.diagonal:  # IREE 3.13 cannot compile diagonal_scatter
-            y.diagonal().add_(1)
+        y.diagonal().add_(1)
         y.t()[0].mul_(3)
         y.permute(1, 0)[1:3].sub_(1)
         y.view(-1)[::3].div_(2)
@@ -117,7 +116,6 @@ class WritesThroughViews(torch.nn.Module):
         y[1].mul_(5)
         if self.static_only:  # these fix the sizes on export
             y.unbind(0)[2].add_(4)
-        if self.static_only and self.diagonal:  # nor as_strided_scatter
             y.as_strided((2, 2), (1, 2))[0].add_(7)
         y.t().reshape(-1)[:2].add_(100)  # reshape of a transposed view copies: y is not written, as in eager
         return y + 1, tail * 1
