@@ -21,6 +21,7 @@ inverses, hence the trace.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import attrs
@@ -32,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
-from fx_rewrites.engine.values import compatible
+from fx_rewrites.engine.values import _sym_key, compatible
 
 aten = torch.ops.aten
 
@@ -152,29 +153,77 @@ def plan(x: Node, mutation: Node, *, record_root: bool) -> WriteBack | Miss:
     return WriteBack(x, chain[depth], tuple(targets))
 
 
+#: traced write-backs per fake mode, by what the trace depends on (`_key`): deep models write through the
+#: same views of same-sized tensors in every layer, and one make_fx trace costs ~10 ms
+_TRACES: weakref.WeakKeyDictionary[Any, dict[tuple, GraphModule | str]] = weakref.WeakKeyDictionary()
+
+
+def _value_key(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        offset = _sym_key([value.storage_offset()])
+        return (value.dtype, value.device, _sym_key(value.shape), _sym_key(value.stride()), offset)
+    if isinstance(value, torch.SymInt):
+        return ("sym", value.node.expr)
+    return ("const", value)
+
+
+def _key(wb: WriteBack, links: dict[Node, Link], leaves: list, spec: Any, inputs: list[Node]) -> tuple:
+    """The views replayed (ops, constant arguments, which is the base of which), which are returned and
+    written, and the metadata of every input: all the trace depends on."""
+    order = {n: i for i, n in enumerate([wb.base, *links])}
+    position = {n: i for i, n in enumerate(inputs)}
+    views = tuple((str(link.op), link.item, order[link.base]) for link in links.values())
+    args = tuple(("input", position[a]) if isinstance(a, Node) else a for a in leaves)
+    returned = tuple(order[t] for t in wb.targets)
+    base, new, *values = (_value_key(n.meta.get("val")) for n in inputs)
+    metadata = (base, new[:3], *values)  # the new value is only copied: its strides and offset do not matter
+    return views, args, repr(spec), returned, order[wb.written], metadata
+
+
 def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
     """The value each target of `wb` has after `wb.written` becomes `new`, inlined before the root."""
     links: dict[Node, Link] = {}
-    node_links = []
     for target in wb.targets:
         node = target
         while node is not wb.base:
             link = view_link(node)
             if link is None:
                 return Miss(f"{target.name} is not a view of {wb.base.name}")
-            if node not in links:
-                links[node] = link
-                node_links.append(node)
+            links.setdefault(node, link)
             node = link.base
-    leaves, spec = pytree.tree_flatten([links[n].args for n in node_links])
+    if wb.targets == (wb.written,):  # the written tensor itself (a program input): its new value, no trace
+        return {wb.written: new}
+    leaves, spec = pytree.tree_flatten([link.args for link in links.values()])
     graph_values = [leaf for leaf in leaves if isinstance(leaf, Node)]
+    inputs = [wb.base, new, *graph_values]
+    memo = _TRACES.setdefault(rw.fake_mode, {})
+    key = _key(wb, links, leaves, spec, inputs)
+    try:
+        traced = memo.get(key)
+    except TypeError:  # an argument that cannot be a key: traced each time
+        key, traced = None, None
+    if traced is None:
+        traced = _traced(rw, wb, links, leaves, spec, inputs)
+        if key is not None:
+            memo[key] = traced
+    if isinstance(traced, str):
+        return Miss(f"writing {wb.written.name} back to {wb.base.name}: {traced}")
+    outs = rw.inline(traced, inputs)
+    return dict(zip(wb.targets, outs))
+
+
+def _traced(
+    rw: Rewriter, wb: WriteBack, links: dict[Node, Link], leaves: list, spec: Any, inputs: list[Node]
+) -> GraphModule | str:
+    """make_fx of the view chain replayed, the written view overwritten and the targets returned, under
+    torch's functionalization, on the inputs' fake values, tidied (`_tidy`); or why that failed."""
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
 
     def body(base: torch.Tensor, value: torch.Tensor, *vals: Any) -> tuple[torch.Tensor, ...]:
         filled = list(leaves)
         for i, v in zip(where, vals):
             filled[i] = v
-        args_of = dict(zip(node_links, pytree.tree_unflatten(filled, spec)))
+        args_of = dict(zip(links, pytree.tree_unflatten(filled, spec)))
         replayed: dict[Node, torch.Tensor] = {wb.base: base}
 
         def replay(node: Node) -> torch.Tensor:
@@ -188,9 +237,6 @@ def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
         replay(wb.written).copy_(value)
         return tuple(views)
 
-    if wb.targets == (wb.written,):  # the written tensor itself (a program input): its new value, no trace
-        return {wb.written: new}
-    inputs = [wb.base, new, *graph_values]
     try:
         with rw.fake_mode, torch.no_grad():  # a parameter written under no_grad (RWKV) is a leaf needing grad
             traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="real")(
@@ -198,12 +244,8 @@ def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
             )
     except RuntimeError as e:  # a view torch's functionalization cannot invert
         first = str(e).strip().splitlines()[0]
-        return Miss(f"writing {wb.written.name} back to {wb.base.name} fails under torch's functionalization: {first}")
-    why = _tidy(traced)
-    if why:
-        return Miss(f"writing {wb.written.name} back to {wb.base.name}: {why}")
-    outs = rw.inline(traced, inputs)
-    return dict(zip(wb.targets, outs))
+        return f"torch's functionalization fails: {first}"
+    return _tidy(traced) or traced
 
 
 def _tidy(traced: GraphModule) -> str | None:

@@ -202,3 +202,36 @@ def test_writes_through_split_and_unbind_pieces_and_stale_views_of_views():
     assert _mutating_left(result) == []
     rt.assert_ops(result, present=[aten.slice_scatter.default, aten.select_scatter.default])
     rt.assert_matches_eager(result, StaleAliases(), [(torch.randn(2, 4),), (torch.randn(2, 4) * 3,)])
+
+
+class LayerCaches(torch.nn.Module):
+    """Layers with a cache each, written at the same place: the same write-back, traced once."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = layers
+        for i in range(layers):
+            self.register_buffer(f"cache{i}", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for i in range(self.layers):
+            cache = getattr(self, f"cache{i}")
+            cache.narrow(0, 1, 1).copy_(out.unsqueeze(0))
+            cache[2].add_(out)
+            out = out + cache.sum(0)
+        return out
+
+
+def test_a_write_back_is_traced_once_per_form():
+    from fx_rewrites.rules import inplace_views
+
+    ep = rt.export(LayerCaches(4), torch.randn(8))
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, functionalize_inplace, times=8)
+    fake_mode = next(iter(ep.graph.nodes)).meta["val"].fake_mode
+    assert len(inplace_views._TRACES[fake_mode]) == 2  # narrow + copy_, select + add_: one trace each
+    module, eager = result.program.module(), LayerCaches(4)
+    for x in (torch.randn(8), torch.randn(8) * 3):
+        torch.testing.assert_close(module(x), eager(x))
+        torch.testing.assert_close(dict(module.named_buffers()), dict(eager.named_buffers()))
