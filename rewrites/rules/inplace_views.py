@@ -20,6 +20,7 @@ inverses, hence the trace.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from typing import Any
@@ -193,6 +194,11 @@ def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
             node = link.base
     if wb.targets == (wb.written,):  # the written tensor itself (a program input): its new value, no trace
         return {wb.written: new}
+    one_view = len(links) == 1 and wb.targets == (wb.base, wb.written)  # written = view(base, *args)
+    if one_view and (scatter := _scatter_twin(links[wb.written])) is not None:
+        args = links[wb.written].args  # what the trace would give, without its ~10 ms
+        updated = rw.call(scatter, wb.base, new, *args)
+        return {wb.base: updated, wb.written: rw.call(links[wb.written].op, updated, *args)}
     leaves, spec = pytree.tree_flatten([link.args for link in links.values()])
     graph_values = [leaf for leaf in leaves if isinstance(leaf, Node)]
     inputs = [wb.base, new, *graph_values]
@@ -210,6 +216,23 @@ def trace(rw: Rewriter, wb: WriteBack, new: Node) -> dict[Node, Node] | Miss:
         return Miss(f"writing {wb.written.name} back to {wb.base.name}: {traced}")
     outs = rw.inline(traced, inputs)
     return dict(zip(wb.targets, outs))
+
+
+@functools.cache
+def _scatter_op(view: OpOverload) -> OpOverload | None:
+    """torch's `<view>_scatter` op that writes `src` where `view` reads (slice_scatter, select_scatter,
+    diagonal_scatter, as_strided_scatter), when its arguments after (self, src) are the view's own."""
+    packet = getattr(aten, f"{view._schema.name.split('::')[-1]}_scatter", None)
+    scatter = getattr(packet, "default", None)
+    if scatter is None:
+        return None
+    ours = [a.name for a in view._schema.arguments[1:]]
+    theirs = [a.name for a in scatter._schema.arguments]
+    return scatter if theirs[:2] == ["self", "src"] and theirs[2:] == ours else None
+
+
+def _scatter_twin(link: Link) -> OpOverload | None:
+    return _scatter_op(link.op) if link.item is None else None
 
 
 def _traced(
