@@ -15,7 +15,9 @@ select_scatter, diagonal_scatter, as_strided_scatter, the inverse view of
 `reshape` or `contiguous` that copies a non-contiguous base writes nothing
 back, as in eager (decided from the fake value's strides). `torch._C.
 _functionalization` exposes only the forward replay (`ViewMeta`), not the
-inverses, hence the trace.
+inverses, hence the trace. A trace costs ~10 ms: a write through one view
+that has a `<view>_scatter` twin (same arguments after `self, src`) takes it
+directly, as the trace would, and traces are memoised per fake mode.
 """
 
 from __future__ import annotations
