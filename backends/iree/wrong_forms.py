@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
 from fx_rewrites.engine import Miss
 from fx_rewrites.rules.iree_guards import empty_variance
+from fx_rewrites.rules.iree_pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
 from fx_rewrites.rules.iree_views import (
     index_put_of_itself_for_iree,
     slice_scatter_of_itself_for_iree,
@@ -99,6 +100,25 @@ def _into_itself(node: Node) -> str:
     )
 
 
+def _one_window(node: Node) -> str:
+    dims = one_window_dims(node)
+    x = node.args[0].meta["val"] if dims else None
+    if x is None or all(isinstance(x.shape[d - POOLS_BY_RANK[node.target]], int) for d in dims):
+        return ""  # static sizes: IREE fails to compile it, no wrong number
+    what = (
+        "one window over a longer map along a Dim-sized dim (the output is 1 for every size the range allows, "
+        "`F.max_pool2d(x, 6)` on h in [6, 11]): with a user typed 1 IREE gives wrong values or indices, or a "
+        "run-time shape error, for every size but the window's"
+    )
+    missed = pool_single_window_for_iree.when(node)
+    if not isinstance(missed, Miss):
+        return f"{what}; fix: {APPLY}, which cut the input to the window"
+    return (
+        f"{what}; no rule rewrites this form ({missed.reason}); fix: cut the input to what the window reads "
+        "before pooling (`x[..., :k]`), or export those dims static"
+    )
+
+
 #: op -> why IREE computes this node wrong ("" when the node's form is computed right)
 _CHECKS: dict[Any, Callable[[Node], str]] = {
     **{op: _decomposed_by_rules for name in WRONG_IN_SOME_FORMS for op in schema.resolve_op(name)},
@@ -124,6 +144,7 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
     aten.replication_pad1d.default: _negative_pad,
     aten.replication_pad2d.default: _negative_pad,
     aten.replication_pad3d.default: _negative_pad,
+    **dict.fromkeys(POOLS_BY_RANK, _one_window),
     aten.slice_scatter.default: _into_itself,
     aten.index_put.default: _into_itself,
     aten._unsafe_index_put.default: _into_itself,

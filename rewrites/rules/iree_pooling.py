@@ -1,4 +1,4 @@
-"""Guards against IREE 3.13's ceil-mode pooling with a one-wide or too wide window.
+"""Guards against IREE 3.13's pooling: ceil mode with a one-wide or too wide window; one window over a longer map.
 
 `avg_pool{1,2,3}d(..., ceil_mode=True)` (and `max_pool{1,2,3}d`) where some spatial dim has kernel 1
 and stride 1 (Funnel's `F.avg_pool2d(x, (2, 1), stride=(2, 1),
@@ -14,14 +14,24 @@ by the count torch divides by, which is the same pooling of ones padded the
 same way (ones in the pooling's own padding when count_include_pad, zeros
 elsewhere). Max pooling: the input padded with -inf, then ceil_mode=False.
 docs/iree-3.13-findings.md section 8 has the measurements.
+
+One window over a longer map: where a pooling's output along a dim is one
+window (statically, or by its Dim range: `h//6` for h in [6, 11]) and the
+(padded) input is longer than the window, IREE 3.13 fails to compile it
+(static sizes) or, with Dim sizes and a user typed 1 (`F.max_pool2d(x, 6) * 2`),
+rejects other sizes at run time or returns wrong values (with indices). The
+guard slices the input to what that window reads, so the window covers it
+exactly (docs/iree-3.13-findings.md section 8).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -34,6 +44,13 @@ _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_p
 #: max pooling without indices (with indices, the padded input would shift them)
 _MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
 _POOLS = {**_AVG_POOLS, **_MAX_POOLS}
+_MAX_POOLS_WITH_INDICES = {
+    aten.max_pool1d_with_indices.default: 1,
+    aten.max_pool2d_with_indices.default: 2,
+    aten.max_pool3d_with_indices.default: 3,
+}
+#: every pooling op IREE's one-window guard looks at, with its number of spatial dims
+POOLS_BY_RANK = {**_POOLS, **_MAX_POOLS_WITH_INDICES}
 
 
 def _per_dim(value: Any, n: int, default: list[int]) -> list[int]:
@@ -168,4 +185,125 @@ def max_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, rw.call(node.target, padded, found["kernel"], found["stride"], zeros, found["dilation"], False))
 
 
-RULES = (avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree)
+def _known(condition: Any) -> bool:
+    """True only when `condition` holds for every size the program's Dim ranges allow."""
+    return bool(condition) if isinstance(condition, bool) else bool(statically_known_true(condition))
+
+
+def _pool_args(node: Node) -> dict[str, Any]:
+    """A pooling's arguments by name, with kernel, stride, padding, dilation and window span as n ints."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    n = POOLS_BY_RANK[node.target]
+    kernel = _per_dim(named["kernel_size"], n, [])
+    stride = _per_dim(named.get("stride"), n, kernel)
+    pad = _per_dim(named.get("padding", 0), n, [0] * n)
+    dilation = _per_dim(named.get("dilation", 1), n, [1] * n)
+    span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
+    return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation, "span": span}
+
+
+def one_window_dims(node: Node) -> list[int]:
+    """The spatial dims (0 = the first) along which pooling `node` is one window over a longer padded input,
+    for every size the Dim ranges allow (`h//6` for h in [6, 11] is 1; an h of 6 exactly is no such dim, nor
+    a window wider than the input, which ceil mode allows: the ceil-mode guards take those)."""
+    val, x = node.meta.get("val"), node.args[0]
+    out = val[0] if isinstance(val, (tuple, list)) else val
+    if not isinstance(out, torch.Tensor) or not isinstance(x, Node) or "val" not in x.meta:
+        return []
+    found = _pool_args(node)
+    n, pad, span = found["n"], found["pad"], found["span"]
+    sizes = x.meta["val"].shape[-n:]
+    padded = [size + 2 * p for size, p in zip(sizes, pad)]
+    return [
+        d
+        for d in range(n)
+        if _known(out.shape[d - n] == 1) and _known(padded[d] >= span[d]) and not _known(padded[d] == span[d])
+    ]
+
+
+def _single_window(node: Node) -> dict[str, Any] | Miss:
+    dims = one_window_dims(node)
+    if not dims:
+        return Miss("no spatial dim whose output is one window over a longer input (IREE 3.13 pools those)")
+    found = _pool_args(node)
+    pad = found["pad"]
+    if any(pad[d] for d in dims):
+        count_pad = found.get("count_include_pad", True) or found.get("divisor_override") is not None
+        if node.target in _AVG_POOLS and not count_pad:
+            return Miss("padding on a one-window dim with count_include_pad=False: the divisor would change")
+    return {**found, "dims": dims}
+
+
+def _size(rw: Rewriter, x: Node, dim: int) -> Any:
+    """`x`'s size along `dim`: an int, or an `aten.sym_size.int` node when symbolic."""
+    size = x.meta["val"].shape[dim]
+    return size if isinstance(size, int) else rw.call(aten.sym_size.int, x, dim)
+
+
+def _times(rw: Rewriter, a: Any, b: Any) -> Any:
+    return a * b if isinstance(a, int) and isinstance(b, int) else rw.call(operator.mul, a, b)
+
+
+def _reindex(rw: Rewriter, index: Node, cut: list[Any], full: list[Any], shift: list[int]) -> Node:
+    """Flat indices over maps of sizes `cut` made flat indices over maps of sizes `full`: the same position
+    less `shift` per dim (the explicit padding; a position in it, which only an all -inf window picks as its
+    start, becomes the first real one, as torch's own pooling gives). Scalar overloads: a symbolic size in a
+    Tensor slot does not import in IREE."""
+    coords, rest = [], index
+    for size in reversed(cut[1:]):
+        coords.append(rw.call(aten.remainder.Scalar, rest, size))
+        rest = rw.call(aten.div.Scalar_mode, rest, size, rounding_mode="floor")
+    coords.append(rest)
+    coords.reverse()
+    coords = [
+        c if not s else rw.call(aten.clamp_min.default, rw.call(aten.sub.Scalar, c, s), 0)
+        for c, s in zip(coords, shift)
+    ]
+    flat, stride = None, 1
+    for coord, size in zip(reversed(coords), reversed(full)):
+        term = coord if isinstance(stride, int) and stride == 1 else rw.call(aten.mul.Scalar, coord, stride)
+        flat = term if flat is None else rw.call(aten.add.Tensor, flat, term)
+        stride = _times(rw, stride, size)
+    return flat
+
+
+@rule(
+    roots=tuple(POOLS_BY_RANK),
+    name="pool_single_window_for_iree",
+    when=_single_window,
+    tags={"iree", "guard", "pooling"},
+    doc=(
+        "max_pool / avg_pool 1d-3d (with indices too) whose output along a spatial dim is one window "
+        "(statically or by the Dim range: `F.max_pool2d(x, 6)` on h in [6, 11], output h//6 == 1) over a longer "
+        "(padded) input: the input sliced to what that window reads (padding there made explicit: -inf for max, "
+        "0 for avg with count_include_pad), pooled again, indices mapped back to the whole map. IREE 3.13: "
+        "\"'linalg.generic' op inferred input/output operand #1 has shape's dimension #0 to be 7, but found 6\" "
+        "with static sizes; with Dim sizes and a user typed 1 (`... * 2`) a run-time shape error, or wrong "
+        "values and indices, for every map but the window's own size."
+    ),
+)
+def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+    x, n, dims = found["self"], found["n"], found["dims"]
+    lead = x.meta["val"].dim() - n
+    pad, span = found["pad"], found["span"]
+    # the pooling's own padding made explicit on those dims (so the window covers the cut input exactly);
+    # the one window then reads the first `span` positions of the padded input
+    explicit = [pad[d] if d in dims else 0 for d in range(n)]
+    cut = _pad(rw, x, explicit, explicit, 0.0 if node.target in _AVG_POOLS else _lowest(x.meta["val"].dtype))
+    for d in dims:
+        cut = rw.call(aten.slice.Tensor, cut, lead + d, 0, span[d])
+    named = {k: v for k, v in found.items() if k in schema.arg_names(node.target)}
+    named.update(self=cut, kernel_size=found["kernel"], stride=found["stride"])
+    named["padding"] = [0 if d in dims else p for d, p in enumerate(pad)]
+    args, kwargs = schema.unbind(node.target, named, explicit=True)
+    pooled = rw.call(node.target, *args, **kwargs)
+    if node.target not in _MAX_POOLS_WITH_INDICES:
+        rw.replace(node, pooled)
+        return
+    cut_sizes = [_size(rw, cut, lead + d) if d not in dims else span[d] for d in range(n)]
+    full_sizes = [_size(rw, x, lead + d) for d in range(n)]
+    index = _reindex(rw, rw.getitem(pooled, 1), cut_sizes, full_sizes, explicit)
+    rw.replace(node, [rw.getitem(pooled, 0), index])
+
+
+RULES = (avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree, pool_single_window_for_iree)
