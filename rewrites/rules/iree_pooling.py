@@ -227,10 +227,18 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
         return Miss("no spatial dim whose output is one window over a longer input (IREE 3.13 pools those)")
     found = _pool_args(node)
     pad = found["pad"]
-    if any(pad[d] for d in dims):
-        count_pad = found.get("count_include_pad", True) or found.get("divisor_override") is not None
-        if node.target in _AVG_POOLS and not count_pad:
-            return Miss("padding on a one-window dim with count_include_pad=False: the divisor would change")
+    found["rescale"] = 1.0
+    count_pad = found.get("count_include_pad", True) or found.get("divisor_override") is not None
+    if node.target in _AVG_POOLS and not count_pad and any(pad[d] for d in dims):
+        # torch divides by the real positions the window reads there, span - pad when the input is that long
+        sizes = found["self"].meta["val"].shape[-found["n"] :]
+        if not all(_known(sizes[d] >= found["span"][d] - pad[d]) for d in dims):
+            return Miss(
+                "padding on a one-window dim with count_include_pad=False, and an input shorter than the window "
+                "for some sizes: the divisor varies with the size"
+            )
+        for d in dims:
+            found["rescale"] *= found["span"][d] / (found["span"][d] - pad[d])
     return {**found, "dims": dims}
 
 
@@ -276,7 +284,8 @@ def _reindex(rw: Rewriter, index: Node, cut: list[Any], full: list[Any], shift: 
         "max_pool / avg_pool 1d-3d (with indices too) whose output along a spatial dim is one window "
         "(statically or by the Dim range: `F.max_pool2d(x, 6)` on h in [6, 11], output h//6 == 1) over a longer "
         "(padded) input: the input sliced to what that window reads (padding there made explicit: -inf for max, "
-        "0 for avg with count_include_pad), pooled again, indices mapped back to the whole map. IREE 3.13: "
+        "0 for avg, rescaled to torch's divisor without count_include_pad), pooled again, indices mapped back to "
+        "the whole map. IREE 3.13: "
         "\"'linalg.generic' op inferred input/output operand #1 has shape's dimension #0 to be 7, but found 6\" "
         "with static sizes; with Dim sizes and a user typed 1 (`... * 2`) a run-time shape error, or wrong "
         "values and indices, for every map but the window's own size."
@@ -297,6 +306,8 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     named["padding"] = [0 if d in dims else p for d, p in enumerate(pad)]
     args, kwargs = schema.unbind(node.target, named, explicit=True)
     pooled = rw.call(node.target, *args, **kwargs)
+    if found["rescale"] != 1.0:  # count_include_pad=False counts the explicit padding: torch's divisor is smaller
+        pooled = rw.call(aten.mul.Tensor, pooled, found["rescale"])
     if node.target not in _MAX_POOLS_WITH_INDICES:
         rw.replace(node, pooled)
         return

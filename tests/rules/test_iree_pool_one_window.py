@@ -56,6 +56,8 @@ CASES = {
     # (h + 2 - 5)//4 + 1 == 1 on [3, 6]: the window reads the padding, and past the end of a 3-map
     "max2d_padded_indices": (Pool(F.max_pool2d, 5, 4, 1, return_indices=True), 2, (3, 6), [3, 4, 5, 6]),
     "avg2d_padded": (Pool(F.avg_pool2d, 5, 4, 1), 2, (3, 6), [3, 4, 5, 6]),
+    # torch divides by the 4 real positions the window reads (the input is at least that long)
+    "avg2d_padded_real_count": (Pool(F.avg_pool2d, 5, 4, 1, count_include_pad=False), 2, (4, 6), [4, 5, 6]),
     # a dilated window: span 5 of kernel 3
     "max2d_dilated_indices": (Pool(F.max_pool2d, 3, 5, dilation=2, return_indices=True), 2, (5, 9), [5, 6, 9]),
     # one window along h only: w pooled as usual (its size symbolic in the index arithmetic)
@@ -89,7 +91,7 @@ def _iree_wrong_or_error(fn, module, args) -> bool:
         return True
 
 
-@pytest.mark.parametrize("case", ["max2d_indices", "max2d", "avg2d", "max2d_padded_indices"])
+@pytest.mark.parametrize("case", ["max2d_indices", "max2d", "avg2d", "max2d_padded_indices", "avg2d_padded_real_count"])
 def test_dim_sizes_wrong_on_iree_without_the_guard(case):
     module, nsp, (lo, hi), sizes = CASES[case]
     ep = rt.export(module, *_x(nsp, lo), dynamic_shapes=_dims(nsp, lo, hi))
@@ -132,14 +134,17 @@ def test_static_fails_on_iree_without_the_guard_and_matches_with_it(case):
 
 
 def test_count_include_pad_false_with_padding_is_refused():
-    """A form the guard leaves (the divisor counts the real positions only): refused, not wrong."""
+    """A form the guard leaves (the divisor counts the real positions only, 3 on a 3-map, 4 on longer ones):
+    refused, not wrong."""
     module = Pool(F.avg_pool2d, 5, 4, 1, count_include_pad=False)
     ep = rt.export(module, *_x(2, 3), dynamic_shapes=_dims(2, 3, 6))
     result = fx_rewrites.apply(ep, IREE.rules, explain=True)
     rt.assert_not_fired(result, GUARD)
     fn = RAW_IREE.compile(result.program, _x(2, 3))
     assert any(_iree_wrong_or_error(fn, module, _x(2, s, seed=s)) for s in (5, 6))
-    with pytest.raises(IreeUnsupportedError, match=r"no rule rewrites this form \(padding on a one-window dim"):
+    with pytest.raises(
+        IreeUnsupportedError, match=r"no rule rewrites this form \(padding on a one-window dim.*the divisor varies"
+    ):
         IREE.compile(result.program, _x(2, 3))
 
 
