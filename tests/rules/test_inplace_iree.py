@@ -29,6 +29,7 @@ from tests.rules.test_inplace import (
     _relative_shift_inputs,
 )
 from tests.rules.test_inplace_views import (
+    InputWrites,
     KVCache,
     NarrowCopy,
     ReshapedWrites,
@@ -155,3 +156,13 @@ def test_writes_through_views(iree, dynamic):
 def test_writes_through_split_and_unbind_pieces(iree):
     inputs = [(torch.randn(2, 4),), (torch.randn(2, 4) * 3,)]
     _matches(_compiled(iree, StaleAliases(), inputs), StaleAliases(), inputs)
+
+
+def test_writes_through_views_of_an_input(iree):
+    """x.diagonal().zero_() and x.narrow(0, 1, 2).mul_(2) on the caller's tensor: written as in eager."""
+    inputs = [(torch.randn(4, 4),), (torch.randn(4, 4) * 3,)]
+    fn = _compiled(iree, InputWrites(), inputs)
+    for (x,) in inputs:
+        got_x, want_x = x.clone(), x.clone()
+        torch.testing.assert_close(fn(got_x), InputWrites()(want_x))
+        torch.testing.assert_close(got_x, want_x)
