@@ -203,7 +203,7 @@ def load(path: str | Path, *, params: str | Path | None = None, driver: str | No
     """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
     import iree.runtime
 
-    from fx_rewrites.backends.iree.runtime import IreeCompiled
+    from fx_rewrites.backends.iree.runtime import IreeCompiled, get_device
 
     path = Path(path)
     if not path.is_file():
@@ -220,7 +220,7 @@ def load(path: str | Path, *, params: str | Path | None = None, driver: str | No
             "run it with iree-run-module or iree.runtime directly"
         )
     plan, doc = plan_from_json(entries[CALL_KEY], str(path))
-    config = iree.runtime.Config(driver or doc["driver"])
+    config = iree.runtime.Config(device=get_device(iree.runtime, driver or doc["driver"]))
     modules = []
     archive = None
     if doc["parameters"] is not None:

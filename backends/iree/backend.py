@@ -24,7 +24,7 @@ from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, 
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
-from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
+from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.rules import DEFAULT, iree_perf
 from fx_rewrites.rules import iree as iree_rules
@@ -152,7 +152,7 @@ class IreeBackend:
         rt = iree_modules().runtime
         uri = self.device or self.driver
         try:
-            device = rt.get_device(uri)
+            device = get_device(rt, uri)
         except (RuntimeError, ValueError) as e:
             cause = str(e).split("; ", 1)[-1].strip()
             raise IreeDeviceError(

@@ -1,6 +1,6 @@
 """Fused attention on IREE: one form, guarded, and (where measured faster) written out.
 
-Three rules, over `aten.scaled_dot_product_attention` and the CPU kernel
+Four rules, over `aten.scaled_dot_product_attention` and the CPU kernel
 torch.compile's graphs call (`aten._scaled_dot_product_flash_attention_for_cpu`):
 
 - `flash_attention_for_cpu_to_sdpa`: the CPU kernel, whose logsumexp
@@ -10,8 +10,11 @@ torch.compile's graphs call (`aten._scaled_dot_product_flash_attention_for_cpu`)
   -inf: a padded sequence under a sliding window, Gemma3, ModernBERT) gives 0
   in torch 2.13 CPU eager and NaN in IREE 3.13's attention lowering. The
   output is wrapped in `where(row has a key, attention, 0)`.
+- `attention_mask_that_masks_nothing` (every IREE target): a mask computed
+  from no input that lets every key through (transformers 5's encoders
+  without padding) is dropped; it changes no number and costs IREE a select.
 - `attention_as_matmul_softmax` (a performance rule, not in the default
-  rules): attention written out as matmul, softmax, matmul, which IREE 3.13
+  rules): attention written out as matmul, scale, softmax, matmul, which IREE 3.13
   runs faster on llvm-cpu than its own lowering of the fused op (issue 13;
   `rewrites/rules/iree_perf.py` decides per target). It keeps the guard's
   semantics: a fully masked row gives 0.
@@ -26,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 from torch.fx import Node
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -127,6 +131,72 @@ def flash_attention_for_cpu_to_sdpa(node: Node, rw: Rewriter) -> Any:
     rw.erase(node)  # the kernel's schema marks it nondeterministic (dropout): the dead-node sweep keeps it
 
 
+# ----------------------------------------------------------------------------- a mask that masks nothing
+
+#: the largest mask (elements) and the most nodes behind it that `attention_mask_that_masks_nothing` evaluates
+MAX_MASK_ELEMENTS = 1 << 24
+MAX_MASK_NODES = 64
+
+
+def _mask_from_no_input(node: Node) -> Node | Miss:
+    """The SDPA's mask when it is computed from no graph input and, evaluated, lets every key through."""
+    mask = bind(node).mask
+    if not isinstance(mask, Node):
+        return Miss("no mask")
+    behind, todo = {}, [mask]
+    while todo:
+        n = todo.pop()
+        if n in behind:
+            continue
+        if n.op != "call_function":
+            return Miss(f"the mask reads {n.name} ({n.op}): it depends on the inputs")
+        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return Miss(f"{n.name} ({n.target}) is random: one evaluation says nothing of the next")
+        val = _val(n)
+        if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+            return Miss(f"{n.name} has a symbolic size: the mask cannot be evaluated once for every size")
+        behind[n] = None
+        if len(behind) > MAX_MASK_NODES:
+            return Miss(f"more than {MAX_MASK_NODES} nodes compute the mask")
+        todo.extend(n.all_input_nodes)
+    if _val(mask).numel() > MAX_MASK_ELEMENTS:
+        return Miss(f"a mask of {_val(mask).numel()} elements")
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    values: dict[Node, Any] = {}
+    try:
+        # real tensors: the engine may call `when` under its fake mode (torch.compile's route does)
+        with _disable_current_modes():
+            for n in sorted(behind, key=order.__getitem__):
+                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                values[n] = n.target(*args, **kwargs)
+            value = values[mask]
+            no_effect = bool(value.all()) if value.dtype == torch.bool else bool((value == 0).all())
+    except Exception as e:  # an op that will not run on real tensors here: the mask stays, as it came
+        return Miss(f"evaluating the mask raised {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    return mask if no_effect else Miss("the mask masks some key")
+
+
+@rule(
+    roots=(SDPA,),
+    name="attention_mask_that_masks_nothing",
+    when=_mask_from_no_input,
+    tags={"iree", "attention", "performance"},
+    doc=(
+        "scaled_dot_product_attention whose mask is computed from no input (only factories such as arange, "
+        "static sizes) and lets every key through (bool: all True; float: all 0): the mask is dropped, which "
+        "changes no number. transformers 5 builds such a mask for encoders without padding (ViT: "
+        "arange(197) >= 0); on IREE it costs a masked_fill, the fully-masked-row guard's reduction and "
+        "a select."
+    ),
+)
+def attention_mask_that_masks_nothing(node: Node, rw: Rewriter, mask: Node) -> Any:
+    a = bind(node)
+    rw.replace(
+        node,
+        rw.call(SDPA, a.query, a.key, a.value, None, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=a.enable_gqa),
+    )
+
+
 # ----------------------------------------------------------------------------- the guard
 
 
@@ -225,7 +295,7 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
     when=_writable,
     tags={"iree", "performance", "attention"},
     doc=(
-        "scaled_dot_product_attention written out: (query * scale) @ key^T, plus the mask (bool: masked_fill "
+        "scaled_dot_product_attention written out: (query @ key^T) * scale, plus the mask (bool: masked_fill "
         "-inf; float: added; is_causal: the lower triangle kept), softmax, @ value; a row that masks every "
         "key gives 0, as torch 2.13 CPU eager. IREE 3.13 lowers the fused op on llvm-cpu (its online "
         "attention) slower than this form (issue 13). Performance only: not in the default rules."
@@ -238,7 +308,10 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
         k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
         v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
     scale = a.scale if a.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
-    scores = rw.call(aten.matmul.default, rw.call(aten.mul.Scalar, q, scale), rw.call(aten.transpose.int, k, -2, -1))
+    # scaled after the matmul, as torch's CPU flash kernel: IREE fuses the scale into the softmax, where scaling the
+    # query first is a dispatch of its own. An attention block in a model's layout, iree-benchmark-module, medians:
+    # 4x4 heads x 500 tokens (Whisper) 34.4 -> 27.9 ms, 197 (ViT) 8.8 -> 7.3 ms, 128 (BERT) 1.50 -> 1.53 ms
+    scores = rw.call(aten.mul.Scalar, rw.call(aten.matmul.default, q, rw.call(aten.transpose.int, k, -2, -1)), scale)
     if a.is_causal:
         rows = rw.call(aten.arange.default, _size(rw, q, -2), device=qv.device)
         cols = rw.call(aten.arange.default, _size(rw, k, -2), device=qv.device)
@@ -248,12 +321,14 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
         scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, a.mask), float("-inf"))
     elif a.mask is not None:
         scores = rw.call(aten.add.Tensor, scores, a.mask)
-    weights = rw.call(aten._softmax.default, scores, -1, False)
-    out = rw.call(aten.matmul.default, weights, v)
+    # softmax, then @ value. The division last (exp(s - max) @ value / sum, as a flash kernel) ran Whisper's
+    # attention 23 -> 18 ms, but IREE 3.13 with data tiling computes that form wrong (inf, NaN) at some sizes
+    # (docs/iree-3.13-findings.md, section 9)
+    out = rw.call(aten.matmul.default, rw.call(aten._softmax.default, scores, -1, False), v)
     if a.mask is not None and not is_guarded(node):
         out = zero_fully_masked_rows(rw, out, a.mask)
     rw.replace(node, out)
 
 
 #: every IREE target: one form, guarded
-GUARDS = (flash_attention_for_cpu_to_sdpa, attention_fully_masked_rows_guard)
+GUARDS = (flash_attention_for_cpu_to_sdpa, attention_mask_that_masks_nothing, attention_fully_masked_rows_guard)

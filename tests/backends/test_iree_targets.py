@@ -148,3 +148,24 @@ def test_the_cpu_backend_runs_on_the_device_asked_for():
     backend = IreeBackend(device="local-sync", cache=CompileCache())
     fn = backend.compile(fx_rewrites.apply(torch.export.export(module, (x,)), backend.rules).program, (x,))
     torch.testing.assert_close(fn(x), module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_cpu_device_reuses_buffers_without_stale_values():
+    """CPU devices use IREE's caching allocator (backends/iree/runtime.py `get_device`): a call's transient
+    buffers are the last call's, so a kernel that forgot to initialise one would show the last call's numbers."""
+    from fx_rewrites.backends.iree.runtime import get_device
+
+    class Reduce(torch.nn.Module):
+        def forward(self, x):
+            scores = x @ x.transpose(-2, -1)
+            return torch.softmax(scores, -1).sum(-1) + scores.amax(-1)
+
+    iree = backends.get("iree")
+    import iree.runtime as ireert
+
+    assert get_device(ireert, iree.driver) is get_device(ireert, iree.driver)
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3, 40, 16, generator=g) * scale for scale in (1.0, 100.0, 0.01)]
+    fn = fx_rewrites.compile(Reduce(), (inputs[0],), backend="iree")
+    for x in [*inputs, inputs[0], inputs[1]]:
+        torch.testing.assert_close(fn(x), Reduce()(x), rtol=1e-4, atol=1e-4)

@@ -22,6 +22,8 @@ from fx_rewrites.rules.attention import (
     GUARD,
     attention_as_matmul_softmax,
     attention_fully_masked_rows_guard,
+    attention_mask_that_masks_nothing,
+    bind,
     flash_attention_for_cpu_to_sdpa,
 )
 from fx_rewrites.ruleset import Phases
@@ -230,3 +232,104 @@ def test_flash_for_cpu_with_grouped_query_heads_stays():
     gm = graphs[0].graph_module
     assert aten._scaled_dot_product_flash_attention_for_cpu.default in rt.targets(gm)
     rt.assert_not_fired(rt.apply_rules(gm, flash_attention_for_cpu_to_sdpa), flash_attention_for_cpu_to_sdpa)
+
+
+# ----------------------------------------------------------------------------- a mask that masks nothing
+
+
+class BuiltMask(torch.nn.Module):
+    """SDPA with a mask built inside from sizes only, as transformers 5 builds ViT's (`arange(L) >= start`)."""
+
+    def __init__(self, start: int = 0, as_float: bool = False, random: bool = False) -> None:
+        super().__init__()
+        self.start, self.as_float, self.random = start, as_float, random
+
+    def forward(self, q, k, v):
+        length = q.shape[-2]
+        if self.random:
+            keep = torch.rand(length) > -1.0  # always True, but random: one evaluation proves nothing
+        else:
+            keep = torch.arange(length) + 0 >= self.start
+        mask = keep[None, None, :, None].expand(q.shape[0], -1, length, length)
+        if self.as_float:
+            mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+
+
+def _square(seed: int, length: int = 7) -> tuple:
+    return _qkv(seed, length=length, keys=length)
+
+
+@pytest.mark.parametrize("as_float", [False, True], ids=["bool", "float"])
+def test_a_mask_that_masks_nothing_is_dropped(as_float):
+    module, inputs = BuiltMask(as_float=as_float), [_square(0), _square(1)]
+    ep = rt.export(module, *inputs[0])
+    assert any(n.target is SDPA and bind(n).mask is not None for n in ep.graph.nodes)
+    result = rt.apply_rules(ep, attention_mask_that_masks_nothing)
+    rt.assert_fired(result, attention_mask_that_masks_nothing, times=1)
+    sdpa = [n for n in result.program.graph.nodes if n.target is SDPA]
+    assert len(sdpa) == 1 and bind(sdpa[0]).mask is None
+    rt.assert_ops(result, absent=[aten.arange.default, aten.ge.Scalar, aten.expand.default])
+    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
+    rt.assert_idempotent(result, attention_mask_that_masks_nothing)
+
+
+@pytest.mark.parametrize(
+    ("module", "shapes", "why"),
+    [
+        (BuiltMask(start=3), None, "masks some key"),
+        (BuiltMask(random=True), None, "random"),
+        (BuiltMask(), ({2: Dim("length", min=2, max=16)},) * 3, "symbolic size"),
+        (Attend(), None, "depends on the inputs"),
+    ],
+    ids=["masks_keys", "random", "dim", "input_mask"],
+)
+def test_a_mask_that_may_mask_something_stays(module, shapes, why):
+    args = _square(0) if isinstance(module, BuiltMask) else (*_square(0), _bool_mask(0, length=7))
+    ep = rt.export(module, *args, dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, attention_mask_that_masks_nothing)
+    rt.assert_not_fired(result, attention_mask_that_masks_nothing)
+    (sdpa,) = [n for n in ep.graph.nodes if n.target is SDPA]
+    assert why in str(attention_mask_that_masks_nothing.when(sdpa))
+    rt.assert_matches_eager(result, module, [args])
+
+
+def test_a_mask_that_masks_nothing_on_iree():
+    """The default IREE route drops it before the guard, so no row test and no select are compiled."""
+    iree = backends.get("iree")
+    module, inputs = BuiltMask(), [_square(0), _square(1)]
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, attention_mask_that_masks_nothing, times=1)
+    rt.assert_not_fired(result, attention_fully_masked_rows_guard)
+    rt.assert_ops(result, absent=[aten.where.self, aten.any.dim, aten.masked_fill.Scalar])
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-5, atol=1e-6)
+
+
+class ThreeDimensionalLateDivision(torch.nn.Module):
+    """Attention with softmax's division last and its max / exp / sum on the 4-D scores (not the rule's form)."""
+
+    def forward(self, q, k, v):
+        scores = (q * 0.125) @ k.transpose(-2, -1)
+        exps = torch.exp(scores - scores.amax(-1, keepdim=True))
+        return (exps @ v) / exps.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("length", [7, 15, 31, 33])
+def test_written_out_on_iree_at_lengths_iree_gets_wrong_in_4d(length):
+    """The rule's form (softmax, then @ value) is right at query lengths 2^n - 1, where IREE 3.13 with data tiling
+    gives inf for softmax's division moved after the matmul, the faster form (the second half fails once IREE is
+    fixed: then the rule can take that form; docs/iree-3.13-findings.md, section 9)."""
+    iree = backends.get("iree")
+    inputs = [_square(seed, length=length) for seed in (0, 1)]
+    module = Attend(scale=0.125)
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, attention_as_matmul_softmax, times=1)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-5, atol=1e-6)
+    if length == 7:
+        plain = fx_rewrites.apply(rt.export(ThreeDimensionalLateDivision(), *inputs[0]), iree.rules)
+        got = iree.compile(plain.program, inputs[0])(*inputs[0])
+        assert not torch.isfinite(got).all(), "IREE now computes the division-last form right: the rule may use it"
