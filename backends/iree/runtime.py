@@ -28,8 +28,9 @@ def get_device(rt: Any, uri: str) -> Any:
     Whisper encoder's [4, 4, 500, 500] attention scores cost ~8,000 page
     faults a call, 170 -> 145 ms of CPU time (iree-benchmark-module,
     `--device_allocator=caching`). The caching allocator keeps freed blocks
-    for the next call, as torch's CPU allocator reuses its heap; a process
-    holds at most its largest call's transients.
+    for the next call, as torch's CPU allocator reuses its heap: the memory
+    a process's calls freed stays with it until the device is dropped (at
+    exit).
     """
     device = _DEVICES.get(uri)
     if device is None:

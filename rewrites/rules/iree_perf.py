@@ -7,11 +7,10 @@ a rule is in a target's default set only where that benchmark shows a gain
 on every model it fires on (docs/performance.md has the table).
 
 - `attention_as_matmul_softmax` (fx_rewrites.rules.attention): llvm-cpu.
-  Its softmax is written out on 2-D rows with the division last.
+  Its scores are scaled after `q @ k^T` and its softmax comes before `@ v`.
 - `softmax_rows_as_2d`: llvm-cpu. A softmax over the last dim of a rank-3+
   tensor with 256 or more rows a matrix, not a power of two (Whisper's
-  [4, 4, 500, 500] attention weights under transformers'
-  `attn_implementation="eager"`), runs up to 6x slower than the same
+  [4, 4, 500, 500] attention weights), runs up to 6x slower than the same
   softmax on its rows flattened to 2-D.
 - `patch_conv_as_matmul`: llvm-cpu. A convolution whose stride is its
   kernel (ViT's 16x16 patch embedding) is a reshape and a matmul; IREE
