@@ -1,0 +1,48 @@
+"""benchmarks/iree_dispatches.py: a small module's dispatches are found, counted per call and timed. No timing
+is asserted (the machine is shared), only what the profile must contain."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+class TwoLayers(torch.nn.Module):
+    """The same linear twice (one executable launched twice), then a softmax (another executable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.softmax(self.linear(torch.relu(self.linear(x))), -1)
+
+
+def test_profile_counts_and_times_each_dispatch(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import iree_dispatches
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    iree = backends.get("iree")
+    x = torch.randn(32, 64)
+    program = fx_rewrites.apply(torch.export.export(TwoLayers().eval(), (x,)), iree.rules).program
+    mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
+    found = iree_dispatches.profile(mlir, [*iree.flags, *iree.perf_flags], tmp_path)
+    by_kind = {kind: [d for d in found if kind in d.name] for kind in ("matmul", "softmax")}
+    assert by_kind["matmul"] and by_kind["softmax"], [d.name for d in found]
+    assert sum(d.calls for d in by_kind["matmul"]) == 2, found  # the two linears, not the weights' packing
+    assert all(d.calls >= 1 and d.ms > 0 for d in found), found
+    text = iree_dispatches.table(found, top=3)
+    assert text.count("\n| ") == min(3, len(found)) + 1 and f"all {len(found)} executables" in text
+    with pytest.raises(SystemExit, match="unknown model"):
+        iree_dispatches.model_mlir("no_such_model", quick=True)
