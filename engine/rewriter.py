@@ -144,6 +144,12 @@ class Rewriter:
         """Insert `value[index]` (for ops that return several tensors)."""
         return self.call(operator.getitem, value, index)
 
+    def size(self, node: Node, dim: int) -> Any:
+        """`node`'s size along `dim`: an int where its fake value's size is one, else an inserted
+        `aten.sym_size.int(node, dim)` (a symbolic size stays symbolic in the replacement)."""
+        size = node.meta["val"].shape[dim]
+        return size if isinstance(size, int) else self.call(torch.ops.aten.sym_size.int, node, dim)
+
     def attr(self, obj: Any, hint: str = "_rewrites_attr") -> Node:
         """Register `obj` on the graph's module and insert a get_attr for it."""
         owner = self.graph.owning_module

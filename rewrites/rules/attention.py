@@ -256,12 +256,6 @@ def attention_fully_masked_rows_guard(node: Node, rw: Rewriter) -> Any:
 # ----------------------------------------------------------------------------- written out
 
 
-def _size(rw: Rewriter, node: Node, dim: int) -> Any:
-    """`node`'s size along `dim`: an int, or an `aten.sym_size.int` node for a symbolic size."""
-    size = _val(node).shape[dim]
-    return size if isinstance(size, int) else rw.call(aten.sym_size.int, node, dim)
-
-
 def _writable(node: Node) -> Attention | Miss:
     a = bind(node)
     q, k = _val(a.query), _val(a.key)
@@ -285,7 +279,7 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
     expanded = rw.call(aten.unsqueeze.default, kv, -3)
     sizes = [*(-1 for _ in shape[:-3]), shape[-3], times, shape[-2], shape[-1]]
     expanded = rw.call(aten.expand.default, expanded, sizes)
-    batch = [_size(rw, kv, d) for d in range(len(shape) - 3)]
+    batch = [rw.size(kv, d) for d in range(len(shape) - 3)]
     return rw.call(aten.reshape.default, expanded, [*batch, shape[-3] * times, shape[-2], shape[-1]])
 
 
@@ -313,8 +307,8 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
     # 4x4 heads x 500 tokens (Whisper) 34.4 -> 27.9 ms, 197 (ViT) 8.8 -> 7.3 ms, 128 (BERT) 1.50 -> 1.53 ms
     scores = rw.call(aten.mul.Scalar, rw.call(aten.matmul.default, q, rw.call(aten.transpose.int, k, -2, -1)), scale)
     if a.is_causal:
-        rows = rw.call(aten.arange.default, _size(rw, q, -2), device=qv.device)
-        cols = rw.call(aten.arange.default, _size(rw, k, -2), device=qv.device)
+        rows = rw.call(aten.arange.default, rw.size(q, -2), device=qv.device)
+        cols = rw.call(aten.arange.default, rw.size(k, -2), device=qv.device)
         above = rw.call(aten.lt.Tensor, rw.call(aten.unsqueeze.default, rows, -1), cols)
         scores = rw.call(aten.masked_fill.Scalar, scores, above, float("-inf"))
     if a.mask is not None and _val(a.mask).dtype == torch.bool:

@@ -66,8 +66,7 @@ def _shapes(node: Node) -> Miss | None:
 )
 def grouped_mm_to_gathered_bmm_for_iree(node: Node, rw: Rewriter) -> Any:
     x, weight, offs = node.args[:3]
-    rows_val, experts = x.meta["val"].shape[0], weight.meta["val"].shape[0]
-    rows = rows_val if isinstance(rows_val, int) else rw.call(aten.sym_size.int, x, 0)
+    rows, experts = rw.size(x, 0), weight.meta["val"].shape[0]
     index = rw.call(aten.arange.default, rows, dtype=offs.meta["val"].dtype, device=offs.meta["val"].device)
     started = rw.call(
         aten.ge.Tensor, rw.call(aten.unsqueeze.default, index, 1), rw.call(aten.unsqueeze.default, offs, 0)

@@ -45,11 +45,6 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def _size(rw: Rewriter, node: Node, dim: int) -> Any:
-    size = _val(node).shape[dim]
-    return size if isinstance(size, int) else rw.call(aten.sym_size.int, node, dim)
-
-
 # ----------------------------------------------------------------------------- softmax
 
 #: softmax_rows_as_2d fires from this many rows a matrix (benchmarks/runtime.py: 500 rows (Whisper) gain 2.2x;
@@ -87,7 +82,7 @@ def softmax_rows_as_2d(node: Node, rw: Rewriter) -> Any:
     x = node.args[0]
     flat = rw.call(aten.reshape.default, x, [-1, _val(x).shape[-1]])
     out = rw.call(node.target, flat, -1, *node.args[2:], **node.kwargs)
-    rw.replace(node, rw.call(aten.reshape.default, out, [_size(rw, x, d) for d in range(_val(x).dim())]))
+    rw.replace(node, rw.call(aten.reshape.default, out, [rw.size(x, d) for d in range(_val(x).dim())]))
 
 
 # ----------------------------------------------------------------------------- convolutions

@@ -242,12 +242,6 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
     return {**found, "dims": dims}
 
 
-def _size(rw: Rewriter, x: Node, dim: int) -> Any:
-    """`x`'s size along `dim`: an int, or an `aten.sym_size.int` node when symbolic."""
-    size = x.meta["val"].shape[dim]
-    return size if isinstance(size, int) else rw.call(aten.sym_size.int, x, dim)
-
-
 def _times(rw: Rewriter, a: Any, b: Any) -> Any:
     return a * b if isinstance(a, int) and isinstance(b, int) else rw.call(operator.mul, a, b)
 
@@ -311,8 +305,8 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     if node.target not in _MAX_POOLS_WITH_INDICES:
         rw.replace(node, pooled)
         return
-    cut_sizes = [_size(rw, cut, lead + d) if d not in dims else span[d] for d in range(n)]
-    full_sizes = [_size(rw, x, lead + d) for d in range(n)]
+    cut_sizes = [rw.size(cut, lead + d) if d not in dims else span[d] for d in range(n)]
+    full_sizes = [rw.size(x, lead + d) for d in range(n)]
     index = _reindex(rw, rw.getitem(pooled, 1), cut_sizes, full_sizes, explicit)
     rw.replace(node, [rw.getitem(pooled, 0), index])
 

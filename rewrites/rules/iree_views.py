@@ -85,7 +85,7 @@ def _reads(src: Any, buffer: set[Node]) -> bool:
 def _full(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> Node:
     """`fill` in `like`'s shape, built from its sizes (not from `like`: no data dependence on it)."""
     val = like.meta["val"]
-    sizes = [s if isinstance(s, int) else rw.call(aten.sym_size.int, like, d) for d, s in enumerate(val.shape)]
+    sizes = [rw.size(like, d) for d in range(val.dim())]
     return rw.call(aten.full.default, sizes, fill, dtype=dtype, device=val.device)
 
 
