@@ -86,12 +86,13 @@ def profile(mlir: str, flags: list[str], workdir: Path) -> list[Dispatch]:
     _run([*compile_, source, "--compile-to=stream", "-o", workdir / "stream.mlir"])
     calls = _calls_per_run((workdir / "stream.mlir").read_text())
     dumps = workdir / "executables"
+    cpu = [f for f in flags if f.startswith("--iree-llvmcpu-target-cpu")]  # the other flags shaped what was dumped
     _run([*compile_, source, "-o", workdir / "module.vmfb", f"--iree-hal-dump-executable-benchmarks-to={dumps}"])
     found = []
     for bench in sorted(dumps.glob("*.mlir")):
         vmfb = bench.with_suffix(".vmfb")
         try:
-            _run([*compile_[:1], "--iree-hal-target-backends=llvm-cpu", *flags[:1], bench, "-o", vmfb])
+            _run([compile_[0], "--iree-hal-target-backends=llvm-cpu", *cpu, bench, "-o", vmfb])
         except RuntimeError as e:  # a dumped benchmark IREE cannot build again: say so, keep the others
             why = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[-1])
             print(f"(not timed: {bench.name}: {why.split('error:', 1)[-1].strip()[:160]})", file=sys.stderr)
