@@ -22,6 +22,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
 from fx_rewrites.engine import Miss
+from fx_rewrites.rules.iree_conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
 from fx_rewrites.rules.iree_guards import empty_variance
 from fx_rewrites.rules.iree_pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
 from fx_rewrites.rules.iree_views import (
@@ -119,6 +120,24 @@ def _one_window(node: Node) -> str:
     )
 
 
+def _conv_one_window(node: Node) -> str:
+    dims = conv_one_window_dims(node)
+    if not dims:
+        return ""
+    x, n = node.args[0].meta["val"], node.args[1].meta["val"].dim() - 2
+    if all(isinstance(x.shape[x.dim() - n + d], int) for d in dims):
+        return ""  # static sizes: IREE fails to compile it, no wrong number
+    what = (
+        "one window over a longer map along a Dim-sized dim (the output is 1 for every size the range allows, "
+        "`F.conv2d(x, w, stride=4, padding=1)` with a 5x5 kernel on h in [3, 6]): with a user typed 1 IREE gives "
+        "wrong values, or a run-time shape error, for every size but the window's"
+    )
+    missed = conv_single_window_for_iree.when(node)
+    if not isinstance(missed, Miss):
+        return f"{what}; fix: {APPLY}, which cut the input to the window"
+    return f"{what}; no rule rewrites this form ({missed.reason}); fix: export those dims static"
+
+
 #: op -> why IREE computes this node wrong ("" when the node's form is computed right)
 _CHECKS: dict[Any, Callable[[Node], str]] = {
     **{op: _decomposed_by_rules for name in WRONG_IN_SOME_FORMS for op in schema.resolve_op(name)},
@@ -145,6 +164,7 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
     aten.replication_pad2d.default: _negative_pad,
     aten.replication_pad3d.default: _negative_pad,
     **dict.fromkeys(POOLS_BY_RANK, _one_window),
+    **dict.fromkeys(CONVS, _conv_one_window),
     aten.slice_scatter.default: _into_itself,
     aten.index_put.default: _into_itself,
     aten._unsafe_index_put.default: _into_itself,

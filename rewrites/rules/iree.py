@@ -22,6 +22,7 @@ from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
 from fx_rewrites.rules import attention, iree_lowerings, iree_moe, iree_scatters
+from fx_rewrites.rules.iree_conv import conv_single_window_for_iree
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -192,83 +193,6 @@ def copy_frozen_tensor_in_list(node: Node, rw: Rewriter) -> Any:
             if isinstance(kwargs.get(name), (list, tuple)):
                 kwargs[name] = [read(v) for v in kwargs[name]]
     rw.replace(node, rw.call(node.target, *args, **kwargs))
-
-
-#: the conv ops as torch.export leaves them, and as aot_autograd (torch.compile) and run_decompositions do
-_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
-
-
-def _per_dim(value: Any, n: int, default: int) -> list[int]:
-    if value is None:
-        return [default] * n
-    value = list(value) if isinstance(value, (list, tuple)) else [value]
-    return value * n if len(value) == 1 else value
-
-
-def _single_window(node: Node) -> tuple[list[int], list[int], list[int], list[int]] | Miss:
-    """(window extents, paddings, strides, dilations) when an output size is 1 with input left over."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x, w, out = named["input"].meta.get("val"), named["weight"].meta.get("val"), node.meta.get("val")
-    if not all(isinstance(v, torch.Tensor) for v in (x, w, out)):
-        return Miss("no tensor values")
-    n = w.dim() - 2
-    if x.dim() != n + 2:
-        return Miss("an unbatched input")
-    if named.get("transposed", False):
-        return Miss("a transposed convolution")
-    padding = named.get("padding", 0)
-    if isinstance(padding, str):
-        return Miss(f"padding={padding!r}")
-    padding = _per_dim(padding, n, 0)
-    stride = _per_dim(named.get("stride"), n, 1)
-    dilation = _per_dim(named.get("dilation"), n, 1)
-    sizes = [*x.shape[2:], *w.shape[2:], *out.shape[2:]]
-    if not all(isinstance(v, int) for v in sizes):
-        return Miss("symbolic sizes")
-    window = [d * (k - 1) + 1 for d, k in zip(dilation, w.shape[2:])]
-    if not any(o == 1 and size + 2 * p > e for o, size, p, e in zip(out.shape[2:], x.shape[2:], padding, window)):
-        return Miss("no output size 1 whose padded input is longer than the window")
-    return window, padding, stride, dilation
-
-
-def _has_single_window(node: Node) -> bool | Miss:
-    found = _single_window(node)
-    return found if isinstance(found, Miss) else True
-
-
-@rule(
-    roots=_CONVS,
-    name="conv_single_window_for_iree",
-    when=_has_single_window,
-    tags={"iree"},
-    doc=(
-        "A strided convolution with an output size of 1 along a dimension whose padded input is longer than "
-        "the window (a 3x3/2 conv with padding 1 on a 2x2 map: MobileViT and PoolFormer at 32 px, the last "
-        "stage of any CNN on small images) reads exactly its window: the input is padded explicitly "
-        "(constant_pad_nd) and sliced to the window; conv1d/2d/3d as exported and aten.convolution as "
-        "aot_autograd leaves them. IREE 3.13 miscompiles the original: \"'linalg.generic' op "
-        "inferred input/output operand #1 has shape's dimension #2 to be 4, but found 3\"."
-    ),
-)
-def conv_single_window_for_iree(node: Node, rw: Rewriter) -> Any:
-    window, padding, stride, dilation = _single_window(node)
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x = named["input"]
-    out = node.meta["val"]
-    if any(padding):
-        pads = [p for p in reversed(padding) for _ in (0, 1)]  # last dimension first, (before, after) each
-        x = rw.call(aten.constant_pad_nd.default, x, pads, 0.0)
-    for i, (o, e) in enumerate(zip(out.shape[2:], window)):
-        if o == 1 and x.meta["val"].shape[2 + i] > e:
-            x = rw.call(aten.slice.Tensor, x, 2 + i, 0, e)
-    bias = named.get("bias")
-    groups = named.get("groups", 1)
-    n = len(window)
-    if node.target is aten.convolution.default:
-        padded = (x, named["weight"], bias, stride, [0] * n, dilation, False, named["output_padding"], groups)
-    else:
-        padded = (x, named["weight"], bias, stride, [0] * n, dilation, groups)
-    rw.replace(node, rw.call(node.target, *padded))
 
 
 def _negative_index(node: Node) -> bool | Miss:

@@ -108,6 +108,8 @@ def _plain_conv(c: dict[str, Any], spatial: int) -> bool | Miss:
     w = _val(c["weight"])
     if w.dim() - 2 != spatial:
         return Miss(f"a {w.dim() - 2}-D convolution")
+    if _val(c["input"]).dim() != spatial + 2:
+        return Miss("an unbatched input")
     if c["transposed"] or any(c["output_padding"]):
         return Miss("a transposed convolution")
     if c["groups"] != 1:
@@ -206,7 +208,10 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     columns = rw.call(aten.transpose.int, columns, 1, 2)  # [N, L_out, C*taps]
     weight = rw.call(aten.reshape.default, w, [out_channels, channels * taps])
     y = rw.call(aten.linear.default, columns, weight, c["bias"])
-    rw.replace(node, rw.call(aten.transpose.int, y, 1, 2))
+    # permute, not transpose.int: after a guard that cut a Dim-sized input to one window, the convolution's
+    # users are typed [b, O, L//k] (the engine keeps the replaced value's sizes) while y is [b, 1, O]; IREE 3.13
+    # lowers transpose.int to a linalg.transpose that rejects a static size typed dynamic, permute it casts
+    rw.replace(node, rw.call(aten.permute.default, y, [0, 2, 1]))
 
 
 #: every performance rule, by name (benchmarks/runtime.py measures each)

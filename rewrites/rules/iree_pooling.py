@@ -185,7 +185,7 @@ def max_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, rw.call(node.target, padded, found["kernel"], found["stride"], zeros, found["dilation"], False))
 
 
-def _known(condition: Any) -> bool:
+def known(condition: Any) -> bool:
     """True only when `condition` holds for every size the program's Dim ranges allow."""
     return bool(condition) if isinstance(condition, bool) else bool(statically_known_true(condition))
 
@@ -217,7 +217,7 @@ def one_window_dims(node: Node) -> list[int]:
     return [
         d
         for d in range(n)
-        if _known(out.shape[d - n] == 1) and _known(padded[d] >= span[d]) and not _known(padded[d] == span[d])
+        if known(out.shape[d - n] == 1) and known(padded[d] >= span[d]) and not known(padded[d] == span[d])
     ]
 
 
@@ -232,7 +232,7 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
     if node.target in _AVG_POOLS and not count_pad and any(pad[d] for d in dims):
         # torch divides by the real positions the window reads there, span - pad when the input is that long
         sizes = found["self"].meta["val"].shape[-found["n"] :]
-        if not all(_known(sizes[d] >= found["span"][d] - pad[d]) for d in dims):
+        if not all(known(sizes[d] >= found["span"][d] - pad[d]) for d in dims):
             return Miss(
                 "padding on a one-window dim with count_include_pad=False, and an input shorter than the window "
                 "for some sizes: the divisor varies with the size"
