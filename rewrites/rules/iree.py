@@ -23,6 +23,7 @@ from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
 from fx_rewrites.rules import attention, iree_lowerings, iree_moe, iree_scatters
 from fx_rewrites.rules.iree_conv import conv_single_window_for_iree
+from fx_rewrites.rules.iree_unbatched import unbatched_window_op_for_iree
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -234,6 +235,7 @@ RULES = RuleSet(
         bitwise_ops_for_iree,
         copy_frozen_tensor_in_list,
         conv_single_window_for_iree,
+        unbatched_window_op_for_iree,
         select_scatter_index_for_iree,
         *iree_lowerings.RULES,
         *iree_scatters.RULES,
