@@ -94,6 +94,17 @@ def _eval_batch_norm(node: Node) -> bool | Miss:
     return True
 
 
+def _global_pool_of_symbolic_map(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
+        return Miss("static map sizes (IREE lowers it)")
+    if list(named["output_size"]) != [1, 1]:
+        # torch's decomposition picks its other branches by `h % out == 0` on the example sizes (a guard that
+        # would specialise the Dims); IREE fails to compile these (an error, not a wrong number)
+        return Miss(f"output size {list(named['output_size'])}: only (1, 1) decomposes without specialising")
+    return True
+
+
 #: forms of ops IREE 3.13 lowers in other forms (legality_data.PARTIAL), decomposed in just those forms
 PARTIAL_FORMS = (
     legalize_form(
@@ -118,6 +129,20 @@ PARTIAL_FORMS = (
             "aten.native_batch_norm with training=False on an input other than 4-d (the aot / torch.compile "
             "route's eval batch norm) replaced by torch's decomposition. IREE 3.13 fails on a 3-d input: "
             "\"'tensor.cast' op operand type 'tensor<3xf32>' and result type ... are cast incompatible\"."
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+    legalize_form(
+        (torch.ops.aten.adaptive_max_pool2d.default,),
+        when=_global_pool_of_symbolic_map,
+        name="decompose_adaptive_max_pool2d_for_iree",
+        doc=(
+            "aten.adaptive_max_pool2d to (1, 1) of a map with a Dim-sized height or width replaced by torch's "
+            "decomposition (amax, and argmax of the flattened map). IREE 3.13 fails to compile it, with "
+            'indices or without, for any output size: "failed to legalize operation '
+            "'torch.aten.max_pool2d'\" (torch-mlir writes it as a max_pool2d whose window it cannot type)."
         ),
         illegal=illegal_ops(),
         lowered=legality_data.LOWERED,
