@@ -22,15 +22,18 @@ directly, as the trace would, and traces are memoised per fake mode.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
 from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -179,7 +182,7 @@ def _key(wb: WriteBack, links: dict[Node, Link], leaves: list, spec: Any, inputs
     args = tuple(("input", position[a]) if isinstance(a, Node) else a for a in leaves)
     returned = tuple(order[t] for t in wb.targets)
     base, new, *values = (_value_key(n.meta.get("val")) for n in inputs)
-    metadata = (base, new[:3], *values)  # the new value is only copied: its strides and offset do not matter
+    metadata = (base, new[:4], *values)  # the new value is only copied: its storage offset does not matter
     return views, args, repr(spec), returned, order[wb.written], metadata
 
 
@@ -259,31 +262,77 @@ def _traced(
             return replayed[node]
 
         views = [replay(t) for t in wb.targets]  # every view made before the write, as in the program
-        replay(wb.written).copy_(value)
+        written = replay(wb.written)
+        # copy_'s meta kernel asks whether the view overlaps itself, which on symbolic sizes guards them
+        # ('batch - 1 < 2'): a view of the program, which eager wrote through, does not; value has its sizes
+        with _no_guards(rw):
+            written.copy_(value)
         return tuple(views)
 
+    shape_env = rw.fake_mode.shape_env
+    known = dict(shape_env.replacements) if shape_env is not None else {}
     try:
-        with rw.fake_mode, torch.no_grad():  # a parameter written under no_grad (RWKV) is a leaf needing grad
-            traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="real")(
+        # symbolic: a size argument (narrow's length `batch - 1`) stays a graph value, not its example;
+        # no_grad: a parameter written under no_grad (RWKV) is a leaf needing grad
+        with rw.fake_mode, torch.no_grad(), _no_contiguity_guards():
+            traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="symbolic")(
                 *[n.meta["val"] for n in inputs]
             )
     except RuntimeError as e:  # a view torch's functionalization cannot invert
         first = str(e).strip().splitlines()[0]
         return f"torch's functionalization fails: {first}"
+    fixed = [
+        f"{a} = {b}"
+        for a, b in (shape_env.replacements.items() if shape_env is not None else ())
+        if a not in known and getattr(b, "is_number", False)
+    ]
+    if fixed:
+        return f"replaying the views fixed symbolic sizes to their examples ({', '.join(fixed)}); re-export"
     return _tidy(traced) or traced
+
+
+@contextlib.contextmanager
+def _no_guards(rw: Rewriter) -> Iterator[None]:
+    shape_env = rw.fake_mode.shape_env
+    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _no_contiguity_guards() -> Iterator[None]:
+    """make_fx records each traced value's `tensor_meta`, whose memory-format query asks `size == 1` of
+    every dim: on a symbolic size whose example is 1 (`narrow(0, 1, batch - 1)` at batch 2) that guards
+    the program's Dim to one size (a specialised program: 'Guard failed: -1 + x.size()[0] == 1'). The
+    scratch trace's `tensor_meta` is never read (inlining recomputes values), and torch has no switch
+    for it, so it is extracted without the contiguity query here."""
+    extract = proxy_tensor._extract_tensor_metadata
+    proxy_tensor._extract_tensor_metadata = functools.partial(extract, include_contiguity=False)
+    try:
+        yield
+    finally:
+        proxy_tensor._extract_tensor_metadata = extract
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two tensors have the same sizes and strides (symbolic ones written alike)."""
+    return compatible(a, b) is None and _sym_key(a.stride()) == _sym_key(b.stride())
 
 
 def _tidy(traced: GraphModule) -> str | None:
     """Drop what the rule does itself from the scratch trace: functionalize's copy back into the traced
-    base (`copy_` into a placeholder) and `aten.copy` of the new value onto a view of its own dtype and
-    sizes (the value itself). Returns what is left that mutates, if anything."""
+    base (`copy_` into a placeholder) and `aten.copy` of the new value onto a view of its own dtype,
+    sizes and strides (the value itself). A copy onto other strides stays: it gives the written memory
+    its layout back, as eager keeps it, and the base's new value its strides (a `reshape` of it read
+    later views or copies as in eager: without it, a write through `permute` left the base strided so
+    that a later `base.reshape(...).mul_()` was taken for a copy and its write was lost). Returns what
+    is left that mutates, if anything."""
     graph = traced.graph
     for node in list(graph.nodes):
         if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
             graph.erase_node(node)
         elif node.target is aten.copy.default:
             dst, src = node.args[:2]
-            if isinstance(src, Node) and compatible(dst.meta.get("val"), src.meta.get("val")) is None:
+            if isinstance(src, Node) and _same_layout(dst.meta.get("val"), src.meta.get("val")):
                 node.replace_all_uses_with(src)
                 graph.erase_node(node)
     graph.eliminate_dead_code()

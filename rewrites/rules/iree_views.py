@@ -155,7 +155,8 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
         rw.replace(node, rw.call(aten.cat.default, pieces, dim) if len(pieces) > 1 else src)
         return
     scattered = rw.call(aten.slice_scatter.default, _full(rw, x, 0, src.meta["val"].dtype), src, dim, start, end, step)
-    ones = rw.call(aten.ones_like.default, src, dtype=torch.bool)
+    # built from src's sizes: ones_like asks for src's memory format, which guards a symbolic size of 1
+    ones = _full(rw, src, True, torch.bool)
     mask = rw.call(aten.slice_scatter.default, _full(rw, x, False, torch.bool), ones, dim, start, end, step)
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 
@@ -192,7 +193,7 @@ def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]
         rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
         return
     scattered = rw.call(node.target, _full(rw, x, False if dtype is torch.bool else 0, dtype), indices, values)
-    ones = rw.call(aten.ones_like.default, values, dtype=torch.bool)
+    ones = _full(rw, values, True, torch.bool)
     mask = rw.call(node.target, _full(rw, x, False, torch.bool), indices, ones)
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 

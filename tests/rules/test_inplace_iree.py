@@ -32,6 +32,8 @@ from tests.rules.test_inplace_views import (
     InputWrites,
     KVCache,
     NarrowCopy,
+    NarrowOfNarrow,
+    PermutedWriteThenReshape,
     ReshapedWrites,
     StaleAliases,
     WritesThroughViews,
@@ -151,6 +153,21 @@ def test_writes_through_views(iree, dynamic):
     _matches(_compiled(iree, m, inputs, shapes), m, inputs)
     inputs = [(torch.randn(4, 6),), (torch.randn(5 if dynamic else 4, 6) * 3,)]
     _matches(_compiled(iree, ReshapedWrites(), inputs, ({0: Dim("b")},) if dynamic else None), ReshapedWrites(), inputs)
+
+
+def test_write_through_views_of_size_batch_minus_one(iree):
+    """Dim batch exported at 2, the written view `batch - 1` long: the traced write-back kept batch
+    symbolic (it fixed it to 2 before: IREE failed to compile, 'flow.tensor.reshape' ... dynamic dims)."""
+    inputs = [(torch.randn(b, 2, 2, 4),) for b in (2, 3, 5)]
+    _matches(_compiled(iree, NarrowOfNarrow(), inputs, ({0: Dim.AUTO},)), NarrowOfNarrow(), inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_write_through_permute_then_reshape(iree, dynamic):
+    """The base keeps its strides after a write through permute: the later reshape's write reaches it."""
+    m = PermutedWriteThenReshape(flat=True)
+    inputs = [(torch.randn(2, 3, 2, 4),), (torch.randn(3 if dynamic else 2, 3, 2, 4) * 3,)]
+    _matches(_compiled(iree, m, inputs, ({0: Dim("b", min=2)},) if dynamic else None), m, inputs)
 
 
 def test_writes_through_split_and_unbind_pieces(iree):
