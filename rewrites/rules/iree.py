@@ -23,6 +23,7 @@ from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
 from fx_rewrites.rules import attention, iree_lowerings, iree_moe, iree_scatters
 from fx_rewrites.rules.iree_conv import conv_single_window_for_iree
+from fx_rewrites.rules.iree_pooling import known
 from fx_rewrites.rules.iree_unbatched import unbatched_window_op_for_iree
 from fx_rewrites.ruleset import RuleSet
 
@@ -196,6 +197,50 @@ def copy_frozen_tensor_in_list(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(node.target, *args, **kwargs))
 
 
+def _squeezed_dims(node: Node) -> list[int] | Miss:
+    """The dims squeeze `node` removes, when one of them is a Dim-sized size its range makes 1."""
+    x = node.args[0].meta["val"]
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    listed = named.get("dim", range(x.dim()))
+    listed = [listed] if isinstance(listed, int) else list(listed)
+    removed = sorted({d % x.dim() for d in listed if known(x.shape[d] == 1)} if x.dim() else set())
+    if not any(not isinstance(x.shape[d], int) for d in removed):
+        return Miss("no Dim-sized dim squeezed (IREE squeezes static 1s)")
+    if x.dim() - len(removed) != node.meta["val"].dim():
+        return Miss("a squeezed dim not provably 1 for every size the Dim range allows")
+    return removed
+
+
+@rule(
+    roots=(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
+    name="squeeze_dim_sized_one_for_iree",
+    when=_squeezed_dims,
+    tags={"iree"},
+    doc=(
+        "A squeeze of a dim whose size is a Dim expression the range makes 1 (`F.max_pool2d(x, 6).squeeze(-1)"
+        ".squeeze(-1)` with h, w in [6, 11]: the pool is [b, c, h//6, w//6]) becomes a reshape to the kept sizes. "
+        "IREE 3.13 lowers the squeeze to a collapse of the `?` dim into a static neighbour: \"'tensor."
+        "collapse_shape' op expected dimension 1 of collapsed type to be dynamic\"."
+    ),
+)
+def squeeze_dim_sized_one_for_iree(node: Node, rw: Rewriter, removed: list[int]) -> Any:
+    x = node.args[0]
+    kept = [rw.size(x, d) for d in range(x.meta["val"].dim()) if d not in removed]
+    if not _known_contiguous(x.meta["val"]):  # reshape's fake kernel may guard on symbolic strides (iree_conv)
+        x = rw.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+    rw.replace(node, rw.call(aten.reshape.default, x, kept))
+
+
+def _known_contiguous(val: torch.Tensor) -> bool:
+    """True when `val`'s strides are row-major for every size the Dim ranges allow."""
+    expected: Any = 1
+    for size, stride in zip(reversed(val.shape), reversed(val.stride())):
+        if not known(size == 1) and not known(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
 def _negative_index(node: Node) -> bool | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     index = named["index"]
@@ -236,6 +281,7 @@ RULES = RuleSet(
         copy_frozen_tensor_in_list,
         conv_single_window_for_iree,
         unbatched_window_op_for_iree,
+        squeeze_dim_sized_one_for_iree,
         select_scatter_index_for_iree,
         *iree_lowerings.RULES,
         *iree_scatters.RULES,
