@@ -27,8 +27,12 @@ from fx_rewrites.rules.iree_pooling import known
 
 aten = torch.ops.aten
 
-#: the conv ops as torch.export leaves them, and as aot_autograd (torch.compile) and run_decompositions do
-CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+#: the conv ops as torch.export leaves them (`.padding`: padding="valid" / "same"), and as aot_autograd
+#: (torch.compile) and run_decompositions do
+CONVS = (
+    *(getattr(op, overload) for op in (aten.conv1d, aten.conv2d, aten.conv3d) for overload in ("default", "padding")),
+    aten.convolution.default,
+)
 
 
 def _per_dim(value: Any, n: int, default: int) -> list[Any]:
@@ -48,8 +52,10 @@ def _conv_args(node: Node) -> dict[str, Any] | Miss:
     if named.get("transposed", False):
         return Miss("a transposed convolution")
     padding = named.get("padding", 0)
-    if isinstance(padding, str):
-        return Miss(f"padding={padding!r}")
+    if padding == "valid":
+        padding = 0
+    elif isinstance(padding, str):
+        return Miss(f"padding={padding!r} (an output as long as the input)")
     if not all(isinstance(k, int) for k in w.shape[2:]):
         return Miss("a symbolic kernel size")
     padding = _per_dim(padding, n, 0)
@@ -114,10 +120,11 @@ def conv_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
         # a cut of a Dim-sized map has symbolic strides: conv1d's and a later reshape's fake kernels guard on
         # them (specialising the Dims); a contiguous copy has strides of the cut's own sizes
         x = rw.call(aten.clone.default, x, memory_format=torch.contiguous_format)
-    named = {k: v for k, v in found.items() if k in schema.arg_names(node.target)}
+    target = node.target.overloadpacket.default  # conv2d.padding takes padding as a string
+    named = {k: v for k, v in found.items() if k in schema.arg_names(target)}
     named.update(input=x, padding=[0] * n, stride=found["stride"], dilation=found["dilation"])
-    args, kwargs = schema.unbind(node.target, named, explicit=True)
-    rw.replace(node, rw.call(node.target, *args, **kwargs))
+    args, kwargs = schema.unbind(target, named, explicit=True)
+    rw.replace(node, rw.call(target, *args, **kwargs))
 
 
 RULES = (conv_single_window_for_iree,)

@@ -55,6 +55,8 @@ CASES = {
     # conv1d_as_matmul takes it after the guard
     "conv1d_patch": (Conv(1, 6, stride=6), 1, (6, 11), [6, 7, 11]),
     "conv3d_patch": (Conv(3, 6, stride=6), 3, (6, 8), [6, 7, 8]),
+    # padding="valid" exports as conv2d.padding (the guard's convolution is conv2d.default)
+    "conv2d_valid": (Conv(2, 6, stride=6, padding="valid"), 2, (6, 11), [6, 7, 11]),
     # (h + 2 - 5)//4 + 1 == 1 on [3, 6]: IREE gives wrong values on 6x6 without the guard
     "conv2d_padded": (Conv(2, 5, stride=4, padding=1), 2, (3, 6), [3, 4, 5, 6]),
     "conv3d_padded": (Conv(3, 5, stride=4, padding=1), 3, (3, 6), [3, 4, 6]),
@@ -90,7 +92,7 @@ def _unguarded(case: str):
     return module, nsp, lo, sizes, fx_rewrites.apply(ep, IREE.rules.without(GUARD)).program
 
 
-@pytest.mark.parametrize("case", ["conv2d_patch", "conv1d_patch", "conv3d_patch"])
+@pytest.mark.parametrize("case", ["conv2d_patch", "conv1d_patch", "conv3d_patch", "conv2d_valid"])
 def test_dim_sizes_fail_on_iree_without_the_guard(case):
     module, nsp, lo, sizes, unguarded = _unguarded(case)
     fn = RAW_IREE.compile(unguarded, _x(nsp, lo))
