@@ -311,4 +311,68 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, [rw.getitem(pooled, 0), index])
 
 
-RULES = (avg_pool_ceil_mode_for_iree, max_pool_ceil_mode_for_iree, pool_single_window_for_iree)
+def _adaptive_values_only(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
+        return Miss("static map sizes (IREE lowers it)")
+    output_size = _per_dim(named["output_size"], 2, [])
+    if not all(isinstance(size, int) for size in output_size) or output_size == [1, 1]:
+        return Miss(f"output size {output_size}: (1, 1) is torch's decomposition's (legality.PARTIAL_FORMS)")
+    if any(user.target is not operator.getitem or (user.args[1] != 0 and user.users) for user in node.users):
+        return Miss("its indices are used (a separable max would name other positions than torch on ties)")
+    return named
+
+
+def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
+    """torch's adaptive windows over `size` positions: [floor(i * size / out), ceil((i + 1) * size / out))."""
+
+    def floordiv(a: Any, b: int) -> Any:
+        return a // b if isinstance(a, int) else rw.call(operator.floordiv, a, b)
+
+    def plus(a: Any, b: int) -> Any:
+        return a + b if isinstance(a, int) or b == 0 else rw.call(operator.add, a, b)
+
+    return [
+        (floordiv(_times(rw, i, size), out), floordiv(plus(_times(rw, i + 1, size), out - 1), out)) for i in range(out)
+    ]
+
+
+@rule(
+    roots=(aten.adaptive_max_pool2d.default,),
+    name="adaptive_max_pool2d_values_for_iree",
+    when=_adaptive_values_only,
+    tags={"iree", "pooling"},
+    doc=(
+        "aten.adaptive_max_pool2d of a map with a Dim-sized height or width, its indices unused "
+        "(`F.adaptive_max_pool2d(x, 2)`): the max over each of torch's adaptive row windows (a slice with "
+        "symbolic bounds and amax), stacked, then the same over column windows (max is separable and exact). "
+        "IREE 3.13 fails to compile it: \"failed to legalize operation 'torch.aten.max_pool2d'\"."
+    ),
+)
+def adaptive_max_pool2d_values_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+    x = found["self"]
+    rank = x.meta["val"].dim()
+    out_h, out_w = _per_dim(found["output_size"], 2, [])
+    rows = [
+        rw.call(aten.amax.default, rw.call(aten.slice.Tensor, x, rank - 2, start, end), [rank - 2], True)
+        for start, end in _window_bounds(rw, rw.size(x, rank - 2), out_h)
+    ]
+    y = rw.call(aten.cat.default, rows, rank - 2) if len(rows) > 1 else rows[0]
+    cols = [
+        rw.call(aten.amax.default, rw.call(aten.slice.Tensor, y, rank - 1, start, end), [rank - 1], True)
+        for start, end in _window_bounds(rw, rw.size(x, rank - 1), out_w)
+    ]
+    y = rw.call(aten.cat.default, cols, rank - 1) if len(cols) > 1 else cols[0]
+    for user in list(node.users):
+        if user.args[1] == 0:
+            rw.replace(user, y)
+        else:
+            rw.erase(user)  # the unused indices
+
+
+RULES = (
+    avg_pool_ceil_mode_for_iree,
+    max_pool_ceil_mode_for_iree,
+    pool_single_window_for_iree,
+    adaptive_max_pool2d_values_for_iree,
+)

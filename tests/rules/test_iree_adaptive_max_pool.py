@@ -4,8 +4,10 @@ IREE 3.13 fails to compile `F.adaptive_max_pool2d` when the map's height or
 width is a Dim ("failed to legalize operation 'torch.aten.max_pool2d'"), with
 or without indices; static maps compile and match. To (1, 1), torch's own
 decomposition (amax, argmax of the flattened map) compiles and matches at
-every size; other output sizes stay a compile error (the decomposition would
-specialise the Dims). The "without the rule" test fails once IREE compiles it.
+every size. Other output sizes, the indices unused, are max over torch's
+adaptive row windows then column windows (iree_pooling.py); with the indices
+used they stay a compile error. The "without the rule" tests fail once IREE
+compiles it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fx_rewrites import testing as rt
 aten = torch.ops.aten
 IREE = backends.get("iree")
 RULE = "decompose_adaptive_max_pool2d_for_iree"
+VALUES = "adaptive_max_pool2d_values_for_iree"
 
 
 class Pool(torch.nn.Module):
@@ -71,15 +74,36 @@ def test_global_pool_with_dim_sizes_matches_eager(indices):
             torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("output_size", [(3, 2), 2])
+def test_values_with_dim_sizes_match_eager(output_size):
+    """Any output size, the indices unused: row windows then column windows (adaptive_max_pool2d_values_for_iree)."""
+    module = Pool(output_size, False)
+    ep = _export(module)
+    without = fx_rewrites.apply(ep, IREE.rules.without(VALUES)).program
+    with pytest.raises(Exception, match=r"failed to legalize operation 'torch\.aten\.max_pool2d"):
+        IREE.compile(without, _x(6))
+    result = fx_rewrites.apply(ep, IREE.rules)
+    rt.assert_fired(result, VALUES, times=1)
+    rt.assert_ops(result, present=[aten.amax.default], absent=[aten.adaptive_max_pool2d.default])
+    rt.assert_idempotent(result, IREE.rules)
+    rt.assert_matches_eager(result, module, [_x(11, seed=1), _x(7, batch=3, seed=2)])
+    fn = IREE.compile(result.program, _x(6))
+    for size in (6, 7, 9, 11):
+        args = _x(size, batch=3, seed=size)
+        torch.testing.assert_close(fn(*args), module(*args))
+
+
 @pytest.mark.parametrize(
     ("module", "dims"),
-    [(Pool(1, True), None), (Pool(2, False), DIMS)],
+    [(Pool(1, True), None), (Pool(2, True), DIMS)],
     ids=["static", "output-2-with-dims"],
 )
 def test_left_alone(module, dims):
-    """Static maps compile as they are; other outputs with Dim sizes stay a compile error naming the op."""
+    """Static maps compile as they are; other outputs with Dim sizes and indices stay a compile error naming
+    the op."""
     result = fx_rewrites.apply(_export(module, dims), IREE.rules)
     rt.assert_not_fired(result, RULE)
+    rt.assert_not_fired(result, VALUES)
     if dims is not None:
         with pytest.raises(
             Exception, match=r"adaptive_max_pool2d.*failed to legalize operation 'torch\.aten\.max_pool2d"
