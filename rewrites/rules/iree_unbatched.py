@@ -8,7 +8,7 @@ max_pool1d/2d/3d and their `_with_indices` forms and adaptive_max_pool2d
 ("'linalg.pooling_nchw_sum' op expected indexing_map #0 to have 4 dim(s)"),
 avg_pool1d/3d and conv2d/3d (iree-compile crashes), conv1d ("failed to
 legalize operation 'torch.aten.convolution'"). The rule unsqueezes a batch
-dim of one and squeezes it off the result; max pooling's indices are
+dim of one and reshapes it off the result; max pooling's indices are
 positions within each channel's map, which the batch dim does not change.
 docs/iree-3.13-findings.md section 8 has the measurements.
 """
@@ -57,7 +57,7 @@ def _unbatched(node: Node) -> bool | Miss:
     doc=(
         "max_pool / avg_pool 1d-3d (with indices too), adaptive_max_pool2d and conv1d/2d/3d on an input without "
         "its batch dim (`F.max_pool3d(x, 2, return_indices=True)` on [c, d, h, w]) get a batch of one: the input "
-        'unsqueezed at dim 0, the result(s) squeezed there. IREE 3.13 compiles none of them unbatched: "failed to '
+        'unsqueezed at dim 0, the result(s) reshaped without it. IREE 3.13 compiles none of them unbatched: "failed to '
         "legalize operation 'torch.aten.max_pool3d_with_indices'\", a linalg.pooling_nchw_sum error, or a crash."
     ),
 )
@@ -69,9 +69,16 @@ def unbatched_window_op_for_iree(node: Node, rw: Rewriter) -> None:
     batched = rw.call(node.target, *args, **kwargs)
     if isinstance(node.meta["val"], (tuple, list)):
         outputs = [rw.getitem(batched, i) for i in range(len(node.meta["val"]))]
-        rw.replace(node, [rw.call(aten.squeeze.dim, out, 0) for out in outputs])
+        rw.replace(node, [_unbatch(rw, out) for out in outputs])
     else:
-        rw.replace(node, rw.call(aten.squeeze.dim, batched, 0))
+        rw.replace(node, _unbatch(rw, batched))
+
+
+def _unbatch(rw: Rewriter, out: Node) -> Node:
+    """`out` without its batch dim of one: a reshape to its other sizes (a squeeze fails to compile after a
+    one-window guard with Dim sizes: "failed to legalize unresolved target materialization", the squeeze typed
+    [c, h//6, w//6] and its user [c, 1, 1])."""
+    return rw.call(aten.reshape.default, out, [rw.size(out, d) for d in range(1, out.meta["val"].dim())])
 
 
 RULES = (unbatched_window_op_for_iree,)
