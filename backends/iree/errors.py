@@ -129,7 +129,7 @@ def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileEr
     lowered = bool(op) and not op.startswith(("aten.", "prims."))  # an IREE-internal op (arith.cmpi, ...)
     if lowered and node in targets:
         what = f"node {node!r} (`{targets[node]}`; it failed as `{op}`)"
-    elif op and node in targets and not targets[node].startswith(f"{op}."):
+    elif op and node in targets and targets[node] != op and not targets[node].startswith(f"{op}."):
         # torch-mlir rewrote the node's op before failing (adaptive_max_pool2d -> max_pool2d)
         what = f"node {node!r} (`{targets[node]}`, which the importer turned into `{op}`)"
     else:
