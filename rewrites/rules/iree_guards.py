@@ -277,8 +277,41 @@ def filled_tensor_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(aten.full.default, list(named["size"]), _FILLED[node.target], **options))
 
 
+#: in-place fills as the in-place pack functionalizes them (`t.fill_(v)`, `t.zero_()`) -> their fill value
+_FILLS = {aten.fill.Scalar: None, aten.zero.default: 0}
+
+
+def _fill_fits(node: Node) -> bool | Miss:
+    value = _FILLS[node.target] if node.target is aten.zero.default else node.args[1]
+    dtype = node.meta["val"].dtype
+    if dtype.is_floating_point or dtype.is_complex or isinstance(value, bool if dtype is torch.bool else int):
+        return True
+    return Miss(f"a fill of {value!r} into {dtype} (aten.full would not cast it as fill does)")
+
+
+@rule(
+    roots=tuple(_FILLS),
+    name="fill_to_full_for_iree",
+    when=_fill_fits,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.fill.Scalar(t, v) and aten.zero(t) (what `t.fill_(v)` / `t.zero_()` become) turn into aten.full "
+        "of t's sizes, dtype and device. With static sizes IREE 3.13 reduces their result wrong: "
+        "`fill(x, 3.0).sum()` over 144 elements gives 27, not 432, and `f - f.sum(3, keepdim=True) / 8` is "
+        "off by 1.9, no error (found by the fuzz step view_write; right with Dim sizes); aten.full of the "
+        "same sizes is right in both."
+    ),
+)
+def fill_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
+    value = _FILLS[node.target] if node.target is aten.zero.default else node.args[1]
+    val, filled = node.meta["val"], node.args[0]
+    sizes = [rw.size(filled, d) for d in range(val.dim())]  # read from the input: it has the result's sizes
+    rw.replace(node, rw.call(aten.full.default, sizes, value, dtype=val.dtype, device=val.device))
+
+
 RULES = (
     filled_tensor_to_full_for_iree,
+    fill_to_full_for_iree,
     negative_pad_to_slice_for_iree,
     int32_index_to_int64_for_iree,
     negative_put_index_for_iree,
