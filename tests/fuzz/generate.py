@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from tests.fuzz.view_writes import WRITE_PARAMS, write_through_views
+
 #: tolerance for float32 results of short op chains (rules may reassociate, e.g. batch norm to affine)
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -192,6 +194,7 @@ step("inplace_slice")(_inplace_slice)
 step("inplace_relu")(_inplace_relu)
 step("buffer_add", setup=_buffer_setup)(_buffer_add)
 step("buffer_copy", setup=_buffer_setup)(_buffer_copy)
+step("view_write")(write_through_views)  # writes through chains of views, reads of the base and views after
 
 
 # boolean masks
@@ -355,6 +358,7 @@ _PARAMS: dict[str, st.SearchStrategy] = {
     "dropout_eval": st.sampled_from([0.1, 0.5]),
     "add_batch": st.sampled_from([2.0, 4.0]),
     "sub_size_tensor": _SCALAR,
+    "view_write": WRITE_PARAMS,
 }
 
 
@@ -383,13 +387,26 @@ def steps_for(
 
 
 @st.composite
-def specs(draw: st.DrawFn, max_steps: int = 5, exclude: frozenset[str] = frozenset()) -> Spec:
-    """Specs of up to `max_steps` steps, none of a kind in `exclude`."""
+def specs(
+    draw: st.DrawFn,
+    max_steps: int = 5,
+    exclude: frozenset[str] = frozenset(),
+    require: str | None = None,
+    require_params: st.SearchStrategy | None = None,
+) -> Spec:
+    """Specs of up to `max_steps` steps, none of a kind in `exclude`; with `require` (a kind that keeps
+    the shape and needs no setup), one step of that kind inserted at a drawn place, its parameter drawn
+    from `require_params` if given."""
     dynamic = tuple(sorted(draw(st.sets(st.integers(0, 3), min_size=1)))) if draw(st.booleans()) else ()
     low = [2 if i in dynamic else 1 for i in range(4)]  # Dim.AUTO specialises a size-1 example
     batch, channels = draw(st.integers(low[0], 4)), draw(st.integers(low[1], 3))
     height, width = draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([4, 6]))
     steps = draw(steps_for((channels, height, width), max_steps, exclude))
+    if require is not None:
+        at = draw(st.integers(0, len(steps)))
+        params = require_params if require_params is not None else _PARAMS.get(require)
+        param = draw(params) if params is not None else None
+        steps = (*steps[:at], Step(require, param), *steps[at:])
     if any(s.kind in SETUP for s in steps):  # buffers, batch norm and conv are built for the example's channels
         dynamic = tuple(d for d in dynamic if d != 1)
     return Spec(

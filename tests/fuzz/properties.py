@@ -14,6 +14,7 @@ import copy
 import io
 from typing import Any
 
+import attrs
 import torch
 
 import fx_rewrites
@@ -28,7 +29,39 @@ def export(spec: Spec) -> tuple[FuzzNet, torch.export.ExportedProgram, Spec]:
     net = FuzzNet(spec).eval()
     args = spec.inputs()[0]
     ep = torch.export.export(fresh(net), tuple(a.clone() for a in args), dynamic_shapes=spec.dynamic_shapes())
-    return net, ep, spec.exported(ep)
+    spec = spec.exported(ep)
+    if spec.dynamic and not _guards_accept(ep, spec.inputs()[1]):
+        spec = attrs.evolve(spec, dynamic=())  # export kept the dims symbolic but guarded them to few sizes
+    if spec.dynamic and _symbolic_size_of_one(ep):
+        spec = attrs.evolve(spec, dynamic=())
+        torch._dynamo.reset()
+        ep = torch.export.export(fresh(net), tuple(a.clone() for a in args))
+    return net, ep, spec
+
+
+def _symbolic_size_of_one(program: torch.export.ExportedProgram) -> bool:
+    """Whether a value of the program has a symbolic size that is 1 in the example (`narrow(0, 1, batch - 1)`
+    at batch 2). torch specialises any functional op computed on such a value (export of `v * 2` fixes the
+    batch: 'Guard failed: -1 + x.size()[0] == 1'), and the in-place rules make such ops, so the engine
+    refuses with a named error (`values.Specialised`); those cases are checked with static sizes."""
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        for size in getattr(val, "shape", ()):
+            if isinstance(size, torch.SymInt) and size.node.hint == 1:
+                return True
+    return False
+
+
+def _guards_accept(program: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the exported program's own guards take `args`: export may keep a dim symbolic with a guard
+    that allows few sizes (`y[::2].narrow(0, 0, 1)` on a Dim batch of 2: `(1 + batch) // 2 == 1`)."""
+    try:
+        copy.deepcopy(program).module()(*(a.clone() for a in args))
+    except AssertionError as e:
+        if str(e).startswith("Guard failed"):
+            return False
+        raise
+    return True
 
 
 def _eager(net: FuzzNet, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], dict]:
