@@ -4,7 +4,8 @@ Only where `torch._decomp` and the op's CompositeImplicitAutograd kernel
 give nothing IREE can take (the legality-driven decomposition,
 `iree_legalize`, handles every other op): aten.histc (transformers' MoE
 routing counts tokens per expert with it) and the real part of a DFT
-(FNet mixes tokens with `torch.fft.fftn(x).real`).
+(FNet mixes tokens with `torch.fft.fftn(x).real`); and `split_with_sizes` in
+the one form IREE fails on (symbolic sizes), as slices.
 """
 
 from __future__ import annotations
@@ -311,8 +312,44 @@ def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
     return None
 
 
+# -- split_with_sizes of symbolic sizes ----------------------------------------------------------
+
+
+def _symbolic_split(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(s, int) for s in named["split_sizes"]):
+        return Miss("static split sizes (IREE lowers those)")
+    if any(u.target is not operator.getitem for u in node.users):
+        return Miss("a piece list read other than by index")
+    return True
+
+
+@rule(
+    roots=(aten.split_with_sizes.default,),
+    name="symbolic_split_to_slices_for_iree",
+    when=_symbolic_split,
+    tags={"iree"},
+    doc=(
+        "aten.split_with_sizes whose sizes are symbolic (`x.split([1, x.shape[2] - 1], 2)` with a Dim, a "
+        "write through a split piece) becomes one aten.slice per piece, its bounds the running sums of the "
+        "sizes. IREE 3.13 fails to compile it: \"failed to legalize operation 'torch.constant.int'\"."
+    ),
+)
+def symbolic_split_to_slices_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, dim = named["self"], named.get("dim", 0)
+    pieces, start = [], 0
+    for size in named["split_sizes"]:
+        end = start + size if isinstance(start, int) and isinstance(size, int) else rw.call(operator.add, start, size)
+        pieces.append(rw.call(aten.slice.Tensor, x, dim, start, end))
+        start = end
+    rw.replace(node, pieces)
+    return None
+
+
 RULES = (
     histc_to_one_hot_sum_for_iree,
+    symbolic_split_to_slices_for_iree,
     kthvalue_to_topk_for_iree,
     logcumsumexp_to_masked_logsumexp_for_iree,
     real_fft_to_matmul_for_iree,

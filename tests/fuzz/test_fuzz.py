@@ -34,7 +34,7 @@ DATABASE = _EXAMPLES if os.environ.get("HYPOTHESIS_PROFILE") == "local" else Rea
 IREE_GAPS = frozenset(
     {
         "add_batch",  # SymInt / float: the FX importer has no torch.sym_float
-        "view_write",  # with Dim sizes: split_with_sizes of symbolic sizes, write-backs IREE fails on at run time
+        "view_write",  # with Dim sizes: write-backs IREE fails on (docs/reliability.md); its own test is static
     }
 )
 #: IREE compiles each case (a second or more), so it gets an eighth of the profile's budget

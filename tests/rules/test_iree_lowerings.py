@@ -176,3 +176,34 @@ def test_logcumsumexp_stable_on_iree(iree, dynamic):
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(fn(*args), LogCumSumExp()(*args), rtol=1e-4, atol=1e-4)
+
+
+# -- split_with_sizes of symbolic sizes ---------------------------------------------------------
+
+
+class SplitPieces(torch.nn.Module):
+    """Pieces of `split([1, n - 1])` along a dim, and a write through one read later (the fuzz step
+    view_write)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * 1
+        head, tail = y.split([1, y.shape[2] - 1], 2)
+        tail.mul_(2)
+        return head + 1, tail * 3, y
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_symbolic_split_to_slices(iree, dynamic):
+    inputs = [(torch.randn(2, 3, 4, 5),), (torch.randn(2, 3, 7 if dynamic else 4, 5),)]
+    ep = rt.export(SplitPieces(), *inputs[0], dynamic_shapes=({2: Dim("h", min=3)},) if dynamic else None)
+    rules = backends.get("iree").rules
+    result = rt.apply_rules(ep, rules)
+    rt.assert_fired(result, "symbolic_split_to_slices_for_iree", times=1 if dynamic else 0)
+    rt.assert_ops(result, **({"absent": [aten.split_with_sizes.default]} if dynamic else {}))
+    rt.assert_matches_eager(result, SplitPieces(), inputs)
+    if dynamic:
+        before = rt.apply_rules(ep, rules.without("symbolic_split_to_slices_for_iree")).program
+        _fails_then_matches(iree, before, result.program, SplitPieces(), inputs, "torch.constant.int")
+    else:
+        fn = iree.compile(result.program, inputs[0])  # static sizes: IREE lowers the split itself
+        torch.testing.assert_close(fn(*inputs[0]), SplitPieces()(*inputs[0]))
