@@ -46,8 +46,12 @@ TARGETS: dict[str, IreeTarget] = {
         # convolutions run ResNet 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more
         # operations with large vector sizes"): llvm-cpu writes attention out (iree_perf), and a module the
         # compiler rejects with these flags is compiled again without them (`IreeBackend._compile_mlir`).
+        # Data tiling from GlobalOptimization, not `--iree-opt-data-tiling`: that flag takes the DispatchCreation
+        # path, which computes a batched matmul wrong when its left operand comes from a reduction over its rows
+        # (layer_norm(s) @ v on [2, 7, 7]; docs/iree-3.13-findings.md, section 10). Whole modules,
+        # iree-benchmark-module CPU time, this path / that one: Whisper 1.03, BERT 1.04, ViT 0.99.
         perf_flags=(
-            "--iree-opt-data-tiling",
+            "--iree-global-opt-data-tiling",
             "--iree-preprocessing-pass-pipeline=builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
         ),
         device="this host's CPU",

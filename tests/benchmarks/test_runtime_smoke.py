@@ -49,7 +49,7 @@ def test_ablation_names_each_performance_piece(benchmarks):
         "iree",
         "iree_before",
         "-attention_as_matmul_softmax",
-        "-iree-opt-data-tiling",
+        "-iree-global-opt-data-tiling",
         "-iree-preprocessing-convert-conv-to-channels-last",
     }
     before = routes["iree_before"]
