@@ -7,7 +7,7 @@ The model is exported and rewritten by the default `iree` rules, then
 compiled with the backend's flags and performance flags twice:
 `--compile-to=stream` gives how many times `main` launches each executable,
 and `--iree-hal-dump-executable-benchmarks-to` gives each executable as a
-module of its own, which `iree-benchmark-module` times (median of 3, one
+module of its own, which `iree-benchmark-module` times (median CPU time of 5, one
 thread, `local-sync`); executables only the module's initializer runs (weights
 packed once at load) are left out. A row is calls x median ms per call; the total is
 what the dispatches cost without the runtime around them (compare it with
@@ -32,8 +32,12 @@ import attrs
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
-#: `BM_<executable>_embedded_elf_<arch>_<function>/process_time/real_time_median  <time> <unit>`
-MEDIAN = re.compile(r"BM_(\S+?)_embedded_elf_\w+?_64_(\S+)/process_time/real_time_median\s+([\d.]+) (\w+)")
+#: `BM_<executable>_embedded_elf_<arch>_<function>/process_time/real_time_median  <wall> <unit>  <cpu> <unit>`:
+#: the CPU time column, which other processes' load on a shared machine moves less than the wall time
+#: (one thread, local-sync: the process's CPU time is the dispatch's)
+MEDIAN = re.compile(
+    r"BM_(\S+?)_embedded_elf_\w+?_64_(\S+)/process_time/real_time_median\s+[\d.]+ \w+\s+([\d.]+) (\w+)"
+)
 
 
 @attrs.frozen
@@ -98,7 +102,7 @@ def profile(mlir: str, flags: list[str], workdir: Path) -> list[Dispatch]:
             print(f"(not timed: {bench.name}: {why.split('error:', 1)[-1].strip()[:160]})", file=sys.stderr)
             continue
         out = _run(
-            [_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-sync", "--benchmark_repetitions=3"]
+            [_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-sync", "--benchmark_repetitions=5"]
         ).stdout
         for executable, function, time, unit in MEDIAN.findall(out):
             if calls.get(executable):  # an executable only an initializer runs costs nothing per call
