@@ -17,7 +17,12 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.rules import iree_perf
-from fx_rewrites.rules.iree_perf import conv1d_as_matmul, patch_conv_as_matmul, softmax_rows_as_2d
+from fx_rewrites.rules.iree_perf import (
+    attention_by_head_groups,
+    conv1d_as_matmul,
+    patch_conv_as_matmul,
+    softmax_as_exp_times_reciprocal,
+)
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.convolution.default)
@@ -55,31 +60,124 @@ def _on_iree(module, inputs, rule):
 # ----------------------------------------------------------------------------- softmax
 
 
-class Scores(torch.nn.Module):
-    def forward(self, q, k):
-        return torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+class ScaledSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 0.5, dim=-1) * 3.0
 
 
-SOFTMAX_INPUTS = [(_randn(s, 2, 3, 300, 8), _randn(s + 7, 2, 3, 6, 8)) for s in (0, 1)]
+#: rows with -inf (a masked key; a row all -inf gives NaN in eager and here) and large values
+SOFTMAX_ROWS = [(_randn(s, 2, 5, 7, 33) * 8,) for s in (0, 1)]
+SOFTMAX_ROWS[1][0][0, 0, 0, :4] = float("-inf")
+SOFTMAX_ROWS[1][0][0, 0, 1, :] = float("-inf")
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
-def test_softmax_rows_as_2d(dynamic):
-    result = _check(Scores(), SOFTMAX_INPUTS, softmax_rows_as_2d, dynamic=dynamic, n_inputs=2)
-    softmaxes = [n for n in result.graph_module.graph.nodes if n.target in (aten._softmax.default, aten.softmax.int)]
-    assert [n.meta["val"].dim() for n in softmaxes] == [2]
+def test_softmax_as_exp_times_reciprocal(dynamic):
+    result = _check(
+        ScaledSoftmax(),
+        SOFTMAX_ROWS,
+        softmax_as_exp_times_reciprocal,
+        dynamic=dynamic,
+        present=[aten.amax.default, aten.exp.default, aten.reciprocal.default],
+        absent=[aten._softmax.default, aten.softmax.int, aten.div.Tensor],
+    )
+    out = rt.graph_module(result)(*SOFTMAX_ROWS[1])[0]
+    assert out[0, 0, 1].isnan().all() and not out[0, 0, 0].isnan().any()  # eager's NaN row, and only it
 
 
-def test_softmax_rows_declines_other_dims_2d_few_rows_and_powers_of_two():
-    ep = rt.export(lambda x: (torch.softmax(x, 1), torch.softmax(x[0], -1)), _randn(0, 2, 300, 4))
-    rt.assert_not_fired(rt.apply_rules(ep, softmax_rows_as_2d), softmax_rows_as_2d)
-    for rows in (iree_perf.MIN_ROWS - 1, 512):
-        ep = rt.export(lambda x: torch.softmax(x, -1), _randn(0, 2, rows, 4))
-        rt.assert_not_fired(rt.apply_rules(ep, softmax_rows_as_2d), softmax_rows_as_2d)
+def test_softmax_as_exp_times_reciprocal_declines_other_dtypes_and_dims():
+    for fn, x in (
+        (lambda x: torch.softmax(x, 1), _randn(0, 2, 3, 4)),
+        (lambda x: torch.softmax(x, -1), _randn(0, 2, 3).double()),
+        (lambda x: torch.softmax(x, -1), _randn(0, 2, 3).bfloat16()),
+        (lambda x: torch.softmax(x, -1, dtype=torch.float64), _randn(0, 2, 3)),
+    ):
+        result = rt.apply_rules(rt.export(fn, x), softmax_as_exp_times_reciprocal)
+        rt.assert_not_fired(result, softmax_as_exp_times_reciprocal)
 
 
-def test_softmax_rows_on_iree():
-    _on_iree(Scores(), SOFTMAX_INPUTS, softmax_rows_as_2d)
+def test_softmax_as_exp_times_reciprocal_on_iree():
+    """Through the default route, -inf keys and a row all -inf included (NaN there, as eager)."""
+    iree = backends.get("iree")
+    result = fx_rewrites.apply(rt.export(ScaledSoftmax(), *SOFTMAX_ROWS[0]), iree.rules)
+    rt.assert_fired(result, softmax_as_exp_times_reciprocal)
+    fn = iree.compile(result.program, SOFTMAX_ROWS[0])
+    for (x,) in SOFTMAX_ROWS:
+        torch.testing.assert_close(fn(x), ScaledSoftmax()(x), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- attention by head groups
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, is_causal: bool = False) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal) * 2.0
+
+
+def _qkv(seed: int, batch: int, heads: int, rows: int, keys: int, size: int = 16) -> tuple[torch.Tensor, ...]:
+    return (
+        _randn(seed, batch, heads, rows, size),
+        _randn(seed + 1, batch, heads, keys, size),
+        _randn(seed + 2, batch, heads, keys, size),
+    )
+
+
+def _groups(result) -> list[list[int]]:
+    sdpa = aten.scaled_dot_product_attention.default
+    return [list(n.meta["val"].shape[:2]) for n in result.graph_module.graph.nodes if n.target is sdpa]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_attention_by_head_groups_per_head(is_causal):
+    """2x4 heads of 400x400 scores (5 MB): 8 groups of one head (640 kB each), the same numbers."""
+    inputs = [_qkv(s, 2, 4, 400, 400) for s in (0, 10)]
+    result = _check(Attention(is_causal), inputs, attention_by_head_groups, dynamic=False, present=[aten.cat.default])
+    assert _groups(result) == [[1, 1]] * 8
+
+
+def test_attention_by_head_groups_per_batch():
+    """2x4 heads of 200x200 scores (1.3 MB): a group a batch row, its 4 heads together (640 kB)."""
+    inputs = [_qkv(s, 2, 4, 200, 200) for s in (0, 10)]
+    result = _check(Attention(), inputs, attention_by_head_groups, dynamic=False)
+    assert _groups(result) == [[1, 4]] * 2
+
+
+def test_attention_by_head_groups_caps_the_number_of_groups():
+    inputs = [_qkv(s, 4, 8, 300, 300, 4) for s in (0, 10)]  # 32 heads of 360 kB: 16 groups of 2 heads
+    result = _check(Attention(), inputs, attention_by_head_groups, dynamic=False)
+    assert _groups(result) == [[1, 2]] * iree_perf.MAX_GROUPS
+
+
+def test_attention_by_head_groups_declines():
+    small, large = _qkv(0, 2, 4, 100, 100), _qkv(0, 2, 4, 400, 400)
+    mask = torch.ones(400, 400, dtype=torch.bool).tril()
+    gqa = (large[0], large[1][:, :2], large[2][:, :2])
+    cases = [
+        (Attention(), small, None),  # scores within the budget
+        (Attention(), large, ({0: Dim("batch", min=2, max=8)},) * 3),  # symbolic sizes
+        (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), large, None),
+        (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), gqa, None),
+    ]
+    for module, inputs, dynamic_shapes in cases:
+        result = rt.apply_rules(rt.export(module, *inputs, dynamic_shapes=dynamic_shapes), attention_by_head_groups)
+        rt.assert_not_fired(result, attention_by_head_groups)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_attention_by_head_groups_on_iree(is_causal):
+    """The default route: 4 groups of 2 heads (255 x 300 scores), each written out; IREE matches eager."""
+    iree = backends.get("iree")
+    inputs = [_qkv(s, 2, 4, 255, 300, 64) for s in (0, 10)]
+    result = fx_rewrites.apply(rt.export(Attention(is_causal), *inputs[0]), iree.rules)
+    rt.assert_fired(result, attention_by_head_groups)
+    rt.assert_fired(result, "attention_as_matmul_softmax", times=4)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), Attention(is_causal)(*args), rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- patch convolution
