@@ -35,9 +35,7 @@ UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 #: `BM_<executable>_embedded_elf_<arch>_<function>/process_time/real_time_median  <wall> <unit>  <cpu> <unit>`:
 #: the CPU time column, which other processes' load on a shared machine moves less than the wall time
 #: (one thread, local-sync: the process's CPU time is the dispatch's)
-MEDIAN = re.compile(
-    r"BM_(\S+?)_embedded_elf_\w+?_64_(\S+)/process_time/real_time_median\s+[\d.]+ \w+\s+([\d.]+) (\w+)"
-)
+MEDIAN = re.compile(r"BM_(\S+?)_embedded_elf_\w+?_64_(\S+)/process_time/real_time_median\s+[\d.]+ \w+\s+([\d.]+) (\w+)")
 
 
 @attrs.frozen
