@@ -5,7 +5,8 @@ give nothing IREE can take (the legality-driven decomposition,
 `iree_legalize`, handles every other op): aten.histc (transformers' MoE
 routing counts tokens per expert with it) and the real part of a DFT
 (FNet mixes tokens with `torch.fft.fftn(x).real`); and `split_with_sizes` in
-the one form IREE fails on (symbolic sizes), as slices.
+the one form IREE fails on (symbolic sizes), as slices; and softmax /
+log_softmax of a 0-d tensor, on which iree-compile never returns.
 """
 
 from __future__ import annotations
@@ -347,7 +348,35 @@ def symbolic_split_to_slices_for_iree(node: Node, rw: Rewriter) -> Any:
     return None
 
 
+# -- softmax of a 0-d tensor ---------------------------------------------------------------
+
+_SOFTMAXES = (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+
+
+def _zero_dim(node: Node) -> bool | Miss:
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    return True if x is not None and x.dim() == 0 else Miss("not a 0-d input")
+
+
+@rule(
+    roots=_SOFTMAXES,
+    name="zero_dim_softmax_as_one_element_for_iree",
+    when=_zero_dim,
+    tags={"iree", "lowering"},
+    doc=(
+        "softmax / log_softmax of a 0-d tensor runs on it reshaped to one element, then reshaped back: the "
+        "same op, the same numbers. iree-compile 3.13 spins without end on the 0-d form (measured: no "
+        "result after 10 minutes); on [1] it compiles in a second."
+    ),
+)
+def zero_dim_softmax_as_one_element_for_iree(node: Node, rw: Rewriter) -> Any:
+    one = rw.call(aten.reshape.default, node.args[0], [1])
+    out = rw.call(node.target, one, 0, *node.args[2:], **node.kwargs)
+    rw.replace(node, rw.call(aten.reshape.default, out, []))
+
+
 RULES = (
+    zero_dim_softmax_as_one_element_for_iree,
     histc_to_one_hot_sum_for_iree,
     symbolic_split_to_slices_for_iree,
     kthvalue_to_topk_for_iree,

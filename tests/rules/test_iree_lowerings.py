@@ -207,3 +207,60 @@ def test_symbolic_split_to_slices(iree, dynamic):
     else:
         fn = iree.compile(result.program, inputs[0])  # static sizes: IREE lowers the split itself
         torch.testing.assert_close(fn(*inputs[0]), SplitPieces()(*inputs[0]))
+
+
+# -- softmax of a 0-d tensor ------------------------------------------------------------------
+
+ZERO_DIM_SOFTMAXES = {
+    "softmax": lambda x: torch.softmax(x, 0) * 2,
+    "log_softmax": lambda x: torch.log_softmax(x, -1) * 2,
+    "_softmax": lambda x: torch.ops.aten._softmax(x, 0, False) * 2,
+}
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("name", list(ZERO_DIM_SOFTMAXES))
+def test_zero_dim_softmax_as_one_element(iree, name):
+    """1 (softmax) or 0 (log_softmax) for a finite value, NaN for inf and NaN, as eager; on IREE too."""
+    module = Fn(ZERO_DIM_SOFTMAXES[name])
+    inputs = [(torch.tensor(v),) for v in (0.3, -7.5, float("inf"), float("nan"))]
+    result = rt.apply_rules(rt.export(module, *inputs[0]), backends.get("iree").rules)
+    rt.assert_fired(result, "zero_dim_softmax_as_one_element_for_iree", times=1)
+    zero_d = [n for n in rt.graph_module(result).graph.nodes if n.op == "call_function" and n.meta["val"].dim() == 0]
+    assert {n.target for n in zero_d} <= {aten.reshape.default, aten.mul.Tensor}, zero_d
+    rt.assert_matches_eager(result, module, inputs)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), equal_nan=True)
+
+
+def test_zero_dim_softmax_never_returns_from_iree_compile_as_exported(tmp_path):
+    """iree-compile spins on the 0-d form (pinned: this fails once IREE compiles it, and the rule can go)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "compile.py"
+    script.write_text(
+        "import torch\nfrom fx_rewrites import backends\n"
+        "class M(torch.nn.Module):\n    def forward(self, x):\n        return torch.softmax(x, 0)\n"
+        "x = torch.tensor(0.3)\nbackends.get('iree').compile(torch.export.export(M(), (x,)), (x,))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
+    finally:  # the whole group: iree-compile is the script's child and would spin on
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
