@@ -27,7 +27,6 @@ online attention ("failed to legalize ... iree_linalg_ext.online_attention").
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -57,9 +56,10 @@ SCORES_BUDGET = 1 << 20
 MAX_GROUPS = 16
 
 
-def _largest_divisor_within(n: int, fits: Callable[[int], bool]) -> int:
-    """The largest divisor of `n` that `fits` (1 if none does)."""
-    return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or fits(d)))
+def _group_sizes(batch: int, heads: int) -> list[tuple[int, int]]:
+    """The (batch rows, heads) one group can hold, smallest first: heads of one batch row, then whole rows."""
+    heads_of_a_row = [(1, h) for h in range(1, heads + 1) if heads % h == 0]
+    return heads_of_a_row + [(b, heads) for b in range(2, batch + 1) if batch % b == 0]
 
 
 @attrs.frozen
@@ -89,15 +89,12 @@ def _head_groups(node: Node) -> HeadGroups | Miss:
     one_head = rows * k.shape[2] * 4
     if batch * heads * one_head <= SCORES_BUDGET:
         return Miss(f"{batch * heads * one_head} bytes of scores: within {SCORES_BUDGET}, one group")
-    per_head = _largest_divisor_within(heads, lambda g: g * one_head <= SCORES_BUDGET)
-    per_batch = 1
-    if per_head == heads:
-        per_batch = _largest_divisor_within(batch, lambda b: b * heads * one_head <= SCORES_BUDGET)
-    while (batch // per_batch) * (heads // per_head) > MAX_GROUPS:  # fewer, larger groups
-        if per_head < heads:
-            per_head = min(d for d in range(per_head + 1, heads + 1) if heads % d == 0)
-        else:
-            per_batch = min(d for d in range(per_batch + 1, batch + 1) if batch % d == 0)
+    sizes = _group_sizes(batch, heads)
+    fitting = [i for i, (b, h) in enumerate(sizes) if b * h * one_head <= SCORES_BUDGET]
+    i = fitting[-1] if fitting else 0  # the largest group that fits; one head if none does
+    while (batch // sizes[i][0]) * (heads // sizes[i][1]) > MAX_GROUPS:  # fewer, larger groups
+        i += 1
+    per_batch, per_head = sizes[i]
     return HeadGroups(a, per_batch, per_head)
 
 
@@ -133,15 +130,14 @@ def attention_by_head_groups(node: Node, rw: Rewriter, g: HeadGroups) -> Any:
 
 
 def _softmax_in_float32(node: Node) -> bool | Miss:
-    x = _val(node.args[0])
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = _val(named["self"])
     if x.dtype != torch.float32:
         return Miss(f"{x.dtype}: torch's kernel keeps a float32 sum that written out in {x.dtype} would lose")
-    if node.target is aten._softmax.default and node.args[2]:
-        return Miss("half_to_float: the output is another dtype")
-    if node.target is aten.softmax.int and node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None):
-        return Miss("a dtype argument: the output is another dtype")
-    if node.args[1] not in (-1, x.dim() - 1):
-        return Miss(f"softmax over dim {node.args[1]}, not the last (measured over the last only)")
+    if named.get("half_to_float") or named.get("dtype") is not None:
+        return Miss("half_to_float or a dtype argument: the output is another dtype")
+    if named["dim"] not in (-1, x.dim() - 1):
+        return Miss(f"softmax over dim {named['dim']}, not the last (measured over the last only)")
     return True
 
 
