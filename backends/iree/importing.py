@@ -260,6 +260,29 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
 # ----------------------------------------------------------------------------- import
 
 
+def pinning_ref_tracker(fx_importer: Any) -> Any:
+    """A `RefTracker` for one import that keeps every object it tracks alive until the import is dropped.
+
+    IREE 3.13's tracker maps id(tensor) -> the literal made from it, with a
+    weak reference and no finalizer (iree-turbine issue 281), and the importer
+    hands it temporaries: each bool constant is imported as `t.to(torch.uint8)`.
+    Once one is freed, the next temporary can get its id and is given the
+    first one's literal: GPT-Neo's local-attention mask became its global one
+    (the output off by 0.86, in CI). Pinned, no two tracked objects share an id.
+    """
+
+    class PinningRefTracker(fx_importer.RefTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pinned: list[Any] = []
+
+        def track(self, referrent: Any) -> Any:
+            self.pinned.append(referrent)
+            return super().track(referrent)
+
+    return PinningRefTracker()
+
+
 def import_mlir(
     iree: Any, program: ExportedProgram | GraphModule, *, reflection: dict[str, str] | None = None, hooks: Any = None
 ) -> str:
@@ -291,7 +314,12 @@ def import_mlir(
             return iree.compiler.ir.Location.file(f"fx.{node.name}@{file}", int(line), 0, context=self._c)
 
     ir = iree.compiler.ir
-    importer = fx_importer.FxImporter(context=ir.Context(), graph_node_importer_cls=_TrackingImporter, hooks=hooks)
+    importer = fx_importer.FxImporter(
+        context=ir.Context(),
+        py_attr_tracker=pinning_ref_tracker(fx_importer),
+        graph_node_importer_cls=_TrackingImporter,
+        hooks=hooks,
+    )
     importer._cc = _NodeLocations(importer._c, py_attr_tracker=importer._py_attr_tracker)  # pinned iree 3.13
     try:
         if isinstance(program, ExportedProgram):
