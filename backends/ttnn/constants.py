@@ -105,11 +105,20 @@ class ConstantCache:
 
     def __init__(self) -> None:
         self._values: dict[str, dict[str, Any]] = {}
-        self._stamp: dict[str, tuple] = {}
+        self._stamp: dict[str, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
 
     def region(self, name: str, constants: list[torch.Tensor], ttnn: Any, device: Any) -> dict[str, Any]:
         """Region `name`'s cached values by node name (a dict to fill), emptied when its inputs changed."""
-        stamp = (id(ttnn), id(device), *((id(t), getattr(t, "_version", 0)) for t in constants))
-        if self._stamp.get(name) != stamp:
-            self._stamp[name], self._values[name] = stamp, {}
+        # The stamp holds the objects and compares them by identity: an id() of a freed tensor or device can be
+        # given to a new one, which would then read stale values (see the IREE importer's bug, iree findings 12).
+        held = (ttnn, device, *constants)
+        versions = tuple(getattr(t, "_version", 0) for t in constants)
+        old = self._stamp.get(name)
+        if (
+            old is None
+            or old[1] != versions
+            or len(old[0]) != len(held)
+            or any(a is not b for a, b in zip(old[0], held))
+        ):
+            self._stamp[name], self._values[name] = (held, versions), {}
         return self._values[name]

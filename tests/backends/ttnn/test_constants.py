@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -9,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import lower, runtime
+from fx_rewrites.backends.ttnn.constants import ConstantCache
 from fx_rewrites.backends.ttnn.coverage import coverage
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.ttnn import RULES, ops
@@ -137,3 +141,19 @@ def test_work_on_factories_only_is_counted_once_and_runs_once():
     assert compares.calls == 1
     for scale, got in zip((1.0, 3.0), results):
         assert_close_bf16(got, model(x * scale))
+
+
+def test_the_constant_cache_knows_its_constants_by_identity():
+    """Values stay while the same tensors come back; another tensor, even equal, empties them. The cache holds
+    its constants, so no new tensor can be given a freed one's id() and read stale values."""
+    cache = ConstantCache()
+    weight = torch.ones(2)
+    cache.region("r", [weight], "ttnn", "device")["folded"] = 1
+    assert cache.region("r", [weight], "ttnn", "device") == {"folded": 1}
+    held = weakref.ref(weight)
+    del weight
+    gc.collect()
+    assert held() is not None
+    assert cache.region("r", [torch.ones(2)], "ttnn", "device") == {}
+    gc.collect()
+    assert held() is None  # the new stamp dropped the old tensor
