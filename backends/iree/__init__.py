@@ -16,7 +16,8 @@ SymInt inputs which are an input's size are recomputed from that input
 (`importing` says how).
 
 `iree-compile` runs as a subprocess (a compiler crash does not take Python
-down); compiled modules are cached by the hash of the MLIR text, in memory
+down) with a time limit (`IreeBackend.compile_timeout_s`; past it,
+`IreeCompileTimeout`; `invoke` says why); compiled modules are cached by the hash of the MLIR text, in memory
 and, when `FX_REWRITES_IREE_CACHE` names a directory, on disk. iree is
 imported on first compile: `pip install -e '.[iree]'`.
 
@@ -26,7 +27,7 @@ each target's performance rules) and call convention. `artifact(program)`
 compiles without a device; `compile` also loads on the device
 (`IreeDeviceError` when it is absent).
 
-Modules: `errors` (what it raises), `cache`, `importing` (graph -> MLIR and
+Modules: `errors` (what it raises), `invoke` (running iree-compile), `cache`, `importing` (graph -> MLIR and
 the call plan), `runtime` (`IreeCompiled`, `IreeArtifact`), `targets`
 (`IreeTarget`, `TARGETS`), `backend` (`IreeBackend`).
 """
@@ -35,6 +36,7 @@ from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend, rules_for
 from fx_rewrites.backends.iree.cache import CACHE_ENV, CompileCache
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeImportError, IreeUnsupportedError
 from fx_rewrites.backends.iree.importing import INSTALL_HINT
+from fx_rewrites.backends.iree.invoke import TIMEOUT_ENV, IreeCompileTimeout
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
 from fx_rewrites.backends.iree.targets import BACKEND_TARGETS, TARGETS, IreeTarget
 
@@ -44,10 +46,12 @@ __all__ = [
     "INSTALL_HINT",
     "IREE_RULES",
     "TARGETS",
+    "TIMEOUT_ENV",
     "CompileCache",
     "IreeArtifact",
     "IreeBackend",
     "IreeCompileError",
+    "IreeCompileTimeout",
     "IreeCompiled",
     "IreeDeviceError",
     "IreeImportError",

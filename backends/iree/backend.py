@@ -22,6 +22,7 @@ from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
@@ -46,6 +47,11 @@ def rules_for(target: IreeTarget) -> Phases:
 
 #: what `IreeBackend.rules` is by default (llvm-cpu)
 RULES = rules_for(TARGETS["llvm-cpu"])
+
+
+def _check_timeout(backend: IreeBackend, attribute: Any, seconds: float | None) -> None:
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"compile_timeout_s={seconds!r}: expected seconds > 0, or None for no limit")
 
 
 def _check_device(backend: IreeBackend, attribute: Any, device: str | None) -> None:
@@ -74,6 +80,8 @@ class IreeBackend:
     - `cache`: compiled modules, shared by every compile of this instance.
     - `refuse_wrong_forms`: refuse (IreeUnsupportedError) the forms IREE 3.13 computes wrong
       (`wrong_forms`); False compiles them, for measuring IREE itself, never for results.
+    - `compile_timeout_s`: iree-compile's time limit in seconds (None: none); past it the compiler is
+      stopped and `IreeCompileTimeout` raised. Default: `$FX_REWRITES_IREE_COMPILE_TIMEOUT`, else 1800.
     """
 
     name: str = "iree"
@@ -87,6 +95,7 @@ class IreeBackend:
     device: str | None = attrs.field(default=None, validator=_check_device)
     cache: CompileCache = attrs.field(factory=CompileCache, eq=False, repr=False)
     refuse_wrong_forms: bool = True
+    compile_timeout_s: float | None = attrs.field(factory=default_timeout, validator=_check_timeout)
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
         """Import, compile (or take from the cache) and load `program` on this backend's device.
@@ -171,6 +180,8 @@ class IreeBackend:
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:
             return self._run_compiler(iree, mlir, gm, (*self.flags, *self.perf_flags))
+        except IreeCompileTimeout:
+            raise  # a second try without performance flags would wait as long again
         except IreeCompileError:
             # The performance flags can make a lowering fail that works without them (data tiling: IREE's own
             # attention, aten.logcumsumexp), so any failure is retried without them; its error is then the one
@@ -181,11 +192,6 @@ class IreeBackend:
 
     def _run_compiler(self, iree: Any, mlir: str, gm: GraphModule, flags: Sequence[str]) -> bytes:
         try:
-            return iree.compiler.compile_str(
-                mlir, input_type="torch", target_backends=[self.target.name], extra_args=list(flags)
-            )
-        except iree.compiler.CompilerToolError as e:
-            # str(e): "Error invoking ...\nDiagnostics:\n<stderr>\n\nInvoked with: ..."
-            text = str(e)
-            diagnostics = text.split("Diagnostics:\n", 1)[-1].split("\n\nInvoked with:", 1)[0].strip()
-            raise compile_error(diagnostics, mlir, gm) from None
+            return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s)
+        except IreeCompilerFailed as e:
+            raise compile_error(e.diagnostics.strip(), mlir, gm) from None

@@ -52,6 +52,7 @@ def iree_modules() -> Any:
         import iree.compiler
         import iree.compiler.extras.fx_importer
         import iree.compiler.ir
+        import iree.compiler.tools.core
         import iree.runtime
     except ImportError as e:
         raise ImportError(f"the IREE backend needs the iree packages ({e}); install them: {INSTALL_HINT}") from e
