@@ -17,9 +17,10 @@ SymInt inputs which are an input's size are recomputed from that input
 
 `iree-compile` runs as a subprocess (a compiler crash does not take Python
 down) with a time limit (`IreeBackend.compile_timeout_s`; past it,
-`IreeCompileTimeout`; `invoke` says why); compiled modules are cached by the hash of the MLIR text, in memory
-and, when `FX_REWRITES_IREE_CACHE` names a directory, on disk. iree is
-imported on first compile: `pip install -e '.[iree]'`.
+`IreeCompileTimeout`; `invoke` says why); compiled modules are cached by
+the hash of the MLIR text, in memory and, when `FX_REWRITES_IREE_CACHE`
+names a directory, on disk. iree is imported on first compile:
+`pip install -e '.[iree]'`.
 
 One backend per compile target is registered: `iree` (llvm-cpu, this host),
 `iree-cuda`, `iree-rocm`, `iree-vulkan` (`targets`); the same rules (plus
@@ -27,9 +28,10 @@ each target's performance rules) and call convention. `artifact(program)`
 compiles without a device; `compile` also loads on the device
 (`IreeDeviceError` when it is absent).
 
-Modules: `errors` (what it raises), `invoke` (running iree-compile), `cache`, `importing` (graph -> MLIR and
-the call plan), `runtime` (`IreeCompiled`, `IreeArtifact`), `targets`
-(`IreeTarget`, `TARGETS`), `backend` (`IreeBackend`).
+Modules: `errors` (what it raises), `invoke` (running iree-compile),
+`cache`, `importing` (graph -> MLIR and the call plan), `runtime`
+(`IreeCompiled`, `IreeArtifact`), `targets` (`IreeTarget`, `TARGETS`),
+`backend` (`IreeBackend`).
 """
 
 from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend, rules_for
