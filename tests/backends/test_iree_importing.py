@@ -44,7 +44,7 @@ def test_each_bool_constant_is_imported_as_its_own_literal():
     # The importer turns each bool constant into a temporary `t.to(torch.uint8)` and caches literals by id();
     # without pinning, a freed temporary's id can be reused and a later mask silently gets an earlier one's
     # values. Whether that happens depends on the allocator (a script importing 32 such masks got 26-31
-    # distinct literals; this test without the fix failed 2 of 4 runs): the tracker test below is the
+    # distinct literals; this test without the fix failed 1 of 4 runs): the tracker test below is the
     # deterministic one.
     model = Masks()
     prepared, _ = prepare_program(torch.export.export(model, (torch.randn(8, 8),)))
