@@ -15,6 +15,10 @@ values depend on the written tensor (IREE folds clones, views and `x * 1`,
 so which chains it sees through cannot be listed); the rewritten forms
 compute the same values exactly. docs/iree-3.13-findings.md section 8 has
 the measurements.
+
+Also here: `flip_of_stepped_slice_for_iree`. A `flip` of a slice with a
+step along the innermost dim (`x[..., ::2].flip(-1)`) fails to compile in
+IREE 3.13; the same elements come from slicing the flipped tensor.
 """
 
 from __future__ import annotations
@@ -198,4 +202,45 @@ def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 
 
-RULES = (slice_scatter_of_itself_for_iree, index_put_of_itself_for_iree)
+# -- flip of a stepped slice --------------------------------------------------------------------------------
+
+
+def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
+    dims = schema.bind(node.target, node.args, dict(node.kwargs))["dims"]
+    sliced = node.args[0]
+    if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
+        return Miss("the flipped tensor is not a slice")
+    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
+    base = named["self"].meta["val"]
+    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
+    if step == 1 or dim != base.dim() - 1:
+        return Miss("no step along the innermost dim (those flips compile)")
+    size, count = base.shape[dim], sliced.meta["val"].shape[dim]
+    start = _bound(named.get("start"), size, 0)
+    if not all(type(v) is int for v in (size, count, start)) or count == 0:
+        return Miss("symbolic or empty along the sliced dim")
+    return {"base": named["self"], "dim": dim, "step": step, "start": start, "count": count, "size": size,
+            "dims": [d % base.dim() for d in dims]}  # fmt: skip
+
+
+@rule(
+    roots=(aten.flip.default,),
+    name="flip_of_stepped_slice_for_iree",
+    when=_flip_of_stepped_slice,
+    tags={"iree", "lowering"},
+    doc=(
+        "flip(x[..., start::step], dims) with a step > 1 along the innermost dim becomes a slice of flip(x, "
+        "dims) that picks the same elements (the slice's start mirrored when its dim is flipped): the same "
+        'values. IREE 3.13 fails to compile the flip of such a slice ("LLVM Translation failed for operation: '
+        'builtin.unrealized_conversion_cast"), whichever dims are flipped; a flip followed by the slice compiles.'
+    ),
+)
+def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    last = m["start"] + m["step"] * (m["count"] - 1)  # the slice's last index in the base
+    start = m["size"] - 1 - last if m["dim"] in m["dims"] else m["start"]
+    flipped = rw.call(aten.flip.default, m["base"], m["dims"])
+    end = start + m["step"] * (m["count"] - 1) + 1
+    rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
+
+
+RULES = (slice_scatter_of_itself_for_iree, index_put_of_itself_for_iree, flip_of_stepped_slice_for_iree)
