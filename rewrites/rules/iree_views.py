@@ -18,7 +18,10 @@ the measurements.
 
 Also here: `flip_of_stepped_slice_for_iree`. A `flip` of a slice with a
 step along the innermost dim (`x[..., ::2].flip(-1)`) fails to compile in
-IREE 3.13; the same elements come from slicing the flipped tensor.
+IREE 3.13; the same elements come from slicing the flipped tensor. And
+`diagonal_as_gather_for_iree`: with a diagonal of `y` read by a broadcast
+`where`, IREE 3.13 returns `y` itself wrong (silently); a gather of the
+same elements is right.
 """
 
 from __future__ import annotations
@@ -243,4 +246,47 @@ def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) 
     rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
 
 
-RULES = (slice_scatter_of_itself_for_iree, index_put_of_itself_for_iree, flip_of_stepped_slice_for_iree)
+# -- diagonal ------------------------------------------------------------------------------------------------
+
+
+def _diagonal(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    val, out = named["self"].meta.get("val"), node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or type(out.shape[-1]) is not int:
+        return Miss("the diagonal's length is not static")
+    if any(u.op == "call_function" and u.target._schema.is_mutable for u in node.users):
+        return Miss("written through in place: the view must stay a view")
+    n = val.dim()
+    return {"self": named["self"], "offset": named.get("offset", 0), "dims": (named.get("dim1", 0) % n,
+            named.get("dim2", 1) % n), "length": out.shape[-1], "rank": n}  # fmt: skip
+
+
+@rule(
+    roots=(aten.diagonal.default,),
+    name="diagonal_as_gather_for_iree",
+    when=_diagonal,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.diagonal(y, offset, d1, d2) becomes a gather of the same elements (y with d1, d2 moved first, "
+        "indexed by arange rows and columns, the diagonal moved last): the same values, selected. IREE 3.13 "
+        "returns y itself wrong, silently, when a diagonal of y is read by a broadcast where "
+        "(`y, where(eye, y.diagonal().unsqueeze(-1), 0.)` on [2, 2, 2, 4]: y off by up to 2.5; on [3, 3, 2, 4] "
+        "and [4, 4, 8] too), the form the in-place pack gives a write through a diagonal."
+    ),
+)
+def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    (d1, d2), offset, n = m["dims"], m["offset"], m["rank"]
+    index = rw.call(aten.arange.default, m["length"], device=node.meta["val"].device)
+    rows = rw.call(aten.add.Tensor, index, max(-offset, 0)) if offset < 0 else index
+    cols = rw.call(aten.add.Tensor, index, offset) if offset > 0 else index
+    moved = rw.call(aten.permute.default, m["self"], [d1, d2, *(d for d in range(n) if d not in (d1, d2))])
+    picked = rw.call(aten.index.Tensor, moved, [rows, cols])  # [length, the other dims in order]
+    rw.replace(node, rw.call(aten.permute.default, picked, [*range(1, n - 1), 0]))
+
+
+RULES = (
+    slice_scatter_of_itself_for_iree,
+    index_put_of_itself_for_iree,
+    flip_of_stepped_slice_for_iree,
+    diagonal_as_gather_for_iree,
+)
