@@ -318,6 +318,19 @@ def _same_layout(a: Any, b: Any) -> bool:
     return compatible(a, b) is None and _sym_key(a.stride()) == _sym_key(b.stride())
 
 
+def _contiguous(value: Any) -> bool:
+    """Whether `value` has exactly contiguous strides (symbolic ones written alike, no guard).
+
+    Functionalization writes a `reshape` that copies as `clone` + `_unsafe_view`, and replays it after a
+    write as `_unsafe_view` of the new base: a view of that base that its schema does not declare. Left
+    so, a later write through the written view could not find the reshape's other views (they were
+    separate `_unsafe_view`s of the base) and they missed it. On a contiguous input it is `view`, which
+    says what it aliases."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return _sym_key(value.stride()) == _sym_key(torch._prims_common.make_contiguous_strides_for(value.shape))
+
+
 def _tidy(traced: GraphModule) -> str | None:
     """Drop what the rule does itself from the scratch trace: functionalize's copy back into the traced
     base (`copy_` into a placeholder) and `aten.copy` of the new value onto a view of its own dtype,
@@ -328,7 +341,9 @@ def _tidy(traced: GraphModule) -> str | None:
     is left that mutates, if anything."""
     graph = traced.graph
     for node in list(graph.nodes):
-        if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+        if node.target is aten._unsafe_view.default and _contiguous(node.args[0].meta.get("val")):
+            node.target = aten.view.default  # see `_contiguous`
+        elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
             graph.erase_node(node)
         elif node.target is aten.copy.default:
             dst, src = node.args[:2]

@@ -29,6 +29,7 @@ from tests.rules.test_inplace import (
     _relative_shift_inputs,
 )
 from tests.rules.test_inplace_views import (
+    ChainedWritesThroughACopy,
     InputWrites,
     KVCache,
     NarrowCopy,
@@ -167,6 +168,14 @@ def test_write_through_permute_then_reshape(iree, dynamic):
     """The base keeps its strides after a write through permute: the later reshape's write reaches it."""
     m = PermutedWriteThenReshape(flat=True)
     inputs = [(torch.randn(2, 3, 2, 4),), (torch.randn(3 if dynamic else 2, 3, 2, 4) * 3,)]
+    _matches(_compiled(iree, m, inputs, ({0: Dim("b", min=2)},) if dynamic else None), m, inputs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_chained_writes_through_a_copying_reshape(iree, dynamic):
+    """The second write through a narrow of a reshape that copies reaches the copy, not its source."""
+    m = ChainedWritesThroughACopy()
+    inputs = [(torch.randn(2, 2, 2, 4),), (torch.randn(3 if dynamic else 2, 2, 2, 4) * 3,)]
     _matches(_compiled(iree, m, inputs, ({0: Dim("b", min=2)},) if dynamic else None), m, inputs)
 
 

@@ -297,3 +297,32 @@ def test_a_write_back_keeps_the_base_strides(dynamic, flat):
     second = torch.randn(3 if dynamic else 2, 3, 2, 4) * 3
     rt.assert_matches_eager(result, module, [(torch.randn(2, 3, 2, 4),), (second,)])
     rt.assert_idempotent(result, RULES)
+
+
+class ChainedWritesThroughACopy(torch.nn.Module):
+    """Two chained writes through a narrow of a reshape that copies (its source is a strided narrow), with
+    the source, the narrow and the copy all read after (view-write fuzzer, seed 13)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = x * 1
+        n = m.narrow(1, 0, 1)
+        r = n.reshape(-1)  # n is not contiguous: a copy, so the writes below reach neither m nor n
+        w = r.narrow(0, 0, 1).mul_(2.0).add_(-1.0)
+        return m * 1, n * 1, r * 1, w * 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_chained_writes_through_a_copying_reshape(dynamic):
+    # WRONG before: the first write's trace gave the copy and the written narrow as two `_unsafe_view`s of
+    # the copy's new value, which no schema calls a view, so the second write (add_) never reached r
+    # (off by 1.0 in r). They are `view`s now, and the second write finds r through them.
+    shapes = ({0: Dim("b", min=2)},) if dynamic else None
+    module = ChainedWritesThroughACopy()
+    ep = rt.export(module, torch.randn(2, 2, 2, 4), dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, functionalize_inplace, times=2)
+    assert _mutating_left(result) == []
+    rt.assert_ops(result, absent=[aten._unsafe_view.default])
+    second = torch.randn(3 if dynamic else 2, 2, 2, 4) * 3
+    rt.assert_matches_eager(result, module, [(torch.randn(2, 2, 2, 4),), (second,)], rtol=0, atol=0)
+    rt.assert_idempotent(result, RULES)
