@@ -16,12 +16,9 @@ so which chains it sees through cannot be listed); the rewritten forms
 compute the same values exactly. docs/iree-3.13-findings.md section 8 has
 the measurements.
 
-Also here: `flip_of_stepped_slice_for_iree`. A `flip` of a slice with a
-step along the innermost dim (`x[..., ::2].flip(-1)`) fails to compile in
-IREE 3.13; the same elements come from slicing the flipped tensor. And
-`diagonal_as_gather_for_iree`: with a diagonal of `y` read by a broadcast
-`where`, IREE 3.13 returns `y` itself wrong (silently); a gather of the
-same elements is right.
+Also here: `diagonal_as_gather_for_iree`. With a diagonal of `y` read by a
+broadcast `where`, IREE 3.13 returns `y` itself wrong (silently); a gather
+of the same elements is right. Slices with a step: `iree_steps.py`.
 """
 
 from __future__ import annotations
@@ -99,7 +96,7 @@ def _full(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> Node:
 # -- slice_scatter ---------------------------------------------------------------------------------------
 
 
-def _bound(value: Any, size: Any, default: Any) -> Any:
+def slice_bound(value: Any, size: Any, default: Any) -> Any:
     """`value` as slice_scatter reads it (negative from the end, clamped), or None when unknown here."""
     if value is None:
         return default
@@ -121,7 +118,7 @@ def writes_whole_tensor(node: Node) -> bool:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     val = named["self"].meta["val"]
     size = val.shape[named.get("dim", 0) % val.dim()]
-    lo, hi = _bound(named.get("start"), size, 0), _bound(named.get("end"), size, size)
+    lo, hi = slice_bound(named.get("start"), size, 0), slice_bound(named.get("end"), size, size)
     return named.get("step", 1) == 1 and lo is not None and hi is not None and statically_known_true(hi - lo == size)
 
 
@@ -151,7 +148,7 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
     dim, start, end, step = named.get("dim", 0), named.get("start"), named.get("end"), named.get("step", 1)
     dim = dim % x.meta["val"].dim()
     size = x.meta["val"].shape[dim]
-    lo, hi = _bound(start, size, 0), _bound(end, size, size)
+    lo, hi = slice_bound(start, size, 0), slice_bound(end, size, size)
     if step == 1 and lo is not None and hi is not None and statically_known_true(lo <= hi):
         pieces = []
         if not statically_known_true(lo == 0):
@@ -205,47 +202,6 @@ def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 
 
-# -- flip of a stepped slice --------------------------------------------------------------------------------
-
-
-def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
-    dims = schema.bind(node.target, node.args, dict(node.kwargs))["dims"]
-    sliced = node.args[0]
-    if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
-        return Miss("the flipped tensor is not a slice")
-    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
-    base = named["self"].meta["val"]
-    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
-    if step == 1 or dim != base.dim() - 1:
-        return Miss("no step along the innermost dim (those flips compile)")
-    size, count = base.shape[dim], sliced.meta["val"].shape[dim]
-    start = _bound(named.get("start"), size, 0)
-    if not all(type(v) is int for v in (size, count, start)) or count == 0:
-        return Miss("symbolic or empty along the sliced dim")
-    return {"base": named["self"], "dim": dim, "step": step, "start": start, "count": count, "size": size,
-            "dims": [d % base.dim() for d in dims]}  # fmt: skip
-
-
-@rule(
-    roots=(aten.flip.default,),
-    name="flip_of_stepped_slice_for_iree",
-    when=_flip_of_stepped_slice,
-    tags={"iree", "lowering"},
-    doc=(
-        "flip(x[..., start::step], dims) with a step > 1 along the innermost dim becomes a slice of flip(x, "
-        "dims) that picks the same elements (the slice's start mirrored when its dim is flipped): the same "
-        'values. IREE 3.13 fails to compile the flip of such a slice ("LLVM Translation failed for operation: '
-        'builtin.unrealized_conversion_cast"), whichever dims are flipped; a flip followed by the slice compiles.'
-    ),
-)
-def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    last = m["start"] + m["step"] * (m["count"] - 1)  # the slice's last index in the base
-    start = m["size"] - 1 - last if m["dim"] in m["dims"] else m["start"]
-    flipped = rw.call(aten.flip.default, m["base"], m["dims"])
-    end = start + m["step"] * (m["count"] - 1) + 1
-    rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
-
-
 # -- diagonal ------------------------------------------------------------------------------------------------
 
 
@@ -287,6 +243,5 @@ def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> 
 RULES = (
     slice_scatter_of_itself_for_iree,
     index_put_of_itself_for_iree,
-    flip_of_stepped_slice_for_iree,
     diagonal_as_gather_for_iree,
 )

@@ -10,7 +10,7 @@ from torch.export import Dim
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeCompileError
-from fx_rewrites.rules.iree_views import flip_of_stepped_slice_for_iree
+from fx_rewrites.rules.iree_steps import flip_of_stepped_slice_for_iree
 
 aten = torch.ops.aten
 

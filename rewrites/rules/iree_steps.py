@@ -1,0 +1,169 @@
+"""Slices with a step that IREE 3.13 cannot compile where they are read, rewritten to the same elements.
+
+IREE 3.13 fails to compile ops that read a slice with a step along its
+innermost dim at computed positions ("LLVM Translation failed for
+operation: builtin.unrealized_conversion_cast"): a `flip` of it
+(`flip_of_stepped_slice_for_iree` slices the flipped tensor instead) and a
+gather of it (`stepped_slice_read_by_gather_for_iree` gathers its elements
+from the sliced tensor). A write through a slice whose step picks one
+element (a step along a dim of size 1) fails too ("expected result type
+... rank-reduced"): `single_element_step_for_iree` drops the step. Found by
+the view-write fuzzer (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.rules.iree_views import slice_bound
+
+aten = torch.ops.aten
+
+
+# -- flip of a stepped slice --------------------------------------------------------------------------------
+
+
+def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
+    dims = schema.bind(node.target, node.args, dict(node.kwargs))["dims"]
+    sliced = node.args[0]
+    if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
+        return Miss("the flipped tensor is not a slice")
+    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
+    base = named["self"].meta["val"]
+    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
+    if step == 1 or dim != base.dim() - 1:
+        return Miss("no step along the innermost dim (those flips compile)")
+    size, count = base.shape[dim], sliced.meta["val"].shape[dim]
+    start = slice_bound(named.get("start"), size, 0)
+    if not all(type(v) is int for v in (size, count, start)) or count == 0:
+        return Miss("symbolic or empty along the sliced dim")
+    return {"base": named["self"], "dim": dim, "step": step, "start": start, "count": count, "size": size,
+            "dims": [d % base.dim() for d in dims]}  # fmt: skip
+
+
+@rule(
+    roots=(aten.flip.default,),
+    name="flip_of_stepped_slice_for_iree",
+    when=_flip_of_stepped_slice,
+    tags={"iree", "lowering"},
+    doc=(
+        "flip(x[..., start::step], dims) with a step > 1 along the innermost dim becomes a slice of flip(x, "
+        "dims) that picks the same elements (the slice's start mirrored when its dim is flipped): the same "
+        'values. IREE 3.13 fails to compile the flip of such a slice ("LLVM Translation failed for operation: '
+        'builtin.unrealized_conversion_cast"), whichever dims are flipped; a flip followed by the slice compiles.'
+    ),
+)
+def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    last = m["start"] + m["step"] * (m["count"] - 1)  # the slice's last index in the base
+    start = m["size"] - 1 - last if m["dim"] in m["dims"] else m["start"]
+    flipped = rw.call(aten.flip.default, m["base"], m["dims"])
+    end = start + m["step"] * (m["count"] - 1) + 1
+    rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
+
+
+# -- a stepped slice read by a gather ------------------------------------------------------------------------
+
+#: ops that read their input at computed positions (IREE lowers them to `tensor.extract` gathers). Found by
+#: the view-write fuzzer and reduced: each fails to compile on a slice with a step along the innermost dim
+#: (`x[..., ::2][i, i]`, `.index_select(0, i)`, `.gather(0, idx)`, `[..., i]`, a diagonal as a gather),
+#: read directly or through views. `flip` is one too: read directly, it has its own cheaper rule above.
+_GATHERS = frozenset({aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default})
+
+
+def _read_by_gather(node: Node) -> bool | Miss:
+    """Whether a gather reads `node`, directly or through views (a flip through views); a Miss when a view
+    of it is written."""
+    todo, seen = [node], {node}
+    found = False
+    while todo:
+        tensor = todo.pop()
+        for user in tensor.users:
+            if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+                continue
+            if user.target._schema.is_mutable:
+                return Miss(f"{user.name} ({user.target}) writes it in place: the view must stay a view")
+            found = found or user.target in _GATHERS or (user.target == aten.flip.default and tensor is not node)
+            if user.target.is_view and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return found
+
+
+def _stepped_innermost_slice(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    base, out = named["self"].meta.get("val"), node.meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return Miss("no tensor values")
+    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
+    if step == 1 or dim != base.dim() - 1:
+        return Miss("no step along the innermost dim")
+    start, count = slice_bound(named.get("start"), base.shape[dim], 0), out.shape[dim]
+    if type(start) is not int or type(count) is not int or count == 0:
+        return Miss("symbolic or empty along the sliced dim")
+    read = _read_by_gather(node)
+    if isinstance(read, Miss):
+        return read
+    if not read:
+        return Miss("no gather reads it (those compile)")
+    return {"self": named["self"], "dim": dim, "start": start, "step": step, "count": count}
+
+
+@rule(
+    roots=(aten.slice.Tensor,),
+    name="stepped_slice_read_by_gather_for_iree",
+    when=_stepped_innermost_slice,
+    tags={"iree", "lowering"},
+    doc=(
+        "x[..., start::step] (a step > 1 along the innermost dim) read by a gather (index, index_select, gather, "
+        "embedding; directly or through views; a flip through views) becomes index_select(x, -1, arange(start, ..., step)): the same "
+        'elements. IREE 3.13 fails to compile a gather of such a slice ("LLVM Translation failed for '
+        'operation: builtin.unrealized_conversion_cast"); a gather of a gather compiles.'
+    ),
+)
+def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    end = m["start"] + m["step"] * (m["count"] - 1) + 1
+    device = node.meta["val"].device
+    index = rw.call(aten.arange.start_step, m["start"], end, m["step"], device=device)
+    rw.replace(node, rw.call(aten.index_select.default, m["self"], m["dim"], index))
+
+
+# -- a step that picks one element ----------------------------------------------------------------------------
+
+
+def _single_element_step(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    base = named["self"].meta.get("val")
+    piece = (named["src"] if node.target == aten.slice_scatter.default else node).meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(piece, torch.Tensor):
+        return Miss("no tensor values")
+    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
+    start = slice_bound(named.get("start"), base.shape[dim], 0)
+    if step == 1 or piece.shape[dim] != 1 or type(start) is not int:
+        return Miss("not a step picking one element at a static start")
+    return {"dim": dim, "start": start}
+
+
+@rule(
+    roots=(aten.slice.Tensor, aten.slice_scatter.default),
+    name="single_element_step_for_iree",
+    when=_single_element_step,
+    tags={"iree", "lowering"},
+    doc=(
+        "A slice (or slice_scatter) whose step picks one element along its dim (`y[:, ::2]` where that dim "
+        "has size 1 or 2) takes that element with step 1: the same element. IREE 3.13 fails to compile a "
+        'write through such a slice ("expected result type ... or a rank-reduced version").'
+    ),
+)
+def single_element_step_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    operands = (named["self"], named["src"]) if node.target == aten.slice_scatter.default else (named["self"],)
+    rw.replace(node, rw.call(node.target, *operands, m["dim"], m["start"], m["start"] + 1, 1))
+
+
+RULES = (flip_of_stepped_slice_for_iree, stepped_slice_read_by_gather_for_iree, single_element_step_for_iree)

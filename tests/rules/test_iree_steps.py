@@ -1,0 +1,156 @@
+"""Slices with a step that IREE 3.13 cannot compile where they are read (rules/iree_steps.py; the flip of one
+is in test_iree_flip.py).
+
+stepped_slice_read_by_gather_for_iree: a gather (index, index_select, gather, a diagonal as a gather) of a
+slice with a step along the innermost dim gathers the slice's elements from the sliced tensor instead
+(index_select on the innermost dim). single_element_step_for_iree: a slice whose step picks one element,
+written through, takes it with step 1. Both give the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeCompileError
+from fx_rewrites.rules.iree_steps import single_element_step_for_iree, stepped_slice_read_by_gather_for_iree
+
+aten = torch.ops.aten
+
+
+def _two(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(2, device=x.device)
+
+
+CASES = {
+    "index_leading_dims": lambda x: x[..., ::2][_two(x), _two(x)],
+    "index_select": lambda x: x[..., 1::3].index_select(1, _two(x) + 1),
+    "gather": lambda x: x[..., ::2].gather(1, x.new_zeros(x.shape[0], 2, 5, dtype=torch.long) + 3),
+    "index_innermost": lambda x: x[..., ::2][..., _two(x) * 2],
+    "negative_bounds": lambda x: x[..., -9:-1:2][_two(x)],
+    "diagonal": lambda x: x[..., ::2].diagonal(0, 1, 2),  # a gather after diagonal_as_gather_for_iree
+    "flip_through_a_view": lambda x: x[..., ::2].narrow(1, 0, 2).flip(-1),  # fuzz seed 16, without its write
+}
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x) * 2
+
+
+def _inputs(batch: int = 3) -> list[tuple[torch.Tensor]]:
+    return [(torch.randn(batch, 4, 10, generator=torch.Generator().manual_seed(s)),) for s in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def iree():
+    return backends.get("iree")
+
+
+def test_iree_cannot_compile_it_as_exported(iree):
+    """Pinned: this fails once IREE compiles a gather of a stepped slice, and the rule can go."""
+    module = Fn(CASES["index_leading_dims"])
+    with pytest.raises(IreeCompileError, match="LLVM Translation failed"):
+        iree.compile(rt.export(module, *_inputs()[0]), _inputs()[0])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gathered_slice_matches_eager(iree, case, dynamic):
+    module = Fn(CASES[case])
+    inputs = _inputs() if not dynamic else [(torch.randn(5, 4, 10),), (torch.randn(2, 4, 10),)]
+    shapes = ({0: Dim("batch", min=2, max=16)},) if dynamic else None
+    result = rt.apply_rules(rt.export(module, *inputs[0], dynamic_shapes=shapes), iree.rules)
+    rt.assert_fired(result, stepped_slice_read_by_gather_for_iree, times=1)
+    stepped = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.slice.Tensor and n.args[4:5] != ()]
+    assert [n for n in stepped if n.args[4] != 1] == [], "no stepped slice is left"
+    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x[..., ::2] + 1, lambda x: x[:, ::2][_two(x)], lambda x: x[..., 1:7][_two(x)]],
+    ids=["read_elementwise", "step_not_innermost", "no_step"],
+)
+def test_forms_that_compile_are_left_alone(iree, fn):
+    module = Fn(fn)
+    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
+    rt.assert_not_fired(result, stepped_slice_read_by_gather_for_iree)
+    compiled = iree.compile(result.program, _inputs()[0])
+    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+
+
+def test_a_slice_written_in_place_stays_a_view():
+    class Write(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = x * 1
+            s = y[..., ::2]
+            picked = s[torch.arange(2)]
+            s.mul_(2)
+            return picked, y
+
+    ep = rt.export(Write(), *_inputs()[0])
+    result = rt.apply_rules(ep, stepped_slice_read_by_gather_for_iree, explain=True)
+    rt.assert_not_fired(result, stepped_slice_read_by_gather_for_iree)
+    reasons = [a.reason for a in result.report.explain("stepped_slice_read_by_gather_for_iree")]
+    assert any("writes it in place" in r for r in reasons), reasons
+
+
+# -- a step that picks one element
+
+
+class WriteThroughOneElementStep(torch.nn.Module):
+    """The view-write fuzzer's seed 15: a write through `y[:, ::2]` where dim 1 has size 1, narrowed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1
+        y[:, ::2].narrow(0, 0, 1).mul_(-1.5)
+        return y * 1
+
+
+def _one_element_inputs(batch: int = 2) -> list[tuple[torch.Tensor]]:
+    return [(torch.randn(batch, 1, 2, 4, generator=torch.Generator().manual_seed(s)),) for s in (0, 1)]
+
+
+def test_iree_cannot_compile_a_write_through_a_one_element_step(iree):
+    """Pinned: this fails once IREE compiles it, and the rule can go."""
+    inputs = _one_element_inputs()
+    program = fx_rewrites.apply(rt.export(WriteThroughOneElementStep(), *inputs[0]), iree.rules.without(
+        "single_element_step_for_iree")).program  # fmt: skip
+    with pytest.raises(IreeCompileError, match="rank-reduced"):
+        iree.compile(program, inputs[0])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_a_write_through_a_one_element_step_matches_eager(iree, dynamic):
+    module = WriteThroughOneElementStep()
+    inputs = _one_element_inputs() if not dynamic else [_one_element_inputs(3)[0], _one_element_inputs(2)[1]]
+    shapes = ({0: Dim("batch", min=2, max=16)},) if dynamic else None
+    result = rt.apply_rules(rt.export(module, *inputs[0], dynamic_shapes=shapes), iree.rules)
+    rt.assert_fired(result, single_element_step_for_iree)
+    steps = [n.args[4] for n in rt.graph_module(result).graph.nodes if n.target in (
+        aten.slice.Tensor, aten.slice_scatter.default) and len(n.args) > 4]  # fmt: skip
+    assert all(step == 1 for step in steps), steps
+    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
+    fn = iree.compile(result.program, inputs[0])
+    for (x,) in inputs:
+        torch.testing.assert_close(fn(x.clone()), module(x.clone()), rtol=0, atol=0)
+
+
+def test_a_step_that_picks_more_elements_is_left_alone():
+    class Read(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, ::2] * 2  # dim 1 has size 3: two elements
+
+    result = rt.apply_rules(rt.export(Read(), torch.randn(2, 3, 4)), single_element_step_for_iree)
+    rt.assert_not_fired(result, single_element_step_for_iree)
