@@ -121,9 +121,9 @@ def _stepped_innermost_slice(node: Node) -> dict[str, Any] | Miss:
     tags={"iree", "lowering"},
     doc=(
         "x[..., start::step] (a step > 1 along the innermost dim) read by a gather (index, index_select, gather, "
-        "embedding; directly or through views; a flip through views) becomes index_select(x, -1, arange(start, ..., step)): the same "
-        'elements. IREE 3.13 fails to compile a gather of such a slice ("LLVM Translation failed for '
-        'operation: builtin.unrealized_conversion_cast"); a gather of a gather compiles.'
+        "embedding; directly or through views; a flip through views) becomes index_select(x, -1, arange(start, "
+        '..., step)): the same elements. IREE 3.13 fails to compile a gather of such a slice ("LLVM Translation '
+        'failed for operation: builtin.unrealized_conversion_cast"); a gather of a gather compiles.'
     ),
 )
 def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
