@@ -17,7 +17,7 @@ from torch.fx import Node
 from fx_rewrites import schema
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.engine import Miss
-from fx_rewrites.rules import iree_guards, iree_pooling, iree_steps, iree_views
+from fx_rewrites.rules import iree_guards, iree_live_scatters, iree_pooling, iree_steps, iree_views
 from fx_rewrites.rules.iree_legalize import legalize, legalize_form
 from fx_rewrites.ruleset import RuleSet
 
@@ -153,6 +153,14 @@ PARTIAL_FORMS = (
 #: the last phase of the IREE backend's rules: legality-driven decomposition, and the guards against IREE's
 #: silent wrong results (on forms from export and from decompositions alike)
 LEGALIZE = RuleSet(
-    [LEGALIZE_FOR_IREE, *PARTIAL_FORMS, *iree_guards.RULES, *iree_views.RULES, *iree_steps.RULES, *iree_pooling.RULES],
+    [
+        LEGALIZE_FOR_IREE,
+        *PARTIAL_FORMS,
+        *iree_guards.RULES,
+        *iree_views.RULES,
+        *iree_live_scatters.RULES,
+        *iree_steps.RULES,
+        *iree_pooling.RULES,
+    ],
     name="iree-legalize",
 )

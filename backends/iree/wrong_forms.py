@@ -25,11 +25,7 @@ from fx_rewrites.engine import Miss
 from fx_rewrites.rules.iree_conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
 from fx_rewrites.rules.iree_guards import empty_variance
 from fx_rewrites.rules.iree_pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
-from fx_rewrites.rules.iree_views import (
-    index_put_of_itself_for_iree,
-    slice_scatter_of_itself_for_iree,
-    writes_whole_tensor,
-)
+from fx_rewrites.rules.iree_views import read_elsewhere, reads_destination, writes_whole_tensor
 
 aten = torch.ops.aten
 
@@ -86,19 +82,43 @@ def _negative_pad(node: Node) -> str:
     )
 
 
+#: readers that pad what they read (the convolutions with a nonzero `padding`)
+_PADS = {aten.pad.default, aten.constant_pad_nd.default}
+_CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+
+
+def _padded(node: Node) -> bool:
+    for user in node.users:
+        if user.target in _PADS:
+            return True
+        if user.target in _CONVOLUTIONS:
+            padding = schema.bind(user.target, user.args, dict(user.kwargs)).get("padding", 0)
+            if padding not in (0, "valid") and any(
+                p != 0 for p in ([padding] if isinstance(padding, int) else padding)
+            ):
+                return True
+    return False
+
+
 def _into_itself(node: Node) -> str:
-    guard = (
-        slice_scatter_of_itself_for_iree if node.target == aten.slice_scatter.default else index_put_of_itself_for_iree
-    )
-    if isinstance(guard.when(node), Miss):
-        return ""
-    if node.target == aten.slice_scatter.default and writes_whole_tensor(node):
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    dest = named["self"]
+    source = named.get("src", named.get("values", named.get("value")))
+    if node.target == aten.slice_scatter.default and reads_destination(dest, source) and writes_whole_tensor(node):
         return ""  # the write-back through a view (`y[:, -1] = s` on a slice of y): no shifted range was measured wrong
-    return (
-        "its source reads the tensor it writes into (MBart's `y[:, 1:] = y[:, :-1].clone()`): IREE copies in "
-        "place, so shifted positions get the first element, or it fails at run time ('source and target "
-        f"ranges must not overlap'); fix: {APPLY}, which write into a fresh tensor"
-    )
+    if reads_destination(dest, source):
+        return (
+            "its source reads the tensor it writes into (MBart's `y[:, 1:] = y[:, :-1].clone()`): IREE copies in "
+            "place, so shifted positions get the first element, or it fails at run time ('source and target "
+            f"ranges must not overlap'); fix: {APPLY}, which write into a fresh tensor"
+        )
+    if read_elsewhere(node, dest) and _padded(node):
+        return (
+            f"the tensor it writes into ({dest.name}) is read elsewhere too and the result is padded: IREE "
+            f"writes it in place, so {dest.name} is read back with the scattered values in it; fix: {APPLY}, "
+            "which write into a fresh tensor"
+        )
+    return ""
 
 
 def _one_window(node: Node) -> str:
@@ -168,6 +188,11 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
     aten.slice_scatter.default: _into_itself,
     aten.index_put.default: _into_itself,
     aten._unsafe_index_put.default: _into_itself,
+    aten.select_scatter.default: _into_itself,
+    aten.scatter.src: _into_itself,
+    aten.scatter.value: _into_itself,
+    aten.scatter_add.default: _into_itself,
+    aten.scatter_reduce.two: _into_itself,
 }
 
 

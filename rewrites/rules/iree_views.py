@@ -12,9 +12,11 @@ The guards rewrite such a scatter into a form whose result is a fresh
 tensor: a `cat` of the untouched pieces and the source, or a scatter into
 zeros picked by a mask with `where`. They fire whenever the source's
 values depend on the written tensor (IREE folds clones, views and `x * 1`,
-so which chains it sees through cannot be listed); the rewritten forms
-compute the same values exactly. docs/iree-3.13-findings.md section 8 has
-the measurements.
+so which chains it sees through cannot be listed), and whenever something
+else reads the written tensor: IREE also scatters in place into a tensor
+still to be read when the result is padded (section 14; the other scatters:
+`iree_live_scatters.py`). The rewritten forms compute the same values
+exactly. docs/iree-3.13-findings.md section 8 has the measurements.
 
 Also here: `diagonal_as_gather_for_iree`. With a diagonal of `y` read by a
 broadcast `where`, IREE 3.13 returns `y` itself wrong (silently); a gather
@@ -86,11 +88,44 @@ def _reads(src: Any, buffer: set[Node]) -> bool:
     return False
 
 
-def _full(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> Node:
+def full_from_sizes(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> Node:
     """`fill` in `like`'s shape, built from its sizes (not from `like`: no data dependence on it)."""
     val = like.meta["val"]
     sizes = [rw.size(like, d) for d in range(val.dim())]
     return rw.call(aten.full.default, sizes, fill, dtype=dtype, device=val.device)
+
+
+def reads_destination(dest: Node, source: Any) -> bool:
+    """Whether a scatter's `source` reads the tensor `dest` it is written into (through what IREE folds)."""
+    return _reads(source, _buffer(dest))
+
+
+def read_elsewhere(scatter: Node, dest: Node) -> bool:
+    """Whether anything but `scatter` reads the values of the tensor it writes into (another op, directly or
+    through views; the program's outputs). IREE 3.13 may write such a tensor in place while it is still to
+    be read (docs/iree-3.13-findings.md section 14)."""
+    chain = _buffer(dest)
+    skip = chain | {scatter}
+
+    def read(node: Node) -> bool:
+        for user in node.users:
+            if user in skip or (user.op != "output" and node not in _data_inputs(user)):
+                continue  # aten.copy's destination only gives a shape
+            if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+                if read(user):
+                    return True
+                continue
+            return True
+        return False
+
+    return any(read(node) for node in chain)
+
+
+def scatter_hazard(node: Node, dest: Node, source: Any) -> bool | Miss:
+    """Why a scatter of `source` into `dest` by `node` needs a fresh result on IREE, or a Miss."""
+    if reads_destination(dest, source) or read_elsewhere(node, dest):
+        return True
+    return Miss("the source does not read the tensor written into, and nothing else reads that tensor")
 
 
 # -- slice_scatter ---------------------------------------------------------------------------------------
@@ -124,9 +159,8 @@ def writes_whole_tensor(node: Node) -> bool:
 
 def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if not _reads(named["src"], _buffer(named["self"])):
-        return Miss("the source does not read the tensor it is written into")
-    return named
+    hazard = scatter_hazard(node, named["self"], named["src"])
+    return named if hazard is True else hazard
 
 
 @rule(
@@ -136,11 +170,12 @@ def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
     tags={"iree", "guard"},
     doc=(
         "aten.slice_scatter(t, src, ...) whose src reads t (MBart's shift_tokens_right: `y = x.clone(); "
-        "y[:, 1:] = y[:, :-1].clone()`) becomes cat(t[..start], src, t[end..]) (step 1), or a slice_scatter "
-        "into zeros picked by a mask with where (a step, symbolic bounds). IREE 3.13 folds the clones and "
-        "copies src out of t's buffer while writing it: every shifted position gets the first element "
-        '(silently), or, for a contiguous range, "source and target ranges must not overlap within the same '
-        'buffer" at run time.'
+        "y[:, 1:] = y[:, :-1].clone()`), or whose t something else reads, becomes cat(t[..start], src, "
+        "t[end..]) (step 1), or a slice_scatter into zeros picked by a mask with where (a step, symbolic "
+        "bounds). IREE 3.13 folds the clones and copies src out of t's buffer while writing it: every shifted "
+        'position gets the first element (silently), or, for a contiguous range, "source and target ranges '
+        'must not overlap within the same buffer" at run time. And it writes t in place while t is still '
+        "read when the result is padded (`a, pad(slice_scatter(a, z, 0, 0, 1))`: `a` comes back with z in it)."
     ),
 )
 def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
@@ -153,15 +188,18 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
         pieces = []
         if not statically_known_true(lo == 0):
             pieces.append(rw.call(aten.slice.Tensor, x, dim, 0, start))
-        pieces.append(src)
+        # a constant src (a lifted tensor) is imported as a literal, which IREE's importer cannot list with values
+        pieces.append(src if src.op == "call_function" else rw.call(aten.clone.default, src))
         if not statically_known_true(hi == size):
             pieces.append(rw.call(aten.slice.Tensor, x, dim, end, _TO_END))
         rw.replace(node, rw.call(aten.cat.default, pieces, dim) if len(pieces) > 1 else src)
         return
-    scattered = rw.call(aten.slice_scatter.default, _full(rw, x, 0, src.meta["val"].dtype), src, dim, start, end, step)
+    scattered = rw.call(
+        aten.slice_scatter.default, full_from_sizes(rw, x, 0, src.meta["val"].dtype), src, dim, start, end, step
+    )
     # built from src's sizes: ones_like asks for src's memory format, which guards a symbolic size of 1
-    ones = _full(rw, src, True, torch.bool)
-    mask = rw.call(aten.slice_scatter.default, _full(rw, x, False, torch.bool), ones, dim, start, end, step)
+    ones = full_from_sizes(rw, src, True, torch.bool)
+    mask = rw.call(aten.slice_scatter.default, full_from_sizes(rw, x, False, torch.bool), ones, dim, start, end, step)
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 
 
@@ -170,9 +208,8 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
 
 def _index_put(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if not _reads(named["values"], _buffer(named["self"])):
-        return Miss("the values do not read the tensor they are written into")
-    return named
+    hazard = scatter_hazard(node, named["self"], named["values"])
+    return named if hazard is True else hazard
 
 
 @rule(
@@ -184,7 +221,8 @@ def _index_put(node: Node) -> dict[str, Any] | Miss:
         "aten.index_put(t, indices, values) whose values read t (`torch.index_put(x, (i,), x[:-1])`, "
         "`y[:, idx] = y[:, :-2:2]`) scatters into a fresh tensor: into zeros picked by a mask with where, or, "
         "with accumulate=True, into -0.0 (0 for integers) then added to t (exact where each index occurs "
-        "once). IREE 3.13 scatters in place into t's buffer while reading values from it: silently wrong."
+        "once). Also when something else reads t. IREE 3.13 scatters in place into t's buffer while reading "
+        "values from it, or while t is still to be read (the result padded): silently wrong."
     ),
 )
 def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
@@ -193,12 +231,14 @@ def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]
     if named.get("accumulate", False):
         # -0.0 + v == v for every float v (0.0 + -0.0 would be +0.0), so untouched elements stay bit-exact
         fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0
-        scattered = rw.call(node.target, _full(rw, x, fill, dtype), indices, values, True)
+        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), indices, values, True)
         rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
         return
-    scattered = rw.call(node.target, _full(rw, x, False if dtype is torch.bool else 0, dtype), indices, values)
-    ones = _full(rw, values, True, torch.bool)
-    mask = rw.call(node.target, _full(rw, x, False, torch.bool), indices, ones)
+    scattered = rw.call(
+        node.target, full_from_sizes(rw, x, False if dtype is torch.bool else 0, dtype), indices, values
+    )
+    ones = full_from_sizes(rw, values, True, torch.bool)
+    mask = rw.call(node.target, full_from_sizes(rw, x, False, torch.bool), indices, ones)
     rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
 
 

@@ -1,0 +1,124 @@
+"""Scatters IREE 3.13 may write in place while their destination is still read (silent wrong results).
+
+IREE 3.13 writes a scatter's result into its destination's buffer in place
+even when something else still reads the destination, if the result is
+padded (`a, pad(scatter(a, ...))`, or a convolution with padding): `a` comes
+back with the scattered values in it (docs/iree-3.13-findings.md section 14,
+found by the view-write fuzzer). `slice_scatter` and `index_put` are guarded
+in `iree_views.py`; here `select_scatter` (as a `slice_scatter`, which that
+guard then takes), `scatter`, `scatter_add` and `scatter_reduce` (sum, prod,
+amax, amin with include_self) get a fresh result: scattered into a constant,
+then combined with the destination elementwise. `scatter_reduce`'s mean, or
+without include_self, is left (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+from fx_rewrites.rules.iree_views import full_from_sizes, scatter_hazard
+
+aten = torch.ops.aten
+
+
+def _select_scatter(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    val = named["self"].meta["val"]
+    dim = named["dim"] % val.dim()
+    index = named["index"]
+    if index < 0 and type(val.shape[dim]) is not int:
+        return Miss("a negative index into a symbolic size")
+    hazard = scatter_hazard(node, named["self"], named["src"])
+    if hazard is not True:
+        return hazard
+    return {
+        "self": named["self"],
+        "src": named["src"],
+        "dim": dim,
+        "start": index % val.shape[dim] if index < 0 else index,
+    }
+
+
+@rule(
+    roots=(aten.select_scatter.default,),
+    name="select_scatter_as_slice_scatter_for_iree",
+    when=_select_scatter,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.select_scatter(t, src, dim, i) whose t something else reads (or whose src reads t) becomes "
+        "slice_scatter(t, src.unsqueeze(dim), dim, i, i + 1): the same elements written, in the form "
+        "slice_scatter_of_itself_for_iree then writes into a fresh tensor. IREE 3.13 writes t in place while "
+        "it is still read when the result is padded (`a, pad(select_scatter(a, z, 0, 0))`)."
+    ),
+)
+def select_scatter_as_slice_scatter_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    src = rw.call(aten.unsqueeze.default, m["src"], m["dim"])
+    rw.replace(node, rw.call(aten.slice_scatter.default, m["self"], src, m["dim"], m["start"], m["start"] + 1, 1))
+
+
+#: scatter_reduce's reductions with include_self=True as (the value that leaves an element unchanged, the
+#: elementwise op that combines the destination with what was scattered into that value)
+_REDUCTIONS = {
+    "sum": (-0.0, aten.add.Tensor),  # -0.0 + v == v for every float v
+    "prod": (1.0, aten.mul.Tensor),
+    "amax": (float("-inf"), aten.maximum.default),
+    "amin": (float("inf"), aten.minimum.default),
+}
+
+
+def _scatter(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if node.target == aten.scatter_reduce.two and (
+        named["reduce"] not in _REDUCTIONS or not named.get("include_self", True)
+        or not named["self"].meta["val"].dtype.is_floating_point
+    ):  # fmt: skip
+        return Miss(f"scatter_reduce {named['reduce']!r} (include_self={named.get('include_self', True)}) of "
+                    "this dtype is not guarded")  # fmt: skip
+    if named.get("reduce") is not None and node.target != aten.scatter_reduce.two:
+        return Miss("scatter with reduce= (not guarded)")
+    hazard = scatter_hazard(node, named["self"], named.get("src", named.get("value")))
+    return named if hazard is True else hazard
+
+
+@rule(
+    roots=(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two),
+    name="scatter_into_fresh_for_iree",
+    when=_scatter,
+    tags={"iree", "guard"},
+    doc=(
+        "aten.scatter(t, dim, index, src or value) whose t something else reads (or whose src reads t) "
+        "scatters into zeros, picked by a mask scattered alike, with where(mask, scattered, t); scatter_add "
+        "scatters into -0.0 and adds t (exact where each index occurs once, as index_put's guard), and "
+        "scatter_reduce (sum, prod, amax, amin; include_self, floats) into the reduction's identity, then "
+        "combines with t (amax, amin: exact). IREE 3.13 "
+        "scatters in place into t while t is still read when the result is padded "
+        "(`a, pad(a.scatter(3, idx, src))`: `a` comes back with src in it)."
+    ),
+)
+def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
+    x, dim, index = named["self"], named["dim"], named["index"]
+    dtype = x.meta["val"].dtype
+    if node.target == aten.scatter_reduce.two:
+        fill, combine = _REDUCTIONS[named["reduce"]]
+        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), dim, index, named["src"], named["reduce"])
+        rw.replace(node, rw.call(combine, x, scattered))
+        return
+    if node.target == aten.scatter_add.default:
+        fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0  # -0.0 + v == v for every float v
+        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), dim, index, named["src"])
+        rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
+        return
+    source = named["src"] if node.target == aten.scatter.src else named["value"]
+    zero = False if dtype is torch.bool else 0
+    scattered = rw.call(node.target, full_from_sizes(rw, x, zero, dtype), dim, index, source)
+    mask = rw.call(aten.scatter.value, full_from_sizes(rw, x, False, torch.bool), dim, index, True)
+    rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
+
+
+RULES = (select_scatter_as_slice_scatter_for_iree, scatter_into_fresh_for_iree)
