@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.rules.iree_compare_guards import float_scalar_in_comparison_for_iree
 from fx_rewrites.rules.iree_index_guards import int32_index_to_int64_for_iree, negative_put_index_for_iree
 
 aten = torch.ops.aten
@@ -318,4 +319,5 @@ RULES = (
     multi_index_to_flat_gather_for_iree,
     empty_variance_for_iree,
     instance_norm_input_stats_for_iree,
+    float_scalar_in_comparison_for_iree,
 )
