@@ -1,7 +1,7 @@
-"""Slices with a step that IREE 3.13 cannot compile where they are read (rules/iree_steps.py; the flip of one
-is in test_iree_flip.py).
+"""Slices with a step that IREE 3.13 cannot compile where they are read (rules/iree_steps.py).
 
-stepped_slice_read_by_gather_for_iree: a gather (index, index_select, gather, a diagonal as a gather) of a
+flip_of_stepped_slice_for_iree: a flip of a slice with a step along the innermost dim becomes a slice of the
+flipped tensor (the same elements). stepped_slice_read_by_gather_for_iree: a gather (index, index_select, gather, a diagonal as a gather) of a
 slice with a step along the innermost dim gathers the slice's elements from the sliced tensor instead
 (index_select on the innermost dim). single_element_step_for_iree: a slice whose step picks one element,
 written through, takes it with step 1. Both give the same values."""
@@ -16,7 +16,11 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeCompileError
-from fx_rewrites.rules.iree_steps import single_element_step_for_iree, stepped_slice_read_by_gather_for_iree
+from fx_rewrites.rules.iree_steps import (
+    flip_of_stepped_slice_for_iree,
+    single_element_step_for_iree,
+    stepped_slice_read_by_gather_for_iree,
+)
 
 aten = torch.ops.aten
 
@@ -33,6 +37,15 @@ CASES = {
     "negative_bounds": lambda x: x[..., -9:-1:2][_two(x)],
     "diagonal": lambda x: x[..., ::2].diagonal(0, 1, 2),  # a gather after diagonal_as_gather_for_iree
     "flip_through_a_view": lambda x: x[..., ::2].narrow(1, 0, 2).flip(-1),  # fuzz seed 16, without its write
+}
+
+
+FLIP_CASES = {
+    "last_step2": lambda x: x[..., ::2].flip(-1),
+    "last_from1_step3": lambda x: x[..., 1::3].flip(-1),
+    "last_bounded_negative": lambda x: x[..., -9:-1:2].flip(-1),
+    "flip_other_dim": lambda x: x[..., ::2].flip(1),
+    "flip_both": lambda x: x[..., 1::2].flip(-1, 1),
 }
 
 
@@ -54,27 +67,37 @@ def iree():
     return backends.get("iree")
 
 
-def test_iree_cannot_compile_it_as_exported(iree):
-    """Pinned: this fails once IREE compiles a gather of a stepped slice, and the rule can go."""
-    module = Fn(CASES["index_leading_dims"])
+@pytest.mark.parametrize("fn", [CASES["index_leading_dims"], FLIP_CASES["last_step2"]], ids=["gather", "flip"])
+def test_iree_cannot_compile_it_as_exported(iree, fn):
+    """Pinned: this fails once IREE compiles a gather or flip of a stepped slice, and the rules can go."""
     with pytest.raises(IreeCompileError, match="LLVM Translation failed"):
-        iree.compile(rt.export(module, *_inputs()[0]), _inputs()[0])
+        iree.compile(rt.export(Fn(fn), *_inputs()[0]), _inputs()[0])
+
+
+def _rewritten(iree, module: torch.nn.Module, rule, dynamic: bool) -> tuple:
+    """The IREE rules' result on `module` (the rule fired once) and two input sets."""
+    inputs = _inputs() if not dynamic else [(torch.randn(5, 4, 10),), (torch.randn(2, 4, 10),)]
+    shapes = ({0: Dim("batch", min=2, max=16)},) if dynamic else None
+    result = rt.apply_rules(rt.export(module, *inputs[0], dynamic_shapes=shapes), iree.rules)
+    rt.assert_fired(result, rule, times=1)
+    return result, inputs
+
+
+def _exact_on_iree(iree, result, module: torch.nn.Module, inputs: list[tuple]) -> None:
+    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_gathered_slice_matches_eager(iree, case, dynamic):
     module = Fn(CASES[case])
-    inputs = _inputs() if not dynamic else [(torch.randn(5, 4, 10),), (torch.randn(2, 4, 10),)]
-    shapes = ({0: Dim("batch", min=2, max=16)},) if dynamic else None
-    result = rt.apply_rules(rt.export(module, *inputs[0], dynamic_shapes=shapes), iree.rules)
-    rt.assert_fired(result, stepped_slice_read_by_gather_for_iree, times=1)
+    result, inputs = _rewritten(iree, module, stepped_slice_read_by_gather_for_iree, dynamic)
     stepped = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.slice.Tensor and n.args[4:5] != ()]
     assert [n for n in stepped if n.args[4] != 1] == [], "no stepped slice is left"
-    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
-    fn = iree.compile(result.program, inputs[0])
-    for args in inputs:
-        torch.testing.assert_close(fn(*args), module(*args), rtol=0, atol=0)
+    _exact_on_iree(iree, result, module, inputs)
 
 
 @pytest.mark.parametrize(
@@ -154,3 +177,29 @@ def test_a_step_that_picks_more_elements_is_left_alone():
 
     result = rt.apply_rules(rt.export(Read(), torch.randn(2, 3, 4)), single_element_step_for_iree)
     rt.assert_not_fired(result, single_element_step_for_iree)
+
+
+# -- a flip of a stepped slice
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("case", sorted(FLIP_CASES))
+def test_a_slice_of_the_flipped_tensor_matches_eager(iree, case, dynamic):
+    module = Fn(FLIP_CASES[case])
+    result, inputs = _rewritten(iree, module, flip_of_stepped_slice_for_iree, dynamic)
+    flips = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.flip.default]
+    assert [n.args[0].op for n in flips] == ["placeholder"], "the flip reads the input itself, not a slice"
+    _exact_on_iree(iree, result, module, inputs)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x[:, ::2].flip(1), lambda x: x[..., 1:7].flip(-1), lambda x: x.flip(-1)[..., 1::2]],
+    ids=["step_not_innermost", "no_step", "slice_after_flip"],
+)
+def test_flips_that_compile_are_left_alone(iree, fn):
+    module = Fn(fn)
+    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
+    rt.assert_not_fired(result, flip_of_stepped_slice_for_iree)
+    compiled = iree.compile(result.program, _inputs()[0])
+    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
