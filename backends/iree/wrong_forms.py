@@ -104,9 +104,9 @@ def _into_itself(node: Node) -> str:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     dest = named["self"]
     source = named.get("src", named.get("values", named.get("value")))
-    if node.target == aten.slice_scatter.default and reads_destination(dest, source) and writes_whole_tensor(node):
-        return ""  # the write-back through a view (`y[:, -1] = s` on a slice of y): no shifted range was measured wrong
     if reads_destination(dest, source):
+        if node.target == aten.slice_scatter.default and writes_whole_tensor(node):
+            return ""  # the write-back through a view (`y[:, -1] = s` on a slice of y): no shifted range measured wrong
         return (
             "its source reads the tensor it writes into (MBart's `y[:, 1:] = y[:, :-1].clone()`): IREE copies in "
             "place, so shifted positions get the first element, or it fails at run time ('source and target "

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import torch
 from torch._ops import OpOverload
+from torch._prims_common import is_contiguous_or_false
 from torch.fx import GraphModule, Node
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -319,16 +320,7 @@ def _same_layout(a: Any, b: Any) -> bool:
 
 
 def _contiguous(value: Any) -> bool:
-    """Whether `value` has exactly contiguous strides (symbolic ones written alike, no guard).
-
-    Functionalization writes a `reshape` that copies as `clone` + `_unsafe_view`, and replays it after a
-    write as `_unsafe_view` of the new base: a view of that base that its schema does not declare. Left
-    so, a later write through the written view could not find the reshape's other views (they were
-    separate `_unsafe_view`s of the base) and they missed it. On a contiguous input it is `view`, which
-    says what it aliases."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    return _sym_key(value.stride()) == _sym_key(torch._prims_common.make_contiguous_strides_for(value.shape))
+    return isinstance(value, torch.Tensor) and is_contiguous_or_false(value)  # no guard on symbolic sizes
 
 
 def _tidy(traced: GraphModule) -> str | None:
@@ -342,7 +334,10 @@ def _tidy(traced: GraphModule) -> str | None:
     graph = traced.graph
     for node in list(graph.nodes):
         if node.target is aten._unsafe_view.default and _contiguous(node.args[0].meta.get("val")):
-            node.target = aten.view.default  # see `_contiguous`
+            # functionalization writes a reshape that copies as clone + _unsafe_view and replays it after a
+            # write as _unsafe_view of the new base: a view its schema does not declare, so a later write
+            # through one replayed view missed the others (fuzz seed 13). On a contiguous input it is `view`.
+            node.target = aten.view.default
         elif node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
             graph.erase_node(node)
         elif node.target is aten.copy.default:

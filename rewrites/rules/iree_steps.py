@@ -26,25 +26,34 @@ from fx_rewrites.rules.iree_views import slice_bound
 aten = torch.ops.aten
 
 
+def _stepped_innermost(sliced: Any) -> dict[str, Any] | Miss:
+    """A slice with a step along its input's innermost dim, non-empty, with a static start and count: its
+    input, dim, step, start, count and the dim's size."""
+    if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
+        return Miss("not a slice")
+    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
+    base, out = named["self"].meta.get("val"), sliced.meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return Miss("no tensor values")
+    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
+    if step == 1 or dim != base.dim() - 1:
+        return Miss("no step along the innermost dim")
+    size, count = base.shape[dim], out.shape[dim]
+    start = slice_bound(named.get("start"), size, 0)
+    if not all(type(v) is int for v in (size, count, start)) or count == 0:
+        return Miss("symbolic or empty along the sliced dim")
+    return {"self": named["self"], "dim": dim, "step": step, "start": start, "count": count, "size": size}
+
+
 # -- flip of a stepped slice --------------------------------------------------------------------------------
 
 
 def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
     dims = schema.bind(node.target, node.args, dict(node.kwargs))["dims"]
-    sliced = node.args[0]
-    if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
-        return Miss("the flipped tensor is not a slice")
-    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
-    base = named["self"].meta["val"]
-    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
-    if step == 1 or dim != base.dim() - 1:
-        return Miss("no step along the innermost dim (those flips compile)")
-    size, count = base.shape[dim], sliced.meta["val"].shape[dim]
-    start = slice_bound(named.get("start"), size, 0)
-    if not all(type(v) is int for v in (size, count, start)) or count == 0:
-        return Miss("symbolic or empty along the sliced dim")
-    return {"base": named["self"], "dim": dim, "step": step, "start": start, "count": count, "size": size,
-            "dims": [d % base.dim() for d in dims]}  # fmt: skip
+    m = _stepped_innermost(node.args[0])
+    if isinstance(m, Miss):
+        return Miss(lambda: f"the flipped tensor: {m.reason} (those flips compile)")
+    return {**m, "dims": [d % m["self"].meta["val"].dim() for d in dims]}
 
 
 @rule(
@@ -62,7 +71,7 @@ def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
 def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
     last = m["start"] + m["step"] * (m["count"] - 1)  # the slice's last index in the base
     start = m["size"] - 1 - last if m["dim"] in m["dims"] else m["start"]
-    flipped = rw.call(aten.flip.default, m["base"], m["dims"])
+    flipped = rw.call(aten.flip.default, m["self"], m["dims"])
     end = start + m["step"] * (m["count"] - 1) + 1
     rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
 
@@ -96,22 +105,13 @@ def _read_by_gather(node: Node) -> bool | Miss:
 
 
 def _stepped_innermost_slice(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    base, out = named["self"].meta.get("val"), node.meta.get("val")
-    if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return Miss("no tensor values")
-    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
-    if step == 1 or dim != base.dim() - 1:
-        return Miss("no step along the innermost dim")
-    start, count = slice_bound(named.get("start"), base.shape[dim], 0), out.shape[dim]
-    if type(start) is not int or type(count) is not int or count == 0:
-        return Miss("symbolic or empty along the sliced dim")
+    m = _stepped_innermost(node)
+    if isinstance(m, Miss):
+        return m
     read = _read_by_gather(node)
     if isinstance(read, Miss):
         return read
-    if not read:
-        return Miss("no gather reads it (those compile)")
-    return {"self": named["self"], "dim": dim, "start": start, "step": step, "count": count}
+    return m if read else Miss("no gather reads it (those compile)")
 
 
 @rule(
@@ -146,7 +146,8 @@ def _single_element_step(node: Node) -> dict[str, Any] | Miss:
     start = slice_bound(named.get("start"), base.shape[dim], 0)
     if step == 1 or piece.shape[dim] != 1 or type(start) is not int:
         return Miss("not a step picking one element at a static start")
-    return {"dim": dim, "start": start}
+    operands = (named["self"], named["src"]) if node.target == aten.slice_scatter.default else (named["self"],)
+    return {"operands": operands, "dim": dim, "start": start}
 
 
 @rule(
@@ -161,9 +162,7 @@ def _single_element_step(node: Node) -> dict[str, Any] | Miss:
     ),
 )
 def single_element_step_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    operands = (named["self"], named["src"]) if node.target == aten.slice_scatter.default else (named["self"],)
-    rw.replace(node, rw.call(node.target, *operands, m["dim"], m["start"], m["start"] + 1, 1))
+    rw.replace(node, rw.call(node.target, *m["operands"], m["dim"], m["start"], m["start"] + 1, 1))
 
 
 RULES = (flip_of_stepped_slice_for_iree, stepped_slice_read_by_gather_for_iree, single_element_step_for_iree)
