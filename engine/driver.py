@@ -90,7 +90,9 @@ class _Run:
         self.queued: set[Node] = set()
         self.origin: dict[Node, Node] = {}  # created node -> original node it descends from
         self.history: dict[Node, list[str]] = defaultdict(list)  # origin -> rules fired
-        self.seen_forms: dict[tuple, int] = {}
+        # (rule, origin, form) -> (its place in the origin's history, the rewrite count when it was rewritten)
+        self.seen_forms: dict[tuple, tuple[int, int]] = {}
+        self.born: dict[Node, int] = {}  # created node -> the rewrite count when it was made
         self.skipped: set[tuple[str, Node]] = set()
 
     # -- worklist ---------------------------------------------------------------
@@ -133,7 +135,7 @@ class _Run:
     # -- one rule on one node ---------------------------------------------------
 
     def attempt(self, rule: Rule, node: Node) -> tuple | None:
-        """Match and rewrite; returns (origin, form before) when it fired."""
+        """Match and rewrite; returns (origin, form before, when the node was made) when it fired."""
         try:
             found = rule.match(node)
         except Exception as e:
@@ -148,6 +150,7 @@ class _Run:
         # cycle then shows as a repeat, one round later than if every first
         # form were kept (most nodes are rewritten once; forms cost)
         form = self.form(node) if origin in self.history else None
+        born = self.born.get(node, -1)
         try:
             answer = rule.rewrite(node, found, rw)
             if isinstance(answer, Miss):  # a rule may still decline while rewriting
@@ -167,13 +170,15 @@ class _Run:
         self.record(rule, node, True, "fired")
         if rw.notes:
             self.report.notes.extend(rw.notes)
+        stamp = self.report.total_rewrites
         for created in rw.created:
             if not created._erased:
                 self.origin[created] = origin
+                self.born[created] = stamp
         self.push(touched)
         if not node._erased:
             self.push((node,))
-        return origin, form
+        return origin, form, born
 
     def failed(self, rule: Rule, node: Node, cause: str, exc: BaseException, op: str = "") -> None:
         if self.on_error == "raise":
@@ -191,20 +196,24 @@ class _Run:
 
     def after_rewrite(self, rule: Rule, fired: tuple) -> bool:
         report = self.report
+        stamp = report.total_rewrites
         report.rewrites[rule.name] += 1
-        origin, form = fired
+        origin, form, born = fired
         history = self.history[origin]
         key = (rule.name, origin, form)
-        if form is not None and key in self.seen_forms:
-            cycle = list(dict.fromkeys(history[self.seen_forms[key] :] + [rule.name]))
+        seen = self.seen_forms.get(key) if form is not None else None
+        # a repeat is a cycle only when this node was made after that form was rewritten: two equal nodes that
+        # one decomposition made side by side (`total != 0` written twice) are each rewritten once
+        if seen is not None and born >= seen[1]:
+            cycle = list(dict.fromkeys(history[seen[0] :] + [rule.name]))
             if len(cycle) == 1:
                 why = f"rule {cycle[0]!r} keeps rewriting the same form of node {origin.name!r}"
             else:
                 names = ", ".join(repr(c) for c in cycle[:-1]) + f" and {cycle[-1]!r}"
                 why = f"rules {names} undo each other on node {origin.name!r}"
             return self.stop(f"non-convergence: {why}")
-        if form is not None:
-            self.seen_forms[key] = len(history)
+        if form is not None and seen is None:
+            self.seen_forms[key] = (len(history), stamp)
         history.append(rule.name)
         if report.total_rewrites >= report.budget:
             busiest = ", ".join(f"{n!r} ({c})" for n, c in report.rewrites.most_common(3))

@@ -127,6 +127,34 @@ def test_rule_that_regrows_its_own_match_is_named(add_relu_ep):
     )
 
 
+@fx_rewrites.rule(roots=(aten.relu.default,), name="relu_as_two_halves")
+def _relu_as_two_halves(node, rw):
+    """relu(x) as clamp_min(x, 0) * 0.5 + clamp_min(x, 0) * 0.5: two equal nodes of one origin, as a
+    decomposition may write them (exact: halves of a float add back to it)."""
+    halves = [rw.call(aten.mul.Tensor, rw.call(aten.clamp_min.default, node.args[0], 0), 0.5) for _ in range(2)]
+    rw.replace(node, rw.call(aten.add.Tensor, *halves))
+
+
+@fx_rewrites.rule(
+    roots=(aten.clamp_min.default,),
+    name="int_bound_as_float",
+    when=lambda node: True if type(node.args[1]) is int else fx_rewrites.Miss("a float bound"),
+)
+def _int_bound_as_float(node, rw):
+    rw.replace(node, rw.call(aten.clamp_min.default, node.args[0], float(node.args[1])))
+
+
+def test_equal_nodes_of_one_origin_are_not_a_cycle(add_relu_ep):
+    """Each of two equal nodes is rewritten once: the second repeats the first's form, but it was not made
+    by that rewrite, so it is no cycle (it stopped the run as one until the repeat was checked for that)."""
+    result = rt.apply_rules(add_relu_ep, _relu_as_two_halves, _int_bound_as_float)
+    assert result.report.converged, result.report.stop_reason
+    rt.assert_fired(result, "int_bound_as_float", times=2)
+    bounds = [n.args[1] for n in result.graph_module.graph.nodes if n.target is aten.clamp_min.default]
+    assert len(bounds) == 2 and all(type(b) is float for b in bounds)
+    rt.assert_matches_eager(result, AddRelu(), [(torch.randn(3, 4), torch.randn(3, 4)) for _ in range(2)])
+
+
 def test_provenance_on_created_nodes(add_relu_ep):
     result = rt.apply_rules(add_relu_ep, r.add_to_sub)
     created = [n for n in result.graph_module.graph.nodes if "rewrites" in n.meta]
