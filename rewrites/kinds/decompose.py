@@ -11,27 +11,20 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import attrs
-import torch._decomp
-from torch._C import DispatchKey
-from torch._ops import OpOverload
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fx_rewrites import schema
+from fx_rewrites import decompositions, schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds.base import RuleBase, as_tuple
 
 
 def _decomposition(op: Any, table: Mapping[Any, Callable[..., Any]] | None) -> Callable[..., Any] | None:
-    """`table[op]`; without a table, torch's decomposition table, then the
-    op's own CompositeImplicitAutograd kernel (`aten.diff`, `aten.to.dtype`)."""
+    """`table[op]`; without a table, `fx_rewrites.decompositions`: torch's table, the ones torch lacks,
+    then the op's own CompositeImplicitAutograd kernel (`aten.diff`, `aten.to.dtype`)."""
     if table is not None:
         return table.get(op)
-    if op in torch._decomp.decomposition_table:
-        return torch._decomp.decomposition_table[op]
-    if isinstance(op, OpOverload) and op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd):
-        return op.decompose
-    return None
+    return decompositions.decomposition(op)
 
 
 @attrs.frozen(kw_only=True)

@@ -2,8 +2,9 @@
 
 One mechanism instead of a rule per op. The backend says which ops it
 cannot lower (IREE: measured, `fx_rewrites.backends.iree.legality`); every
-such op that torch can decompose (`torch._decomp.decomposition_table`, else
-the op's CompositeImplicitAutograd kernel) becomes a root of one rule, which
+such op that has a decomposition (`fx_rewrites.decompositions`: torch's table,
+then the ones torch lacks, then the op's CompositeImplicitAutograd kernel)
+becomes a root of one rule, which
 inlines that op's decomposition alone, traced on the node's own fake values
 and functionalized. What the decomposition emits is offered to the rule
 again, so the fixpoint decomposes until every op left is legal or has no
@@ -27,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from fx_rewrites import schema
+from fx_rewrites import decompositions, schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule
 
@@ -36,16 +37,10 @@ _KEEP: frozenset[str] = frozenset()
 
 
 def decomposition(op: Any) -> Callable[..., Any] | None:
-    """torch's decomposition of `op`: its `torch._decomp` entry, else its CompositeImplicitAutograd kernel."""
+    """`op`'s decomposition (`fx_rewrites.decompositions`: torch's, else one torch lacks), unless kept whole."""
     if not isinstance(op, OpOverload) or str(op) in _KEEP:
         return None
-    if op in torch._decomp.decomposition_table:
-        return torch._decomp.decomposition_table[op]
-    try:
-        composite = op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
-    except RuntimeError:  # an op make_fx records but the dispatcher does not register (aten.size.default)
-        return None
-    return op.decompose if composite else None
+    return decompositions.decomposition(op)
 
 
 def resolve(names: Iterable[str]) -> list[OpOverload]:
@@ -82,20 +77,20 @@ def trace_decomposition(node: Node, fn: Callable[..., Any], fake_mode: Any) -> t
                 traced = make_fx(torch.func.functionalize(body, remove="mutations"), tracing_mode="real")(*inputs)
     except Exception as e:  # torch's decomposition rejects these arguments
         text = " ".join(str(e).split())[:200]
-        return Miss(f"torch's decomposition of {op} raised {type(e).__name__}: {text}")
+        return Miss(f"the decomposition of {op} raised {type(e).__name__}: {text}")
     out = traced.graph.output_node().args[0]
     if out is NotImplemented or (isinstance(out, (list, tuple)) and NotImplemented in out):
-        return Miss(f"torch's decomposition of {op} declined these arguments")
+        return Miss(f"the decomposition of {op} declined these arguments")
     still = _mutates(traced)
     if still:
-        return Miss(f"torch's decomposition of {op} writes to its inputs ({still[0]})")
+        return Miss(f"the decomposition of {op} writes to its inputs ({still[0]})")
     if any(n.op == "call_function" and n.target is node.target for n in traced.graph.nodes):
-        return Miss(f"torch's decomposition of {op} calls {op} itself")
+        return Miss(f"the decomposition of {op} calls {op} itself")
     returned: list[Node] = []
     map_arg(out, returned.append)
     mismatch = _mismatch(node.meta.get("val"), [n.meta.get("val") for n in returned])
     if mismatch:
-        return Miss(f"torch's decomposition of {op} returns other values: {mismatch}")
+        return Miss(f"the decomposition of {op} returns other values: {mismatch}")
     return traced, graph_values
 
 
@@ -176,7 +171,7 @@ def _inline(
 ) -> Any:
     fn = decomposition(node.target)
     if fn is None:
-        return Miss(f"torch has no decomposition of {schema.op_name(node.target)}")
+        return Miss(f"neither torch nor fx_rewrites.decompositions decomposes {schema.op_name(node.target)}")
     why_not = _inlinable(node)
     if why_not is not None:
         return why_not
@@ -187,13 +182,13 @@ def _inline(
     specialised = _specialises(node, graph)
     if specialised:
         return Miss(
-            f"torch's decomposition of {schema.op_name(node.target)} {specialised}, which would turn the "
+            f"the decomposition of {schema.op_name(node.target)} {specialised}, which would turn the "
             "program's dynamic sizes static: the op is left as it is"
         )
     stuck = _dead_end(graph, illegal, lowered)
     if stuck:
         return Miss(
-            f"torch's decomposition of {schema.op_name(node.target)} needs {stuck}, which the backend "
+            f"the decomposition of {schema.op_name(node.target)} needs {stuck}, which the backend "
             "cannot lower and nothing decomposes: the op is left as it is"
         )
     # data-dependent sizes (nonzero, argwhere): the decomposition's own unbacked symbols cannot be proven
@@ -223,7 +218,8 @@ def legalize(
         when=None,
         doc=(
             f"Ops {backend} cannot lower (measured), each replaced by torch's own decomposition of that op "
-            "alone (torch._decomp, else its CompositeImplicitAutograd kernel), repeatedly until what is left "
+            "alone (torch._decomp, else fx_rewrites.decompositions.MISSING, else its CompositeImplicitAutograd "
+            "kernel), repeatedly until what is left "
             f"lowers: {len(roots)} ops, e.g. aten.multiply/subtract (aliases), aten.im2col (nn.Unfold), "
             'aten.xlogy, aten.nll_loss_nd. The error they meet otherwise: "failed to legalize operation '
             "'torch.operator' that was explicitly marked illegal\" or \"failed to legalize operation "

@@ -230,17 +230,14 @@ MODELS: tuple[ZooModel, ...] = (
     _tv("densenet121", ci=False, note="IREE ~170 s a route under load"),
     _tv("swin_t", ci=False, note="28M parameters; IREE ~80 s a route under load"),
     # -- timm's test models
-    _timm("test_vit", {"img_size": 64}, known={"export": Known("iree", r"aten\._upsample_bicubic2d_aa", "legalize",
-        "`_upsample_bicubic2d_aa` (anti-aliased bicubic resize of the position embedding; no IREE lowering)")}),
+    _timm("test_vit", {"img_size": 64}),
     _timm("test_vit_relpos", {"img_size": 64}, ci=False, note="IREE ~70 s on the torch.compile route under load"),
     _timm("test_efficientnet", calibrate=True),
     _timm("test_efficientnet_gn", ci=False, note="test_efficientnet in CI"),
     _timm("test_resnet"),
     _timm("test_convnext"),
     _timm("test_byobnet"),
-    _timm("test_nfnet", ci=False, note="IREE ~215 s on the export route under load", known={"compile": Known(
-        "compile", r"_native_batch_norm_legit", "legalize", "`_native_batch_norm_legit.no_stats` (timm's "
-        "standardized conv weights; no IREE lowering)")}),
+    _timm("test_nfnet", ci=False, note="IREE ~215 s on the export route under load (28 s both routes quiet)"),
     _timm("test_coatnet", {"img_size": 64}, ci=False, note="IREE ~90 s a route under load"),
     _timm("test_maxvit", {"img_size": 64}, ci=False, note="IREE ~140 s a route under load"),
     _timm("test_mambaout"),

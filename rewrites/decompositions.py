@@ -1,0 +1,133 @@
+"""Where a rule finds an op's decomposition: torch's own, else one torch lacks, written here.
+
+`decomposition(op)` looks in torch's table (`torch._decomp.decomposition_table`),
+then in `MISSING` (ops torch has no decomposition for, written with torch ops
+and checked against torch's kernel), then at the op's CompositeImplicitAutograd
+kernel. `Decompose` rules and the legality-driven phase (`rules.iree_legalize`)
+both ask it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._decomp
+from torch._C import DispatchKey
+from torch._ops import OpOverload
+
+aten = torch.ops.aten
+
+# ----------------------------------------------------------------------------- anti-aliased resizes
+# torch 2.13 decomposes `_upsample_{bilinear,bicubic,lanczos}2d_aa.vec` into their `.default` overloads and
+# those into nothing (ATen's CPU and CUDA kernels only). The resize is separable and linear in the input, so
+# with static sizes it is two matmuls by [out, in] weight matrices. The weights follow ATen's
+# `_compute_weights_aa` (UpSampleKernel.cpp): the filter, stretched by the scale when shrinking, centred on
+# each output pixel, cut to its support window, normalised to sum 1 (tests/test_decompositions.py checks them
+# against torch's kernel, exact to float64 rounding).
+
+
+def _bilinear(x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(1.0 - x, min=0.0)
+
+
+def _bicubic(x: torch.Tensor) -> torch.Tensor:
+    a = -0.5  # Keys' cubic with a = -0.5 (PIL's), where non-antialiased bicubic uses -0.75
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    far = ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a
+    return torch.where(x < 1.0, near, torch.where(x < 2.0, far, torch.zeros_like(x)))
+
+
+def _lanczos(x: torch.Tensor) -> torch.Tensor:
+    lobes = 3.0
+
+    def sinc(t: torch.Tensor) -> torch.Tensor:
+        zero = t == 0
+        return torch.where(zero, torch.ones_like(t), torch.sin(math.pi * t) / torch.where(zero, 1.0, math.pi * t))
+
+    return torch.where(x < lobes, sinc(x) * sinc(x / lobes), torch.zeros_like(x))
+
+
+#: filter (of |x|) and its support in input pixels at scale 1, per anti-aliased resize
+_FILTERS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
+    "bilinear": (_bilinear, 2),
+    "bicubic": (_bicubic, 4),
+    "lanczos": (_lanczos, 6),
+}
+
+
+def _scale(size_in: int, size_out: int, align_corners: bool, scale: float | None) -> float:
+    """ATen's `area_pixel_compute_scale`: input pixels per output pixel."""
+    if align_corners:
+        return (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
+    if scale is not None and scale > 0:
+        return 1.0 / scale
+    return size_in / size_out
+
+
+def _aa_weights(
+    mode: str, size_in: int, size_out: int, align_corners: bool, scale: float | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The [size_out, size_in] matrix of the resize along one dim."""
+    filter_fn, interp_size = _FILTERS[mode]
+    ratio = _scale(size_in, size_out, align_corners, scale)
+    support = interp_size * 0.5 * ratio if ratio >= 1.0 else interp_size * 0.5
+    stretch = 1.0 / ratio if ratio >= 1.0 else 1.0
+    center = (torch.arange(size_out, dtype=dtype) + 0.5) * ratio
+    first = torch.clamp(torch.trunc(center - support + 0.5), min=0.0)
+    stop = torch.clamp(torch.trunc(center + support + 0.5), max=float(size_in))
+    source = torch.arange(size_in, dtype=dtype)
+    weights = filter_fn(torch.abs((source[None, :] - center[:, None] + 0.5) * stretch))
+    window = (source[None, :] >= first[:, None]) & (source[None, :] < stop[:, None])
+    weights = torch.where(window, weights, torch.zeros_like(weights))
+    total = weights.sum(1, keepdim=True)
+    return torch.where(total != 0, weights / torch.where(total != 0, total, torch.ones_like(total)), weights)
+
+
+def _resize_aa(mode: str) -> Callable[..., Any]:
+    def resize(
+        x: torch.Tensor,
+        output_size: list[int],
+        align_corners: bool,
+        scales_h: float | None = None,
+        scales_w: float | None = None,
+    ) -> Any:
+        if not all(isinstance(s, int) for s in (*x.shape[-2:], *output_size)):
+            # the branches on the scale would fix them
+            raise NotImplementedError("an anti-aliased resize decomposes with static image sizes only")
+        if not x.is_floating_point():
+            raise NotImplementedError(f"an anti-aliased resize of {x.dtype} rounds in fixed point: kept whole")
+        (h, w), (out_h, out_w) = x.shape[-2:], output_size
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        rows = _aa_weights(mode, h, out_h, align_corners, scales_h, dtype)
+        cols = _aa_weights(mode, w, out_w, align_corners, scales_w, dtype)
+        out = torch.matmul(rows, torch.matmul(x.to(dtype), cols.t()))
+        return out.to(x.dtype)
+
+    resize.__name__ = f"upsample_{mode}2d_aa"
+    return resize
+
+
+#: decompositions torch 2.13 does not have, by op
+MISSING: dict[OpOverload, Callable[..., Any]] = {
+    aten._upsample_bilinear2d_aa.default: _resize_aa("bilinear"),
+    aten._upsample_bicubic2d_aa.default: _resize_aa("bicubic"),
+    aten._upsample_lanczos2d_aa.default: _resize_aa("lanczos"),
+}
+
+
+def decomposition(op: Any) -> Callable[..., Any] | None:
+    """`op`'s decomposition: torch's table, then `MISSING`, then its CompositeImplicitAutograd kernel."""
+    if not isinstance(op, OpOverload):
+        return None
+    if op in torch._decomp.decomposition_table:
+        return torch._decomp.decomposition_table[op]
+    if op in MISSING:
+        return MISSING[op]
+    try:
+        composite = op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # an op make_fx records but the dispatcher does not register (aten.size.default)
+        return None
+    return op.decompose if composite else None
