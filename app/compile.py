@@ -133,6 +133,7 @@ def compile(
                 f"torch.export.ExportedProgram, got {type(model).__name__}"
             )
         result = apply(program, target.rules)
+        result.report.warn_unless_converged(target.name)
         runtime = target.compile(result.program, args)
     return Compiled(target.name, result.program, result.report, runtime)
 

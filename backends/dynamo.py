@@ -94,6 +94,7 @@ def _compile_graph(
     target = backends.get(backend) if isinstance(backend, str) else backend
     result = fx_rewrites.apply(gm, target.rules if rules is None else rules)
     log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
+    result.report.warn_unless_converged(target.name, stacklevel=2)
     compiled = target.compile(result.graph_module, example_inputs)
     if callable(getattr(compiled, "release", None)):
         _LIVE.add(compiled)

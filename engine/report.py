@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter, defaultdict
 
 import attrs
@@ -84,6 +85,18 @@ class Report:
     @property
     def total_rewrites(self) -> int:
         return sum(self.rewrites.values())
+
+    def warn_unless_converged(self, backend: str, stacklevel: int = 3) -> None:
+        """A RuntimeWarning when the rules stopped short of their fixpoint, before `backend` compiles the
+        program: it may then lack rewrites the backend needs, a guard against a wrong result among them."""
+        if not self.converged:
+            warnings.warn(
+                f"the {backend} backend's rules stopped before their fixpoint ({self.stop_reason}), so the "
+                "program it compiles may lack rewrites it needs. Run fx_rewrites.apply(program, backend.rules, "
+                "strict=True) to raise here instead, and report the rules named.",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
 
     def explain(self, rule: str | None = None) -> list[Attempt]:
         """Each candidate node a rule (or every rule) met, and why it did or

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -181,6 +182,24 @@ def test_eager_backend_runs_and_writes_no_artifact(tmp_path):
     torch.testing.assert_close(compiled(x, mask=mask, use_cache=False), _model()(x, mask=mask, use_cache=False))
     with pytest.raises(ArtifactError, match=r"the eager backend writes no artifact\. Fix: compile with backend=.iree."):
         compiled.save(tmp_path / "model.vmfb")
+
+
+def test_rules_that_stop_short_warn_before_the_backend_compiles():
+    """A backend's rules that do not reach their fixpoint may leave out a rewrite the backend needs: say so."""
+    from fx_rewrites.backends.eager import EagerBackend
+    from fx_rewrites.ruleset import RuleSet
+    from tests.conftest import AddRelu
+    from tests.engine import rules as r
+
+    args = (torch.randn(3, 4), torch.randn(3, 4))
+    looping = EagerBackend(rules=RuleSet([r.add_to_sub, r.sub_to_add]))
+    match = r"eager backend's rules stopped before their fixpoint \(non-convergence: rules .* undo each other"
+    with pytest.warns(RuntimeWarning, match=match):
+        compiled = fx_rewrites.compile(AddRelu(), args, backend=looping)
+    torch.testing.assert_close(compiled(*args), AddRelu()(*args))  # each rewrite was right, only unfinished
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fx_rewrites.compile(AddRelu(), args, backend="eager")
 
 
 def test_a_user_script_sees_no_torch_pytree_warning(tmp_path):
