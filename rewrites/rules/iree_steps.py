@@ -5,7 +5,9 @@ innermost dim at computed positions ("LLVM Translation failed for
 operation: builtin.unrealized_conversion_cast"): a `flip` of it
 (`flip_of_stepped_slice_for_iree` slices the flipped tensor instead) and a
 gather of it (`stepped_slice_read_by_gather_for_iree` gathers its elements
-from the sliced tensor). A write through a slice whose step picks one
+from the sliced tensor). So does a gather or flip of one element of the
+innermost dim (`select(-1, i)`, `narrow(-1, i, 1)`), whose new innermost dim
+is strided: `one_innermost_element_read_by_gather_for_iree`. A write through a slice whose step picks one
 element (a step along a dim of size 1) fails too ("expected result type
 ... rank-reduced"): `single_element_step_for_iree` drops the step. Found by
 the view-write fuzzer (docs/reliability.md).
@@ -85,9 +87,11 @@ def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) 
 _GATHERS = frozenset({aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default})
 
 
-def _read_by_gather(node: Node) -> bool | Miss:
-    """Whether a gather reads `node`, directly or through views (a flip through views); a Miss when a view
-    of it is written."""
+def _read_by_gather(node: Node, direct_flip: bool = False) -> bool | Miss:
+    """Whether a gather or a diagonal reads `node`, directly or through views (a flip through views, or
+    directly with `direct_flip`); a Miss when a view of it is written. A diagonal counts both as the view
+    it is (kept with Dim sizes) and as the gather `diagonal_as_gather_for_iree` makes of it: neither
+    compiles, and the gather, made after this node's visit, would not bring it back to this rule."""
     todo, seen = [node], {node}
     found = False
     while todo:
@@ -97,7 +101,8 @@ def _read_by_gather(node: Node) -> bool | Miss:
                 continue
             if user.target._schema.is_mutable:
                 return Miss(f"{user.name} ({user.target}) writes it in place: the view must stay a view")
-            found = found or user.target in _GATHERS or (user.target == aten.flip.default and tensor is not node)
+            flip = user.target == aten.flip.default and (direct_flip or tensor is not node)
+            found = found or user.target in _GATHERS or flip or user.target == aten.diagonal.default
             if user.target.is_view and user not in seen:
                 seen.add(user)
                 todo.append(user)
@@ -133,6 +138,57 @@ def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str,
     rw.replace(node, rw.call(aten.index_select.default, m["self"], m["dim"], index))
 
 
+# -- one element of the innermost dim read by a gather ---------------------------------------------------------
+
+
+def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
+    """`select` of the innermost dim, or a step-1 slice of one element of it (`narrow(-1, i, 1)`), of a
+    longer static dim, read by a gather or a flip: its input, dim, index and whether the dim is dropped."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    base = named["self"].meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
+        return Miss("no tensor values")
+    dim, size = named.get("dim", 0) % base.dim(), base.shape[named.get("dim", 0) % base.dim()]
+    if dim != base.dim() - 1 or type(size) is not int or size < 2:
+        return Miss("not the innermost dim, or a dim of one or of a symbolic size")
+    if node.target == aten.select.int:
+        index, drops = named["index"], True
+    elif node.target == aten.narrow.default and named["length"] == 1:
+        index, drops = named["start"], False
+    elif node.target == aten.slice.Tensor and named.get("step", 1) == 1 and node.meta["val"].shape[dim] == 1:
+        index, drops = slice_bound(named.get("start"), size, 0), False
+    else:
+        return Miss("not one element of the dim with step 1 (a step has its own rule)")
+    if type(index) is not int:
+        return Miss("a symbolic index")
+    read = _read_by_gather(node, direct_flip=True)
+    if isinstance(read, Miss):
+        return read
+    if not read:
+        return Miss("no gather or flip reads it (those compile)")
+    return {"self": named["self"], "dim": dim, "index": index % size, "drops": drops}
+
+
+@rule(
+    roots=(aten.select.int, aten.narrow.default, aten.slice.Tensor),
+    name="one_innermost_element_read_by_gather_for_iree",
+    when=_one_innermost_element,
+    tags={"iree", "lowering"},
+    doc=(
+        "x.select(-1, i) or x[..., i:i+1] (one element of a longer innermost dim) read by a gather (index, "
+        "index_select, gather, embedding) or a flip, directly or through views, becomes "
+        "index_select(x, -1, arange(i, i + 1)) (squeezed for select): the same elements. IREE 3.13 fails to "
+        "compile such a read (`x.select(3, -1).flip(-1)`, `x.select(3, -1)[i]`, `x.narrow(3, 0, 1).diagonal(0, "
+        '1, 2)`: "LLVM Translation failed for operation: builtin.unrealized_conversion_cast"); it compiles '
+        "the gather of a gather."
+    ),
+)
+def one_innermost_element_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    index = rw.call(aten.arange.start, m["index"], m["index"] + 1, device=node.meta["val"].device)
+    picked = rw.call(aten.index_select.default, m["self"], m["dim"], index)
+    rw.replace(node, rw.call(aten.squeeze.dim, picked, m["dim"]) if m["drops"] else picked)
+
+
 # -- a step that picks one element ----------------------------------------------------------------------------
 
 
@@ -165,4 +221,9 @@ def single_element_step_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) ->
     rw.replace(node, rw.call(node.target, *m["operands"], m["dim"], m["start"], m["start"] + 1, 1))
 
 
-RULES = (flip_of_stepped_slice_for_iree, stepped_slice_read_by_gather_for_iree, single_element_step_for_iree)
+RULES = (
+    flip_of_stepped_slice_for_iree,
+    stepped_slice_read_by_gather_for_iree,
+    one_innermost_element_read_by_gather_for_iree,
+    single_element_step_for_iree,
+)

@@ -3,8 +3,9 @@
 flip_of_stepped_slice_for_iree: a flip of a slice with a step along the innermost dim becomes a slice of the
 flipped tensor (the same elements). stepped_slice_read_by_gather_for_iree: a gather (index, index_select, gather, a diagonal as a gather) of a
 slice with a step along the innermost dim gathers the slice's elements from the sliced tensor instead
-(index_select on the innermost dim). single_element_step_for_iree: a slice whose step picks one element,
-written through, takes it with step 1. Both give the same values."""
+(index_select on the innermost dim). one_innermost_element_read_by_gather_for_iree: the same for one
+element of the innermost dim (select, a one-element narrow). single_element_step_for_iree: a slice whose
+step picks one element, written through, takes it with step 1. Each gives the same values."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeCompileError
 from fx_rewrites.rules.iree_steps import (
     flip_of_stepped_slice_for_iree,
+    one_innermost_element_read_by_gather_for_iree,
     single_element_step_for_iree,
     stepped_slice_read_by_gather_for_iree,
 )
@@ -36,6 +38,7 @@ CASES = {
     "index_innermost": lambda x: x[..., ::2][..., _two(x) * 2],
     "negative_bounds": lambda x: x[..., -9:-1:2][_two(x)],
     "diagonal": lambda x: x[..., ::2].diagonal(0, 1, 2),  # a gather after diagonal_as_gather_for_iree
+    "diagonal_through_view": lambda x: x[..., ::2].transpose(0, 2).diagonal(0, 1, 2),  # a view with a Dim
     "flip_through_a_view": lambda x: x[..., ::2].narrow(1, 0, 2).flip(-1),  # fuzz seed 16, without its write
 }
 
@@ -201,5 +204,51 @@ def test_flips_that_compile_are_left_alone(iree, fn):
     module = Fn(fn)
     result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
     rt.assert_not_fired(result, flip_of_stepped_slice_for_iree)
+    compiled = iree.compile(result.program, _inputs()[0])
+    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+
+
+# -- one element of the innermost dim, read by a gather or a flip (fuzz seeds 12, 16, 19, 20)
+
+ONE_ELEMENT_CASES = {
+    "select_flip": lambda x: x.select(2, -1).flip(-1),  # seed 19
+    "select_index": lambda x: x.select(2, -1)[_two(x)],  # seed 19
+    "select_index_select": lambda x: x.select(2, 3).index_select(0, _two(x)),
+    "narrow_diagonal": lambda x: x.narrow(2, 3, 1).diagonal(0, 1, 2),  # seeds 12, 20: a gather once rewritten
+    "narrow_diagonal_through_view": lambda x: x.narrow(2, 3, 1).transpose(0, 2).diagonal(0, 1, 2),  # a view (Dim)
+    "slice_index_through_view": lambda x: x[..., 4:5].transpose(0, 1)[_two(x)],
+    "narrow_flip_other_dim": lambda x: x[..., 2:3].flip(0),
+}
+
+
+@pytest.mark.parametrize("fn", [ONE_ELEMENT_CASES["select_flip"], ONE_ELEMENT_CASES["narrow_diagonal"]])
+def test_iree_cannot_compile_one_innermost_element_gathered(iree, fn):
+    """Pinned, as above: rewritten by every rule but this one, the program does not compile."""
+    rules = iree.rules.without(one_innermost_element_read_by_gather_for_iree.name)
+    result = rt.apply_rules(rt.export(Fn(fn), *_inputs()[0]), rules)
+    with pytest.raises(IreeCompileError, match="LLVM Translation failed"):
+        iree.compile(result.program, _inputs()[0])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("case", sorted(ONE_ELEMENT_CASES))
+def test_one_innermost_element_gathered_matches_eager(iree, case, dynamic):
+    module = Fn(ONE_ELEMENT_CASES[case])
+    result, inputs = _rewritten(iree, module, one_innermost_element_read_by_gather_for_iree, dynamic)
+    graph = rt.graph_module(result).graph
+    assert not [n for n in graph.nodes if n.target == aten.select.int], "no select is left"
+    assert [n.args[1] for n in graph.nodes if n.target == aten.index_select.default][:1] == [2]
+    _exact_on_iree(iree, result, module, inputs)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.select(2, 1) + 1, lambda x: x.select(1, 1).flip(-1), lambda x: x[..., 2:4][_two(x)]],
+    ids=["read_elementwise", "not_innermost", "two_elements"],
+)
+def test_other_reads_of_one_element_are_left_alone(iree, fn):
+    module = Fn(fn)
+    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
+    rt.assert_not_fired(result, one_innermost_element_read_by_gather_for_iree)
     compiled = iree.compile(result.program, _inputs()[0])
     torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
