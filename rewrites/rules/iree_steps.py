@@ -1,20 +1,24 @@
-"""Slices with a step that IREE 3.13 cannot compile where they are read, rewritten to the same elements.
+"""Views with a strided innermost dim that IREE 3.13 cannot compile where they are read, rewritten to the
+same elements.
 
 IREE 3.13 fails to compile ops that read a slice with a step along its
 innermost dim at computed positions ("LLVM Translation failed for
 operation: builtin.unrealized_conversion_cast"): a `flip` of it
-(`flip_of_stepped_slice_for_iree` slices the flipped tensor instead) and a
-gather of it (`stepped_slice_read_by_gather_for_iree` gathers its elements
-from the sliced tensor). So does a gather or flip of one element of the
-innermost dim (`select(-1, i)`, `narrow(-1, i, 1)`), whose new innermost dim
-is strided: `one_innermost_element_read_by_gather_for_iree`. A write through a slice whose step picks one
-element (a step along a dim of size 1) fails too ("expected result type
-... rank-reduced"): `single_element_step_for_iree` drops the step. Found by
-the view-write fuzzer (docs/reliability.md).
+(`flip_of_stepped_slice_for_iree` slices the flipped tensor instead), a
+gather or a diagonal of it (`stepped_slice_read_by_gather_for_iree` gathers
+its elements from the sliced tensor). So does such a read of one element of
+a longer innermost dim (`select(-1, i)`, `narrow(-1, i, 1)`, an `unbind(-1)`
+item), whose new innermost dim is strided:
+`one_innermost_element_read_by_gather_for_iree` and
+`unbind_innermost_read_by_gather_for_iree`. A write through a slice whose
+step picks one element (a step along a dim of size 1) fails too ("expected
+result type ... rank-reduced"): `single_element_step_for_iree` drops the
+step. Found by the view-write fuzzer (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -97,6 +101,9 @@ def _read_by_gather(node: Node, direct_flip: bool = False) -> bool | Miss:
     while todo:
         tensor = todo.pop()
         for user in tensor.users:
+            if user.target is operator.getitem and user not in seen:  # an item of a split or unbind
+                seen.add(user)
+                todo.append(user)
             if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
                 continue
             if user.target._schema.is_mutable:
@@ -189,6 +196,42 @@ def one_innermost_element_read_by_gather_for_iree(node: Node, rw: Rewriter, m: d
     rw.replace(node, rw.call(aten.squeeze.dim, picked, m["dim"]) if m["drops"] else picked)
 
 
+def _unbind_innermost(node: Node) -> dict[str, Any] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    base = named["self"].meta.get("val")
+    if not isinstance(base, torch.Tensor) or base.dim() == 0:
+        return Miss("no tensor value")
+    dim = named.get("dim", 0) % base.dim()
+    if dim != base.dim() - 1 or type(base.shape[dim]) is not int:
+        return Miss("not along the innermost dim, or along a symbolic one")
+    items = list(node.users)
+    if not all(u.target is operator.getitem for u in items):
+        return Miss("a user takes the list whole")
+    reads = [_read_by_gather(u, direct_flip=True) for u in items]
+    written = next((r for r in reads if isinstance(r, Miss)), None)
+    if written is not None:
+        return written
+    if not any(reads):
+        return Miss("no gather, flip or diagonal reads an element (those compile)")
+    return {"self": named["self"], "dim": dim, "items": items}
+
+
+@rule(
+    roots=(aten.unbind.int,),
+    name="unbind_innermost_read_by_gather_for_iree",
+    when=_unbind_innermost,
+    tags={"iree", "lowering"},
+    doc=(
+        "x.unbind(-1) with an element read by a gather, flip or diagonal becomes one select per element "
+        "taken, the same views, so that one_innermost_element_read_by_gather_for_iree sees them (fuzz seed 21: "
+        "`y.unbind(3)[0].diagonal(0, 0, 1).mul_(3)` failed to compile on IREE 3.13 as the select did)."
+    ),
+)
+def unbind_innermost_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
+    for item in m["items"]:
+        rw.replace(item, rw.call(aten.select.int, m["self"], m["dim"], item.args[1]))
+
+
 # -- a step that picks one element ----------------------------------------------------------------------------
 
 
@@ -225,5 +268,6 @@ RULES = (
     flip_of_stepped_slice_for_iree,
     stepped_slice_read_by_gather_for_iree,
     one_innermost_element_read_by_gather_for_iree,
+    unbind_innermost_read_by_gather_for_iree,
     single_element_step_for_iree,
 )

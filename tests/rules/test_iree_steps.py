@@ -22,6 +22,7 @@ from fx_rewrites.rules.iree_steps import (
     one_innermost_element_read_by_gather_for_iree,
     single_element_step_for_iree,
     stepped_slice_read_by_gather_for_iree,
+    unbind_innermost_read_by_gather_for_iree,
 )
 
 aten = torch.ops.aten
@@ -40,6 +41,7 @@ CASES = {
     "diagonal": lambda x: x[..., ::2].diagonal(0, 1, 2),  # a gather after diagonal_as_gather_for_iree
     "diagonal_through_view": lambda x: x[..., ::2].transpose(0, 2).diagonal(0, 1, 2),  # a view with a Dim
     "flip_through_a_view": lambda x: x[..., ::2].narrow(1, 0, 2).flip(-1),  # fuzz seed 16, without its write
+    "flip_through_unbind": lambda x: x[..., ::2].unbind(1)[0].flip(-1),  # seed 16 again, once the above was fixed
 }
 
 
@@ -218,6 +220,7 @@ ONE_ELEMENT_CASES = {
     "narrow_diagonal_through_view": lambda x: x.narrow(2, 3, 1).transpose(0, 2).diagonal(0, 1, 2),  # a view (Dim)
     "slice_index_through_view": lambda x: x[..., 4:5].transpose(0, 1)[_two(x)],
     "narrow_flip_other_dim": lambda x: x[..., 2:3].flip(0),
+    "unbind_diagonal": lambda x: x.unbind(2)[-1].diagonal(0, 0, 1),  # seed 21, as selects first
 }
 
 
@@ -235,6 +238,8 @@ def test_iree_cannot_compile_one_innermost_element_gathered(iree, fn):
 def test_one_innermost_element_gathered_matches_eager(iree, case, dynamic):
     module = Fn(ONE_ELEMENT_CASES[case])
     result, inputs = _rewritten(iree, module, one_innermost_element_read_by_gather_for_iree, dynamic)
+    if case.startswith("unbind"):
+        rt.assert_fired(result, unbind_innermost_read_by_gather_for_iree, times=1)
     graph = rt.graph_module(result).graph
     assert not [n for n in graph.nodes if n.target == aten.select.int], "no select is left"
     assert [n.args[1] for n in graph.nodes if n.target == aten.index_select.default][:1] == [2]
