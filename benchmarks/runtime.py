@@ -1,7 +1,7 @@
 """How fast what the project compiles runs: IREE (llvm-cpu) against torch eager and torch.compile (Inductor).
 
     python benchmarks/runtime.py                    # full run (cpu1); writes docs/performance.md's table + plot
-    python benchmarks/runtime.py --mode wall        # wall time, default threads (prints; no docs section)
+    python benchmarks/runtime.py --mode wall        # wall time, default threads; writes its own section
     python benchmarks/runtime.py --quick            # tiny models, 3 runs, no Inductor, no ablation (the CI smoke test)
     python benchmarks/runtime.py --models bert,vit --no-write
 
@@ -19,7 +19,8 @@ Each IREE variant's outputs are compared with eager (rtol 1e-4, atol 1e-4).
 Modes: `cpu1` (default) gives each one thread (torch.set_num_threads(1), IREE local-sync)
 and measures the calling thread's CPU time, which other processes' load
 barely moves; `wall` is wall time with each runtime's default threads
-(torch: its intra-op threads; IREE: local-task, a worker per core).
+(torch: its intra-op threads; IREE: local-task, a worker per core), each
+timed call after a short idle (`SETTLE_S`).
 Compile time is split into export, rules (the engine), IREE import and
 iree-compile, from an empty cache.
 """
@@ -104,8 +105,19 @@ def close(got: Any, expected: Any) -> bool:
     return all(torch.allclose(g, e, rtol=RTOL, atol=ATOL) for g, e in pairs if isinstance(e, torch.Tensor))
 
 
-def medians(fns: dict[str, Callable[[], Any]], repeat: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds per function, called in turn each round (2 warm-up rounds first)."""
+#: wall mode: the pause before each timed call. After a parallel region torch's OpenMP workers (libgomp) spin
+#: for GOMP_SPINCOUNT = 300,000 rounds before they sleep, ~5 ms on this machine: holding a core that the next
+#: runtime's workers need. Measured on BERT's IREE module (local-task): 11.9 ms a call alone, 16.5 ms right
+#: after one torch linear, 10.5 ms after it with OMP_WAIT_POLICY=passive. Functions called in turn would each
+#: pay for the one before; a user running one model does not.
+SETTLE_S = 0.03
+
+
+def medians(
+    fns: dict[str, Callable[[], Any]], repeat: int, clock: Callable[[], float], settle: float = 0.0
+) -> dict[str, float]:
+    """Median seconds per function, called in turn each round (2 warm-up rounds first), `settle` seconds
+    of idle before each timed call."""
     spent: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
         for _ in range(2):
@@ -113,6 +125,8 @@ def medians(fns: dict[str, Callable[[], Any]], repeat: int, clock: Callable[[], 
                 fn()
         for _ in range(repeat):
             for name, fn in fns.items():
+                if settle:
+                    time.sleep(settle)
                 start = clock()
                 fn()
                 spent[name].append(clock() - start)
@@ -168,8 +182,10 @@ def measure(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
             fns["inductor"] = lambda: inductor(*pos, **kw)
         except Exception as e:  # no C++ compiler, an Inductor bug: say so in the table
             row["inductor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    clock = time.thread_time if mode == "cpu1" else time.perf_counter
-    row["seconds"] = medians(fns, args.repeat, clock)
+    if mode == "cpu1":
+        row["seconds"] = medians(fns, args.repeat, time.thread_time)
+    else:
+        row["seconds"] = medians(fns, args.repeat, time.perf_counter, settle=SETTLE_S)
     return row
 
 
