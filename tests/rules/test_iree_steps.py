@@ -88,6 +88,15 @@ def _rewritten(iree, module: torch.nn.Module, rule, dynamic: bool) -> tuple:
     return result, inputs
 
 
+def _left_alone_and_exact(iree, fn, rule) -> None:
+    """The IREE rules leave `fn`'s program alone as far as `rule` goes, and IREE compiles it exactly."""
+    module = Fn(fn)
+    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
+    rt.assert_not_fired(result, rule)
+    compiled = iree.compile(result.program, _inputs()[0])
+    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+
+
 def _exact_on_iree(iree, result, module: torch.nn.Module, inputs: list[tuple]) -> None:
     rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
     fn = iree.compile(result.program, inputs[0])
@@ -111,11 +120,7 @@ def test_the_gathered_slice_matches_eager(iree, case, dynamic):
     ids=["read_elementwise", "step_not_innermost", "no_step"],
 )
 def test_forms_that_compile_are_left_alone(iree, fn):
-    module = Fn(fn)
-    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
-    rt.assert_not_fired(result, stepped_slice_read_by_gather_for_iree)
-    compiled = iree.compile(result.program, _inputs()[0])
-    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+    _left_alone_and_exact(iree, fn, stepped_slice_read_by_gather_for_iree)
 
 
 def test_a_slice_written_in_place_stays_a_view():
@@ -203,11 +208,7 @@ def test_a_slice_of_the_flipped_tensor_matches_eager(iree, case, dynamic):
     ids=["step_not_innermost", "no_step", "slice_after_flip"],
 )
 def test_flips_that_compile_are_left_alone(iree, fn):
-    module = Fn(fn)
-    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
-    rt.assert_not_fired(result, flip_of_stepped_slice_for_iree)
-    compiled = iree.compile(result.program, _inputs()[0])
-    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+    _left_alone_and_exact(iree, fn, flip_of_stepped_slice_for_iree)
 
 
 # -- one element of the innermost dim, read by a gather or a flip (fuzz seeds 12, 16, 19, 20)
@@ -252,8 +253,4 @@ def test_one_innermost_element_gathered_matches_eager(iree, case, dynamic):
     ids=["read_elementwise", "not_innermost", "two_elements"],
 )
 def test_other_reads_of_one_element_are_left_alone(iree, fn):
-    module = Fn(fn)
-    result = rt.apply_rules(rt.export(module, *_inputs()[0]), iree.rules)
-    rt.assert_not_fired(result, one_innermost_element_read_by_gather_for_iree)
-    compiled = iree.compile(result.program, _inputs()[0])
-    torch.testing.assert_close(compiled(*_inputs()[1]), module(*_inputs()[1]), rtol=0, atol=0)
+    _left_alone_and_exact(iree, fn, one_innermost_element_read_by_gather_for_iree)
