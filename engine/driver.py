@@ -93,6 +93,7 @@ class _Run:
         # (rule, origin, form) -> (its place in the origin's history, the rewrite count when it was rewritten)
         self.seen_forms: dict[tuple, tuple[int, int]] = {}
         self.born: dict[Node, int] = {}  # created node -> the rewrite count when it was made
+        self.rewrites_done = 0
         self.skipped: set[tuple[str, Node]] = set()
 
     # -- worklist ---------------------------------------------------------------
@@ -170,7 +171,7 @@ class _Run:
         self.record(rule, node, True, "fired")
         if rw.notes:
             self.report.notes.extend(rw.notes)
-        stamp = self.report.total_rewrites
+        stamp = self.rewrites_done
         for created in rw.created:
             if not created._erased:
                 self.origin[created] = origin
@@ -196,7 +197,8 @@ class _Run:
 
     def after_rewrite(self, rule: Rule, fired: tuple) -> bool:
         report = self.report
-        stamp = report.total_rewrites
+        stamp = self.rewrites_done
+        self.rewrites_done += 1
         report.rewrites[rule.name] += 1
         origin, form, born = fired
         history = self.history[origin]

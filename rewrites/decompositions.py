@@ -25,8 +25,8 @@ aten = torch.ops.aten
 # those into nothing (ATen's CPU and CUDA kernels only). The resize is separable and linear in the input, so
 # with static sizes it is two matmuls by [out, in] weight matrices. The weights follow ATen's
 # `_compute_weights_aa` (UpSampleKernel.cpp): the filter, stretched by the scale when shrinking, centred on
-# each output pixel, cut to its support window, normalised to sum 1 (tests/test_decompositions.py checks them
-# against torch's kernel, exact to float64 rounding).
+# each output pixel, cut to its support window, normalised to sum 1 (tests/rules/test_resize_aa.py checks
+# them against torch's kernel, exact to float64 rounding).
 
 
 def _bilinear(x: torch.Tensor) -> torch.Tensor:

@@ -145,12 +145,13 @@ def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str,
     rw.replace(node, rw.call(aten.index_select.default, m["self"], m["dim"], index))
 
 
-# -- one element of the innermost dim read by a gather ---------------------------------------------------------
+# -- one element of the innermost dim read by a gather, flip or diagonal --------------------------------------
 
 
 def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
     """`select` of the innermost dim, or a step-1 slice of one element of it (`narrow(-1, i, 1)`), of a
-    longer static dim, read by a gather or a flip: its input, dim, index and whether the dim is dropped."""
+    longer static dim, read by a gather, a flip or a diagonal: its input, dim, index and whether the dim is
+    dropped."""
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     base = named["self"].meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -172,7 +173,7 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
     if isinstance(read, Miss):
         return read
     if not read:
-        return Miss("no gather or flip reads it (those compile)")
+        return Miss("no gather, flip or diagonal reads it (those compile)")
     return {"self": named["self"], "dim": dim, "index": index % size, "drops": drops}
 
 
@@ -183,7 +184,7 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
     tags={"iree", "lowering"},
     doc=(
         "x.select(-1, i) or x[..., i:i+1] (one element of a longer innermost dim) read by a gather (index, "
-        "index_select, gather, embedding) or a flip, directly or through views, becomes "
+        "index_select, gather, embedding), a flip or a diagonal, directly or through views, becomes "
         "index_select(x, -1, arange(i, i + 1)) (squeezed for select): the same elements. IREE 3.13 fails to "
         "compile such a read (`x.select(3, -1).flip(-1)`, `x.select(3, -1)[i]`, `x.narrow(3, 0, 1).diagonal(0, "
         '1, 2)`: "LLVM Translation failed for operation: builtin.unrealized_conversion_cast"); it compiles '
