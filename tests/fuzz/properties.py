@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 import torch
+from hypothesis import reject
 
 import fx_rewrites
 from tests.fuzz.generate import ATOL, RTOL, FuzzNet, Spec, fresh
@@ -28,7 +29,15 @@ def export(spec: Spec) -> tuple[FuzzNet, torch.export.ExportedProgram, Spec]:
     torch._dynamo.reset()
     net = FuzzNet(spec).eval()
     args = spec.inputs()[0]
-    ep = torch.export.export(fresh(net), tuple(a.clone() for a in args), dynamic_shapes=spec.dynamic_shapes())
+    try:
+        ep = torch.export.export(fresh(net), tuple(a.clone() for a in args), dynamic_shapes=spec.dynamic_shapes())
+    except RuntimeError as e:
+        # torch 2.13 cannot export a cond over a slice with Dim sizes: it compares the branches' strides as
+        # written (`4*Max(1, s53 - 1)`) and rejects equal ones ("cond's output stride is not a simple
+        # accumulative multiplication of sizes", seed 31). torch's limit, not the rules'
+        if "cond's output stride" in str(e):
+            reject()
+        raise
     spec = spec.exported(ep)
     if spec.dynamic and not _guards_accept(ep, spec.inputs()[1]):
         spec = attrs.evolve(spec, dynamic=())  # export kept the dims symbolic but guarded them to few sizes
