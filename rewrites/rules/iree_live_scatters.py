@@ -22,7 +22,7 @@ from torch.fx import Node
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
-from fx_rewrites.rules.iree_views import full_from_sizes, scatter_hazard
+from fx_rewrites.rules.iree_views import added_over, full_from_sizes, placed_over, scatter_hazard
 
 aten = torch.ops.aten
 
@@ -110,15 +110,16 @@ def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any])
         rw.replace(node, rw.call(combine, x, scattered))
         return
     if node.target == aten.scatter_add.default:
-        fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0  # -0.0 + v == v for every float v
-        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), dim, index, named["src"])
-        rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
+        rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, dim, index, named["src"])))
         return
     source = named["src"] if node.target == aten.scatter.src else named["value"]
-    zero = False if dtype is torch.bool else 0
-    scattered = rw.call(node.target, full_from_sizes(rw, x, zero, dtype), dim, index, source)
-    mask = rw.call(aten.scatter.value, full_from_sizes(rw, x, False, torch.bool), dim, index, True)
-    rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
+    placed = placed_over(
+        rw,
+        x,
+        lambda base: rw.call(node.target, base, dim, index, source),
+        lambda base: rw.call(aten.scatter.value, base, dim, index, True),
+    )
+    rw.replace(node, placed)
 
 
 RULES = (select_scatter_as_slice_scatter_for_iree, scatter_into_fresh_for_iree)

@@ -156,7 +156,8 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
     base = named["self"].meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
         return Miss("no tensor values")
-    dim, size = named.get("dim", 0) % base.dim(), base.shape[named.get("dim", 0) % base.dim()]
+    dim = named.get("dim", 0) % base.dim()
+    size = base.shape[dim]
     if dim != base.dim() - 1 or type(size) is not int or size < 2:
         return Miss("not the innermost dim, or a dim of one or of a symbolic size")
     if node.target == aten.select.int:

@@ -25,6 +25,7 @@ of the same elements is right. Slices with a step: `iree_steps.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +94,24 @@ def full_from_sizes(rw: Rewriter, like: Node, fill: Any, dtype: torch.dtype) -> 
     val = like.meta["val"]
     sizes = [rw.size(like, d) for d in range(val.dim())]
     return rw.call(aten.full.default, sizes, fill, dtype=dtype, device=val.device)
+
+
+def added_over(rw: Rewriter, x: Node, scatter: Callable[[Node], Node]) -> Node:
+    """x + scatter(-0.0 in x's shape): an accumulating scatter into `x` that writes a fresh tensor instead.
+    -0.0 + v == v for every float v (0.0 + -0.0 would be +0.0), so untouched elements stay bit-exact; 0 for
+    integers. Exact where each index occurs once."""
+    dtype = x.meta["val"].dtype
+    fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0
+    return rw.call(aten.add.Tensor, x, scatter(full_from_sizes(rw, x, fill, dtype)))
+
+
+def placed_over(rw: Rewriter, x: Node, scatter: Callable[[Node], Node], mark: Callable[[Node], Node]) -> Node:
+    """where(mark(False in x's shape), scatter(zeros in x's shape), x): a scatter into `x` that writes fresh
+    tensors instead, `mark` scattering True where `scatter` writes."""
+    dtype = x.meta["val"].dtype
+    scattered = scatter(full_from_sizes(rw, x, False if dtype is torch.bool else 0, dtype))
+    mask = mark(full_from_sizes(rw, x, False, torch.bool))
+    return rw.call(aten.where.self, mask, scattered, x)
 
 
 def reads_destination(dest: Node, source: Any) -> bool:
@@ -227,19 +246,17 @@ def _index_put(node: Node) -> dict[str, Any] | Miss:
 )
 def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
     x, indices, values = named["self"], named["indices"], named["values"]
-    dtype = x.meta["val"].dtype
     if named.get("accumulate", False):
-        # -0.0 + v == v for every float v (0.0 + -0.0 would be +0.0), so untouched elements stay bit-exact
-        fill = -0.0 if dtype.is_floating_point or dtype.is_complex else 0
-        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), indices, values, True)
-        rw.replace(node, rw.call(aten.add.Tensor, x, scattered))
+        rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, indices, values, True)))
         return
-    scattered = rw.call(
-        node.target, full_from_sizes(rw, x, False if dtype is torch.bool else 0, dtype), indices, values
-    )
     ones = full_from_sizes(rw, values, True, torch.bool)
-    mask = rw.call(node.target, full_from_sizes(rw, x, False, torch.bool), indices, ones)
-    rw.replace(node, rw.call(aten.where.self, mask, scattered, x))
+    placed = placed_over(
+        rw,
+        x,
+        lambda base: rw.call(node.target, base, indices, values),
+        lambda base: rw.call(node.target, base, indices, ones),
+    )
+    rw.replace(node, placed)
 
 
 # -- diagonal ------------------------------------------------------------------------------------------------
