@@ -315,9 +315,10 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
         scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, a.mask), float("-inf"))
     elif a.mask is not None:
         scores = rw.call(aten.add.Tensor, scores, a.mask)
-    # softmax, then @ value. The division last (exp(s - max) @ value / sum, as a flash kernel) ran Whisper's
-    # attention 23 -> 18 ms, but IREE 3.13 with data tiling computes that form wrong (inf, NaN) at some sizes
-    # (docs/iree-3.13-findings.md, section 9)
+    # softmax, then @ value: every target's form. On llvm-cpu the performance phase normalizes after the product
+    # (iree_perf.softmax_matmul_normalized_after), a form IREE 3.13's DispatchCreation data tiling computed wrong
+    # at some sizes and the llvm-cpu flags' GlobalOptimization data tiling gets right (docs/iree-3.13-findings.md,
+    # sections 9 and 10)
     out = rw.call(aten.matmul.default, rw.call(aten._softmax.default, scores, -1, False), v)
     if a.mask is not None and not is_guarded(node):
         out = zero_fully_masked_rows(rw, out, a.mask)

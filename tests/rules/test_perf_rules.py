@@ -22,6 +22,7 @@ from fx_rewrites.rules.iree_perf import (
     conv1d_as_matmul,
     patch_conv_as_matmul,
     softmax_as_exp_times_reciprocal,
+    softmax_matmul_normalized_after,
 )
 
 aten = torch.ops.aten
@@ -104,6 +105,82 @@ def test_softmax_as_exp_times_reciprocal_on_iree():
     fn = iree.compile(result.program, SOFTMAX_ROWS[0])
     for (x,) in SOFTMAX_ROWS:
         torch.testing.assert_close(fn(x), ScaledSoftmax()(x), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- softmax, then a matmul
+
+
+class SoftmaxThenMatmul(torch.nn.Module):
+    def forward(self, s, v):
+        return torch.softmax(s * 0.5, dim=-1) @ v
+
+
+class RowsThenMatmul(torch.nn.Module):
+    """softmax written out by hand (a model's eager attention): rows times the reciprocal of their sum."""
+
+    def forward(self, s, v):
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return (e * torch.reciprocal(e.sum(-1, keepdim=True))) @ v
+
+
+#: scores [2, 5, 7, 33] with -inf keys and a row all -inf (NaN in eager and here), values [2, 5, 33, 6]
+SCORES_VALUES = [(x, _randn(s + 20, 2, 5, 33, 6)) for s, (x,) in enumerate(SOFTMAX_ROWS)]
+NORMALIZED_AFTER = [aten.amax.default, aten.exp.default, aten.ones.default, aten.reciprocal.default]
+
+
+@pytest.mark.parametrize("module", [SoftmaxThenMatmul(), RowsThenMatmul()], ids=["softmax", "written-out"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_softmax_matmul_normalized_after(module, dynamic):
+    result = _check(
+        module,
+        SCORES_VALUES,
+        softmax_matmul_normalized_after,
+        dynamic=dynamic,
+        n_inputs=2,
+        present=NORMALIZED_AFTER,
+        absent=[aten._softmax.default, aten.softmax.int, aten.sum.dim_IntList],
+    )
+    assert rt.targets(result).count(aten.matmul.default) == 2  # e @ values and e @ ones
+    out = rt.graph_module(result)(*SCORES_VALUES[1])[0]
+    assert out[0, 0, 1].isnan().all() and not out[0, 0, 0].isnan().any()  # eager's NaN row, and only it
+
+
+def test_softmax_matmul_normalized_after_takes_the_softmax_rule_form():
+    """Whichever of the two rules reaches the softmax first, the product is normalized after."""
+    rules = (softmax_as_exp_times_reciprocal, softmax_matmul_normalized_after)
+    ep = rt.export(SoftmaxThenMatmul(), *SCORES_VALUES[0])
+    result = rt.apply_rules(rt.apply_rules(ep, rules[0]).program, rules[1])
+    rt.assert_fired(result, softmax_matmul_normalized_after)
+    rt.assert_ops(result, present=NORMALIZED_AFTER, absent=[aten.sum.dim_IntList])
+    rt.assert_matches_eager(result, SoftmaxThenMatmul(), SCORES_VALUES)
+
+
+def test_softmax_matmul_normalized_after_declines():
+    s, v = SCORES_VALUES[0]
+    cases = [
+        (lambda s, v: (lambda p: (p @ v, p))(torch.softmax(s, -1)), (s, v)),  # the weights are returned too
+        (lambda s, v: torch.softmax(s, -1) @ v, (s.double(), v.double())),
+        (lambda s, v: torch.softmax(s, -2) @ v, (s[..., :7], v[..., :7, :])),
+        (lambda s, v: torch.softmax(s, -1) @ v, (s, v[0, 0, :, 0])),  # a vector of values
+        (lambda s, v: torch.softmax(s, -1) @ v, (s[..., :0], v[..., :0, :])),  # no keys: zeros, not NaN
+        (lambda s, v: (s * torch.reciprocal(s.sum(-2, keepdim=True))) @ v, (s, v)),  # not its rows' sum
+    ]
+    for fn, inputs in cases:
+        result = rt.apply_rules(rt.export(fn, *inputs), softmax_matmul_normalized_after)
+        rt.assert_not_fired(result, softmax_matmul_normalized_after)
+
+
+@pytest.mark.parametrize("length", [7, 31, 127, 500])
+def test_softmax_matmul_normalized_after_on_iree(length):
+    """The default route on attention, including the query lengths at which IREE's other data-tiling path
+    computed a division-last form wrong (docs/iree-3.13-findings.md, sections 9 and 10)."""
+    iree = backends.get("iree")
+    inputs = [_qkv(s, 1, 2, length, length, 8) for s in (0, 10)]
+    result = fx_rewrites.apply(rt.export(Attention(is_causal=True), *inputs[0]), iree.rules)
+    rt.assert_fired(result, softmax_matmul_normalized_after)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), Attention(is_causal=True)(*args), rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- attention by head groups
