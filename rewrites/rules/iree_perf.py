@@ -19,8 +19,8 @@ on every model it fires on (docs/performance.md has the table).
   kernel (ViT's 16x16 patch embedding) is a reshape and a matmul; IREE
   lowers the convolution 30x slower.
 - `conv1d_as_matmul`: llvm-cpu. A 1-D convolution (Whisper's audio stem)
-  is stacked shifted slices and one matmul; IREE's 1-D convolution runs at
-  1 to 2 GFLOP/s.
+  is shifted row slices side by side and one matmul; IREE's 1-D convolution
+  runs at 1 to 2 GFLOP/s.
 
 GPU targets get no performance rule until one is measured there
 (docs/performance.md, the GPU section). Vulkan needs attention written out
@@ -339,9 +339,9 @@ def _conv1d(node: Node) -> dict[str, Any] | Miss:
     when=_conv1d,
     tags={"iree", "performance", "convolution"},
     doc=(
-        "A 1-D convolution (Whisper's audio stem: kernel 3, stride 1 and 2) becomes the input padded, its k "
-        "shifted strided slices stacked to [N, C*k, L_out] and one matmul by the weight as [O, C*k]. IREE "
-        "3.13 on llvm-cpu runs 1-D convolutions at 1 to 2 GFLOP/s, the matmul at about 90."
+        "A 1-D convolution (Whisper's audio stem: kernel 3, stride 1 and 2) becomes the input as [N, L, C], "
+        "padded, its k shifted strided row slices concatenated to [N, L_out, k*C] and one matmul by the weight "
+        "as [O, k*C]. IREE 3.13 on llvm-cpu runs 1-D convolutions at 1 to 2 GFLOP/s, the matmul at about 90."
     ),
 )
 def conv1d_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
@@ -350,14 +350,18 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     (stride,), (pad,), (dilation,) = c["stride"], c["padding"], c["dilation"]
     length = _val(x).shape[2] + 2 * pad
     out_length = (length - dilation * (taps - 1) - 1) // stride + 1
-    if pad:
-        x = rw.call(aten.constant_pad_nd.default, x, [pad, pad], 0.0)
     span = stride * (out_length - 1) + 1
-    shifted = [rw.call(aten.slice.Tensor, x, 2, i * dilation, i * dilation + span, stride) for i in range(taps)]
-    columns = rw.call(aten.stack.default, shifted, 2)  # [N, C, taps, L_out]
-    columns = rw.call(aten.reshape.default, columns, [-1, channels * taps, out_length])
-    columns = rw.call(aten.transpose.int, columns, 1, 2)  # [N, L_out, C*taps]
-    weight = rw.call(aten.reshape.default, w, [out_channels, channels * taps])
+    # channels last ([N, L, C]: the k shifted slices are rows, concatenated along the channels): between
+    # two such convolutions (Whisper's stem, a GELU between them) this permute and the previous one's cancel, and
+    # IREE copies whole rows. Channels first (slices along L, stacked, then transposed) cost Whisper's stem 5.4 ms
+    # of layout dispatches against 3.5 (in-module profile, one thread)
+    x = rw.call(aten.permute.default, x, [0, 2, 1])
+    if pad:
+        x = rw.call(aten.constant_pad_nd.default, x, [0, 0, pad, pad], 0.0)
+    shifted = [rw.call(aten.slice.Tensor, x, 1, i * dilation, i * dilation + span, stride) for i in range(taps)]
+    columns = rw.call(aten.cat.default, shifted, 2)  # [N, L_out, taps * C], tap-major
+    weight = rw.call(aten.permute.default, w, [0, 2, 1])  # [O, taps, C]
+    weight = rw.call(aten.reshape.default, weight, [out_channels, taps * channels])
     y = rw.call(aten.linear.default, columns, weight, c["bias"])
     # permute, not transpose.int: after a guard that cut a Dim-sized input to one window, the convolution's
     # users are typed [b, O, L//k] (the engine keeps the replaced value's sizes) while y is [b, 1, O]; IREE 3.13
