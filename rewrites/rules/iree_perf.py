@@ -187,7 +187,12 @@ def _sums_its_rows(total: Any, rows: Node) -> bool:
     if not (isinstance(total, Node) and total.target is aten.sum.dim_IntList and total.args[0] is rows):
         return False
     dims, keepdim = total.args[1], total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
-    return keepdim and list(dims) in ([-1], [_val(rows).dim() - 1]) and "dtype" not in total.kwargs
+    return (
+        bool(keepdim)
+        and dims is not None
+        and list(dims) in ([-1], [_val(rows).dim() - 1])
+        and "dtype" not in total.kwargs
+    )
 
 
 def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
