@@ -113,11 +113,17 @@ def _into_itself(node: Node) -> str:
             f"ranges must not overlap'); fix: {APPLY}, which write into a fresh tensor"
         )
     if read_elsewhere(node, dest) and _padded(node):
-        return (
+        what = (
             f"the tensor it writes into ({dest.name}) is read elsewhere too and the result is padded: IREE "
-            f"writes it in place, so {dest.name} is read back with the scattered values in it; fix: {APPLY}, "
-            "which write into a fresh tensor"
+            f"writes it in place, so {dest.name} is read back with the scattered values in it; fix: "
         )
+        dtype = dest.meta["val"].dtype
+        if node.target == aten.scatter_reduce.two and not dtype.is_floating_point:
+            return what + (
+                f"the rules guard a floating-point scatter_reduce only, not {dtype}: scatter_reduce into a tensor "
+                f"nothing else reads (a `{dest.name} * 1` IREE folds does not count), or in float"
+            )
+        return what + f"{APPLY}, which write into a fresh tensor"
     return ""
 
 

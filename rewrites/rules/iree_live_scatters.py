@@ -6,10 +6,10 @@ padded (`a, pad(scatter(a, ...))`, or a convolution with padding): `a` comes
 back with the scattered values in it (docs/iree-3.13-findings.md section 14,
 found by the view-write fuzzer). `slice_scatter` and `index_put` are guarded
 in `iree_views.py`; here `select_scatter` (as a `slice_scatter`, which that
-guard then takes), `scatter`, `scatter_add` and `scatter_reduce` (sum, prod,
-amax, amin with include_self) get a fresh result: scattered into a constant,
-then combined with the destination elementwise. `scatter_reduce`'s mean, or
-without include_self, is left (docs/reliability.md).
+guard then takes), `scatter`, `scatter_add` and `scatter_reduce` (floats:
+every reduction, with or without include_self) get a fresh result: scattered
+into a constant, then combined with the destination elementwise. An integer
+`scatter_reduce` is left, and refused by `wrong_forms` (findings, section 14).
 """
 
 from __future__ import annotations
@@ -74,12 +74,10 @@ _REDUCTIONS = {
 
 def _scatter(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if node.target == aten.scatter_reduce.two and (
-        named["reduce"] not in _REDUCTIONS or not named.get("include_self", True)
-        or not named["self"].meta["val"].dtype.is_floating_point
-    ):  # fmt: skip
-        return Miss(f"scatter_reduce {named['reduce']!r} (include_self={named.get('include_self', True)}) of "
-                    "this dtype is not guarded")  # fmt: skip
+    if node.target == aten.scatter_reduce.two and not named["self"].meta["val"].dtype.is_floating_point:
+        # an integer mean divides with rounding, and an integer identity for amax/amin is the dtype's bound:
+        # neither measured; such a scatter is refused by wrong_forms instead
+        return Miss(f"scatter_reduce of {named['self'].meta['val'].dtype}: only floats are guarded")
     if named.get("reduce") is not None and node.target != aten.scatter_reduce.two:
         return Miss("scatter with reduce= (not guarded)")
     hazard = scatter_hazard(node, named["self"], named.get("src", named.get("value")))
@@ -95,19 +93,19 @@ def _scatter(node: Node) -> dict[str, Any] | Miss:
         "aten.scatter(t, dim, index, src or value) whose t something else reads (or whose src reads t) "
         "scatters into zeros, picked by a mask scattered alike, with where(mask, scattered, t); scatter_add "
         "scatters into -0.0 and adds t (exact where each index occurs once, as index_put's guard), and "
-        "scatter_reduce (sum, prod, amax, amin; include_self, floats) into the reduction's identity, then "
-        "combines with t (amax, amin: exact). IREE 3.13 "
+        "scatter_reduce (floats) into the reduction's identity, then combines with t (amax, amin: exact; "
+        "mean: t plus the scattered sum over 1 plus a scattered count; without include_self: into zeros, "
+        "placed by a mask). IREE 3.13 "
         "scatters in place into t while t is still read when the result is padded "
         "(`a, pad(a.scatter(3, idx, src))`: `a` comes back with src in it)."
     ),
 )
 def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
     x, dim, index = named["self"], named["dim"], named["index"]
-    dtype = x.meta["val"].dtype
     if node.target == aten.scatter_reduce.two:
-        fill, combine = _REDUCTIONS[named["reduce"]]
-        scattered = rw.call(node.target, full_from_sizes(rw, x, fill, dtype), dim, index, named["src"], named["reduce"])
-        rw.replace(node, rw.call(combine, x, scattered))
+        rw.replace(
+            node, _reduced_fresh(rw, x, dim, index, named["src"], named["reduce"], named.get("include_self", True))
+        )
         return
     if node.target == aten.scatter_add.default:
         rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, dim, index, named["src"])))
@@ -120,6 +118,27 @@ def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any])
         lambda base: rw.call(aten.scatter.value, base, dim, index, True),
     )
     rw.replace(node, placed)
+
+
+def _reduced_fresh(rw: Rewriter, x: Node, dim: int, index: Node, src: Node, reduce: str, include_self: bool) -> Node:
+    """scatter_reduce(x, dim, index, src, reduce, include_self) written into fresh tensors, x read only."""
+    dtype = x.meta["val"].dtype
+    if not include_self:  # the hit elements reduce src alone: scattered into zeros, placed over x by a mask
+        return placed_over(
+            rw,
+            x,
+            lambda base: rw.call(aten.scatter_reduce.two, base, dim, index, src, reduce, include_self=False),
+            lambda base: rw.call(aten.scatter.value, base, dim, index, True),
+        )
+    if reduce == "mean":  # torch: (x + the sum of what lands there) / (1 + how many land there)
+        total = added_over(rw, x, lambda base: rw.call(aten.scatter_add.default, base, dim, index, src))
+        ones = rw.call(aten.ones_like.default, src)
+        count = rw.call(aten.scatter_add.default, full_from_sizes(rw, x, 1.0, dtype), dim, index, ones)
+        return rw.call(aten.div.Tensor, total, count)
+    fill, combine = _REDUCTIONS[reduce]
+    return rw.call(
+        combine, x, rw.call(aten.scatter_reduce.two, full_from_sizes(rw, x, fill, dtype), dim, index, src, reduce)
+    )
 
 
 RULES = (select_scatter_as_slice_scatter_for_iree, scatter_into_fresh_for_iree)
