@@ -25,7 +25,12 @@ from fx_rewrites.engine import Miss
 from fx_rewrites.rules.iree_conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
 from fx_rewrites.rules.iree_guards import empty_variance
 from fx_rewrites.rules.iree_pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
-from fx_rewrites.rules.iree_views import read_elsewhere, reads_destination, writes_whole_tensor
+from fx_rewrites.rules.iree_views import (
+    diagonal_as_gather_for_iree,
+    read_elsewhere,
+    reads_destination,
+    writes_whole_tensor,
+)
 
 aten = torch.ops.aten
 
@@ -127,6 +132,17 @@ def _into_itself(node: Node) -> str:
     return ""
 
 
+def _diagonal_of_a_read_tensor(node: Node) -> str:
+    source = node.args[0]
+    if isinstance(diagonal_as_gather_for_iree.when(node), Miss) or not read_elsewhere(node, source):
+        return ""
+    return (
+        f"a diagonal of a tensor that is read elsewhere too ({source.name}): IREE returns that tensor wrong when "
+        "the diagonal is read by a broadcast `where` (docs/iree-3.13-findings.md, section 13; other readers "
+        f"not characterised); fix: {APPLY}, which take the diagonal by a gather"
+    )
+
+
 def _one_window(node: Node) -> str:
     dims = one_window_dims(node)
     x = node.args[0].meta["val"] if dims else None
@@ -191,6 +207,7 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
     aten.replication_pad3d.default: _negative_pad,
     **dict.fromkeys(POOLS_BY_RANK, _one_window),
     **dict.fromkeys(CONVS, _conv_one_window),
+    aten.diagonal.default: _diagonal_of_a_read_tensor,
     aten.slice_scatter.default: _into_itself,
     aten.index_put.default: _into_itself,
     aten._unsafe_index_put.default: _into_itself,

@@ -9,7 +9,7 @@ from torch.export import Dim
 
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.iree import CompileCache, IreeBackend
+from fx_rewrites.backends.iree import CompileCache, IreeBackend, IreeUnsupportedError
 from fx_rewrites.rules.iree_views import diagonal_as_gather_for_iree
 
 aten = torch.ops.aten
@@ -64,6 +64,16 @@ def test_iree_returns_y_wrong_as_exported():
     unguarded = IreeBackend(cache=CompileCache(), refuse_wrong_forms=False)
     y, _ = unguarded.compile(rt.export(module, x), (x,))(x)
     assert not torch.allclose(y, module(x)[0]), "IREE computes y right now: drop diagonal_as_gather_for_iree"
+
+
+def test_refused_without_the_rules(iree):
+    """Compiled without the rules, a diagonal of a tensor read elsewhere is refused with the fix; a diagonal of a
+    tensor nothing else reads is compiled."""
+    (x,) = _inputs((2, 2, 2, 4))[0]
+    with pytest.raises(IreeUnsupportedError, match=r"diagonal of a tensor that is read elsewhere.*apply the"):
+        iree.compile(rt.export(DiagonalRead(), x), (x,))
+    alone = rt.export(lambda x: torch.diagonal(x * 0.5) * 2.0, x)
+    torch.testing.assert_close(iree.compile(alone, (x,))(x), torch.diagonal(x * 0.5) * 2.0, rtol=0, atol=0)
 
 
 CASES = {
