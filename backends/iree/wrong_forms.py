@@ -126,7 +126,7 @@ def _into_itself(node: Node) -> str:
         if node.target == aten.scatter_reduce.two and not dtype.is_floating_point:
             return what + (
                 f"the rules guard a floating-point scatter_reduce only, not {dtype}: scatter_reduce into a tensor "
-                f"nothing else reads (a `{dest.name} * 1` IREE folds does not count), or in float"
+                "nothing else reads, or in float"
             )
         return what + f"{APPLY}, which write into a fresh tensor"
     return ""

@@ -183,6 +183,20 @@ def test_softmax_matmul_normalized_after_on_iree(length):
         torch.testing.assert_close(fn(*args), Attention(is_causal=True)(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_softmax_matmul_normalized_after_with_a_dim_key_length():
+    """Keys of a Dim length: the ones are sized by the symbolic length; IREE matches eager at two lengths."""
+    iree = backends.get("iree")
+    keys = Dim("keys", min=2, max=64)
+    inputs = [_qkv(s, 2, 2, 9, length, 8) for s, length in ((0, 13), (10, 20))]
+    ep = rt.export(Attention(), *inputs[0], dynamic_shapes=(None, {2: keys}, {2: keys}))
+    result = fx_rewrites.apply(ep, iree.rules)
+    rt.assert_fired(result, softmax_matmul_normalized_after)
+    rt.assert_matches_eager(result, Attention(), inputs, rtol=1e-5, atol=1e-6)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), Attention()(*args), rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- attention by head groups
 
 
