@@ -14,6 +14,7 @@ into a constant, then combined with the destination elementwise. An integer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,13 +112,14 @@ def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any])
         rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, dim, index, named["src"])))
         return
     source = named["src"] if node.target == aten.scatter.src else named["value"]
-    placed = placed_over(
-        rw,
-        x,
-        lambda base: rw.call(node.target, base, dim, index, source),
-        lambda base: rw.call(aten.scatter.value, base, dim, index, True),
+    rw.replace(
+        node, placed_over(rw, x, lambda base: rw.call(node.target, base, dim, index, source), _hits(rw, dim, index))
     )
-    rw.replace(node, placed)
+
+
+def _hits(rw: Rewriter, dim: int, index: Node) -> Callable[[Node], Node]:
+    """placed_over's `mark` for a scatter along `dim` by `index`: True scattered where it writes."""
+    return lambda base: rw.call(aten.scatter.value, base, dim, index, True)
 
 
 def _reduced_fresh(rw: Rewriter, x: Node, dim: int, index: Node, src: Node, reduce: str, include_self: bool) -> Node:
@@ -128,7 +130,7 @@ def _reduced_fresh(rw: Rewriter, x: Node, dim: int, index: Node, src: Node, redu
             rw,
             x,
             lambda base: rw.call(aten.scatter_reduce.two, base, dim, index, src, reduce, include_self=False),
-            lambda base: rw.call(aten.scatter.value, base, dim, index, True),
+            _hits(rw, dim, index),
         )
     if reduce == "mean":  # torch: (x + the sum of what lands there) / (1 + how many land there)
         total = added_over(rw, x, lambda base: rw.call(aten.scatter_add.default, base, dim, index, src))
