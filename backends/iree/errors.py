@@ -107,6 +107,19 @@ def _hint(op: str, msg: str, lowered: bool) -> str:
     return f"run `fx_rewrites.apply` first; if the error stays, `{op}` needs a rule that rewrites it for IREE"
 
 
+def _measured(target: str) -> str:
+    """What was measured for the failing node's ATen op ("" when nothing was): how often IREE compiled it on
+    torch's OpInfo samples, so a user can tell a known IREE gap from a new one."""
+    if not target:
+        return ""
+    from fx_rewrites.backends.iree import legality, legality_data  # legality imports the rule packs
+
+    record = legality.why(target).split("; ", 1)[0]  # the counts, without one sample's raw error text
+    if not record:
+        return ""
+    return f" IREE {legality_data.IREE_VERSION}'s measured record for `{target}` (iree.legality): {record}."
+
+
 def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileError:
     """An IreeCompileError for iree-compile's `diagnostics`, naming the node of `gm` it failed on."""
     errors = [m for m in map(_ERROR_LINE.match, diagnostics.splitlines()) if m]
@@ -138,7 +151,7 @@ def compile_error(diagnostics: str, mlir: str, gm: GraphModule) -> IreeCompileEr
     more = f" ({len(errors) - 1} more error(s) in the full output)" if len(errors) > 1 else ""
     summary = (
         f"IREE could not compile {what} at {where}: {_strip_op_print(msg)[:400]}{more}. "
-        f"Hint: {_hint(op or 'this op', msg, lowered)}."
+        f"Hint: {_hint(op or 'this op', msg, lowered)}.{_measured(targets.get(node, ''))}"
     )
     message = f"{summary} {_WHERE}"
     return IreeCompileError(message, diagnostics=diagnostics, mlir=mlir, op=op, node=node, summary=summary)

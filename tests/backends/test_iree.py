@@ -6,6 +6,7 @@ compile of a tiny model takes about a second.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -20,6 +21,7 @@ from fx_rewrites.backends.iree import (
     IreeCompileError,
     IreeImportError,
     IreeUnsupportedError,
+    legality_data,
 )
 from fx_rewrites.engine import RewriteError
 from fx_rewrites.rules import DEFAULT
@@ -147,15 +149,21 @@ class AddInPlace(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("model", "op", "node", "hint"),
+    ("model", "op", "node", "hint", "record"),
     [
-        (Diff(), "aten.diff", "diff", "no IREE lowering"),
-        (IsFinite(), "aten.isfinite", "isfinite", "no IREE lowering"),
-        (AddInPlace(), "aten.add_.Tensor", "add_", "in-place"),
+        (Diff(), "aten.diff", "diff", "no IREE lowering", r"`aten\.diff\.default` \(iree\.legality\): failed \d+x\."),
+        (
+            IsFinite(),
+            "aten.isfinite",
+            "isfinite",
+            "no IREE lowering",
+            r"`aten\.isfinite\.default` \(iree\.legality\): failed \d+x\.",
+        ),
+        (AddInPlace(), "aten.add_.Tensor", "add_", "in-place", None),  # the corpus measures no in-place op
     ],
     ids=["unknown_op", "no_conversion", "in_place"],
 )
-def test_compile_error_names_op_node_and_fix(iree, model, op, node, hint):
+def test_compile_error_names_op_node_and_fix(iree, model, op, node, hint, record):
     ep = _export(model, torch.randn(3, 6))
     with pytest.raises(IreeCompileError) as info:
         iree.compile(ep, (torch.randn(3, 6),))
@@ -167,6 +175,13 @@ def test_compile_error_names_op_node_and_fix(iree, model, op, node, hint):
     assert e.op == op and e.node == node
     assert "error:" in e.diagnostics and "main" in e.mlir
     assert __file__ in message  # the location is the model's source line
+    # the op's measured record, counts only (no other sample's raw error text), or nothing when there is none
+    if record is None:
+        assert "measured record" not in message
+    else:
+        version = re.escape(legality_data.IREE_VERSION)
+        assert re.search(rf"IREE {version}'s measured record for " + record, message), message
+        assert "explicitly marked illegal" not in message.split("measured record")[1]
 
 
 def test_compile_error_inside_iree_names_the_torch_node(iree):
