@@ -204,6 +204,63 @@ def empty_variance_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, nans if many else nans[0])
 
 
+# -- products over an empty dim -----------------------------------------------------------------
+
+#: sums of products: a size-0 dim of an operand that the result does not have is summed over
+_CONTRACTIONS = tuple(
+    getattr(packet, name)
+    for packet in (aten.mm, aten.bmm, aten.mv, aten.dot, aten.vdot, aten.matmul, aten.linear, aten.einsum)
+    + (aten.tensordot, aten.addmm, aten.addmv, aten.baddbmm, aten.addbmm)
+    for name in packet.overloads()
+    if not getattr(packet, name)._schema.is_mutable
+)
+
+#: operands added to the product (addmm's self, linear's bias), not multiplied into it. mm's, matmul's and
+#: tensordot's self is multiplied, but it holds the summed dim, so it is empty whenever the rule applies
+_ADDED = frozenset({"self", "bias"})
+
+
+def _empty_operands(node: Node) -> list[Node] | Miss:
+    """The operands of a contraction with a statically empty dim, when its result is not empty."""
+    result = node.meta.get("val")
+    if not isinstance(result, torch.Tensor) or any(isinstance(s, int) and s == 0 for s in result.shape):
+        return Miss("an empty result (IREE compiles those)")
+    empty: list[Node] = []
+    for name, value in schema.bind(node.target, node.args, dict(node.kwargs)).items():
+        for operand in value if isinstance(value, (list, tuple)) else (value,):
+            val = operand.meta.get("val") if isinstance(operand, Node) else None
+            if not isinstance(val, torch.Tensor):
+                continue
+            if 0 in [s for s in val.shape if isinstance(s, int)]:
+                empty.append(operand)
+            elif name not in _ADDED:
+                # zeros times this operand's inf or NaN would be NaN where torch's empty sum is 0
+                return Miss(f"a non-empty operand {name!r} in the product")
+    return empty or Miss("no operand with a statically empty dim")
+
+
+@rule(
+    roots=_CONTRACTIONS,
+    name="empty_contraction_for_iree",
+    when=_empty_operands,
+    tags={"iree", "guard"},
+    doc=(
+        "A matrix product (mm, bmm, mv, dot, matmul, linear, einsum, addmm, baddbmm, ...) that sums over a "
+        "statically empty dim into a non-empty result has each empty operand replaced by zeros with that dim "
+        "of size 1: the same op, whose sum is then one zero product, as the empty sum is. iree-compile 3.13 "
+        "crashes on the empty contraction (OpInfo mm of (5, 0) by (0, 10): no diagnostic)."
+    ),
+)
+def empty_contraction_for_iree(node: Node, rw: Rewriter, empty: list[Node]) -> Any:
+    zeros = {}
+    for operand in empty:
+        val = operand.meta["val"]
+        sizes = [1 if isinstance(s, int) and s == 0 else rw.size(operand, d) for d, s in enumerate(val.shape)]
+        zeros[operand] = rw.call(aten.zeros.default, sizes, dtype=val.dtype, device=val.device)
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: zeros.get(n, n))
+    rw.replace(node, rw.call(node.target, *args, **kwargs))
+
+
 # -- instance_norm's running statistics ---------------------------------------------------------
 
 
@@ -318,6 +375,7 @@ RULES = (
     negative_put_index_for_iree,
     multi_index_to_flat_gather_for_iree,
     empty_variance_for_iree,
+    empty_contraction_for_iree,
     instance_norm_input_stats_for_iree,
     float_scalar_in_comparison_for_iree,
 )
