@@ -1,10 +1,11 @@
 """Where a rule finds an op's decomposition: torch's own, else one torch lacks, written here.
 
-`decomposition(op)` looks in torch's table (`torch._decomp.decomposition_table`),
-then in `MISSING` (ops torch has no decomposition for, written with torch ops
-and checked against torch's kernel), then at the op's CompositeImplicitAutograd
-kernel. `Decompose` rules and the legality-driven phase (`rules.iree_legalize`)
-both ask it.
+`decomposition(op)` looks in `OVERRIDES` (ops whose decomposition in torch
+yields prims that lie about their result or that nothing lowers), in torch's
+table (`torch._decomp.decomposition_table`), then in `MISSING` (ops torch has
+no decomposition for, written with torch ops and checked against torch's
+kernel), then at the op's CompositeImplicitAutograd kernel. `Decompose` rules
+and the legality-driven phase (`rules.iree_legalize`) both ask it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,44 @@ def _resize_aa(mode: str) -> Callable[..., Any]:
     return resize
 
 
+# ----------------------------------------------------------------------------- the sign bit
+# torch 2.13 decomposes aten.signbit, and copysign through it, into prims.signbit, whose fake value is float32
+# where the op returns bool (a prim that lies about its result: the engine refuses it), and copysign into
+# prims.abs too, which no backend here lowers. Written with aten ops instead: a float's sign bit is the sign of
+# its bits read as the signed integer of its width, exact for -0.0 and for NaN's sign, which a comparison
+# with 0 is not (tests/rules/test_signbit.py).
+
+_SAME_WIDTH_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _signbit(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in _SAME_WIDTH_INT:
+        return x.view(_SAME_WIDTH_INT[x.dtype]) < 0
+    if x.is_floating_point() or x.is_complex():
+        raise NotImplementedError(f"the sign bit of {x.dtype}: kept whole")
+    return x < 0  # integers (never for unsigned ones) and bool
+
+
+def _copysign(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch's reference (`where(signbit(b), -abs(a), abs(a))`, integers promoted to float) in aten ops."""
+    dtype = torch.result_type(a, b)
+    dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+    magnitude = a.to(dtype).abs()
+    return torch.where(_signbit(b.to(dtype)), -magnitude, magnitude)
+
+
+#: ops whose decomposition in torch's table yields prims that lie about their result or that nothing lowers
+OVERRIDES: dict[OpOverload, Callable[..., Any]] = {
+    aten.signbit.default: _signbit,
+    aten.copysign.Tensor: _copysign,
+}
+
+
 #: decompositions torch 2.13 does not have, by op
 MISSING: dict[OpOverload, Callable[..., Any]] = {
     aten._upsample_bilinear2d_aa.default: _resize_aa("bilinear"),
@@ -119,9 +158,12 @@ MISSING: dict[OpOverload, Callable[..., Any]] = {
 
 
 def decomposition(op: Any) -> Callable[..., Any] | None:
-    """`op`'s decomposition: torch's table, then `MISSING`, then its CompositeImplicitAutograd kernel."""
+    """`op`'s decomposition: `OVERRIDES`, torch's table, then `MISSING`, then its CompositeImplicitAutograd
+    kernel."""
     if not isinstance(op, OpOverload):
         return None
+    if op in OVERRIDES:
+        return OVERRIDES[op]
     if op in torch._decomp.decomposition_table:
         return torch._decomp.decomposition_table[op]
     if op in MISSING:
