@@ -128,6 +128,8 @@ _SAME_WIDTH_INT = {
 
 def _signbit(x: torch.Tensor) -> torch.Tensor:
     if x.dtype in _SAME_WIDTH_INT:
+        if x.dim() == 0:  # read through one element: iree-compile 3.13 crashes on a 0-d bitcast
+            return _signbit(x.reshape(1)).reshape(())
         return x.view(_SAME_WIDTH_INT[x.dtype]) < 0
     if x.is_floating_point() or x.is_complex():
         raise NotImplementedError(f"the sign bit of {x.dtype}: kept whole")

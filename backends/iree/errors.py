@@ -7,6 +7,7 @@ import re
 from torch.fx import GraphModule, Node
 
 from fx_rewrites.backends.base import BackendUnavailable
+from fx_rewrites.backends.iree import legality, legality_data
 from fx_rewrites.engine import RewriteError
 from fx_rewrites.schema import op_name
 
@@ -112,8 +113,6 @@ def _measured(target: str) -> str:
     torch's OpInfo samples, so a user can tell a known IREE gap from a new one."""
     if not target:
         return ""
-    from fx_rewrites.backends.iree import legality, legality_data  # legality imports the rule packs
-
     record = legality.why(target).split("; ", 1)[0]  # the counts, without one sample's raw error text
     if not record:
         return ""

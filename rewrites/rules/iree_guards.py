@@ -253,7 +253,7 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
 )
 def empty_contraction_for_iree(node: Node, rw: Rewriter, empty: list[Node]) -> Any:
     zeros = {}
-    for operand in empty:
+    for operand in dict.fromkeys(empty):  # an operand read twice (einsum of e and e) gets one zeros
         val = operand.meta["val"]
         sizes = [1 if isinstance(s, int) and s == 0 else rw.size(operand, d) for d, s in enumerate(val.shape)]
         zeros[operand] = rw.call(aten.zeros.default, sizes, dtype=val.dtype, device=val.device)

@@ -99,3 +99,19 @@ def test_signs_on_iree(iree, dynamic):
             exact = i < 2  # the sum's order is IREE's own
             torch.testing.assert_close(g, w, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5, equal_nan=True)
         assert torch.equal(got[0].signbit(), want[0].signbit())  # -0.0 is not 0.0 here
+
+
+class ScalarSign(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.copysign(a, b), torch.signbit(b)
+
+
+def test_a_0d_sign_on_iree(iree):
+    # the bit is read through one element: iree-compile 3.13 crashes on the bitcast of a 0-d tensor
+    sets = [(torch.randn(10, 5), torch.tensor(-0.0)), (torch.randn(10, 5), torch.tensor(2.5))]
+    result = rt.apply_rules(rt.export(ScalarSign(), *sets[0]), iree.rules)
+    rt.assert_fired(result, "legalize_for_iree", times=2)
+    fn = iree.compile(result.program, sets[0])
+    for args in sets:
+        for got, want in zip(fn(*args), ScalarSign()(*args), strict=True):
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
