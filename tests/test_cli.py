@@ -185,8 +185,14 @@ def test_demo_notes_are_whole_sentences_and_verbose_adds_the_compiler_output(cap
     code, out, _ = _run(capsys, "demo", "--only", "tensor_literals")
     assert code == 0
     note = next(line for line in out.splitlines() if line.startswith("[1] IreeCompileError:"))
-    # the hint after the error, cut at 300 characters mid-word before, is there whole
-    assert note.endswith("into ops IREE knows. (--verbose prints iree-compile's whole output)"), note
+    # the hint after the error, cut at 300 characters mid-word before, is there whole, and the op's measured
+    # record after it
+    assert "into ops IREE knows. IREE " in note, note
+    assert re.search(
+        r"measured record for `aten\.detach_\.default` \(iree\.legality\): failed \d+x\. "
+        r"\(--verbose prints iree-compile's whole output\)$",
+        note,
+    ), note
     code, out, _ = _run(capsys, "demo", "--only", "tensor_literals", "--verbose")
     assert code == 0 and "--- tensor_literals, as is: iree-compile's output" in out
     assert "failed to legalize operation 'torch.operator'" in out
