@@ -223,7 +223,7 @@ _ADDED = frozenset({"self", "bias"})
 def _empty_operands(node: Node) -> list[Node] | Miss:
     """The operands of a contraction with a statically empty dim, when its result is not empty."""
     result = node.meta.get("val")
-    if not isinstance(result, torch.Tensor) or any(isinstance(s, int) and s == 0 for s in result.shape):
+    if not isinstance(result, torch.Tensor) or _numel(result) == 0:
         return Miss("an empty result (IREE compiles those)")
     empty: list[Node] = []
     for name, value in schema.bind(node.target, node.args, dict(node.kwargs)).items():
@@ -231,7 +231,7 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
             val = operand.meta.get("val") if isinstance(operand, Node) else None
             if not isinstance(val, torch.Tensor):
                 continue
-            if 0 in [s for s in val.shape if isinstance(s, int)]:
+            if _numel(val) == 0:
                 empty.append(operand)
             elif name not in _ADDED:
                 # zeros times this operand's inf or NaN would be NaN where torch's empty sum is 0
