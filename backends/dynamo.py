@@ -34,8 +34,8 @@ from typing import Any, Literal
 import attrs
 from torch.fx import GraphModule
 
-import fx_rewrites
 from fx_rewrites import backends
+from fx_rewrites.api import Result, apply
 from fx_rewrites.backends.base import Backend
 from fx_rewrites.ruleset import RuleSet
 
@@ -77,7 +77,7 @@ class CompiledGraph:
     kind: Literal["inference", "forward"]
     graph_module: GraphModule
     example_inputs: Sequence[Any]
-    result: fx_rewrites.Result
+    result: Result
     compiled: Callable[..., Any]
 
 
@@ -92,7 +92,7 @@ def _compile_graph(
     from functorch.compile import make_boxed_func
 
     target = backends.get(backend) if isinstance(backend, str) else backend
-    result = fx_rewrites.apply(gm, target.rules if rules is None else rules)
+    result = apply(gm, target.rules if rules is None else rules)
     log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
     result.report.warn_unless_converged(target.name, stacklevel=2)
     compiled = target.compile(result.graph_module, example_inputs)

@@ -51,14 +51,14 @@ def checksum(tensors: Any) -> str:
 
 def performance_phase(name: str) -> Any:
     """`--rules`: the backend's own rules, or those then the llvm-cpu performance rules (to measure them on a GPU)."""
-    from fx_rewrites.rules import iree_perf
+    from fx_rewrites.backends.iree.rules import performance
     from fx_rewrites.ruleset import RuleSet
 
-    by_name = {rule.name: rule for rule in iree_perf.ALL}
+    by_name = {rule.name: rule for rule in performance.ALL}
     if name == "backend":
         return None
     if name == "llvm-cpu-perf":
-        return iree_perf.BY_TARGET["llvm-cpu"]
+        return performance.BY_TARGET["llvm-cpu"]
     return RuleSet([by_name[n] for n in name.split("+")], name=name)
 
 

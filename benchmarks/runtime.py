@@ -50,7 +50,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
-from fx_rewrites.rules import iree_perf
+from fx_rewrites.backends.iree.rules import performance
 from fx_rewrites.ruleset import Phases
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -70,7 +70,7 @@ def default_backend(mode: str) -> IreeBackend:
 
 def variants(backend: IreeBackend, fired: set[str], ablation: bool) -> dict[str, IreeBackend]:
     """The IREE routes to measure: default, before the performance phase, and the default without each piece."""
-    perf = iree_perf.BY_TARGET[backend.target.name]
+    perf = performance.BY_TARGET[backend.target.name]
     before = [s for s in backend.rules.sets if s is not perf]
     out = {
         "iree": backend,
@@ -162,7 +162,7 @@ def measure(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     fn, result, stages = compile_iree(backend, program, pos)
     fired = {n for n, c in result.report.rewrites.items() if c}
     row: dict[str, Any] = {"model": spec.name, "what": spec.what, "export": export_s, **stages}
-    row["perf_fired"] = sorted(fired & set(iree_perf.BY_TARGET[backend.target.name].names()))
+    row["perf_fired"] = sorted(fired & set(performance.BY_TARGET[backend.target.name].names()))
     fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(*pos, **kw)}
     row["numerics"] = {}
     for name, variant in variants(backend, fired, args.ablation).items():

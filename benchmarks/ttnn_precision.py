@@ -41,8 +41,8 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites import apply, backends
 from fx_rewrites.backends.ttnn import lower
+from fx_rewrites.backends.ttnn.rules import RULES, ops, ops_extra
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import RULES, ops, ops_extra
 from fx_rewrites.ruleset import Phases
 
 TOL = 3e-2

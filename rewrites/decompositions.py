@@ -5,7 +5,7 @@ yields prims that lie about their result or that nothing lowers), in torch's
 table (`torch._decomp.decomposition_table`), then in `MISSING` (ops torch has
 no decomposition for, written with torch ops and checked against torch's
 kernel), then at the op's CompositeImplicitAutograd kernel. `Decompose` rules
-and the legality-driven phase (`rules.iree_legalize`) both ask it.
+and the legality-driven phase (`kinds.legalize`) both ask it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ aten = torch.ops.aten
 # those into nothing (ATen's CPU and CUDA kernels only). The resize is separable and linear in the input, so
 # with static sizes it is two matmuls by [out, in] weight matrices. The weights follow ATen's
 # `_compute_weights_aa` (UpSampleKernel.cpp): the filter, stretched by the scale when shrinking, centred on
-# each output pixel, cut to its support window, normalised to sum 1 (tests/rules/test_resize_aa.py checks
+# each output pixel, cut to its support window, normalised to sum 1 (tests/backends/iree/rules/test_resize_aa.py checks
 # them against torch's kernel, exact to float64 rounding).
 
 

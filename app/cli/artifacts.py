@@ -38,7 +38,7 @@ def run_command(compiled: object, vmfb: Path, params: Path | None, driver: str =
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Export MODEL, apply the backend's rules, compile, compare with eager on the example inputs, save."""
-    import fx_rewrites
+    from fx_rewrites.app.compile import compile as compile_model
     from fx_rewrites.app.demo import verdict
 
     backend = _backend(args.backend)
@@ -53,7 +53,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         program = model.program()  # exports; fails here (exit 2) when torch cannot
         inputs, kwargs = model.inputs()
         try:
-            compiled = fx_rewrites.compile(program, inputs, kwargs, backend=backend)
+            compiled = compile_model(program, inputs, kwargs, backend=backend)
             outcome, diff = verdict(compiled(*inputs, **kwargs), expected, args.rtol, args.atol)
             compiled.save(out, params=params)
         except Exception as e:

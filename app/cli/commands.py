@@ -110,7 +110,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """As is and after the rules (`fx_rewrites.compile`), against eager; the same for every backend. A backend
     may say more through optional members: `rtol`/`atol` (the agreement to expect), `describe(program, label)`
     (a report printed first: ttnn's coverage), and a `BackendUnavailable` when its runtime is missing here."""
-    import fx_rewrites
+    from fx_rewrites.app.compile import compile as compile_model
     from fx_rewrites.app.demo import Row, verdict
     from fx_rewrites.backends.base import BackendUnavailable
 
@@ -136,7 +136,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         report = on_torch = None
         try:
             inputs, kwargs = model.inputs()
-            compiled = fx_rewrites.compile(model.program(), inputs, kwargs, backend=backend)
+            compiled = compile_model(model.program(), inputs, kwargs, backend=backend)
             report = compiled.report
             row.fired = ", ".join(f"{k} x{v}" for k, v in sorted(report.rewrites.items())) or "-"
             inputs, kwargs = model.inputs()

@@ -23,26 +23,20 @@ from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
-from fx_rewrites.backends.iree.legality import LEGALIZE
 from fx_rewrites.backends.iree.parameters import parameter_hooks
+from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
-from fx_rewrites.rules import DEFAULT, iree_perf
-from fx_rewrites.rules import iree as iree_rules
 from fx_rewrites.ruleset import Phases, RuleSet
 
-#: IREE-specific rules (rewrites/rules/iree.py), unioned with DEFAULT in the first phase of `IreeBackend.rules`;
-#: the second phase (`legality.LEGALIZE`) decomposes what IREE cannot lower and guards its wrong results.
-IREE_RULES = iree_rules.RULES
+#: IREE-specific first-phase rules (`backends/iree/rules/`), unioned with DEFAULT in `IreeBackend.rules`
+IREE_RULES = OWN
 
 
 def rules_for(target: IreeTarget) -> Phases:
-    """What an IREE backend for `target` applies: DEFAULT and the IREE pack, legalize and guards, then the
-    target's performance phase (`rules/iree_perf.py`'s `BY_TARGET`) where it has rules."""
-    perf = iree_perf.BY_TARGET.get(target.name)
-    own = [perf] if perf is not None and len(perf) else []
-    name = "iree" if target.name == "llvm-cpu" else f"iree-{target.name}"
-    return Phases(DEFAULT | IREE_RULES, LEGALIZE, *own, name=name)
+    """What an IREE backend for `target` applies (`rules.phases`): DEFAULT and the IREE pack, legalize and
+    guards, then the target's performance phase where it has rules."""
+    return phases(target.name)
 
 
 #: what `IreeBackend.rules` is by default (llvm-cpu)

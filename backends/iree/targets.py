@@ -44,7 +44,7 @@ TARGETS: dict[str, IreeTarget] = {
         # Measured on this 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs
         # matmul operands into the tiles the microkernels want (ViT 2.7x, BERT and Llama 1.1-1.2x); channels-last
         # convolutions run ResNet 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more
-        # operations with large vector sizes"): llvm-cpu writes attention out (iree_perf), and a module the
+        # operations with large vector sizes"): llvm-cpu writes attention out (rules/performance.py), and a module the
         # compiler rejects with these flags is compiled again without them (`IreeBackend._compile_mlir`).
         # Data tiling from GlobalOptimization, not `--iree-opt-data-tiling`: that flag takes the DispatchCreation
         # path, which computes a batched matmul wrong when its left operand comes from a reduction over its rows

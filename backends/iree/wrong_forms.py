@@ -2,12 +2,12 @@
 
 A wrong number is worse than an error. The IREE rules rewrite these forms
 into ones IREE computes right (the legalize phase's decompositions and the
-guards in `fx_rewrites.rules.iree_guards`); what is still in the graph when
+guards in `fx_rewrites.backends.iree.rules.guards`); what is still in the graph when
 `IreeBackend.compile` sees it (a program compiled without the rules, or a
 form the rules could not rewrite) is refused with an `IreeUnsupportedError`
 that names the node, the op, what IREE gets wrong and the fix. Each entry
 was measured on the OpInfo corpus (docs/opinfo.md); each has a test showing
-IREE wrong on it (tests/rules/test_iree_wrong_forms.py).
+IREE wrong on it (tests/backends/iree/rules/test_wrong_forms.py).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from torch.fx import GraphModule, Node
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
-from fx_rewrites.engine import Miss
-from fx_rewrites.rules.iree_conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
-from fx_rewrites.rules.iree_guards import empty_variance
-from fx_rewrites.rules.iree_pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
-from fx_rewrites.rules.iree_views import (
+from fx_rewrites.backends.iree.rules.conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
+from fx_rewrites.backends.iree.rules.guards import empty_variance
+from fx_rewrites.backends.iree.rules.pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
+from fx_rewrites.backends.iree.rules.views import (
     diagonal_as_gather_for_iree,
     read_elsewhere,
     reads_destination,
     writes_whole_tensor,
 )
+from fx_rewrites.engine import Miss
 
 aten = torch.ops.aten
 

@@ -7,7 +7,7 @@
 Modules: `runtime` (which ttnn, its device; `use(module)` injects one),
 `dispatch` (stand-in op -> ttnn call), `backend` (`TtnnBackend`,
 `TtnnCompiled`), `coverage` (per op: on device or host, and why).
-The lowering rules and the stand-in ops are in `rewrites/rules/ttnn/`.
+The lowering rules and the stand-in ops are in `backends/ttnn/rules/`.
 """
 
 from fx_rewrites.backends.ttnn.backend import TtnnBackend, TtnnCompiled, TtnnLoweringError, is_device_node, lower

@@ -24,11 +24,11 @@ from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition, split
 from fx_rewrites.backends.ttnn import dispatch, runtime
 from fx_rewrites.backends.ttnn.constants import ConstantCache, region_plans
+from fx_rewrites.backends.ttnn.rules import FOLD as TTNN_FOLD
+from fx_rewrites.backends.ttnn.rules import RULES as TTNN_RULES
+from fx_rewrites.backends.ttnn.rules.ops import is_standin
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
-from fx_rewrites.rules.ttnn import FOLD as TTNN_FOLD
-from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
-from fx_rewrites.rules.ttnn.ops import is_standin
 from fx_rewrites.ruleset import Phases
 
 #: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn: DEFAULT first (SymInts out of tensor slots,

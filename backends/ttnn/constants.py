@@ -22,8 +22,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
-from fx_rewrites.rules.ttnn.constants import CONSTANT_KINDS, cacheable
-from fx_rewrites.rules.ttnn.ops import is_standin
+from fx_rewrites.backends.ttnn.rules.constants import CONSTANT_KINDS, cacheable
+from fx_rewrites.backends.ttnn.rules.ops import is_standin
 
 
 def region_plans(top: GraphModule, program: ExportedProgram | None) -> dict[str, tuple[frozenset[int], frozenset[str]]]:

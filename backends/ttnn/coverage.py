@@ -29,10 +29,10 @@ from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition
 from fx_rewrites.backends.ttnn.backend import is_device_node
 from fx_rewrites.backends.ttnn.constants import program_constants
+from fx_rewrites.backends.ttnn.rules import FOLD as TTNN_FOLD
+from fx_rewrites.backends.ttnn.rules import RULES as TTNN_RULES
+from fx_rewrites.backends.ttnn.rules.ops import is_standin
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import FOLD as TTNN_FOLD
-from fx_rewrites.rules.ttnn import RULES as TTNN_RULES
-from fx_rewrites.rules.ttnn.ops import is_standin
 from fx_rewrites.ruleset import Phases
 from fx_rewrites.schema import op_name
 

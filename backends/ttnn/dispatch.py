@@ -2,7 +2,7 @@
 
 `call(ttnn, device, target, args, kwargs)` runs one stand-in node of a device
 region on ttnn objects. The arguments are the node's (schema order of
-`rewrites/rules/ttnn/ops.py`); each entry below says how ttnn spells them
+`backends/ttnn/rules/ops.py`); each entry below says how ttnn spells them
 (signatures from docs.tenstorrent.com, see docs/ttnn.md).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fx_rewrites.rules.ttnn import ops, ops_extra
+from fx_rewrites.backends.ttnn.rules import ops, ops_extra
 
 Call = Callable[..., Any]
 #: ttnn's tile is 32 x 32

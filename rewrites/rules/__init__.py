@@ -1,10 +1,9 @@
 """The rule packs, one module per family of known failures.
 
 `DEFAULT` is the backend-neutral set `fx_rewrites.apply` uses when given no
-rules; backends add their own packs on top of it. Backend packs
-(`fx_rewrites.rules.iree`, `fx_rewrites.rules.ttnn`) are imported by their
-backends, not here: the ttnn pack defines its stand-in ops when imported
-(a fifth of a second), which `import rewrites` should not pay.
+rules; backends add their own packs on top of it. A backend's own rules live
+in its folder (`backends/iree/rules/`, `backends/ttnn/rules/`) and are imported
+by it, never here.
 """
 
 from fx_rewrites.rules import (

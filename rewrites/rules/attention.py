@@ -16,7 +16,7 @@ torch.compile's graphs call (`aten._scaled_dot_product_flash_attention_for_cpu`)
 - `attention_as_matmul_softmax` (a performance rule, not in the default
   rules): attention written out as matmul, scale, softmax, matmul, which IREE 3.13
   runs faster on llvm-cpu than its own lowering of the fused op (issue 13;
-  `rewrites/rules/iree_perf.py` decides per target). It keeps the guard's
+  `backends/iree/rules/performance.py` decides per target). It keeps the guard's
   semantics: a fully masked row gives 0.
 """
 
@@ -316,7 +316,7 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
     elif a.mask is not None:
         scores = rw.call(aten.add.Tensor, scores, a.mask)
     # softmax, then @ value: every target's form. On llvm-cpu the performance phase normalizes after the product
-    # (iree_perf.softmax_matmul_normalized_after), a form IREE 3.13's DispatchCreation data tiling computed wrong
+    # (performance.softmax_matmul_normalized_after), a form IREE 3.13's DispatchCreation data tiling computed wrong
     # at some sizes and the llvm-cpu flags' GlobalOptimization data tiling gets right (docs/iree-3.13-findings.md,
     # sections 9 and 10)
     out = rw.call(aten.matmul.default, rw.call(aten._softmax.default, scores, -1, False), v)

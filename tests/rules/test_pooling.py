@@ -129,7 +129,7 @@ def test_whole_map_kernel_with_dim_sizes_on_iree():
     dims = {0: torch.export.Dim("b"), 1: torch.export.Dim("c"), 2: torch.export.Dim("h", min=6, max=11)}
     dims[3] = torch.export.Dim("w", min=6, max=11)
     # IREE 3.13 is wrong for maps of 7..11 without the IREE pack's one-window guard (it derives h == 6 from the
-    # 1-wide output: tests/rules/test_iree_pool_one_window.py); 6x6 maps are right either way
+    # 1-wide output: tests/backends/iree/rules/test_pool_one_window.py); 6x6 maps are right either way
     inputs = [(torch.randn(2, 3, 6, 6),), (torch.randn(4, 2, 7, 9),), (torch.randn(1, 3, 11, 11),)]
     ep = rt.export(WholeMapPool(), *inputs[0], dynamic_shapes=(dims,))
     result = rt.apply_rules(ep, pool_stride_defaults)

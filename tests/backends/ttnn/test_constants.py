@@ -14,8 +14,8 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import lower, runtime
 from fx_rewrites.backends.ttnn.constants import ConstantCache
 from fx_rewrites.backends.ttnn.coverage import coverage
+from fx_rewrites.backends.ttnn.rules import RULES, ops
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import RULES, ops
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import assert_close_bf16
 from tests.backends.ttnn.test_backend import _CountingDouble

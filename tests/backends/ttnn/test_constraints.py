@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import dispatch, lower, runtime
-from fx_rewrites.rules.ttnn import movement, nn, ops
-from fx_rewrites.rules.ttnn.boundary import device_value
+from fx_rewrites.backends.ttnn.rules import movement, nn, ops
+from fx_rewrites.backends.ttnn.rules.boundary import device_value
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import assert_close_bf16
 

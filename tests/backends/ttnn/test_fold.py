@@ -10,8 +10,8 @@ from torch.export import Dim
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import lower, runtime
+from fx_rewrites.backends.ttnn.rules import FOLD, RULES
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import FOLD, RULES
 from fx_rewrites.ruleset import Phases
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import BF16_ATOL, BF16_RTOL, assert_close_bf16

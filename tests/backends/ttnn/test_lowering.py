@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from fx_rewrites import testing as rt
+from fx_rewrites.backends.ttnn.rules import RULES, ops, ops_extra
 from fx_rewrites.rules import DEFAULT
-from fx_rewrites.rules.ttnn import RULES, ops, ops_extra
 from tests.backends.ttnn.conftest import assert_close_bf16
 
 aten = torch.ops.aten

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import dispatch, lower, runtime
-from fx_rewrites.rules.ttnn import ops
+from fx_rewrites.backends.ttnn.rules import ops
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.models import CASES
 from tests.backends.ttnn.recording import Recorder

@@ -23,7 +23,7 @@ argument, a wrong layout or a forgotten conversion fails a test without hardware
   which other ops refuse until `sharded_to_interleaved`.
 
 Written independently of the stand-ins' own torch bodies
-(`rewrites/rules/ttnn/ops.py`): the tests compare the two paths with eager.
+(`backends/ttnn/rules/ops.py`): the tests compare the two paths with eager.
 """
 
 from __future__ import annotations

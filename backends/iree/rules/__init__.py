@@ -1,0 +1,36 @@
+"""IREE's rules (IREE 3.13), and the phases an IREE backend applies them in.
+
+    phases(target)   # Phases(DEFAULT | OWN, LEGALIZE, the target's performance rules)
+
+- first phase, with DEFAULT: `ops` (what the importer or compiler cannot take, with
+  `lowerings`, `scatters`, `moe`, `conv`, `unbatched`);
+- `legalize`: legality-driven decomposition (`fx_rewrites.kinds.legalize` over the measured
+  `backends/iree/legality.py`) and the guards against IREE's silent wrong results (`guards`,
+  `compare_guards`, `index_guards`, `views`, `live_scatters`, `steps`, `pooling`);
+- `performance`: per compile target, chosen by measurement (`performance.BY_TARGET`).
+
+Rule names keep their `_for_iree` suffix: they are what `explain --rule` and reports name.
+"""
+
+from __future__ import annotations
+
+from fx_rewrites.backends.iree.rules import legalize, ops, performance
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.ruleset import Phases, RuleSet
+
+#: IREE's own first-phase rules, unioned with DEFAULT
+OWN: RuleSet = ops.RULES
+#: the second phase: decompose what IREE cannot lower, guard what it computes wrong
+LEGALIZE: RuleSet = legalize.LEGALIZE
+
+
+def phases(target: str = "llvm-cpu") -> Phases:
+    """What an IREE backend for compile target `target` ("llvm-cpu", "cuda", ...) applies: DEFAULT and
+    `OWN`, `LEGALIZE`, then the target's performance phase where it has rules."""
+    perf = performance.BY_TARGET.get(target)
+    own = [perf] if perf is not None and len(perf) else []
+    name = "iree" if target == "llvm-cpu" else f"iree-{target}"
+    return Phases(DEFAULT | OWN, LEGALIZE, *own, name=name)
+
+
+__all__ = ["LEGALIZE", "OWN", "phases"]

@@ -1,0 +1,117 @@
+"""IREE's legalize phase: what IREE cannot lower (measured, `legality`) decomposed, then the guards.
+
+The last phase of the IREE backend's rules (after DEFAULT and `ops`): legality-driven
+decomposition (`fx_rewrites.kinds.legalize`) of every op IREE 3.13 fails on, the
+forms of partly lowered ops it fails on, and the guards against its silent wrong
+results, on forms from export and from decompositions alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
+from fx_rewrites.backends.iree import legality_data
+from fx_rewrites.backends.iree.legality import illegal_ops
+from fx_rewrites.backends.iree.rules import guards, live_scatters, pooling, steps, views
+from fx_rewrites.engine import Miss
+from fx_rewrites.kinds.legalize import legalize, legalize_form
+from fx_rewrites.ruleset import RuleSet
+
+#: the rule decomposing every illegal op torch can decompose
+LEGALIZE_FOR_IREE = legalize(
+    illegal_ops(),
+    name="legalize_for_iree",
+    backend=f"IREE {legality_data.IREE_VERSION}",
+    lowered=legality_data.LOWERED,
+    tags={"iree"},
+)
+
+
+def _reflect_pad(node: Node) -> bool | Miss:
+    if node.target is not torch.ops.aten.pad.default:
+        return True  # aten.reflection_pad1d/2d/3d
+    mode = schema.bind(node.target, node.args, dict(node.kwargs)).get("mode", "constant")
+    return True if mode == "reflect" else Miss(f"mode={mode!r} (IREE lowers it)")
+
+
+def _eval_batch_norm(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if named["training"] is not False:
+        return Miss("training=True (IREE lowers it)")
+    if named["input"].meta["val"].dim() == 4:
+        return Miss("a 4-d input (IREE lowers it)")
+    return True
+
+
+def _global_pool_of_symbolic_map(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
+        return Miss("static map sizes (IREE lowers it)")
+    if list(named["output_size"]) != [1, 1]:
+        # torch's decomposition picks its other branches by `h % out == 0` on the example sizes (a guard that
+        # would specialise the Dims); IREE fails to compile these (an error, not a wrong number)
+        return Miss(f"output size {list(named['output_size'])}: only (1, 1) decomposes without specialising")
+    return True
+
+
+#: forms of ops IREE 3.13 lowers in other forms (legality_data.PARTIAL), decomposed in just those forms
+PARTIAL_FORMS = (
+    legalize_form(
+        (torch.ops.aten.pad.default, *(getattr(torch.ops.aten, f"reflection_pad{n}d").default for n in (1, 2, 3))),
+        when=_reflect_pad,
+        name="decompose_reflect_pad_for_iree",
+        doc=(
+            "F.pad(mode='reflect') (exported as aten.pad) replaced by torch's decomposition, down to index "
+            'arithmetic. IREE 3.13 fails on it: 5-d (reflection_pad3d) "failed to legalize operation '
+            "'torch.constant.int'\", 4-d with an asymmetric pad \"LLVM Translation failed for operation: "
+            'builtin.unrealized_conversion_cast".'
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+    legalize_form(
+        (torch.ops.aten.native_batch_norm.default,),
+        when=_eval_batch_norm,
+        name="decompose_eval_batch_norm_for_iree",
+        doc=(
+            "aten.native_batch_norm with training=False on an input other than 4-d (the aot / torch.compile "
+            "route's eval batch norm) replaced by torch's decomposition. IREE 3.13 fails on a 3-d input: "
+            "\"'tensor.cast' op operand type 'tensor<3xf32>' and result type ... are cast incompatible\"."
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+    legalize_form(
+        (torch.ops.aten.adaptive_max_pool2d.default,),
+        when=_global_pool_of_symbolic_map,
+        name="decompose_adaptive_max_pool2d_for_iree",
+        doc=(
+            "aten.adaptive_max_pool2d to (1, 1) of a map with a Dim-sized height or width replaced by torch's "
+            "decomposition (amax, and argmax of the flattened map). IREE 3.13 fails to compile it, with "
+            'indices or without, for any output size: "failed to legalize operation '
+            "'torch.aten.max_pool2d'\" (torch-mlir writes it as a max_pool2d whose window it cannot type)."
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+)
+
+#: the last phase of the IREE backend's rules: legality-driven decomposition, and the guards against IREE's
+#: silent wrong results (on forms from export and from decompositions alike)
+LEGALIZE = RuleSet(
+    [
+        LEGALIZE_FOR_IREE,
+        *PARTIAL_FORMS,
+        *guards.RULES,
+        *views.RULES,
+        *live_scatters.RULES,
+        *steps.RULES,
+        *pooling.RULES,
+    ],
+    name="iree-legalize",
+)

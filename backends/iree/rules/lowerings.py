@@ -1,0 +1,385 @@
+"""Ops IREE 3.13 cannot lower and torch has no decomposition for, written out by hand.
+
+Only where `torch._decomp` and the op's CompositeImplicitAutograd kernel
+give nothing IREE can take (the legality-driven decomposition,
+`kinds.legalize`, handles every other op): aten.histc (transformers' MoE
+routing counts tokens per expert with it) and the real part of a DFT
+(FNet mixes tokens with `torch.fft.fftn(x).real`); and `split_with_sizes` in
+the one form IREE fails on (symbolic sizes), as slices; and softmax /
+log_softmax of a 0-d tensor, on which iree-compile never returns.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites import schema
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.kinds import rule
+
+aten = torch.ops.aten
+
+
+# -- histc -------------------------------------------------------------------------------
+
+
+def _histc_args(node: Node) -> tuple[Node, int, float, float] | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, bins = named["self"], named.get("bins", 100)
+    lo, hi = named.get("min", 0), named.get("max", 0)
+    if not all(isinstance(v, (int, float)) for v in (bins, lo, hi)):
+        return Miss("symbolic bins or range")
+    if not x.meta["val"].is_floating_point():
+        return Miss("an integer input (torch's histc takes floating point only)")
+    return x, int(bins), float(lo), float(hi)
+
+
+def _histc_ok(node: Node) -> bool | Miss:
+    found = _histc_args(node)
+    return found if isinstance(found, Miss) else True
+
+
+@rule(
+    roots=(aten.histc.default,),
+    name="histc_to_one_hot_sum_for_iree",
+    when=_histc_ok,
+    tags={"iree"},
+    doc=(
+        "torch.histc(x, bins, min, max) (transformers 5 MoE routing: tokens per expert) becomes the bin of "
+        "each element, floor((x - min) * bins / (max - min)) as torch's CPU kernel computes it (the last "
+        "edge in the last bin, values outside [min, max] and NaN dropped; min == max takes the data's "
+        "range), compared with arange(bins) and summed. torch has no decomposition of histc; IREE 3.13: "
+        "\"failed to legalize operation 'torch.operator' that was explicitly marked illegal\" (aten.histc)."
+    ),
+)
+def histc_to_one_hot_sum_for_iree(node: Node, rw: Rewriter) -> Any:
+    x, bins, lo, hi = _histc_args(node)
+    dtype = node.meta["val"].dtype
+    flat = rw.call(aten.reshape.default, x, [-1])
+    if lo == hi:  # the data's own range, widened by one on each side when it is a single value
+        low, high = rw.call(aten.min.default, flat), rw.call(aten.max.default, flat)
+        same = rw.call(aten.eq.Tensor, low, high)
+        low = rw.call(aten.where.self, same, rw.call(aten.sub.Tensor, low, 1), low)
+        high = rw.call(aten.where.self, same, rw.call(aten.add.Tensor, high, 1), high)
+        width = rw.call(aten.sub.Tensor, high, low)
+        offset = rw.call(aten.sub.Tensor, flat, low)
+        inside = rw.call(
+            aten.logical_and.default, rw.call(aten.ge.Tensor, flat, low), rw.call(aten.le.Tensor, flat, high)
+        )
+    else:
+        width = hi - lo
+        offset = rw.call(aten.sub.Tensor, flat, lo)
+        inside = rw.call(aten.logical_and.default, rw.call(aten.ge.Scalar, flat, lo), rw.call(aten.le.Scalar, flat, hi))
+    scaled = rw.call(aten.mul.Tensor, offset, bins)
+    position = rw.call(aten.div.Tensor, scaled, width)
+    index = rw.call(aten._to_copy.default, rw.call(aten.floor.default, position), dtype=torch.int64)
+    index = rw.call(aten.clamp.default, index, 0, bins - 1)  # the last edge belongs to the last bin
+    edges = rw.call(aten.arange.default, bins, dtype=torch.int64, device=x.meta["val"].device)
+    hit = rw.call(aten.eq.Tensor, rw.call(aten.unsqueeze.default, index, -1), edges)
+    hit = rw.call(aten.logical_and.default, hit, rw.call(aten.unsqueeze.default, inside, -1))
+    counts = rw.call(aten.sum.dim_IntList, rw.call(aten._to_copy.default, hit, dtype=dtype), [0])
+    rw.replace(node, counts)
+
+
+# -- kthvalue ------------------------------------------------------------------------------
+
+
+def _kthvalue_ok(node: Node) -> bool | Miss:
+    return node.args[0].meta["val"].dim() > 0 or Miss("a 0-d input (its only value is the answer)")
+
+
+@rule(
+    roots=(aten.kthvalue.default,),
+    name="kthvalue_to_topk_for_iree",
+    when=_kthvalue_ok,
+    tags={"iree"},
+    doc=(
+        "torch.kthvalue(x, k, dim) becomes the k smallest by aten.topk(largest=False), the last of them "
+        "selected (values and indices; keepdim unsqueezes). torch has no decomposition of kthvalue, and IREE "
+        "3.13's own lowering fails: \"'tm_tensor.topk' op region block must end with a linalg_ext.yield i1\"."
+    ),
+)
+def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, k = named["self"], named["k"]
+    dim, keepdim = named.get("dim", -1), named.get("keepdim", False)
+    smallest = rw.call(aten.topk.default, x, k, dim, False, True)
+    parts = []
+    for i in (0, 1):
+        part = rw.call(aten.select.int, rw.getitem(smallest, i), dim, k - 1)
+        parts.append(rw.call(aten.unsqueeze.default, part, dim) if keepdim else part)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            rw.replace(user, parts[user.args[1]])
+    return None
+
+
+# -- logcumsumexp ---------------------------------------------------------------------------
+
+
+def _logcumsumexp_ok(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = named["self"].meta["val"]
+    if x.dim() == 0:
+        return Miss("a 0-d input")
+    size = x.shape[named["dim"] % x.dim()]
+    return isinstance(size, int) or Miss(f"the scanned dim has symbolic size {size}")
+
+
+@rule(
+    roots=(aten.logcumsumexp.default,),
+    name="logcumsumexp_to_masked_logsumexp_for_iree",
+    when=_logcumsumexp_ok,
+    tags={"iree", "guard"},
+    doc=(
+        "torch.logcumsumexp(x, dim) becomes, for each position i, logsumexp over j <= i: x broadcast to "
+        "[..., n, n], positions j > i set to -inf, log-sum-exp over the last dim less each row's max "
+        "(stable). torch has no decomposition of it, and IREE 3.13's own lowering is wrong: inf where "
+        "eager is finite, no error."
+    ),
+)
+def logcumsumexp_to_masked_logsumexp_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = named["self"]
+    val = x.meta["val"]
+    dim = named["dim"] % val.dim()
+    n = val.shape[dim]
+    last = rw.call(aten.transpose.int, x, dim, -1) if dim != val.dim() - 1 else x
+    rows = rw.call(aten.unsqueeze.default, last, -2)  # [..., 1, n]: row i reads every j
+    k = rw.call(aten.arange.default, n, dtype=torch.int64, device=val.device)
+    keep = rw.call(aten.le.Tensor, rw.call(aten.unsqueeze.default, k, 0), rw.call(aten.unsqueeze.default, k, 1))
+    floor = rw.call(aten.full.default, [], float("-inf"), dtype=val.dtype, device=val.device)
+    masked = rw.call(aten.where.self, keep, rows, floor)  # [..., n, n]: j <= i kept
+    # logsumexp written out (aten.logsumexp imports with a torch.constant.bool IREE 3.13 cannot legalize)
+    top = rw.call(aten.amax.default, masked, [-1], True)  # row i's max over j <= i: finite, x_i is kept
+    shifted = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, masked, top))
+    total = rw.call(aten.log.default, rw.call(aten.sum.dim_IntList, shifted, [-1], True))
+    out = rw.call(aten.squeeze.dim, rw.call(aten.add.Tensor, total, top), -1)
+    rw.replace(node, rw.call(aten.transpose.int, out, dim, -1) if dim != val.dim() - 1 else out)
+
+
+# -- the real part of a DFT ----------------------------------------------------------------
+
+#: forward FFTs of a real or complex input, as export leaves them (CIA ops) and as aot_autograd does (_fft_c2c)
+_FFTS = (
+    aten.fft_fftn.default,
+    aten.fft_fft2.default,
+    aten.fft_fft.default,
+    aten._fft_c2c.default,
+    aten._fft_r2c.default,
+)
+_SCALE = {"backward": 0, None: 0, "ortho": 1, "forward": 2}  # _fft_c2c's normalization codes
+
+
+def _fft_plan(node: Node) -> tuple[Node, list[int], int] | Miss:
+    """(input, dims, normalization code) of a forward FFT over whole static dims."""
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x = named["self"]
+    rank = x.meta["val"].dim()
+    if node.target is aten._fft_c2c.default or node.target is aten._fft_r2c.default:
+        if node.target is aten._fft_r2c.default and named.get("onesided"):
+            return Miss("a one-sided real FFT (rfft)")
+        if node.target is aten._fft_c2c.default and not named["forward"]:
+            return Miss("an inverse FFT")
+        dims, code = list(named["dim"]), named["normalization"]
+    else:
+        sizes = named.get("s", named.get("n"))
+        if sizes is not None:
+            return Miss("an FFT with an explicit size (padding or trimming)")
+        if node.target is aten.fft_fft.default:
+            dims = [named.get("dim", -1)]
+        elif node.target is aten.fft_fft2.default:
+            dims = list(named.get("dim", [-2, -1]))
+        else:
+            dims = list(named["dim"]) if named.get("dim") is not None else list(range(rank))
+        code = _SCALE.get(named.get("norm"), -1)
+        if code < 0:
+            return Miss(f"norm={named.get('norm')!r}")
+    dims = [d % rank for d in dims]
+    shape = x.meta["val"].shape
+    if not all(isinstance(shape[d], int) for d in dims):
+        return Miss("a transformed dim has a symbolic size")
+    return x, dims, code
+
+
+def _complex_parts(value: Node, rw: Rewriter, depth: int = 0) -> tuple[Node, Node | None] | Miss:
+    """(real part, imaginary part or None for zero) of `value` as real nodes: a real tensor, a real
+    tensor converted to complex, or a forward FFT of one of these."""
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return Miss("not a tensor")
+    if not val.is_complex():
+        return value, None
+    if depth > 8:
+        return Miss("more than 8 FFTs in a chain")
+    if value.op == "call_function" and value.target is aten._to_copy.default:
+        source = value.args[0]
+        if isinstance(source, Node) and not source.meta["val"].is_complex():
+            return source, None
+    if value.op != "call_function" or value.target not in _FFTS:
+        return Miss(f"a complex value made by {value.target if value.op == 'call_function' else value.op}")
+    plan = _fft_plan(value)
+    if isinstance(plan, Miss):
+        return plan
+    x, dims, code = plan
+    parts = _complex_parts(x, rw, depth + 1)
+    if isinstance(parts, Miss):
+        return parts
+    re, im = parts
+    for dim in dims:
+        re, im = _dft_along(rw, re, im, dim, x.meta["val"].shape[dim], code, val.real.dtype)
+    return re, im
+
+
+def _dft_matrices(rw: Rewriter, n: int, code: int, dtype: torch.dtype, device: torch.device) -> tuple[Node, Node]:
+    """cos(2 pi k j / n) and sin(...) (symmetric, scaled for the normalization), built in the graph: an
+    ExportedProgram takes no new tensor constants. k j mod n is exact in integers, so the angle stays small."""
+    k = rw.call(aten.arange.default, n, dtype=torch.int64, device=device)
+    products = rw.call(aten.mul.Tensor, rw.call(aten.unsqueeze.default, k, 1), rw.call(aten.unsqueeze.default, k, 0))
+    turns = rw.call(aten._to_copy.default, rw.call(aten.remainder.Scalar, products, n), dtype=dtype)
+    theta = rw.call(aten.mul.Tensor, turns, 2 * math.pi / n)
+    cos, sin = rw.call(aten.cos.default, theta), rw.call(aten.sin.default, theta)
+    scale = {0: 1.0, 1: 1 / math.sqrt(n), 2: 1 / n}[code]
+    if scale != 1.0:
+        cos, sin = rw.call(aten.mul.Tensor, cos, scale), rw.call(aten.mul.Tensor, sin, scale)
+    return cos, sin
+
+
+def _dft_along(rw: Rewriter, re: Node, im: Node | None, dim: int, n: int, code: int, dtype: torch.dtype) -> tuple:
+    """One forward DFT along `dim`: X = (C - iS) x with C[k, j] = cos(2 pi k j / n), S the sine."""
+    cos, sin = _dft_matrices(rw, n, code, dtype, re.meta["val"].device)
+
+    def along(t: Node, matrix: Node) -> Node:
+        moved = rw.call(aten.transpose.int, t, dim, -1)
+        return rw.call(aten.transpose.int, rw.call(aten.matmul.default, moved, matrix), dim, -1)
+
+    if re.meta["val"].dtype != dtype:
+        re = rw.call(aten._to_copy.default, re, dtype=dtype)
+    new_re, new_im = along(re, cos), rw.call(aten.neg.default, along(re, sin))
+    if im is not None:
+        new_re = rw.call(aten.add.Tensor, new_re, along(im, sin))
+        new_im = rw.call(aten.add.Tensor, new_im, along(im, cos))
+    return new_re, new_im
+
+
+def _real_of(node: Node) -> Node | Miss:
+    """The complex node whose real part `node` takes (aten.real, or view_as_real(z)[..., 0])."""
+    if node.target is aten.real.default:
+        return node.args[0]
+    source = node.args[0]
+    if (
+        isinstance(source, Node)
+        and source.op == "call_function"
+        and source.target is aten.view_as_real.default
+        and node.args[1] in (-1, source.meta["val"].dim() - 1)
+        and node.args[2] == 0
+    ):
+        return source.args[0]
+    return Miss("not the real part of a complex value")
+
+
+def _real_of_fft(node: Node) -> bool | Miss:
+    z = _real_of(node)
+    if isinstance(z, Miss):
+        return z
+    if not isinstance(z, Node) or z.op != "call_function" or z.target not in _FFTS:
+        return Miss("the complex value is not an FFT")
+    return True
+
+
+@rule(
+    roots=(aten.real.default, aten.select.int),
+    name="real_fft_to_matmul_for_iree",
+    when=_real_of_fft,
+    tags={"iree"},
+    doc=(
+        "The real part of forward FFTs of a real input over dims of static size (FNet's token mixing, "
+        "`torch.fft.fftn(x, dim=(1, 2)).real`; fft, fft2, fftn as exported, _fft_c2c with "
+        "view_as_real(...)[..., 0] as aot_autograd leaves them) becomes matmuls by constant cosine and sine "
+        "matrices, one dim at a time, tracking real and imaginary parts. IREE 3.13 has no FFT and no complex "
+        "lowering: \"failed to legalize operation 'torch.operator'\" (aten.fft_fftn / aten._fft_c2c)."
+    ),
+)
+def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
+    parts = _complex_parts(_real_of(node), rw)
+    if isinstance(parts, Miss):
+        return parts
+    rw.replace(node, parts[0])
+    return None
+
+
+# -- split_with_sizes of symbolic sizes ----------------------------------------------------------
+
+
+def _symbolic_split(node: Node) -> bool | Miss:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    if all(isinstance(s, int) for s in named["split_sizes"]):
+        return Miss("static split sizes (IREE lowers those)")
+    if any(u.target is not operator.getitem for u in node.users):
+        return Miss("a piece list read other than by index")
+    return True
+
+
+@rule(
+    roots=(aten.split_with_sizes.default,),
+    name="symbolic_split_to_slices_for_iree",
+    when=_symbolic_split,
+    tags={"iree"},
+    doc=(
+        "aten.split_with_sizes whose sizes are symbolic (`x.split([1, x.shape[2] - 1], 2)` with a Dim, a "
+        "write through a split piece) becomes one aten.slice per piece, its bounds the running sums of the "
+        "sizes. IREE 3.13 fails to compile it: \"failed to legalize operation 'torch.constant.int'\"."
+    ),
+)
+def symbolic_split_to_slices_for_iree(node: Node, rw: Rewriter) -> Any:
+    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    x, dim = named["self"], named.get("dim", 0)
+    pieces, start = [], 0
+    for size in named["split_sizes"]:
+        end = start + size if isinstance(start, int) and isinstance(size, int) else rw.call(operator.add, start, size)
+        pieces.append(rw.call(aten.slice.Tensor, x, dim, start, end))
+        start = end
+    rw.replace(node, pieces)
+    return None
+
+
+# -- softmax of a 0-d tensor ---------------------------------------------------------------
+
+_SOFTMAXES = (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+
+
+def _zero_dim(node: Node) -> bool | Miss:
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    return True if x is not None and x.dim() == 0 else Miss("not a 0-d input")
+
+
+@rule(
+    roots=_SOFTMAXES,
+    name="zero_dim_softmax_as_one_element_for_iree",
+    when=_zero_dim,
+    tags={"iree", "lowering"},
+    doc=(
+        "softmax / log_softmax of a 0-d tensor runs on it reshaped to one element, then reshaped back: the "
+        "same op, the same numbers. iree-compile 3.13 spins without end on the 0-d form (measured: no "
+        "result after 10 minutes); on [1] it compiles in a second."
+    ),
+)
+def zero_dim_softmax_as_one_element_for_iree(node: Node, rw: Rewriter) -> Any:
+    one = rw.call(aten.reshape.default, node.args[0], [1])
+    out = rw.call(node.target, one, 0, *node.args[2:], **node.kwargs)
+    rw.replace(node, rw.call(aten.reshape.default, out, []))
+
+
+RULES = (
+    zero_dim_softmax_as_one_element_for_iree,
+    histc_to_one_hot_sum_for_iree,
+    symbolic_split_to_slices_for_iree,
+    kthvalue_to_topk_for_iree,
+    logcumsumexp_to_masked_logsumexp_for_iree,
+    real_fft_to_matmul_for_iree,
+)

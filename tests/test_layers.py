@@ -1,0 +1,89 @@
+"""The layers `engine <- rewrites <- backends <- app`: no module imports a layer above its own.
+
+Read from the source (every `import`, at module level or inside a function), not from what happens to be
+imported at run time. The root package's `__init__` and `__main__` are the public face above the layers
+(`fx_rewrites.compile` comes from the app layer): they reach the app layer only inside a function, so
+`import fx_rewrites` loads no backend, and no module of a layer imports a name from the face.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: folder -> (import name, layer), lowest first
+LAYERS = {"engine": ("fx_rewrites.engine", 0), "rewrites": ("fx_rewrites", 1), "backends": ("fx_rewrites.backends", 2)}
+LAYERS["app"] = ("fx_rewrites.app", 3)
+FACE = {"fx_rewrites", "fx_rewrites.__main__"}
+_NAMES = {name: layer for name, layer in LAYERS.values()}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for folder, (package, _) in LAYERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def layer(module: str) -> int:
+    """The layer of a module name: the longest layer package it is in."""
+    best = max((p for p in _NAMES if module == p or module.startswith(p + ".")), key=len)
+    return _NAMES[best]
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(module imported, line, inside a function) for each fx_rewrites import in `path`; `from P import m` of a
+    submodule m counts as an import of P.m, of any other name as an import of P."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            ]
+        else:
+            continue
+        found += [(name, node.lineno, node.col_offset > 0) for name in names if name.split(".")[0] == "fx_rewrites"]
+    return found
+
+
+def test_the_layers_are_where_the_architecture_says():
+    assert len(MODULES) > 100
+    assert layer("fx_rewrites.backends.iree.rules.guards") == 2
+    assert layer("fx_rewrites.kinds.legalize") == 1
+    assert layer("fx_rewrites.engine.driver") == 0
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - FACE))
+def test_no_module_imports_a_layer_above_it_or_the_face(module):
+    upward = [
+        f"line {line}: {name} (layer {layer(name)}, above {layer(module)})"
+        for name, line, _ in imports(MODULES[module])
+        if name in FACE or layer(name) > layer(module)
+    ]
+    assert not upward, f"{module} imports upward (import the module that defines the name instead): {upward}"
+
+
+def test_the_face_reaches_the_app_layer_only_inside_a_function():
+    eager = [(name, line) for name, line, local in imports(MODULES["fx_rewrites"]) if layer(name) > 1 and not local]
+    assert not eager, f"`import fx_rewrites` would load the app layer or the backends: {eager}"
+
+
+def test_the_checks_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import fx_rewrites\nfrom fx_rewrites import schema\ndef f():\n    from fx_rewrites.app import demo\n"
+    )
+    found = imports(bad)
+    assert ("fx_rewrites", 1, False) in found and ("fx_rewrites.schema", 2, False) in found
+    assert [(name, local) for name, _, local in found if layer(name) == 3] == [("fx_rewrites.app.demo", True)]
