@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fx_rewrites.app.gallery import Example
+from fx_rewrites.app.gallery.example import Example
 
 
 class RunningStats(torch.nn.Module):

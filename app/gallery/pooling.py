@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fx_rewrites.app.gallery import Example
+from fx_rewrites.app.gallery.example import Example
 
 
 class FunctionalPoolNet(torch.nn.Module):

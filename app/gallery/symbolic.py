@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.export import Dim
 
-from fx_rewrites.app.gallery import Example
+from fx_rewrites.app.gallery.example import Example
 
 
 class SizeScaled(torch.nn.Module):

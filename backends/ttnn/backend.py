@@ -24,25 +24,18 @@ from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition, split
 from fx_rewrites.backends.ttnn import dispatch, runtime
 from fx_rewrites.backends.ttnn.constants import ConstantCache, region_plans
-from fx_rewrites.backends.ttnn.rules import FOLD as TTNN_FOLD
-from fx_rewrites.backends.ttnn.rules import RULES as TTNN_RULES
+from fx_rewrites.backends.ttnn.coverage import coverage
+from fx_rewrites.backends.ttnn.rules import PHASES, is_device_node
 from fx_rewrites.backends.ttnn.rules.ops import is_standin
-from fx_rewrites.rules import DEFAULT
 from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.ruleset import Phases
 
-#: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn: DEFAULT first (SymInts out of tensor slots,
-#: in-place ops made functional, ...), then the folds into convolutions, then the ttnn lowering.
-TTNN_PHASES = Phases(DEFAULT, TTNN_FOLD, TTNN_RULES, name="ttnn")
+#: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn (`rules.PHASES`): DEFAULT, the folds, the lowering
+TTNN_PHASES = PHASES
 
 
 class TtnnLoweringError(RuntimeError):
     """The lowered graph breaks a promise the ttnn backend makes (e.g. a SymInt in a tensor slot)."""
-
-
-def is_device_node(node: torch.fx.Node) -> bool:
-    """The partitioner's predicate: ttnn stand-ins (conversions included) run in device regions."""
-    return node.op == "call_function" and is_standin(node.target)
 
 
 def lower(program: ExportedProgram | GraphModule) -> ExportedProgram | GraphModule:
@@ -179,9 +172,7 @@ class TtnnBackend:
 
     def describe(self, program: ExportedProgram | GraphModule, label: str = "model") -> str:
         """The coverage report (per aten op: nodes on the device, on the host and why), for `fx-rewrites check`."""
-        from fx_rewrites.backends.ttnn.coverage import coverage
-
-        return coverage(program, label).text()
+        return coverage(program, label, self.rules).text()
 
     def for_demo(self) -> TtnnBackend:
         """This backend, or where ttnn cannot be imported its host emulation, named so (`fx-rewrites demo`)."""

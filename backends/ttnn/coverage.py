@@ -27,12 +27,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from fx_rewrites.api import apply
 from fx_rewrites.backends.partition import Partitioning, partition
-from fx_rewrites.backends.ttnn.backend import is_device_node
 from fx_rewrites.backends.ttnn.constants import program_constants
-from fx_rewrites.backends.ttnn.rules import FOLD as TTNN_FOLD
-from fx_rewrites.backends.ttnn.rules import RULES as TTNN_RULES
+from fx_rewrites.backends.ttnn.rules import FOLD, PHASES, is_device_node
 from fx_rewrites.backends.ttnn.rules.ops import is_standin
-from fx_rewrites.rules import DEFAULT
 from fx_rewrites.ruleset import Phases
 from fx_rewrites.schema import op_name
 
@@ -106,14 +103,15 @@ def _reason(text: str) -> str:
     return text.removeprefix("when: ")
 
 
-def coverage(program: ExportedProgram | GraphModule, label: str = "model") -> Coverage:
-    """Lower `program` (DEFAULT, the folds, then the ttnn pack) and count what went where."""
-    first = apply(program, DEFAULT)
+def coverage(program: ExportedProgram | GraphModule, label: str = "model", phases: Phases = PHASES) -> Coverage:
+    """Lower `program` through the ttnn backend's `phases` (DEFAULT, the folds, then the ttnn pack) and count
+    what went where: on the graph after the first phase."""
+    first = apply(program, phases.sets[0])
     before = first.program if first.program is not None else first.graph_module
-    second = apply(before, Phases(TTNN_FOLD, TTNN_RULES, name="ttnn"), explain=True)
+    second = apply(before, Phases(*phases.sets[1:], name=phases.name), explain=True)
     attempts: dict[str, list[str]] = defaultdict(list)
     for a in second.report.explain():
-        if not a.fired and a.rule != "fuse_round_trip" and a.rule not in TTNN_FOLD:
+        if not a.fired and a.rule != "fuse_round_trip" and a.rule not in FOLD:
             attempts[a.node].append(_reason(a.reason))
     once_nodes = program_constants(before)
     totals = Counter(op_name(n.target) for n in _counted(first.graph_module.graph) if n not in once_nodes)

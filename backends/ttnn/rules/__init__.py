@@ -14,9 +14,12 @@ before them; `constants` says what is computed from the program's constants
 only (left on the host, computed once).
 """
 
+from torch.fx import Node
+
 from fx_rewrites.backends.ttnn.rules import conv, elementwise, factories, fold, masks, movement, nn, ops, scatter
 from fx_rewrites.backends.ttnn.rules.boundary import fuse_round_trip
-from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.rules import DEFAULT
+from fx_rewrites.ruleset import Phases, RuleSet
 
 #: every ttnn lowering rule; attention and the multi-operand ops first (ties go in this order)
 RULES = RuleSet(
@@ -36,4 +39,14 @@ RULES = RuleSet(
 #: the phase before the lowering: convolution + batch norm / per-channel affine folds
 FOLD = fold.RULES
 
-__all__ = ["FOLD", "RULES", "ops"]
+#: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn: DEFAULT first (SymInts out of tensor slots,
+#: in-place ops made functional, ...), then the folds into convolutions, then the ttnn lowering.
+PHASES = Phases(DEFAULT, FOLD, RULES, name="ttnn")
+
+
+def is_device_node(node: Node) -> bool:
+    """The partitioner's predicate: ttnn stand-ins (conversions included) run in device regions."""
+    return node.op == "call_function" and ops.is_standin(node.target)
+
+
+__all__ = ["FOLD", "PHASES", "RULES", "is_device_node", "ops"]
