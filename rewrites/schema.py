@@ -8,7 +8,8 @@ from `OpOverload._schema`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -93,6 +94,12 @@ def bind(op: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
         bound[a.name] = value
     bound.update(kwargs)
     return bound
+
+
+def arguments(node: Node) -> Mapping[str, Any]:
+    """`node`'s arguments by schema name (read-only; absent ones left out, as `bind` does): what a rule's
+    `when` and body receive as `args` when they declare it."""
+    return MappingProxyType(bind(node.target, node.args, dict(node.kwargs)))
 
 
 def default(arg: torch.Argument) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch.fx import Node
 
 from fx_rewrites.engine import Miss, RewriteError, is_miss
 from fx_rewrites.engine.protocol import miss_reason
-from fx_rewrites.schema import SchemaError
+from fx_rewrites.schema import SchemaError, arguments
 
 
 class RuleDefinitionError(RewriteError, ValueError):
@@ -20,6 +21,20 @@ class RuleDefinitionError(RewriteError, ValueError):
 def as_tuple(ops: Any) -> tuple[Any, ...]:
     """`ops=x` or `ops=(x, y)`: one op or several."""
     return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
+
+
+#: the parameter name under which `when` and a function rule's body receive the node's bound arguments
+ARGS = "args"
+
+
+def takes_args(fn: Callable[..., Any] | None) -> bool:
+    """Whether `fn` declares a parameter named `args` (it then receives `schema.arguments(node)`)."""
+    if fn is None:
+        return False
+    try:
+        return ARGS in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def _tags(value: Any) -> frozenset[str]:
@@ -33,7 +48,8 @@ class RuleBase:
 
     - `name`: unique in a RuleSet; derived from the kind and op if omitted.
     - `priority`: higher runs first among rules with the same root.
-    - `when(node)`: extra condition; return False or `Miss("why")` to decline.
+    - `when(node)`: extra condition; return False or `Miss("why")` to decline. A `when` that declares a
+      parameter `args` gets the node's arguments by schema name too (`when(node, args)`).
     - `doc`: the failure the rule fixes, with the error text users search for.
     - `tags`: labels for `RuleSet.tagged(...)`.
     """
@@ -46,6 +62,7 @@ class RuleBase:
     doc: str = ""
     tags: frozenset[str] = attrs.field(default=frozenset(), converter=_tags)
     roots: tuple[Hashable, ...] = attrs.field(init=False, default=())
+    when_takes_args: bool = attrs.field(init=False, default=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -53,6 +70,7 @@ class RuleBase:
         except (SchemaError, TypeError, ValueError) as e:
             raise RuleDefinitionError(f"rule {self.name or type(self).__name__!r}: {e}") from e
         object.__setattr__(self, "roots", tuple(roots))
+        object.__setattr__(self, "when_takes_args", takes_args(self.when))
         if not self.name:
             object.__setattr__(self, "name", self._default_name())
         if not self.roots:
@@ -73,7 +91,7 @@ class RuleBase:
         """What `when(node)` returned (True without a `when`), or a Miss saying why not."""
         if self.when is None:
             return True
-        found = self.when(node)
+        found = self.when(node, **{ARGS: arguments(node)}) if self.when_takes_args else self.when(node)
         if is_miss(found):
             return Miss(f"when: {miss_reason(found)}" if isinstance(found, Miss) else "when() said no")
         return found

@@ -2,7 +2,12 @@
 
 The body is `fn(node, rw)`, or `fn(node, rw, found)` to receive what the
 rule's `when` returned when that was more than a yes (a tuple of the parts
-it took apart, a plan): the body then does not compute it again.
+it took apart, a plan): the body then does not compute it again. A body (and
+a `when`) that declares a keyword parameter `args` receives the node's
+arguments by schema name (`schema.arguments`), never bound by hand:
+
+    @rule(roots=(aten.pad.default,), when=lambda node, args: args.get("mode") == "reflect")
+    def reflect_pad(node, rw, *, args): ...
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Rewriter
-from fx_rewrites.kinds.base import RuleBase, as_tuple
+from fx_rewrites.kinds.base import ARGS, RuleBase, as_tuple, takes_args
 
 Body = Callable[[Node, Rewriter], Any] | Callable[[Node, Rewriter, Any], Any]
 
@@ -29,7 +34,7 @@ def _takes_found(fn: Callable[..., Any]) -> bool:
         return False
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return True
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != ARGS]
     if len(positional) not in (2, 3):
         raise TypeError(f"a rule body takes (node, rw) or (node, rw, found), not {inspect.signature(fn)}")
     return len(positional) == 3
@@ -46,11 +51,13 @@ class FunctionRule(RuleBase):
     fn: Body = attrs.field(validator=attrs.validators.is_callable())
     ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
     takes_found: bool = attrs.field(init=False, default=False, repr=False)
+    takes_args: bool = attrs.field(init=False, default=False, repr=False)
 
     def _build(self) -> tuple[Hashable, ...]:
         ops = schema.resolve_ops(self.ops)
         self._set("ops", ops)
         self._set("takes_found", _takes_found(self.fn))
+        self._set("takes_args", takes_args(self.fn))
         return ops
 
     def _default_name(self) -> str:
@@ -60,9 +67,10 @@ class FunctionRule(RuleBase):
         return self._when(node)
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
+        extra = {ARGS: schema.arguments(node)} if self.takes_args else {}
         if self.takes_found:
-            return self.fn(node, rw, match)  # type: ignore[call-arg]
-        return self.fn(node, rw)  # type: ignore[call-arg]
+            return self.fn(node, rw, match, **extra)  # type: ignore[call-arg]
+        return self.fn(node, rw, **extra)  # type: ignore[call-arg]
 
 
 def rule(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -114,17 +115,16 @@ def _logsumexp_unread(node: Node) -> bool | Miss:
         "attention guard and the llvm-cpu attention rule read."
     ),
 )
-def flash_attention_for_cpu_to_sdpa(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+def flash_attention_for_cpu_to_sdpa(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
     sdpa = rw.call(
         SDPA,
-        named["query"],
-        named["key"],
-        named["value"],
-        named.get("attn_mask"),
-        named.get("dropout_p", 0.0),
-        named.get("is_causal", False),
-        scale=named.get("scale"),
+        args["query"],
+        args["key"],
+        args["value"],
+        args.get("attn_mask"),
+        args.get("dropout_p", 0.0),
+        args.get("is_causal", False),
+        scale=args.get("scale"),
     )
     for user in list(node.users):
         rw.replace(user, sdpa)

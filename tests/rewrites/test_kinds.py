@@ -245,3 +245,48 @@ def test_function_rule_body_with_a_wrong_signature_is_refused_naming_the_rule():
         @fx_rewrites.rule(roots=(aten.relu.default,))
         def four_params(node, rw, found, extra):
             return None
+
+
+class ReflectAndZeroPad(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (1, 2), mode="reflect") + F.pad(x, (1, 2)).sum()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_when_and_body_receive_the_bound_arguments(dynamic):
+    """A `when` and a body that declare `args` get the node's arguments by schema name (defaults left out, as
+    given), so no rule binds them by hand; a body may take `found` and `args` together."""
+    seen = []
+
+    def reflect(node, args):
+        return args.get("mode", "constant") == "reflect" or Miss(f"mode {args.get('mode', 'constant')!r}")
+
+    @fx_rewrites.rule(roots=(aten.pad.default,), when=reflect)
+    def reflect_pad_as_cat(node, rw, found, *, args):
+        seen.append((found, dict(args)))
+        x, (left, right) = args["self"], args["pad"]
+        edge_left = rw.call(aten.flip.default, rw.call(aten.slice.Tensor, x, -1, 1, 1 + left), [-1])
+        edge_right = rw.call(aten.flip.default, rw.call(aten.slice.Tensor, x, -1, -1 - right, -1), [-1])
+        rw.replace(node, rw.call(aten.cat.default, [edge_left, x, edge_right], -1))
+
+    x = torch.randn(2, 3, 8)
+    shapes = ({2: torch.export.Dim("n", min=4)},) if dynamic else None
+    ep = rt.export(ReflectAndZeroPad(), x, dynamic_shapes=shapes)
+    result = rt.apply_rules(ep, reflect_pad_as_cat, explain=True)
+    rt.assert_fired(result, reflect_pad_as_cat, times=1)
+    assert [(found, sorted(args)) for found, args in seen] == [(True, ["mode", "pad", "self"])]
+    assert seen[0][1]["pad"] == [1, 2] and seen[0][1]["mode"] == "reflect"
+    reasons = [a.reason for a in result.report.explain(reflect_pad_as_cat.name) if not a.fired]
+    assert reasons == ["when: mode 'constant'"]
+    other = torch.randn(2, 3, 11 if dynamic else 8) * 5
+    rt.assert_matches_eager(result, ReflectAndZeroPad(), [(torch.randn(2, 3, 8),), (other,)])
+
+
+def test_the_bound_arguments_are_read_only():
+    @fx_rewrites.rule(roots=(aten.relu.default,))
+    def writes_its_args(node, rw, *, args):
+        args["self"] = None
+
+    ep = rt.export(lambda x: torch.relu(x), torch.randn(3))
+    with pytest.raises(fx_rewrites.RuleError, match="writes_its_args"):
+        fx_rewrites.apply(ep, RuleSet([writes_its_args]), on_error="raise")

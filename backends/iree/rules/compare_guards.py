@@ -11,12 +11,12 @@ is the same op (docs/iree-3.13-findings.md section 15).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 
@@ -28,14 +28,13 @@ COMPARISONS = (aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.ge.Scalar, a
 _EXACT_IN_DOUBLE = 2**53
 
 
-def _int_scalar_of_float_tensor(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    val, other = named["self"].meta.get("val"), named["other"]
+def _int_scalar_of_float_tensor(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    val, other = args["self"].meta.get("val"), args["other"]
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         return Miss("not a floating-point tensor")
     if type(other) is not int or abs(other) > _EXACT_IN_DOUBLE:
         return Miss("the scalar is not an int exact as a float")
-    return {"self": named["self"], "other": float(other)}
+    return {"self": args["self"], "other": float(other)}
 
 
 @rule(

@@ -8,10 +8,12 @@ results, on forms from export and from decompositions alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
 from fx_rewrites.backends.iree.rules import guards, live_scatters, pooling, steps, views
@@ -29,30 +31,28 @@ LEGALIZE_FOR_IREE = legalize(
 )
 
 
-def _reflect_pad(node: Node) -> bool | Miss:
+def _reflect_pad(node: Node, args: Mapping[str, Any]) -> bool | Miss:
     if node.target is not torch.ops.aten.pad.default:
         return True  # aten.reflection_pad1d/2d/3d
-    mode = schema.bind(node.target, node.args, dict(node.kwargs)).get("mode", "constant")
+    mode = args.get("mode", "constant")
     return True if mode == "reflect" else Miss(f"mode={mode!r} (IREE lowers it)")
 
 
-def _eval_batch_norm(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if named["training"] is not False:
+def _eval_batch_norm(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    if args["training"] is not False:
         return Miss("training=True (IREE lowers it)")
-    if named["input"].meta["val"].dim() == 4:
+    if args["input"].meta["val"].dim() == 4:
         return Miss("a 4-d input (IREE lowers it)")
     return True
 
 
-def _global_pool_of_symbolic_map(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
+def _global_pool_of_symbolic_map(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    if all(isinstance(size, int) for size in args["self"].meta["val"].shape[-2:]):
         return Miss("static map sizes (IREE lowers it)")
-    if list(named["output_size"]) != [1, 1]:
+    if list(args["output_size"]) != [1, 1]:
         # torch's decomposition picks its other branches by `h % out == 0` on the example sizes (a guard that
         # would specialise the Dims); IREE fails to compile these (an error, not a wrong number)
-        return Miss(f"output size {list(named['output_size'])}: only (1, 1) decomposes without specialising")
+        return Miss(f"output size {list(args['output_size'])}: only (1, 1) decomposes without specialising")
     return True
 
 

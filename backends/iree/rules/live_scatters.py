@@ -14,7 +14,7 @@ into a constant, then combined with the destination elementwise. An integer
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,19 +28,18 @@ from fx_rewrites.kinds import rule
 aten = torch.ops.aten
 
 
-def _select_scatter(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    val = named["self"].meta["val"]
-    dim = named["dim"] % val.dim()
-    index = named["index"]
+def _select_scatter(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    val = args["self"].meta["val"]
+    dim = args["dim"] % val.dim()
+    index = args["index"]
     if index < 0 and type(val.shape[dim]) is not int:
         return Miss("a negative index into a symbolic size")
-    hazard = scatter_hazard(node, named["self"], named["src"])
+    hazard = scatter_hazard(node, args["self"], args["src"])
     if hazard is not True:
         return hazard
     return {
-        "self": named["self"],
-        "src": named["src"],
+        "self": args["self"],
+        "src": args["src"],
         "dim": dim,
         "start": index % val.shape[dim] if index < 0 else index,
     }

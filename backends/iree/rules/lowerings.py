@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -122,12 +123,11 @@ def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter) -> Any:
 # -- logcumsumexp ---------------------------------------------------------------------------
 
 
-def _logcumsumexp_ok(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x = named["self"].meta["val"]
+def _logcumsumexp_ok(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    x = args["self"].meta["val"]
     if x.dim() == 0:
         return Miss("a 0-d input")
-    size = x.shape[named["dim"] % x.dim()]
+    size = x.shape[args["dim"] % x.dim()]
     return isinstance(size, int) or Miss(f"the scanned dim has symbolic size {size}")
 
 
@@ -143,11 +143,10 @@ def _logcumsumexp_ok(node: Node) -> bool | Miss:
         "eager is finite, no error."
     ),
 )
-def logcumsumexp_to_masked_logsumexp_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x = named["self"]
+def logcumsumexp_to_masked_logsumexp_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     val = x.meta["val"]
-    dim = named["dim"] % val.dim()
+    dim = args["dim"] % val.dim()
     n = val.shape[dim]
     last = rw.call(aten.transpose.int, x, dim, -1) if dim != val.dim() - 1 else x
     rows = rw.call(aten.unsqueeze.default, last, -2)  # [..., 1, n]: row i reads every j
@@ -176,30 +175,29 @@ _FFTS = (
 _SCALE = {"backward": 0, None: 0, "ortho": 1, "forward": 2}  # _fft_c2c's normalization codes
 
 
-def _fft_plan(node: Node) -> tuple[Node, list[int], int] | Miss:
+def _fft_plan(node: Node, args: Mapping[str, Any]) -> tuple[Node, list[int], int] | Miss:
     """(input, dims, normalization code) of a forward FFT over whole static dims."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x = named["self"]
+    x = args["self"]
     rank = x.meta["val"].dim()
     if node.target is aten._fft_c2c.default or node.target is aten._fft_r2c.default:
-        if node.target is aten._fft_r2c.default and named.get("onesided"):
+        if node.target is aten._fft_r2c.default and args.get("onesided"):
             return Miss("a one-sided real FFT (rfft)")
-        if node.target is aten._fft_c2c.default and not named["forward"]:
+        if node.target is aten._fft_c2c.default and not args["forward"]:
             return Miss("an inverse FFT")
-        dims, code = list(named["dim"]), named["normalization"]
+        dims, code = list(args["dim"]), args["normalization"]
     else:
-        sizes = named.get("s", named.get("n"))
+        sizes = args.get("s", args.get("n"))
         if sizes is not None:
             return Miss("an FFT with an explicit size (padding or trimming)")
         if node.target is aten.fft_fft.default:
-            dims = [named.get("dim", -1)]
+            dims = [args.get("dim", -1)]
         elif node.target is aten.fft_fft2.default:
-            dims = list(named.get("dim", [-2, -1]))
+            dims = list(args.get("dim", [-2, -1]))
         else:
-            dims = list(named["dim"]) if named.get("dim") is not None else list(range(rank))
-        code = _SCALE.get(named.get("norm"), -1)
+            dims = list(args["dim"]) if args.get("dim") is not None else list(range(rank))
+        code = _SCALE.get(args.get("norm"), -1)
         if code < 0:
-            return Miss(f"norm={named.get('norm')!r}")
+            return Miss(f"norm={args.get('norm')!r}")
     dims = [d % rank for d in dims]
     shape = x.meta["val"].shape
     if not all(isinstance(shape[d], int) for d in dims):
@@ -316,9 +314,8 @@ def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
 # -- split_with_sizes of symbolic sizes ----------------------------------------------------------
 
 
-def _symbolic_split(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    if all(isinstance(s, int) for s in named["split_sizes"]):
+def _symbolic_split(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    if all(isinstance(s, int) for s in args["split_sizes"]):
         return Miss("static split sizes (IREE lowers those)")
     if any(u.target is not operator.getitem for u in node.users):
         return Miss("a piece list read other than by index")
@@ -336,11 +333,10 @@ def _symbolic_split(node: Node) -> bool | Miss:
         "sizes. IREE 3.13 fails to compile it: \"failed to legalize operation 'torch.constant.int'\"."
     ),
 )
-def symbolic_split_to_slices_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x, dim = named["self"], named.get("dim", 0)
+def symbolic_split_to_slices_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x, dim = args["self"], args.get("dim", 0)
     pieces, start = [], 0
-    for size in named["split_sizes"]:
+    for size in args["split_sizes"]:
         end = start + size if isinstance(start, int) and isinstance(size, int) else rw.call(operator.add, start, size)
         pieces.append(rw.call(aten.slice.Tensor, x, dim, start, end))
         start = end

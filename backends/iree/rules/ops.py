@@ -11,13 +11,13 @@ phase (`legalize.LEGALIZE`).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import lowerings, moe, scatters
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
@@ -99,9 +99,8 @@ _BITWISE = {
         "\"failed to legalize operation 'torch.aten.__and__.Tensor'\" / 'torch.aten.bitwise_or.Scalar'."
     ),
 )
-def bitwise_ops_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    x, other = named["self"], named["other"]
+def bitwise_ops_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x, other = args["self"], args["other"]
     if not isinstance(other, Node):  # a Scalar: promotion as the Scalar overload does it
         other = rw.call(aten.scalar_tensor.default, other, dtype=node.meta["val"].dtype)
     rw.replace(node, rw.call(_BITWISE[node.target], x, other))
@@ -198,11 +197,10 @@ def copy_frozen_tensor_in_list(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(node.target, *args, **kwargs))
 
 
-def _squeezed_dims(node: Node) -> list[int] | Miss:
+def _squeezed_dims(node: Node, args: Mapping[str, Any]) -> list[int] | Miss:
     """The dims squeeze `node` removes, when one of them is a Dim-sized size its range makes 1."""
     x = node.args[0].meta["val"]
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    listed = named.get("dim", range(x.dim()))
+    listed = args.get("dim", range(x.dim()))
     listed = [listed] if isinstance(listed, int) else list(listed)
     removed = sorted({d % x.dim() for d in listed if known(x.shape[d] == 1)} if x.dim() else set())
     if not any(not isinstance(x.shape[d], int) for d in removed):
@@ -242,9 +240,8 @@ def _known_contiguous(val: torch.Tensor) -> bool:
     return True
 
 
-def _negative_index(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    index = named["index"]
+def _negative_index(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    index = args["index"]
     if not isinstance(index, int) or index >= 0:
         return Miss(f"index {index} is not a negative int")
     return True
@@ -262,15 +259,14 @@ def _negative_index(node: Node) -> bool | Miss:
         "slice: results differ from eager, no error."
     ),
 )
-def select_scatter_index_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    dim = named["dim"]
+def select_scatter_index_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    dim = args["dim"]
     size = node.meta["val"].shape[dim]
     if isinstance(size, int):
-        index = named["index"] + size
+        index = args["index"] + size
     else:
-        index = rw.call(operator.add, rw.call(aten.sym_size.int, named["self"], dim), named["index"])
-    rw.replace(node, rw.call(aten.select_scatter.default, named["self"], named["src"], dim, index))
+        index = rw.call(operator.add, rw.call(aten.sym_size.int, args["self"], dim), args["index"])
+    rw.replace(node, rw.call(aten.select_scatter.default, args["self"], args["src"], dim, index))
 
 
 RULES = RuleSet(

@@ -19,6 +19,7 @@ step. Found by the view-write fuzzer (docs/reliability.md).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,8 +55,8 @@ def _stepped_innermost(sliced: Any) -> dict[str, Any] | Miss:
 # -- flip of a stepped slice --------------------------------------------------------------------------------
 
 
-def _flip_of_stepped_slice(node: Node) -> dict[str, Any] | Miss:
-    dims = schema.bind(node.target, node.args, dict(node.kwargs))["dims"]
+def _flip_of_stepped_slice(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    dims = args["dims"]
     m = _stepped_innermost(node.args[0])
     if isinstance(m, Miss):
         return Miss(lambda: f"the flipped tensor: {m.reason} (those flips compile)")
@@ -198,12 +199,11 @@ def one_innermost_element_read_by_gather_for_iree(node: Node, rw: Rewriter, m: d
     rw.replace(node, rw.call(aten.squeeze.dim, picked, m["dim"]) if m["drops"] else picked)
 
 
-def _unbind_innermost(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    base = named["self"].meta.get("val")
+def _unbind_innermost(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    base = args["self"].meta.get("val")
     if not isinstance(base, torch.Tensor) or base.dim() == 0:
         return Miss("no tensor value")
-    dim = named.get("dim", 0) % base.dim()
+    dim = args.get("dim", 0) % base.dim()
     if dim != base.dim() - 1 or type(base.shape[dim]) is not int:
         return Miss("not along the innermost dim, or along a symbolic one")
     items = list(node.users)
@@ -215,7 +215,7 @@ def _unbind_innermost(node: Node) -> dict[str, Any] | Miss:
         return written
     if not any(reads):
         return Miss("no gather, flip or diagonal reads an element (those compile)")
-    return {"self": named["self"], "dim": dim, "items": items}
+    return {"self": args["self"], "dim": dim, "items": items}
 
 
 @rule(
@@ -237,17 +237,16 @@ def unbind_innermost_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[s
 # -- a step that picks one element ----------------------------------------------------------------------------
 
 
-def _single_element_step(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
-    base = named["self"].meta.get("val")
-    piece = (named["src"] if node.target == aten.slice_scatter.default else node).meta.get("val")
+def _single_element_step(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    base = args["self"].meta.get("val")
+    piece = (args["src"] if node.target == aten.slice_scatter.default else node).meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(piece, torch.Tensor):
         return Miss("no tensor values")
-    dim, step = named.get("dim", 0) % base.dim(), named.get("step", 1)
-    start = slice_bound(named.get("start"), base.shape[dim], 0)
+    dim, step = args.get("dim", 0) % base.dim(), args.get("step", 1)
+    start = slice_bound(args.get("start"), base.shape[dim], 0)
     if step == 1 or piece.shape[dim] != 1 or type(start) is not int:
         return Miss("not a step picking one element at a static start")
-    operands = (named["self"], named["src"]) if node.target == aten.slice_scatter.default else (named["self"],)
+    operands = (args["self"], args["src"]) if node.target == aten.slice_scatter.default else (args["self"],)
     return {"operands": operands, "dim": dim, "start": start}
 
 
