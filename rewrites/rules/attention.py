@@ -105,7 +105,6 @@ def _logsumexp_unread(node: Node) -> bool | Miss:
 
 @rule(
     roots=(FLASH_FOR_CPU,),
-    name="flash_attention_for_cpu_to_sdpa",
     when=_logsumexp_unread,
     tags={"iree", "attention"},
     doc=(
@@ -178,7 +177,6 @@ def _mask_from_no_input(node: Node) -> Node | Miss:
 
 @rule(
     roots=(SDPA,),
-    name="attention_mask_that_masks_nothing",
     when=_mask_from_no_input,
     tags={"iree", "attention", "performance"},
     doc=(
@@ -285,7 +283,6 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
 
 @rule(
     roots=(SDPA,),
-    name="attention_as_matmul_softmax",
     when=_writable,
     tags={"iree", "performance", "attention"},
     doc=(

@@ -32,7 +32,6 @@ def _only_output_0_used(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten._native_batch_norm_legit_no_training.default,),
-    name="batch_norm_eval_to_affine",
     when=_only_output_0_used,
     tags={"composites"},
     doc=(
@@ -81,7 +80,6 @@ def _rrelu_eval(node: Node, rest: tuple, training: bool, rw: Rewriter) -> Any:
 
 @rule(
     roots=(aten.rrelu.default, aten.rrelu_with_noise_functional.default),
-    name="rrelu_eval_to_leaky_relu",
     tags={"composites"},
     doc=(
         "Eval-mode rrelu is leaky_relu with slope (lower + upper) / 2. run_decompositions turns it "

@@ -196,7 +196,6 @@ def _is_static(node: Node) -> Any:
 
 @rule(
     roots=(cond,),
-    name="cond_constant_predicate",
     priority=10,
     when=_is_static,
     doc=(
@@ -266,7 +265,6 @@ def _predicate_tensor(rw: Rewriter, pred: Node) -> Node:
 
 @rule(
     roots=(cond,),
-    name="cond_to_where",
     when=_selectable,
     doc=(
         "torch.cond on a tensor or symbolic predicate whose branches have no side effects and equal "

@@ -278,7 +278,6 @@ def _inline_composite(node: Node, rw: Rewriter) -> Miss | None:
 
 @rule(
     roots=MUTATING_OPS,
-    name="functionalize_inplace",
     when=_plan,
     tags={"mutation"},
     doc=(

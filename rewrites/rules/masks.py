@@ -126,7 +126,6 @@ def _reuse_symbol(rw: Rewriter, nonzero: Node, old_size: Any) -> None:
 
 @rule(
     roots=(aten.index.Tensor,),
-    name="mask_index_to_gather",
     doc=(
         "x[mask] with a bool mask (aten.index.Tensor(x, [mask]), rank-1 or rank>=2 mask, also "
         "x[:, mask]) -> index_select(x flattened over the mask's dims, dim, nonzero(mask.flatten()).view(-1)). "
@@ -151,7 +150,6 @@ def mask_index_to_gather(node: Node, rw: Rewriter) -> Any:
 
 @rule(
     roots=(aten.masked_select.default,),
-    name="masked_select_to_gather",
     doc=(
         "torch.masked_select(x, mask) (aten.masked_select.default) -> broadcast, flatten and "
         "index_select(x.flatten(), 0, nonzero(mask.flatten()).view(-1)); same IREE failures as x[mask]."
@@ -200,7 +198,6 @@ def _broadcast_size(rw: Rewriter, nodes: tuple[Node, ...], d: int, rank: int) ->
 
 @rule(
     roots=(aten.index_put.default,),
-    name="mask_index_put_to_where",
     doc=(
         "x[mask] = v in functional form (aten.index_put(x, [mask], v) with a bool mask, R2/R3) -> "
         "aten.where(mask, v, x), broadcast over the dims after the mask (accumulate=True: "

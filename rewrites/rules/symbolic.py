@@ -222,7 +222,6 @@ def _wrap(rw: Rewriter, node: Node, bound: dict[str, Any], slot: str) -> Node:
 
 @rule(
     roots=SYM_SLOT_OPS,
-    name="sym_scalar_in_tensor_slot",
     doc=(
         "A SymInt/SymFloat/SymBool (aten.sym_size.int, operator.* on sizes, item(), or a SymInt "
         "placeholder of torch.compile(dynamic=True)) passed where the schema says Tensor: "
@@ -271,7 +270,6 @@ def _pow_match(node: Node) -> Any:
 
 @rule(
     roots=(aten.pow.Tensor_Scalar,),
-    name="pow_sym_exponent_sign_safe",
     when=_pow_match,
     doc=(
         "aten.pow.Tensor_Scalar(x, n) with a SymInt exponent (torch.pow(x, x.shape[0]), x ** k.item()): "

@@ -59,7 +59,6 @@ def _written_through(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.contiguous.default,),
-    name="contiguous_view_or_copy",
     when=_written_through,
     tags={"views"},
     doc=(

@@ -124,7 +124,6 @@ def _retrace(region: list[Node], inputs: list[Node], outputs: list[Node], module
 
 @rule(
     roots=(INCREMENT,),
-    name="inline_vmap",
     when=_outermost,
     tags={"vmap"},
     doc=(

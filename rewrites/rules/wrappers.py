@@ -109,7 +109,6 @@ def _dtype_mismatch(traced: GraphModule, expected: list[Any]) -> Miss | None:
 
 @rule(
     roots=(wrap_with_set_grad_enabled,),
-    name="inline_set_grad_enabled",
     when=lambda node: _has_body(node, 1),
     doc=(
         "torch.no_grad() / torch.enable_grad() / torch._C._set_grad_enabled blocks in torch.export "
@@ -145,7 +144,6 @@ def _autocast_ok(node: Node) -> Any:
 
 @rule(
     roots=(wrap_with_autocast,),
-    name="inline_autocast",
     when=_autocast_ok,
     doc=(
         "torch.autocast blocks in torch.export training IR become wrap_with_autocast(device_type, dtype, "
@@ -215,7 +213,6 @@ def _region_ok(node: Node) -> Any:
 
 @rule(
     roots=(exit_autocast,),
-    name="autocast_region",
     when=_region_ok,
     doc=(
         "make_fx(..., pre_dispatch=True), and torch.export around a torch.cond, record torch.autocast as raw "

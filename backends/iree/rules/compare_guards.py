@@ -39,7 +39,6 @@ def _int_scalar_of_float_tensor(node: Node, args: Mapping[str, Any]) -> dict[str
 
 @rule(
     roots=COMPARISONS,
-    name="float_scalar_in_comparison_for_iree",
     when=_int_scalar_of_float_tensor,
     tags={"iree", "guard"},
     doc=(

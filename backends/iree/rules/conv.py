@@ -94,7 +94,6 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=CONVS,
-    name="conv_single_window_for_iree",
     when=_single_window,
     tags={"iree"},
     doc=(

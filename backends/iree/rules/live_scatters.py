@@ -47,7 +47,6 @@ def _select_scatter(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Mis
 
 @rule(
     roots=(aten.select_scatter.default,),
-    name="select_scatter_as_slice_scatter_for_iree",
     when=_select_scatter,
     tags={"iree", "guard"},
     doc=(
@@ -86,7 +85,6 @@ def _scatter(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two),
-    name="scatter_into_fresh_for_iree",
     when=_scatter,
     tags={"iree", "guard"},
     doc=(

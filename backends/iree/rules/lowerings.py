@@ -47,7 +47,6 @@ def _histc_ok(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.histc.default,),
-    name="histc_to_one_hot_sum_for_iree",
     when=_histc_ok,
     tags={"iree"},
     doc=(
@@ -96,7 +95,6 @@ def _kthvalue_ok(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.kthvalue.default,),
-    name="kthvalue_to_topk_for_iree",
     when=_kthvalue_ok,
     tags={"iree"},
     doc=(
@@ -133,7 +131,6 @@ def _logcumsumexp_ok(node: Node, args: Mapping[str, Any]) -> bool | Miss:
 
 @rule(
     roots=(aten.logcumsumexp.default,),
-    name="logcumsumexp_to_masked_logsumexp_for_iree",
     when=_logcumsumexp_ok,
     tags={"iree", "guard"},
     doc=(
@@ -292,7 +289,6 @@ def _real_of_fft(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.real.default, aten.select.int),
-    name="real_fft_to_matmul_for_iree",
     when=_real_of_fft,
     tags={"iree"},
     doc=(
@@ -324,7 +320,6 @@ def _symbolic_split(node: Node, args: Mapping[str, Any]) -> bool | Miss:
 
 @rule(
     roots=(aten.split_with_sizes.default,),
-    name="symbolic_split_to_slices_for_iree",
     when=_symbolic_split,
     tags={"iree"},
     doc=(
@@ -356,7 +351,6 @@ def _zero_dim(node: Node) -> bool | Miss:
 
 @rule(
     roots=_SOFTMAXES,
-    name="zero_dim_softmax_as_one_element_for_iree",
     when=_zero_dim,
     tags={"iree", "lowering"},
     doc=(

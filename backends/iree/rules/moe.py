@@ -53,7 +53,6 @@ def _shapes(node: Node) -> Miss | None:
 
 @rule(
     roots=(_not_registered,),
-    name="grouped_mm_to_gathered_bmm_for_iree",
     when=lambda node: _shapes(node) or True,
     tags={"iree"},
     doc=(

@@ -89,7 +89,6 @@ _BITWISE = {
 
 @rule(
     roots=tuple(_BITWISE),
-    name="bitwise_ops_for_iree",
     tags={"iree"},
     doc=(
         "`a & b`, `a | b`, `a ^ b` on tensors export as aten.__and__/__or__/__xor__ (DeBERTa-v2's "
@@ -164,7 +163,6 @@ def _frozen_in_list(node: Node) -> bool | Miss:
 
 @rule(
     roots=tuple(_LIST_OPS),
-    name="copy_frozen_tensor_in_list",
     when=_frozen_in_list,
     tags={"iree"},
     doc=(
@@ -212,7 +210,6 @@ def _squeezed_dims(node: Node, args: Mapping[str, Any]) -> list[int] | Miss:
 
 @rule(
     roots=(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default),
-    name="squeeze_dim_sized_one_for_iree",
     when=_squeezed_dims,
     tags={"iree"},
     doc=(
@@ -249,7 +246,6 @@ def _negative_index(node: Node, args: Mapping[str, Any]) -> bool | Miss:
 
 @rule(
     roots=(aten.select_scatter.default,),
-    name="select_scatter_index_for_iree",
     when=_negative_index,
     tags={"iree"},
     doc=(

@@ -104,7 +104,6 @@ def _head_groups(node: Node) -> HeadGroups | Miss:
 
 @rule(
     roots=(SDPA,),
-    name="attention_by_head_groups",
     when=_head_groups,
     tags={"iree", "performance", "attention"},
     doc=(
@@ -147,7 +146,6 @@ def _softmax_in_float32(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten._softmax.default, aten.softmax.int),
-    name="softmax_as_exp_times_reciprocal",
     when=_softmax_in_float32,
     tags={"iree", "performance"},
     doc=(
@@ -222,7 +220,6 @@ def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
 
 @rule(
     roots=(aten.matmul.default,),
-    name="softmax_matmul_normalized_after",
     when=_rows_then_matmul,
     tags={"iree", "performance", "attention"},
     doc=(
@@ -294,7 +291,6 @@ def _patch_conv(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=_CONVS,
-    name="patch_conv_as_matmul",
     when=_patch_conv,
     tags={"iree", "performance", "convolution"},
     doc=(
@@ -340,7 +336,6 @@ def _conv1d(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=_CONVS,
-    name="conv1d_as_matmul",
     when=_conv1d,
     tags={"iree", "performance", "convolution"},
     doc=(

@@ -113,7 +113,6 @@ def _pad(rw: Rewriter, x: Node, low: list[int], high: list[int], value: float) -
 
 @rule(
     roots=tuple(_AVG_POOLS),
-    name="avg_pool_ceil_mode_for_iree",
     when=_ceil_pool,
     tags={"iree", "guard", "pooling"},
     doc=(
@@ -166,7 +165,6 @@ def _lowest(dtype: torch.dtype) -> float | int:
 
 @rule(
     roots=tuple(_MAX_POOLS),
-    name="max_pool_ceil_mode_for_iree",
     when=_ceil_pool,
     tags={"iree", "guard", "pooling"},
     doc=(
@@ -271,7 +269,6 @@ def _reindex(rw: Rewriter, index: Node, cut: list[Any], full: list[Any], shift: 
 
 @rule(
     roots=tuple(POOLS_BY_RANK),
-    name="pool_single_window_for_iree",
     when=_single_window,
     tags={"iree", "guard", "pooling"},
     doc=(
@@ -339,7 +336,6 @@ def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
 
 @rule(
     roots=(aten.adaptive_max_pool2d.default,),
-    name="adaptive_max_pool2d_values_for_iree",
     when=_adaptive_values_only,
     tags={"iree", "pooling"},
     doc=(

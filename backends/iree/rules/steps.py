@@ -65,7 +65,6 @@ def _flip_of_stepped_slice(node: Node, args: Mapping[str, Any]) -> dict[str, Any
 
 @rule(
     roots=(aten.flip.default,),
-    name="flip_of_stepped_slice_for_iree",
     when=_flip_of_stepped_slice,
     tags={"iree", "lowering"},
     doc=(
@@ -129,7 +128,6 @@ def _stepped_innermost_slice(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=(aten.slice.Tensor,),
-    name="stepped_slice_read_by_gather_for_iree",
     when=_stepped_innermost_slice,
     tags={"iree", "lowering"},
     doc=(
@@ -181,7 +179,6 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=(aten.select.int, aten.narrow.default, aten.slice.Tensor),
-    name="one_innermost_element_read_by_gather_for_iree",
     when=_one_innermost_element,
     tags={"iree", "lowering"},
     doc=(
@@ -220,7 +217,6 @@ def _unbind_innermost(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | M
 
 @rule(
     roots=(aten.unbind.int,),
-    name="unbind_innermost_read_by_gather_for_iree",
     when=_unbind_innermost,
     tags={"iree", "lowering"},
     doc=(
@@ -252,7 +248,6 @@ def _single_element_step(node: Node, args: Mapping[str, Any]) -> dict[str, Any] 
 
 @rule(
     roots=(aten.slice.Tensor, aten.slice_scatter.default),
-    name="single_element_step_for_iree",
     when=_single_element_step,
     tags={"iree", "lowering"},
     doc=(

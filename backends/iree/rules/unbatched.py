@@ -51,7 +51,6 @@ def _unbatched(node: Node) -> bool | Miss:
 
 @rule(
     roots=ROOTS,
-    name="unbatched_window_op_for_iree",
     when=_unbatched,
     tags={"iree", "pooling", "convolution"},
     doc=(
