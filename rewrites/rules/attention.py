@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -323,4 +324,7 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
 
 
 #: every IREE target: one form, guarded
-GUARDS = (flash_attention_for_cpu_to_sdpa, attention_mask_that_masks_nothing, attention_fully_masked_rows_guard)
+GUARDS = RuleSet(
+    [flash_attention_for_cpu_to_sdpa, attention_mask_that_masks_nothing, attention_fully_masked_rows_guard],
+    name="attention-guards",
+)

@@ -24,6 +24,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -126,4 +127,4 @@ def conv_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, rw.call(target, *args, **kwargs))
 
 
-RULES = (conv_single_window_for_iree,)
+RULES = RuleSet([conv_single_window_for_iree], name="iree-conv")

@@ -24,6 +24,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.views import added_over, full_from_sizes, placed_over, scatter_hazard
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -140,4 +141,4 @@ def _reduced_fresh(rw: Rewriter, x: Node, dim: int, index: Node, src: Node, redu
     )
 
 
-RULES = (select_scatter_as_slice_scatter_for_iree, scatter_into_fresh_for_iree)
+RULES = RuleSet([select_scatter_as_slice_scatter_for_iree, scatter_into_fresh_for_iree], name="iree-live-scatters")

@@ -22,6 +22,7 @@ from torch.fx import Node
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -365,11 +366,14 @@ def zero_dim_softmax_as_one_element_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(aten.reshape.default, out, []))
 
 
-RULES = (
-    zero_dim_softmax_as_one_element_for_iree,
-    histc_to_one_hot_sum_for_iree,
-    symbolic_split_to_slices_for_iree,
-    kthvalue_to_topk_for_iree,
-    logcumsumexp_to_masked_logsumexp_for_iree,
-    real_fft_to_matmul_for_iree,
+RULES = RuleSet(
+    [
+        zero_dim_softmax_as_one_element_for_iree,
+        histc_to_one_hot_sum_for_iree,
+        symbolic_split_to_slices_for_iree,
+        kthvalue_to_topk_for_iree,
+        logcumsumexp_to_masked_logsumexp_for_iree,
+        real_fft_to_matmul_for_iree,
+    ],
+    name="iree-lowerings",
 )

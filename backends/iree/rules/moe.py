@@ -20,6 +20,7 @@ from torch.fx import Node
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.kinds.function import FunctionRule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -100,4 +101,4 @@ class _OnRegisteredOp:
 
 grouped_mm_for_iree = _OnRegisteredOp(grouped_mm_to_gathered_bmm_for_iree)
 
-RULES = (grouped_mm_for_iree,)
+RULES = RuleSet([grouped_mm_for_iree], name="iree-moe")

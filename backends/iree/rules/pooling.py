@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -366,9 +367,12 @@ def adaptive_max_pool2d_values_for_iree(node: Node, rw: Rewriter, found: dict[st
             rw.erase(user)  # the unused indices
 
 
-RULES = (
-    avg_pool_ceil_mode_for_iree,
-    max_pool_ceil_mode_for_iree,
-    pool_single_window_for_iree,
-    adaptive_max_pool2d_values_for_iree,
+RULES = RuleSet(
+    [
+        avg_pool_ceil_mode_for_iree,
+        max_pool_ceil_mode_for_iree,
+        pool_single_window_for_iree,
+        adaptive_max_pool2d_values_for_iree,
+    ],
+    name="iree-pooling",
 )

@@ -29,6 +29,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.views import slice_bound
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -260,10 +261,13 @@ def single_element_step_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) ->
     rw.replace(node, rw.call(node.target, *m["operands"], m["dim"], m["start"], m["start"] + 1, 1))
 
 
-RULES = (
-    flip_of_stepped_slice_for_iree,
-    stepped_slice_read_by_gather_for_iree,
-    one_innermost_element_read_by_gather_for_iree,
-    unbind_innermost_read_by_gather_for_iree,
-    single_element_step_for_iree,
+RULES = RuleSet(
+    [
+        flip_of_stepped_slice_for_iree,
+        stepped_slice_read_by_gather_for_iree,
+        one_innermost_element_read_by_gather_for_iree,
+        unbind_innermost_read_by_gather_for_iree,
+        single_element_step_for_iree,
+    ],
+    name="iree-steps",
 )

@@ -25,6 +25,7 @@ from fx_rewrites.backends.iree.rules.conv import CONVS
 from fx_rewrites.backends.iree.rules.pooling import POOLS_BY_RANK
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -80,4 +81,4 @@ def _unbatch(rw: Rewriter, out: Node) -> Node:
     return rw.call(aten.reshape.default, out, [rw.size(out, d) for d in range(1, out.meta["val"].dim())])
 
 
-RULES = (unbatched_window_op_for_iree,)
+RULES = RuleSet([unbatched_window_op_for_iree], name="iree-unbatched")
