@@ -27,11 +27,16 @@ WRONG_IN_SOME_FORMS: dict[str, str] = {
 }
 
 #: ops the OpInfo corpus has no sample of, measured failing by hand (hand-written: legality_data is generated
-#: from the corpus). Each has a decomposition in `fx_rewrites.decompositions.MISSING`.
+#: from the corpus). Each has a decomposition (torch's, or `fx_rewrites.decompositions.MISSING`).
 MEASURED_OUTSIDE_CORPUS: dict[str, str] = {
-    f"aten._upsample_{mode}2d_aa.default": f"_upsample_{mode}2d_aa: failed to legalize operation 'torch.operator' "
-    "that was explicitly marked illegal (F.interpolate(antialias=True); timm's ViT position table)"
-    for mode in ("bicubic", "lanczos")
+    **{
+        f"aten._upsample_{mode}2d_aa.default": f"_upsample_{mode}2d_aa: failed to legalize operation "
+        "'torch.operator' that was explicitly marked illegal (F.interpolate(antialias=True); timm's ViT "
+        "position table)"
+        for mode in ("bicubic", "lanczos")
+    },
+    "aten.col2im.default": "col2im: failed to legalize operation 'torch.constant.int' (F.fold(x, (8, 8), "
+    "kernel_size=2, stride=2); torch's decomposition compiles)",
 }
 
 

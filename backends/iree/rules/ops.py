@@ -18,7 +18,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import lowerings, moe, scatters
+from fx_rewrites.backends.iree.rules import arguments, lowerings, moe, scatters
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
@@ -276,6 +276,7 @@ RULES = RuleSet(
         unbatched_window_op_for_iree,
         squeeze_dim_sized_one_for_iree,
         select_scatter_index_for_iree,
+        *arguments.RULES,
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,

@@ -191,3 +191,26 @@ def test_decomposition_that_specialises_dims_is_a_named_decline(fn):
     static = rt.apply_rules(rt.export(fn, *inputs[0]), iree_legalize.LEGALIZE_FOR_IREE)
     rt.assert_fired(static, "legalize_for_iree")
     rt.assert_matches_eager(static, fn, inputs[:1], rtol=1e-4, atol=1e-5)
+
+
+class Fold(torch.nn.Module):
+    """nn.Fold (aten.col2im), the inverse of ConvBERT's unfold: patches summed back onto an 8x8 map."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.fold(x, (8, 8), kernel_size=2, stride=2), F.fold(x, (6, 6), kernel_size=2, stride=2, padding=1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_fold_is_decomposed_and_matches_eager_on_iree(iree, dynamic):
+    """col2im has no sample in the OpInfo corpus (measured by hand: legality.MEASURED_OUTSIDE_CORPUS)."""
+    inputs = [(torch.randn(2, 12, 16),), (torch.randn(3, 12, 16) * 4,) if dynamic else (torch.randn(2, 12, 16) * 4,)]
+    ep = rt.export(Fold(), *inputs[0], dynamic_shapes=({0: Dim("batch", min=2)},) if dynamic else None)
+    with pytest.raises(Exception, match=r"torch\.constant\.int"):
+        iree.compile(fx_rewrites.apply(ep, iree.rules.without(LEGALIZE)).program, inputs[0])
+    result = rt.apply_rules(ep, iree_legalize.LEGALIZE_FOR_IREE)
+    rt.assert_fired(result, LEGALIZE)
+    rt.assert_ops(result, absent=[aten.col2im.default])
+    rt.assert_matches_eager(result, Fold(), inputs)
+    fn = iree.compile(fx_rewrites.apply(ep, iree.rules).program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), Fold()(*args), rtol=1e-5, atol=1e-5)
