@@ -18,7 +18,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import arguments, lowerings, moe, scatters
+from fx_rewrites.backends.iree.rules import arguments, empty, lowerings, moe, scatters
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
@@ -277,6 +277,7 @@ RULES = RuleSet(
         squeeze_dim_sized_one_for_iree,
         select_scatter_index_for_iree,
         *arguments.RULES,
+        *empty.RULES,
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,
