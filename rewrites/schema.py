@@ -138,10 +138,22 @@ def unbind(op: OpOverload, named: dict[str, Any], *, explicit: bool) -> tuple[tu
     return tuple(args), kwargs
 
 
+def _plain(value: Any) -> Any:
+    """`value` with fx's immutable lists and dicts made plain ones (a decomposition may write into its lists:
+    `_unsafe_masked_index_put_accumulate`'s appends to its indices)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def over_graph_values(node: Node, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[Node]]:
     """`fn` called with `node`'s arguments as a function of the graph values among them (the rest fixed as
     the node has them), and those graph values in order: what make_fx traces to decompose one node."""
-    leaves, spec = pytree.tree_flatten((node.args, dict(node.kwargs)))
+    leaves, spec = pytree.tree_flatten((_plain(node.args), _plain(dict(node.kwargs))))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Node)]
 
     def body(*vals: Any) -> Any:

@@ -37,6 +37,11 @@ MEASURED_OUTSIDE_CORPUS: dict[str, str] = {
     },
     "aten.col2im.default": "col2im: failed to legalize operation 'torch.constant.int' (F.fold(x, (8, 8), "
     "kernel_size=2, stride=2); torch's decomposition compiles)",
+    "aten.embedding_dense_backward.default": "embedding_dense_backward: failed to legalize operation "
+    "'torch.constant.bool' (a joint forward-backward graph of an nn.Embedding; torch's decomposition compiles)",
+    "aten._unsafe_masked_index_put_accumulate.default": "_unsafe_masked_index_put_accumulate: failed to legalize "
+    "operation 'torch.operator' that was explicitly marked illegal (what torch's decomposition of "
+    "embedding_dense_backward makes)",
 }
 
 

@@ -214,3 +214,34 @@ def test_fold_is_decomposed_and_matches_eager_on_iree(iree, dynamic):
     fn = iree.compile(fx_rewrites.apply(ep, iree.rules).program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(fn(*args), Fold()(*args), rtol=1e-5, atol=1e-5)
+
+
+class EmbeddingBackward(torch.nn.Module):
+    """What a joint forward-backward graph of an nn.Embedding holds: the weight's gradient, rows summed per token
+    id (padding_idx 1 left out)."""
+
+    def forward(self, grad: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return aten.embedding_dense_backward(grad, ids, 10, 1, False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_embedding_backward_is_decomposed_and_matches_eager_on_iree(iree, dynamic):
+    """Its decomposition makes `_unsafe_masked_index_put_accumulate`, decomposed in turn (its decomposition appends
+    to its index list, which the node's own immutable list refused)."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [
+        (torch.randn(4, n, 8, generator=g), torch.randint(0, 10, (4, n), generator=g)) for n in (6, 9 if dynamic else 6)
+    ]
+    shapes = ({1: Dim("n", min=2)}, {1: Dim("n", min=2)}) if dynamic else None
+    ep = rt.export(EmbeddingBackward(), *inputs[0], dynamic_shapes=shapes)
+    with pytest.raises(Exception, match=r"torch\.constant\.bool"):
+        iree.compile(fx_rewrites.apply(ep, iree.rules.without(LEGALIZE)).program, inputs[0])
+    result = rt.apply_rules(ep, iree_legalize.LEGALIZE_FOR_IREE)
+    rt.assert_fired(result, LEGALIZE)
+    rt.assert_ops(
+        result, absent=[aten.embedding_dense_backward.default, aten._unsafe_masked_index_put_accumulate.default]
+    )
+    rt.assert_matches_eager(result, EmbeddingBackward(), inputs)
+    fn = iree.compile(fx_rewrites.apply(ep, iree.rules).program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), EmbeddingBackward()(*args), rtol=1e-5, atol=1e-5)
