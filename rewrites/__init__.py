@@ -8,37 +8,71 @@ print(result.report.summary())
 
 compiled = fx_rewrites.compile(model, args)   # export, the backend's rules, compile (IREE by default)
 compiled.save("model.vmfb")                   # fx_rewrites.load("model.vmfb") reads it back
+
+Every name is imported on first use (`import fx_rewrites` loads neither torch nor a rule pack), so that
+`fx-rewrites --version` and `--help` answer at once.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from fx_rewrites import rules
-from fx_rewrites.api import Result, apply
-from fx_rewrites.engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
-from fx_rewrites.engine.errors import GraphInputError
-from fx_rewrites.kinds import (
-    Decompose,
-    FillDefaults,
-    Forward,
-    FromArg,
-    FunctionRule,
-    Pattern,
-    RuleDefinitionError,
-    Substitute,
-    from_arg,
-    rule,
-)
-from fx_rewrites.ruleset import Phases, RuleSet
+import importlib
+from typing import TYPE_CHECKING, Any
 
-#: names the application layer (fx_rewrites.app.compile) provides, imported on first use: it loads the backends
-_LAZY = ("Compiled", "compile", "load")
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from fx_rewrites import rules
+    from fx_rewrites.api import Result, apply
+    from fx_rewrites.app.compile import Compiled, compile, load
+    from fx_rewrites.engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
+    from fx_rewrites.engine.errors import GraphInputError
+    from fx_rewrites.kinds import (
+        Decompose,
+        FillDefaults,
+        Forward,
+        FromArg,
+        FunctionRule,
+        Pattern,
+        RuleDefinitionError,
+        Substitute,
+        from_arg,
+        rule,
+    )
+    from fx_rewrites.ruleset import Phases, RuleSet
+
+#: public name -> the module it comes from (the app layer's for compile/load: it loads the backends)
+_FROM = {
+    **dict.fromkeys(("Result", "apply"), "fx_rewrites.api"),
+    **dict.fromkeys(
+        ("Miss", "NonConvergence", "NumericMismatch", "Report", "RewriteError", "Rewriter", "RuleError"),
+        "fx_rewrites.engine",
+    ),
+    "GraphInputError": "fx_rewrites.engine.errors",
+    **dict.fromkeys(
+        (
+            "Decompose",
+            "FillDefaults",
+            "Forward",
+            "FromArg",
+            "FunctionRule",
+            "Pattern",
+            "RuleDefinitionError",
+            "Substitute",
+            "from_arg",
+            "rule",
+        ),
+        "fx_rewrites.kinds",
+    ),
+    **dict.fromkeys(("Phases", "RuleSet"), "fx_rewrites.ruleset"),
+    **dict.fromkeys(("Compiled", "compile", "load"), "fx_rewrites.app.compile"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from fx_rewrites.app import compile as one_call
-
-        return getattr(one_call, name)
+    if name in _FROM:
+        value = getattr(importlib.import_module(_FROM[name]), name)
+        globals()[name] = value  # looked up once
+        return value
+    if name == "rules":
+        return importlib.import_module("fx_rewrites.rules")
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 
@@ -47,6 +81,10 @@ def __getattr__(name: str) -> Any:
         except PackageNotFoundError:
             return "unknown"
     raise AttributeError(f"module 'fx_rewrites' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

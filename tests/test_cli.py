@@ -14,6 +14,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -303,6 +304,20 @@ def test_usage_errors_exit_2(capsys):
     assert main(["check", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert "read with torch.export.load only, after checking it holds no pickled objects" in help_text
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+def test_version_and_help_load_neither_torch_nor_a_rule_pack(flag):
+    """`fx-rewrites --version` took 3-5 s importing torch and every rule pack; each command imports its own."""
+    code = (
+        "import sys; from fx_rewrites.app.cli import main; "
+        f"status = main([{flag!r}]); "
+        "print('loaded:', sorted(m for m in ('torch', 'fx_rewrites.rules', 'fx_rewrites.backends') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded: []" in proc.stdout, proc.stdout
+    assert ("fx-rewrites 0" in proc.stdout) if flag == "--version" else ("usage: fx-rewrites" in proc.stdout)
 
 
 # ----------------------------------------------------------------------------- rules

@@ -15,20 +15,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 
-from fx_rewrites.app.cli.artifacts import cmd_compile
-from fx_rewrites.app.cli.commands import cmd_check, cmd_demo, cmd_explain, cmd_rules
-from fx_rewrites.app.cli.common import (
-    EXIT_FAIL,
-    EXIT_USAGE,
-    InputError,
-    _traceback,
-)
+from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_USAGE, InputError, _traceback
+
+#: each command's function, imported when that command runs (torch and the rule packs load only then, so
+#: `--version` and `--help` answer at once)
+COMMANDS = {
+    "demo": "fx_rewrites.app.cli.commands:cmd_demo",
+    "check": "fx_rewrites.app.cli.commands:cmd_check",
+    "explain": "fx_rewrites.app.cli.commands:cmd_explain",
+    "compile": "fx_rewrites.app.cli.artifacts:cmd_compile",
+    "rules": "fx_rewrites.app.cli.commands:cmd_rules",
+}
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    module, _, function = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
 
 # ----------------------------------------------------------------------------- main
 
@@ -57,7 +67,6 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
     demo.add_argument("--only", nargs="*", help="run only these gallery examples")
     demo.add_argument("-v", "--verbose", action="store_true", help="notes uncut, and iree-compile's whole output")
-    demo.set_defaults(fn=cmd_demo)
 
     check = sub.add_parser(
         "check",
@@ -80,7 +89,6 @@ def parser() -> argparse.ArgumentParser:
         "--atol", type=float, default=None, help="absolute tolerance against eager (default 1e-5; ttnn, bfloat16: 3e-2)"
     )
     check.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and torch's side output")
-    check.set_defaults(fn=cmd_check)
 
     explain = sub.add_parser(
         "explain",
@@ -95,7 +103,6 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--html", metavar="OUT.html", help="also write one self-contained page: graphs side by side")
     explain.add_argument("--inputs", metavar="FILE.pt", help="export a factory's module with these inputs instead")
     explain.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and torch's side output")
-    explain.set_defaults(fn=cmd_explain)
 
     comp = sub.add_parser(
         "compile",
@@ -114,12 +121,10 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against eager (default 1e-4)")
     comp.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance against eager (default 1e-5)")
     comp.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and the compiler's output")
-    comp.set_defaults(fn=cmd_compile)
 
     rules = sub.add_parser("rules", help="list the rules, their roots and the failures they fix")
     rules.add_argument("--backend", default=None, help="a backend's rules instead of DEFAULT")
     rules.add_argument("-v", "--verbose", action="store_true", help="list every root overload")
-    rules.set_defaults(fn=cmd_rules)
     return p
 
 
@@ -154,9 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error argparse has printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    fn: Callable[[argparse.Namespace], int] = args.fn
     try:
-        return fn(args)
+        return _command(args.command)(args)
     except InputError as e:
         _print_error(args.command, e, getattr(args, "verbose", False))
         return EXIT_USAGE

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import traceback
-
-import torch
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -13,8 +10,6 @@ EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 MAX_NOTE = 2000
 #: the same for the demo's notes under its table (a dozen of them)
 DEMO_NOTE = 600
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class InputError(Exception):

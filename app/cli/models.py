@@ -16,13 +16,11 @@ from typing import Any
 import attrs
 import torch
 
-from fx_rewrites.app.cli.common import (
-    _TORCH_DIR,
-    InputError,
-    _one_line,
-)
+from fx_rewrites.app.cli.common import InputError, _one_line
 from fx_rewrites.app.cli.inputs import _input_signature, _load_pt2, _random_inputs, _side, _torch_side_output
 from fx_rewrites.app.compile import export_hint
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 # ----------------------------------------------------------------------------- loading a model
 
