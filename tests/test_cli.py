@@ -140,6 +140,15 @@ def test_check_factory_passes_on_iree(files, capsys):
     assert "inputs: f32[2, 3, 8, 8] (the factory)" in out
 
 
+def test_check_table_fits_an_80_column_terminal(files, capsys, monkeypatch):
+    """The table was forced to at least 120 columns, so in an 80-column terminal every row wrapped."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = _run(capsys, "check", f"{files['model']}:make", "--backend", "eager")
+    assert code == 0, out + err
+    table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert len(table) >= 5 and max(len(line) for line in table) <= 80, "\n".join(table)
+
+
 def test_check_saved_program_gets_random_inputs_at_hint_sizes(files, capsys):
     code, out, err = _run(capsys, "check", files["pt2"])
     assert code == 0, out + err

@@ -54,9 +54,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _console():
+    """stdout at the terminal's width (or $COLUMNS); 120 columns into a pipe or file."""
+    import os
+
     from rich.console import Console
 
-    return Console(width=max(120, Console().width))
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=120)
+    return console
 
 
 def _print_rows(console: Any, title: str, rows: Sequence[Any], *, family: bool) -> None:
