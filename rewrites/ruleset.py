@@ -25,6 +25,16 @@ def _rules(value: Rule | Iterable[Any]) -> tuple[Rule, ...]:
     return tuple(out)
 
 
+#: how many rule names a repr shows before "..."
+_REPR_NAMES = 3
+
+
+def _count(rules: tuple[Rule, ...]) -> str:
+    """ "36 rules: a, b, c, ..." for a repr."""
+    names = ", ".join(r.name for r in rules[:_REPR_NAMES]) + (", ..." if len(rules) > _REPR_NAMES else "")
+    return f"{len(rules)} rule{'' if len(rules) == 1 else 's'}" + (f": {names}" if rules else "")
+
+
 @attrs.frozen
 class RuleSet:
     """Rules in the order they were given (it breaks priority ties).
@@ -50,6 +60,10 @@ class RuleSet:
             seen[rule.name] = rule
         unique = tuple({id(r): r for r in self.rules}.values())
         object.__setattr__(self, "rules", unique)
+
+    def __repr__(self) -> str:
+        """`RuleSet('default', 36 rules: pool_stride_defaults, ...)`: names, not every rule's fields and roots."""
+        return f"RuleSet({self.name!r}, {_count(self.rules)})"
 
     def __iter__(self) -> Iterator[Rule]:
         return iter(self.rules)
@@ -122,6 +136,10 @@ class Phases:
         if not sets:
             raise RuleDefinitionError(f"Phases {name!r}: give at least one rule set")
         self.__attrs_init__(tuple(s if isinstance(s, RuleSet) else RuleSet(s) for s in sets), name)
+
+    def __repr__(self) -> str:
+        """`Phases('iree', 3 phases: RuleSet('default+iree', 90 rules: ...), ...)`, each phase as RuleSet's repr."""
+        return f"Phases({self.name!r}, {len(self.sets)} phases: {', '.join(map(repr, self.sets))})"
 
     @property
     def rules(self) -> tuple[Rule, ...]:

@@ -105,3 +105,19 @@ def test_testing_apply_rules_takes_phases_and_runs_them_in_order():
     rt.assert_idempotent(result, phases)
     with pytest.raises(TypeError, match="one Phases alone"):
         rt.apply_rules(ep, phases, lift_to_clone)
+
+
+def test_reprs_name_the_rules_and_phases_not_every_root():
+    """`print(backends.get("iree"))` printed ~700,000 characters: every field and root of every rule."""
+    from fx_rewrites import backends
+
+    pair = RuleSet([lift_to_clone, clone_forward, relu_to_abs, Forward(name="f", ops=aten.detach.default)], name="p")
+    assert repr(pair) == "RuleSet('p', 4 rules: lift_to_clone, clone_forward, relu_to_abs, ...)"
+    assert repr(RuleSet([lift_to_clone], name="one")) == "RuleSet('one', 1 rule: lift_to_clone)"
+    phases = Phases(RuleSet([], name="fix"), RuleSet([lift_to_clone], name="lower"), name="backend")
+    assert (
+        repr(phases) == "Phases('backend', 2 phases: RuleSet('fix', 0 rules), RuleSet('lower', 1 rule: lift_to_clone))"
+    )
+    for name in backends.names():
+        text = repr(backends.get(name))
+        assert len(text) < 2000 and repr(backends.get(name).rules) in text, (name, len(text))
