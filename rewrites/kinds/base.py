@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 from torch.fx import Node
 
-from fx_rewrites.engine import Miss, RewriteError, is_miss
+from fx_rewrites.engine import Miss, RewriteError, Rule, is_miss
 from fx_rewrites.engine.protocol import miss_reason
 from fx_rewrites.schema import SchemaError, arguments
 
@@ -102,3 +102,16 @@ class RuleBase:
 
     def _match(self, node: Node) -> Any:
         return True
+
+    def __or__(self, other: Any) -> Any:
+        """`rule_a | rule_b` (or `+`): a RuleSet of both, in order; `other` may be a rule, RuleSet or list of
+        rules. Two different rules with one name is an error, as in a RuleSet."""
+        from fx_rewrites.ruleset import Phases, RuleSet
+
+        if isinstance(other, (RuleSet, Phases)):
+            return NotImplemented  # theirs: `rule + DEFAULT` keeps DEFAULT's name, `rule + phases` stays Phases
+        if isinstance(other, (Rule, list, tuple)):
+            return RuleSet([self], name=self.name) | other
+        return NotImplemented
+
+    __add__ = __or__

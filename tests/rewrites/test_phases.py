@@ -121,3 +121,21 @@ def test_reprs_name_the_rules_and_phases_not_every_root():
     for name in backends.names():
         text = repr(backends.get(name))
         assert len(text) < 2000 and repr(backends.get(name).rules) in text, (name, len(text))
+
+
+def test_rule_or_rule_is_a_rule_set_with_its_checks():
+    """`rule | rule` raised TypeError: only a RuleSet on the left composed."""
+    for both in (lift_to_clone | clone_forward, lift_to_clone + clone_forward, lift_to_clone + [clone_forward]):
+        assert isinstance(both, RuleSet) and both.names() == ["lift_to_clone", "clone_forward"]
+    assert (lift_to_clone | clone_forward).name == "lift_to_clone+clone_forward"
+    assert (lift_to_clone | clone_forward | relu_to_abs).names()[-1] == "relu_to_abs"
+    assert (lift_to_clone | lift_to_clone).names() == ["lift_to_clone"]  # the same rule twice is one rule
+    named_alike = Substitute(name="lift_to_clone", op=aten.relu.default, to=aten.abs.default)
+    with pytest.raises(RuleDefinitionError, match="two different rules are named 'lift_to_clone'"):
+        lift_to_clone | named_alike
+    default = fx_rewrites.rules.DEFAULT
+    assert (relu_to_abs + default).name == "default" and (relu_to_abs + default).names()[0] == "relu_to_abs"
+    phases = Phases(RuleSet([], name="fix"), RuleSet([lift_to_clone], name="lower"), name="backend")
+    assert isinstance(relu_to_abs | phases, Phases) and (relu_to_abs | phases).sets[0].names() == ["relu_to_abs"]
+    with pytest.raises(TypeError, match="unsupported operand"):
+        lift_to_clone | 3
