@@ -332,8 +332,21 @@ def test_version_and_help_load_neither_torch_nor_a_rule_pack(flag):
 # ----------------------------------------------------------------------------- rules
 
 
-def test_rules_summarises_long_root_lists(capsys):
+def test_rules_lists_one_line_per_rule_under_its_phase(capsys):
+    """`fx-rewrites rules --backend iree` printed ~480 lines with no one-line view; --long is that view now."""
     code, out, _ = _run(capsys, "rules", "--backend", "iree")
+    assert code == 0
+    rules = backends.get("iree").rules
+    lines = out.splitlines()
+    assert [line for line in lines if line.startswith("# ")] == [f"# {s.name}: {len(s)} rules" for s in rules.sets]
+    listed = [line.split()[0] for line in lines if not line.startswith("# ")]
+    assert listed == rules.names()
+    assert re.search(r"^lift_fresh_copy_to_clone +aten\.lift_fresh_copy\.default$", out, flags=re.M)
+    assert len(lines) == len(rules) + len(rules.sets) and max(map(len, lines)) <= 100
+
+
+def test_rules_summarises_long_root_lists(capsys):
+    code, out, _ = _run(capsys, "rules", "--backend", "iree", "--long")
     assert code == 0
     rules = {r.name: r for r in backends.get("iree").rules}
     assert "decompose_for_iree" in out  # the backend's own pack, not only DEFAULT
@@ -376,7 +389,12 @@ def test_explain_one_rule(files, capsys):
     assert "near-misses of sym_scalar_in_tensor_slot:" in out and "on add (aten.add.Tensor)" in out
     assert "none by sym_scalar_in_tensor_slot" in out  # it rewrote nothing
     code, _, err = _run(capsys, "explain", files["pt2"], "--rule", "no_such_rule")
-    assert code == 2 and "no rule named 'no_such_rule'" in err and "Fix: name one of" in err
+    assert code == 2 and "no rule named 'no_such_rule'" in err and "Fix: name one of the" in err
+    assert "`fx-rewrites rules --backend iree` lists them all" in err and "pool_stride_defaults" not in err
+    code, _, err = _run(capsys, "explain", files["pt2"], "--rule", "pool_stride")  # a near miss: suggested
+    assert code == 2 and "Fix: did you mean 'pool_stride_defaults'?" in err
+    code, _, err = _run(capsys, "explain", files["pt2"], "--rule", "lift_fresh_to_clone")
+    assert "did you mean 'lift_fresh_copy_to_clone'" in err
 
 
 class _Page(html.parser.HTMLParser):

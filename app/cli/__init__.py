@@ -4,7 +4,7 @@
     fx-rewrites check MODEL [--backend iree]     one model: as is, after the rules, against eager
     fx-rewrites explain MODEL [--html out.html]  what the rules did to its graph, and why not
     fx-rewrites compile MODEL -o model.vmfb      a module iree-run-module runs [--params model.irpa: weights apart]
-    fx-rewrites rules [--backend NAME]           the rules, their root ops, the failures they fix
+    fx-rewrites rules [--backend NAME] [--long]  the rules and their root ops, one line each (--long: what each fixes)
 
 MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args)`) or
 a `PATH.pt2` saved with `torch.export.save`. Exit status: 0 pass, 1 fail,
@@ -122,9 +122,15 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance against eager (default 1e-5)")
     comp.add_argument("-v", "--verbose", action="store_true", help="add tracebacks and the compiler's output")
 
-    rules = sub.add_parser("rules", help="list the rules, their roots and the failures they fix")
+    rules = sub.add_parser(
+        "rules",
+        help="list the rules: one line each (name, root ops), under a line per phase; --long: what each fixes",
+    )
     rules.add_argument("--backend", default=None, help="a backend's rules instead of DEFAULT")
-    rules.add_argument("-v", "--verbose", action="store_true", help="list every root overload")
+    rules.add_argument(
+        "-l", "--long", action="store_true", help="each rule's priority and the failure it fixes, not one line each"
+    )
+    rules.add_argument("-v", "--verbose", action="store_true", help="--long, listing every root overload")
     return p
 
 

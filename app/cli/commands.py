@@ -238,6 +238,18 @@ def _reference(model: Model) -> Any:
 # ----------------------------------------------------------------------------- explain
 
 
+def _closest(name: str, names: Sequence[str], backend: str) -> str:
+    """The fix for an unknown rule name: the closest names (difflib, or those containing it), else where to look."""
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    close += [n for n in names if name.lower() in n.lower() and n not in close][: 3 - len(close)]
+    listing = f"`fx-rewrites rules --backend {backend}` lists them all"
+    if close:
+        return f"did you mean {' or '.join(repr(n) for n in close)}? ({listing})"
+    return f"name one of the {len(names)} rules ({listing})."
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from fx_rewrites.api import apply
     from fx_rewrites.engine import RewriteError
@@ -247,8 +259,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     names = [r.name for r in backend.rules]
     if args.rule is not None and args.rule not in names:
         raise InputError(
-            f"{backend.name}'s rules have no rule named {args.rule!r}. Fix: name one of: {', '.join(names)} "
-            f"(`fx-rewrites rules --backend {backend.name}` says what each fixes)."
+            f"{backend.name}'s rules have no rule named {args.rule!r}. Fix: {_closest(args.rule, names, backend.name)}"
         )
     html_path = Path(args.html) if args.html else None
     if html_path is not None and not html_path.parent.is_dir():
@@ -314,10 +325,21 @@ def roots_summary(roots: Sequence[Any], width: int = ROOTS_WIDTH) -> str:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
+    """One line per rule (name, root ops), under a line per phase; --long adds priority and what each fixes,
+    --verbose every root overload too."""
     from fx_rewrites.rules import DEFAULT
+    from fx_rewrites.ruleset import Phases, RuleSet
     from fx_rewrites.schema import op_name
 
     rules = _backend(args.backend).rules if args.backend else DEFAULT
+    phases = rules.sets if isinstance(rules, Phases) else [rules if isinstance(rules, RuleSet) else RuleSet(rules)]
+    if not (args.long or args.verbose):
+        width = max((len(r.name) for r in rules), default=0)
+        for phase in phases:
+            print(f"# {phase.name}: {len(phase)} rule{'' if len(phase) == 1 else 's'}")
+            for rule in phase:
+                print(f"{rule.name:<{width}}  {roots_summary(rule.roots, ROOTS_WIDTH - width - 2)}")
+        return EXIT_PASS
     for rule in rules:
         roots = ", ".join(op_name(r) for r in rule.roots) if args.verbose else roots_summary(rule.roots)
         print(f"{rule.name}  (priority {rule.priority})\n  roots: {roots}")
