@@ -220,10 +220,33 @@ def bind(plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]
 
 
 _FIX_SHAPE = (
-    "Fix: pass inputs of the compiled shape, or compile with that dim dynamic: fx_rewrites.compile(model, args, "
-    "dynamic_shapes={{{name!r}: {{{dim}: torch.export.Dim('{dim_name}')}}}}) (or torch.export.export(..., "
-    "dynamic_shapes=...))"
+    "Fix: pass inputs of the compiled shape, or compile with that dim dynamic: fx_rewrites.compile(model, args"
+    "{kwargs}, dynamic_shapes={shapes}) (or torch.export.export(..., dynamic_shapes=...))"
 )
+
+
+def _dynamic_shapes(plan: Plan, item: Input, dim: int, dim_name: str) -> str:
+    """The `dynamic_shapes=` dict that makes `item`'s dim dynamic: an entry per argument of the call (torch.export
+    wants one for each, `None` for the static ones and the keyword constants), else the input's alone."""
+    dynamic = f"{{{dim}: torch.export.Dim('{dim_name}')}}"
+    alone = f"{{{item.name or 'x'!r}: {dynamic}}}"
+    spec = plan.in_spec
+    if not _is_call_spec(spec) or not plan.inputs:
+        return alone
+    entries: list[tuple[str, bool]] = []  # (argument name, is it item's)
+    start = 0
+    for i in range(spec.child(0).num_children):
+        count = spec.child(0).child(i).num_leaves
+        name = plan.inputs[start].name if count == 1 else ""
+        if not name:
+            return alone  # a positional argument holding a structure: its name is not in the program
+        entries.append((name, plan.inputs[start] is item))
+        start += count
+    for key, leaves in _kwarg_leaves(spec).items():
+        entries.append((key, len(leaves) == 1 and plan.inputs[leaves[0]] is item))
+    if not any(mine for _, mine in entries):
+        return alone  # the input sits inside a structure
+    return "{" + ", ".join(f"{name!r}: {dynamic if mine else None}" for name, mine in entries) + "}"
 
 
 def _check_values(plan: Plan, flat: list[Any]) -> None:
@@ -274,7 +297,9 @@ def _check_tensor(plan: Plan, item: Input, where: str, value: Any, sizes: dict[s
     for dim, (got, expected) in enumerate(zip(shape, item.shape)):
         if isinstance(expected, int):
             if got != expected:
-                fix = _FIX_SHAPE.format(name=item.name or "x", dim=dim, dim_name="batch" if dim == 0 else f"d{dim}")
+                shapes = _dynamic_shapes(plan, item, dim, "batch" if dim == 0 else f"d{dim}")
+                kwargs = ", kwargs" if _is_call_spec(plan.in_spec) and plan.in_spec.child(1).num_children else ""
+                fix = _FIX_SHAPE.format(kwargs=kwargs, shapes=shapes)
                 raise InputMismatch(
                     f"{where} has shape {_shape(shape)}; the compiled program takes {compiled}: dim {dim} is {got}, "
                     f"compiled for {expected} (a static size: torch.export fixed it to the example input's). {fix}."

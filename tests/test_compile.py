@@ -98,7 +98,14 @@ def test_a_batch_mismatch_names_the_input_the_shapes_and_dynamic_shapes(compiled
     message = str(info.value)
     assert "input 'x' (args[0]) has shape (3, 3, 8, 8); the compiled program takes (2, 3, 8, 8)" in message
     assert "dim 0 is 3, compiled for 2" in message
-    assert "dynamic_shapes={'x': {0: torch.export.Dim('batch')}}" in message
+    # an entry per argument: torch.export refuses a dict without the keyword arguments ('use_cache': None too)
+    hint = "dynamic_shapes={'x': {0: torch.export.Dim('batch')}, 'mask': None, 'use_cache': None}"
+    assert f"fx_rewrites.compile(model, args, kwargs, {hint})" in message
+    shapes = eval(hint.split("=", 1)[1], {"torch": torch})
+    x2, mask2 = _inputs(batch=2)
+    ep = torch.export.export(_model(), (x2,), {"mask": mask2, "use_cache": False}, dynamic_shapes=shapes)
+    x_val = next(n for n in ep.graph.nodes if n.name == ep.graph_signature.user_inputs[0]).meta["val"]
+    assert isinstance(x_val.shape[0], torch.SymInt)  # the hint, as given, makes the batch dynamic
     # what IREE itself says when the check is bypassed: the raw text the check replaces
     runtime = compiled.runtime
     with pytest.raises(ValueError, match=r"buffer_diagnostics\.c.*tensor shape dimension 0 mismatch"):
