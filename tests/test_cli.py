@@ -74,6 +74,22 @@ class Median(torch.nn.Module):
 
 def median():  # aten.median: no IREE lowering, no torch decomposition and no rule for it (yet)
     return Median(), (torch.randn(2, 8),)
+
+
+class Keyed(torch.nn.Module):
+    # called as transformers models are: a tensor and a flag by keyword
+    def forward(self, x, mask=None, use_cache=True):
+        y = F.max_pool2d(x, 2) * mask
+        return y + 1 if use_cache else y - 1
+
+
+def keyed():
+    torch.manual_seed(0)
+    return Keyed(), (torch.randn(2, 3, 8, 8),), {"mask": torch.rand(1, 3, 1, 1), "use_cache": False}
+
+
+def kwargs_not_a_dict():
+    return Keyed(), (torch.randn(2, 3, 8, 8),), [False]
 """
 
 
@@ -138,6 +154,21 @@ def test_check_factory_passes_on_iree(files, capsys):
     assert re.search(r"│ ok\s+│ 0\.00e\+00", out)
     assert "PASS: after the rules, iree matches eager" in out
     assert "inputs: f32[2, 3, 8, 8] (the factory)" in out
+
+
+def test_a_factory_may_return_keyword_arguments(files, capsys, tmp_path):
+    """make() may return (module, args, kwargs): check, explain and compile call the model with them."""
+    spec = f"{files['model']}:keyed"
+    code, out, err = _run(capsys, "check", spec, "--backend", "eager")
+    assert code == 0 and "PASS" in out, out + err
+    assert "inputs: f32[2, 3, 8, 8], f32[1, 3, 1, 1], False (the factory)" in out
+    code, out, err = _run(capsys, "explain", spec)
+    assert code == 0 and "pool_stride_defaults" in out, out + err
+    code, out, err = _run(capsys, "compile", spec, "-o", tmp_path / "keyed.vmfb")
+    assert code == 0 and "on the example inputs vs eager: ok" in out, out + err
+    x, mask = torch.randn(2, 3, 8, 8), torch.rand(1, 3, 1, 1)
+    expected = torch.nn.functional.max_pool2d(x, 2) * mask - 1
+    torch.testing.assert_close(fx_rewrites.load(tmp_path / "keyed.vmfb")(x, mask=mask), expected)
 
 
 def test_check_table_fits_an_80_column_terminal(files, capsys, monkeypatch):
@@ -244,6 +275,10 @@ ERRORS = {
     "factory returns non-tuple": (
         ["{d}/model.py:not_a_tuple"],
         ["returned a Net", "Fix: not_a_tuple() must return (module, example_args)"],
+    ),
+    "factory returns kwargs not a dict": (
+        ["{d}/model.py:kwargs_not_a_dict"],
+        ["returned a list as example_kwargs", "the dict of forward()'s keyword arguments by name"],
     ),
     "factory returns a bare tensor": (
         ["{d}/model.py:bare_tensor"],

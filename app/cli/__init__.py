@@ -6,7 +6,7 @@
     fx-rewrites compile MODEL -o model.vmfb      a module iree-run-module runs [--params model.irpa: weights apart]
     fx-rewrites rules [--backend NAME] [--long]  the rules and their root ops, one line each (--long: what each fixes)
 
-MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args)`) or
+MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args[, example_kwargs])`) or
 a `PATH.pt2` saved with `torch.export.save`. Exit status: 0 pass, 1 fail,
 2 usage or input error.
 """
@@ -43,7 +43,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 # ----------------------------------------------------------------------------- main
 
 _MODEL_HELP = (
-    "PATH.py:FACTORY, where FACTORY() returns (module, example_args); or PATH.pt2, an ExportedProgram saved "
+    "PATH.py:FACTORY, where FACTORY() returns (module, example_args) or (module, example_args, example_kwargs); "
+    "or PATH.pt2, an ExportedProgram saved "
     "with torch.export.save. A .pt2 is read with torch.export.load only, after checking it holds no pickled "
     "objects (tensor subclasses, custom objects), so loading it runs no code from the file; it runs on random "
     "inputs shaped by its input specs (symbolic sizes at their hints) unless --inputs is given. A .py file is "

@@ -69,8 +69,9 @@ def _load_model(spec: str, inputs: str | None, *, need_inputs: bool = True) -> M
             f"cannot tell what {spec!r} is. Fix: give PATH.py:FACTORY (a function returning (module, "
             "example_args)) or PATH.pt2 (an ExportedProgram saved with torch.export.save)."
         )
-    if inputs is not None:
-        model.args, model.kwargs = _load_inputs(Path(inputs)), {}
+    if inputs is not None:  # the positional inputs; a factory's keyword arguments stay
+        model.args = _load_inputs(Path(inputs))
+        model.kwargs = model.kwargs if model.module is not None else {}
         model.inputs_from = inputs
         if model.pt2 is not None:
             _check_input_count(model)
@@ -160,18 +161,27 @@ def _load_factory(path: Path, name: str, spec: str) -> Model:
                 "own first.",
                 cause=e,
             ) from e
-    module_obj, args = _check_factory_result(made, spec, name)
-    return Model(label=spec, args=args, inputs_from="the factory", module=module_obj, path=path)
+    module_obj, args, kwargs = _check_factory_result(made, spec, name)
+    return Model(label=spec, args=args, kwargs=kwargs, inputs_from="the factory", module=module_obj, path=path)
 
 
-_FACTORY_SHAPE = "return (module, example_args), e.g. `return Net().eval(), (torch.randn(1, 3, 8, 8),)`"
+_FACTORY_SHAPE = (
+    "return (module, example_args) or (module, example_args, example_kwargs), e.g. "
+    '`return Net().eval(), (torch.randn(1, 3, 8, 8),)` or `return model, (ids,), {"use_cache": False}`'
+)
 
 
-def _check_factory_result(made: Any, spec: str, name: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    if not isinstance(made, tuple) or len(made) != 2:
+def _check_factory_result(made: Any, spec: str, name: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
         got = f"a tuple of {len(made)}" if isinstance(made, tuple) else f"a {type(made).__name__}"
         raise InputError(f"the factory {spec} returned {got}. Fix: {name}() must {_FACTORY_SHAPE}.")
-    module, args = made
+    module, args, kwargs = (*made, {}) if len(made) == 2 else made
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InputError(
+            f"the factory {spec} returned a {type(kwargs).__name__} as example_kwargs. Fix: the third element is "
+            f'the dict of forward()\'s keyword arguments by name, e.g. {{"use_cache": False}}; {name}() must '
+            f"{_FACTORY_SHAPE}."
+        )
     if not isinstance(module, torch.nn.Module):
         raise InputError(
             f"the factory {spec} returned a {type(module).__name__} as the module. Fix: the first element must be "
@@ -184,7 +194,7 @@ def _check_factory_result(made: Any, spec: str, name: str) -> tuple[torch.nn.Mod
             f"the factory {spec} returned a {type(args).__name__} as example_args. Fix: example_args is the tuple "
             f"of forward()'s inputs; for one input write `(x,)`: {name}() must {_FACTORY_SHAPE}."
         )
-    return module, args
+    return module, args, dict(kwargs)
 
 
 def _load_inputs(path: Path) -> tuple[Any, ...]:
