@@ -8,7 +8,7 @@
 
 MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args[, example_kwargs])`) or
 a `PATH.pt2` saved with `torch.export.save`. Exit status: 0 pass, 1 fail,
-2 usage or input error.
+2 usage or input error (or, for check, a backend that cannot run here).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fx-rewrites",
         description="Declarative rules that make PyTorch 2 graphs compile.",
-        epilog="Exit status: 0 pass, 1 fail, 2 usage or input error.",
+        epilog="Exit status: 0 pass, 1 fail, 2 usage or input error (check: or the backend cannot run here).",
     )
     p.add_argument("--version", action="version", version=f"fx-rewrites {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
         help="one model as a demo row: as is, after the rules, compared with eager",
         description="Export MODEL, compile and run it on the backend as is, then after the backend's rules, and "
         "compare both with eager. Prints the rules fired, both outcomes and the max abs diff. "
-        "Exit status: 0 pass (after the rules the backend matches eager), 1 fail, 2 usage or input error.",
+        "Exit status: 0 pass (after the rules the backend matches eager), 1 fail, 2 usage or input error, or the "
+        "backend cannot run here (ttnn not installed; the rewritten program is still compared on torch).",
     )
     check.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     check.add_argument(
