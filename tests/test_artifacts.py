@@ -242,6 +242,31 @@ def test_iree_run_module_runs_a_saved_module_with_kwargs(nested, tmp_path):
     np.testing.assert_array_equal(results[2], expected["pair"][1].numpy())
 
 
+def test_cli_compile_for_a_gpu_target_needs_no_gpu(tmp_path, capsys):
+    """`compile --backend iree-cuda` on a machine without a GPU compiles for it and saves (exit 0), saying the
+    comparison with eager was not run; it exited 1 after doing the work."""
+    (tmp_path / "model.py").write_text(MODEL)
+    out, params = tmp_path / "net.vmfb", tmp_path / "net.irpa"
+    code = main(
+        ["compile", f"{tmp_path / 'model.py'}:make", "-o", str(out), "--params", str(params), "--backend", "iree-cuda"]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "rules fired: pool_stride_defaults x1" in printed and f"and {params}" in printed
+    import iree.runtime
+
+    from fx_rewrites.backends.iree.runtime import get_device
+
+    try:
+        get_device(iree.runtime, "cuda")
+    except (RuntimeError, ValueError):  # no GPU here: compiled, saved, not run
+        assert "not compared with eager: compiled for iree-cuda without running it (backend 'iree-cuda'" in printed
+    else:  # a machine with an NVIDIA GPU compares it as for the CPU
+        assert "on the example inputs vs eager: ok" in printed
+    assert out.read_bytes()[:4] == b"PK\x03\x04" and params.stat().st_size > 128 * 2**10  # the weights
+    assert "iree-run-module --device=cuda" in printed
+
+
 def test_cli_compile_errors(tmp_path, capsys):
     (tmp_path / "model.py").write_text(MODEL)
     code = main(["compile", f"{tmp_path / 'model.py'}:make", "-o", str(tmp_path / "nope" / "net.vmfb")])

@@ -112,8 +112,9 @@ def parser() -> argparse.ArgumentParser:
         description="Export MODEL, apply the backend's rules, compile, check the result against eager on the "
         "example inputs and write the module to -o: a .vmfb that iree-run-module runs and fx_rewrites.load() reads "
         "back with its call convention. --params puts the weights in an IREE parameter archive (.irpa) instead of "
-        "the module (iree-run-module --parameters=model=FILE.irpa). Exit status: 0 written and matching eager, "
-        "1 fail, 2 usage or input error.",
+        "the module (iree-run-module --parameters=model=FILE.irpa). A backend whose device is absent here "
+        "(--backend iree-cuda without a GPU) is compiled for and written all the same, without the comparison. "
+        "Exit status: 0 written (and matching eager where it ran), 1 fail, 2 usage or input error.",
     )
     comp.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     comp.add_argument("-o", "--output", metavar="OUT.vmfb", required=True, help="the compiled module to write")
