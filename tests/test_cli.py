@@ -115,6 +115,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "truncated.pt2").write_bytes(data[: len(data) // 2])
     (d / "corrupt.pt2").write_bytes(os.urandom(4096))
     _repack(pt2, d / "pickled.pt2")
+    torch.save(module.state_dict() | {"w": torch.randn(2)}, d / "checkpoint.pt2")  # torch.save, named .pt2
+    torch.save({"w": torch.randn(2)}, d / "legacy.pt2", _use_new_zipfile_serialization=False)
     torch.save((torch.randn(4, 3, 8, 8),), d / "inputs.pt")
     torch.save((torch.randn(4, 3, 8, 8), torch.randn(3)), d / "two_inputs.pt")
     torch.save(torch.randn(4, 3, 8, 8), d / "tensor.pt")
@@ -288,6 +290,16 @@ ERRORS = {
         ["{d}/corrupt.pt2"],
         ["is not a .pt2 archive", "Fix: save the program again with torch.export.save", "PytorchStreamReader failed"],
     ),
+    "torch.save checkpoint named .pt2": (
+        ["{d}/checkpoint.pt2"],
+        [
+            "checkpoint.pt2 is a torch.save checkpoint (its data.pkl holds a state dict or a pickled module), "
+            "not an ExportedProgram",
+            "Fix: export the model and save that, `torch.export.save(torch.export.export(model.eval()",
+            "model.load_state_dict(torch.load(path))",
+        ],
+    ),
+    "legacy torch.save named .pt2": (["{d}/legacy.pt2"], ["is a torch.save checkpoint in its legacy pickle format"]),
     "truncated .pt2": (
         ["{d}/truncated.pt2"],
         ["truncated or damaged", "Fix: save the program again", "PytorchStreamReader failed"],

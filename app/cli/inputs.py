@@ -107,10 +107,43 @@ def _pickled_entries(path: Path) -> list[str]:
     return found
 
 
+#: how torch.save's legacy (non-zip) format starts: its magic number, pickled with protocol 2
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def _torch_save_kind(path: Path, head: bytes) -> str:
+    """What a file torch.save wrote is ("a torch.save checkpoint ..."), or "" for anything else. Read from
+    the zip's entry names or the first bytes only: nothing is unpickled."""
+    if head.startswith(_LEGACY_TORCH_SAVE):
+        return "a torch.save checkpoint in its legacy pickle format (a state dict or a pickled module)"
+    if head[:1] == b"\x80":
+        return "a Python pickle (pickle.dump, or an old torch.save)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            inner = {name.split("/", 1)[-1] for name in archive.namelist()}
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError):
+        return ""
+    exported = "archive_format" in inner or any(n.startswith("models/") for n in inner)
+    return (
+        "a torch.save checkpoint (its data.pkl holds a state dict or a pickled module)"
+        if "data.pkl" in inner and not exported
+        else ""
+    )
+
+
 def _load_pt2(path: Path) -> torch.export.ExportedProgram:
     """torch.export.load, and only that, after checking it will unpickle nothing."""
     with path.open("rb") as f:
-        head = f.read(4)
+        head = f.read(len(_LEGACY_TORCH_SAVE))
+    kind = _torch_save_kind(path, head)
+    if kind:
+        raise InputError(
+            f"{path} is {kind}, not an ExportedProgram: a .pt2 here is what "
+            "torch.export.save writes. Fix: export the model and save that, "
+            "`torch.export.save(torch.export.export(model.eval(), example_args), 'model.pt2')`, or pass "
+            "PATH.py:FACTORY, where FACTORY() builds the model, loads these weights "
+            "(model.load_state_dict(torch.load(path))) and returns (module, example_args)."
+        )
     try:
         pickled = _pickled_entries(path)
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError):
