@@ -90,6 +90,26 @@ def keyed():
 
 def kwargs_not_a_dict():
     return Keyed(), (torch.randn(2, 3, 8, 8),), [False]
+
+
+class Dropped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def left_in_train_mode():
+    torch.manual_seed(0)
+    return Dropped(), (torch.randn(4, 8),)
+
+
+def in_eval_mode():
+    torch.manual_seed(0)
+    return Dropped().eval(), (torch.randn(4, 8),)
 """
 
 
@@ -171,6 +191,22 @@ def test_a_factory_may_return_keyword_arguments(files, capsys, tmp_path):
     x, mask = torch.randn(2, 3, 8, 8), torch.rand(1, 3, 1, 1)
     expected = torch.nn.functional.max_pool2d(x, 2) * mask - 1
     torch.testing.assert_close(fx_rewrites.load(tmp_path / "keyed.vmfb")(x, mask=mask), expected)
+
+
+def test_a_model_left_in_train_mode_is_told_to_call_eval(files, capsys, tmp_path):
+    """Dropout in training mode draws new masks on each call: WrongResult, and the note names the cause."""
+    code, out, err = _run(capsys, "check", f"{files['model']}:left_in_train_mode", "--backend", "eager")
+    assert code == 1 and "WrongResult" in out, out + err
+    assert "note: the model is in training mode (Dropout at 'drop'): dropout draws new random masks" in out
+    assert "Fix: return module.eval() from the factory." in out
+    code, out, err = _run(capsys, "check", f"{files['model']}:in_eval_mode", "--backend", "eager")
+    assert code == 0 and "training mode" not in out, out + err
+    namespace: dict = {}
+    exec(MODEL, namespace)
+    module, args = namespace["left_in_train_mode"]()
+    torch.export.save(torch.export.export(module, args), tmp_path / "train.pt2")
+    code, out, err = _run(capsys, "check", tmp_path / "train.pt2", "--backend", "eager")
+    assert code == 1 and "note: the saved program was exported in training mode: its dropout (" in out, out + err
 
 
 def test_check_table_fits_an_80_column_terminal(files, capsys, monkeypatch):

@@ -13,7 +13,7 @@ import attrs
 
 from fx_rewrites.app.cli.commands import _outcome, _reference, _status_console
 from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_PASS, InputError, _backend, _traceback
-from fx_rewrites.app.cli.models import _load_model
+from fx_rewrites.app.cli.models import _load_model, train_mode_hint
 
 
 def _writable(path: Path, flag: str) -> Path:
@@ -104,6 +104,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"not compared with eager: compiled for {backend.name} without running it ({absent})")
     else:
         print(f"on the example inputs vs eager: {outcome} (max abs diff {diff:.2e})")
+        hint = train_mode_hint(model) if outcome != "ok" else ""
+        if hint:
+            print(f"note: {hint}")
     print(f"wrote {out} ({_size(out)})" + (f" and {params} ({_size(params)}, the weights)" if params else ""))
     command = run_command(compiled, out, params, getattr(backend, "driver", "local-task"))
     print(f"in {time.perf_counter() - start:.1f} s. Run it:\n  {command}")

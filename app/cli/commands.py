@@ -25,7 +25,7 @@ from fx_rewrites.app.cli.common import (
     describe_error,
 )
 from fx_rewrites.app.cli.inputs import _input_signature
-from fx_rewrites.app.cli.models import Model, _describe_inputs, _load_model, _user_frame
+from fx_rewrites.app.cli.models import Model, _describe_inputs, _load_model, _user_frame, train_mode_hint
 
 # ----------------------------------------------------------------------------- demo
 
@@ -188,6 +188,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         why = row.after.split(":", 1)[0] if row.after != NOT_RUN else "the rewritten program differs from eager"
         out.append(f"FAIL: after the rules, {why} (see above; {tolerance})")
+        differs = "WrongResult" in row.as_is + row.after or (on_torch is not None and on_torch[0] != "ok")
+        hint = train_mode_hint(model) if differs else ""
+        out += [f"note: {hint}"] if hint else []
     for line in out:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if args.verbose:

@@ -255,3 +255,41 @@ def _describe_inputs(model: Model) -> str:
 
     leaves = torch.utils._pytree.tree_leaves((model.args, model.kwargs))
     return ", ".join(format_value(v) if isinstance(v, torch.Tensor) else repr(v) for v in leaves) or "none"
+
+
+#: modules whose result depends on train/eval mode: random in training (dropout), or batch statistics
+_MODE_DEPENDENT = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm, torch.nn.RReLU)
+
+
+def train_mode_hint(model: Model) -> str:
+    """Why results may differ from eager on every run, when the model was left in training mode (dropout draws
+    new masks each call); "" otherwise. A factory's module is asked; a saved program's graph is read."""
+    if model.module is not None:
+        if not model.module.training:
+            return ""
+        found = [
+            f"{type(m).__name__} at {name!r}"
+            for name, m in model.module.named_modules()
+            if m.training and isinstance(m, _MODE_DEPENDENT)
+        ]
+        listed = f" ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
+        return (
+            f"the model is in training mode{listed}: dropout draws new random masks on every call (batch norm "
+            "uses the batch's statistics), so no two runs agree. Fix: return module.eval() from the factory."
+        )
+    if model.pt2 is None:
+        return ""
+    aten = torch.ops.aten
+    graph = model.program().graph
+    dropouts = [
+        n.name
+        for n in graph.nodes
+        if (n.target is aten.native_dropout.default and (len(n.args) < 3 or n.args[2] is not False))
+        or (n.target is aten.dropout.default and len(n.args) > 2 and n.args[2] is True)
+    ]
+    if not dropouts:
+        return ""
+    return (
+        f"the saved program was exported in training mode: its dropout ({', '.join(dropouts[:3])}) draws new "
+        "random masks on every call, so no two runs agree. Fix: export the model after model.eval() and save it again."
+    )
