@@ -49,6 +49,8 @@ import attrs
 from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from fx_rewrites.program import quiet_torch_pytree
+
 Kind = Literal["device", "host"]
 DEVICE: Kind = "device"
 HOST: Kind = "host"
@@ -261,7 +263,8 @@ def split(gm: GraphModule, partitioning: Partitioning) -> GraphModule:
                 "graph; call partition(gm.graph, is_supported) on this one"
             )
     top = Graph()
-    top._codegen = copy.deepcopy(gm.graph._codegen)  # keeps export's pytree calling convention
+    with quiet_torch_pytree():  # copying its TreeSpecs makes torch 2.13 warn about its own pytree code
+        top._codegen = copy.deepcopy(gm.graph._codegen)  # keeps export's pytree calling convention
     env: dict[Node, Node] = {}
     root: dict[str, Any] = {}
     for node in gm.graph.nodes:

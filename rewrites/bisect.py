@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 
 from fx_rewrites.engine import GraphInputError, Report
 from fx_rewrites.engine.errors import NumericMismatch
+from fx_rewrites.program import quiet_torch_pytree
 
 __all__ = ["NumericMismatch", "check", "difference", "input_sets", "references", "run"]
 
@@ -74,7 +75,9 @@ def run(program: Program, args: tuple[Any, ...]) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if isinstance(program, ExportedProgram):
-            return copy.deepcopy(program).module()(*args)
+            with quiet_torch_pytree():  # copying its TreeSpecs makes torch 2.13 warn about its own pytree code
+                copied = copy.deepcopy(program).module()
+            return copied(*args)
         return program(*args)
 
 

@@ -275,3 +275,16 @@ def test_a_graph_out_of_topological_order_is_refused():
     n0.args = (n1,)  # n0 now reads n1, which comes after it
     with pytest.raises(PartitionError, match=r"node 'n0' reads 'n1', defined after it: .* not in topological order"):
         partition(gm.graph, lambda node: True)
+
+
+def test_split_lets_no_torch_pytree_warning_escape(recwarn):
+    """split() copies the export's pytree calling convention, on which torch 2.13 warned about its own pytree
+    code (`isinstance(treespec, LeafSpec)` is deprecated): silenced there, and only there."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    gm = torch.export.export(model, (torch.randn(2, 4),)).module()
+    parts = partition(gm.graph, lambda node: node.target is not torch.ops.aten.relu.default)
+    recwarn.clear()
+    runner = split(gm, parts)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(runner(x), model(x))
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []

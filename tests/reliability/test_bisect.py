@@ -122,3 +122,14 @@ def test_check_takes_input_tuples(bad):
 def test_inputs_the_program_cannot_take_are_named():
     with pytest.raises(fx_rewrites.GraphInputError, match=r"check= input set 0 does not run on the graph before"):
         fx_rewrites.apply(_ep(), DEFAULT, check=(torch.randn(2, 5),))
+
+
+def test_check_lets_no_torch_pytree_warning_escape(recwarn):
+    """apply(check=...) copies the program to run it, and torch 2.13 warned about its own pytree code
+    (`isinstance(treespec, LeafSpec)` is deprecated) on each copy: silenced there, and only there.
+    (recwarn records every warning, the LeafSpec one that pyproject's filterwarnings ignores included.)"""
+    ep = rt.export(Net(), torch.randn(1, 3, 4, 4))
+    recwarn.clear()
+    result = fx_rewrites.apply(ep, check=[(torch.randn(1, 3, 4, 4),), (torch.randn(1, 3, 4, 4),)])
+    assert result.report.converged
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []
