@@ -91,24 +91,24 @@ def test_rule_example_and_its_test_pass_with_pytest_outside_the_clone(tmp_path):
 def test_adding_a_rule_to_the_defaults_as_the_readme_says(tmp_path):
     (tmp_path / "my_rules.py").write_text(_python_blocks()[RULE_PACK])
     text = " ".join(README.read_text().split())
-    assert "`fx_rewrites.apply(ep, fx_rewrites.rules.DEFAULT + lift_to_clone)`" in text
-    assert '`backends.get("iree").rules + lift_to_clone`' in text
+    assert "`fx_rewrites.apply(ep, fx_rewrites.rules.DEFAULT + my_lift_to_clone)`" in text
+    assert '`backends.get("iree").rules + my_lift_to_clone`' in text
     _outside(
         tmp_path,
         f"""
         run({USE})
-        from my_rules import lift_to_clone
+        from my_rules import my_lift_to_clone
         from fx_rewrites import backends
-        result = fx_rewrites.apply(ep, fx_rewrites.rules.DEFAULT + lift_to_clone)   # as the README writes it
+        result = fx_rewrites.apply(ep, fx_rewrites.rules.DEFAULT + my_lift_to_clone)   # as the README writes it
         assert result.report.converged
         default = fx_rewrites.rules.DEFAULT
-        for rules in (default + lift_to_clone, default | lift_to_clone, default + [lift_to_clone]):
+        for rules in (default + my_lift_to_clone, default | my_lift_to_clone, default + [my_lift_to_clone]):
             assert rules.names()[-1] == "my_lift_to_clone" and set(default.names()) < set(rules.names())
-        iree_rules = backends.get("iree").rules + lift_to_clone  # Phases: the rule ends the first phase
+        iree_rules = backends.get("iree").rules + my_lift_to_clone  # Phases: the rule ends the first phase
         assert iree_rules.sets[0].names()[-1] == "my_lift_to_clone"
-        assert (lift_to_clone + default).names()[0] == "my_lift_to_clone"
+        assert (my_lift_to_clone + default).names()[0] == "my_lift_to_clone"
         import attrs
-        same_name = attrs.evolve(lift_to_clone, name="lift_fresh_copy_to_clone")
+        same_name = attrs.evolve(my_lift_to_clone, name="lift_fresh_copy_to_clone")
         try:
             default + same_name
         except fx_rewrites.RuleDefinitionError as e:
