@@ -105,9 +105,13 @@ def compile(
 ) -> Compiled:
     """Export `model` with `args`/`kwargs` (an ExportedProgram is taken as is), apply the backend's
     rules (`fx_rewrites.apply(program, backend.rules)`) and compile. `backend` is a registered name
-    or a Backend; `dynamic_shapes` goes to torch.export (e.g. `{"x": {0: torch.export.Dim("batch")}}`)."""
+    or a Backend; `dynamic_shapes` goes to torch.export (e.g. `{"x": {0: torch.export.Dim("batch")}}`).
+
+    A `torch.cond` on the input sizes (`x.shape[1] <= 512` with a Dim) is compiled side by side and each call
+    runs the side its sizes pick (`fx_rewrites.app.dispatch`); `.program` computes both and selects."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
+    from fx_rewrites.app.dispatch import compile_dispatch, size_conds
 
     target = backends.get(backend) if isinstance(backend, str) else backend
     if isinstance(args, list):
@@ -134,7 +138,11 @@ def compile(
             )
         result = apply(program, target.rules)
         result.report.warn_unless_converged(target.name)
-        runtime = target.compile(result.program, args)
+        dispatched = size_conds(program)
+        if len(dispatched) == 1:  # a cond on the sizes: each side compiled, the call's sizes pick one
+            runtime = compile_dispatch(program, dispatched[0], target, args)
+        else:
+            runtime = target.compile(result.program, args)
     return Compiled(target.name, result.program, result.report, runtime)
 
 
