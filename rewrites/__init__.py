@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from fx_rewrites import rules
     from fx_rewrites.api import Result, apply
     from fx_rewrites.app.compile import Compiled, compile, load
+    from fx_rewrites.app.localize import Localization, localize
     from fx_rewrites.engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
     from fx_rewrites.engine.errors import GraphInputError
     from fx_rewrites.kinds import (
@@ -63,6 +64,7 @@ _FROM = {
     ),
     **dict.fromkeys(("Phases", "RuleSet"), "fx_rewrites.ruleset"),
     **dict.fromkeys(("Compiled", "compile", "load"), "fx_rewrites.app.compile"),
+    **dict.fromkeys(("Localization", "localize"), "fx_rewrites.app.localize"),
 }
 
 
@@ -95,6 +97,7 @@ __all__ = [
     "FromArg",
     "FunctionRule",
     "GraphInputError",
+    "Localization",
     "Miss",
     "NonConvergence",
     "NumericMismatch",
@@ -112,6 +115,7 @@ __all__ = [
     "compile",
     "from_arg",
     "load",
+    "localize",
     "rule",
     "rules",
 ]

@@ -5,6 +5,7 @@
     fx-rewrites explain MODEL [--html out.html]  what the rules did to its graph, and why not
     fx-rewrites compile MODEL -o model.vmfb      a module iree-run-module runs [--params model.irpa: weights apart]
     fx-rewrites rules [--backend NAME] [--long]  the rules and their root ops, one line each (--long: what each fixes)
+    fx-rewrites localize MODEL [--no-rules]      the first node the backend gets wrong, and a reproduction
 
 MODEL is `PATH.py:FACTORY` (FACTORY() returns `(module, example_args[, example_kwargs])`) or
 a `PATH.pt2` saved with `torch.export.save`. Exit status: 0 pass, 1 fail,
@@ -22,6 +23,7 @@ import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 
+from fx_rewrites.app.cli import localize
 from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_USAGE, InputError, _traceback
 
 #: each command's function, imported when that command runs (torch and the rule packs load only then, so
@@ -32,6 +34,7 @@ COMMANDS = {
     "explain": "fx_rewrites.app.cli.commands:cmd_explain",
     "compile": "fx_rewrites.app.cli.artifacts:cmd_compile",
     "rules": "fx_rewrites.app.cli.commands:cmd_rules",
+    "localize": "fx_rewrites.app.cli.localize:cmd_localize",
 }
 
 
@@ -134,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
         "-l", "--long", action="store_true", help="each rule's priority and the failure it fixes, not one line each"
     )
     rules.add_argument("-v", "--verbose", action="store_true", help="--long, listing every root overload")
+    localize.add_parser(sub)
     return p
 
 

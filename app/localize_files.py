@@ -1,0 +1,284 @@
+"""What the localizer says and writes: the report, a standalone reproduction, a guard-rule skeleton and its test.
+
+The reproduction is Python only (no pickles): the failing piece as a function of aten calls, its inputs from
+a seed (small tensors written out exactly, larger ones drawn over the recorded range), the backend's compile
+and the comparison against eager and float64. It exits 1 when it reproduces the finding, 0 when not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import operator
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fx_rewrites.explain import format_value
+from fx_rewrites.schema import op_name
+
+#: tensors up to this many elements are written out exactly; larger ones drawn from the seed
+EXACT = 64
+
+
+def source_line(node: Node) -> str:
+    """ "model.py:9 in forward: `z = F.gelu(y)`" from the node's stack trace, or which rule made the node."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if frames:
+        path, line, fn, code = frames[-1]
+        return f"{path}:{line} in {fn}: `{code.strip()}`"
+    made = [r.get("rule") for r in node.meta.get("rewrites", ()) if isinstance(r, dict)]
+    made = [getattr(r, "name", r) for r in made]
+    return f"none recorded (a node made by the rule {made[-1]})" if made else "none recorded"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shapes(values: list[Any]) -> str:
+    return ", ".join(format_value(v) for v in values) or "none"
+
+
+def report(loc: Any) -> str:
+    """The localization as text for a terminal."""
+    how = "after the backend's rules" if loc.rules else "as exported (no rules)"
+    out = [
+        f"fx-rewrites localize: {loc.label} on {loc.backend}, {how}",
+        f"the program as a whole on {loc.backend}: {textwrap.shorten(loc.whole, 300)}",
+        f"searched {loc.nodes} nodes: {loc.compiles} compiles, {loc.seconds:.1f} s",
+    ]
+    f = loc.finding
+    if f is None:
+        out.append(f"PASS: {loc.backend} matches eager on every node (each output within its dtype's tolerance)")
+        return "\n".join(out)
+    node = f.node
+    where = f"node {node.name} ({f.op})" if len(f.nodes) == 1 else f"{len(f.nodes)} nodes from {node.name} on"
+    out.append(f"FOUND: {where}: {f.kind} on {loc.backend}")
+    if len(f.nodes) > 1:
+        out.append(
+            "  no smaller piece fails; together: " + ", ".join(f"{n.name} ({op_name(n.target)})" for n in f.nodes)
+        )
+    out.append(f"  source: {source_line(node)}")
+    out.append(f"  inputs: {_shapes(f.inputs)}")
+    value = node.meta.get("val")
+    if value is not None:
+        out.append(f"  output: {format_value(value)}")
+    if f.error:
+        out.append(f"  error: {textwrap.shorten(f.error, 900)}")
+    j = f.judgement
+    if j is not None:
+        out.append(f"  {j.reason}")
+        if j.vs_eager is not None:
+            out.append(f"  vs eager: max abs diff {j.vs_eager:.2e}")
+        if j.backend_error is not None:
+            ratio = j.backend_error / j.torch_error if j.torch_error else math.inf
+            out.append(
+                f"  vs float64 (the op on the recorded inputs in float64): {loc.backend} {j.backend_error:.2e}, "
+                f"torch {_dtype(j.dtype)} {j.torch_error:.2e} ({ratio:.0f}x)"
+            )
+    if f.refused:
+        out.append(f"  the {loc.backend} backend refuses this form by default: {textwrap.shorten(f.refused, 400)}")
+    for path in loc.written:
+        out.append(f"wrote {path}")
+    if loc.reproduced is not None:
+        out.append(f"the reproduction reproduces it here: {'yes' if loc.reproduced else 'NO (see repro.py)'}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- Python text
+
+
+def literal(v: Any) -> str:
+    """`v` as Python source that builds it."""
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else f"float({str(v)!r})"
+    if v is None or isinstance(v, (bool, int, str)):
+        return repr(v)
+    if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(v)
+    if isinstance(v, torch.device):
+        return f"torch.device({str(v)!r})"
+    if isinstance(v, list):
+        return f"[{', '.join(literal(x) for x in v)}]"
+    if isinstance(v, tuple):
+        return f"({', '.join(literal(x) for x in v)}{',' if len(v) == 1 else ''})"
+    if isinstance(v, Node):
+        return v.name
+    raise ValueError(f"cannot write {type(v).__name__} {v!r} as Python")
+
+
+def _callee(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def program_source(piece: GraphModule) -> str:
+    """The piece as `def program(...)` of torch.ops calls."""
+    params = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
+    body = []
+    for n in piece.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            body.append(f"{n.name} = {literal(n.args[0])}[{literal(n.args[1])}]")
+        elif n.op == "call_function":
+            args = [literal(a) for a in n.args] + [f"{k}={literal(v)}" for k, v in n.kwargs.items()]
+            body.append(f"{n.name} = {_callee(n.target)}({', '.join(args)})")
+        elif n.op == "output":
+            body.append(f"return {literal(tuple(n.args[0]))}")
+        elif n.op != "placeholder":
+            raise ValueError(f"cannot write the {n.op} node {n.name} as Python (a subgraph)")
+    return f"def program({', '.join(params)}):\n" + textwrap.indent("\n".join(body), "    ")
+
+
+def input_source(name: str, t: torch.Tensor) -> str:
+    """A line making a tensor like `t`: its exact values when small, else drawn over its range."""
+    shape, dtype = list(t.shape), str(t.dtype)
+    if t.numel() <= EXACT:
+        return f"{name} = torch.tensor({literal(t.tolist())}, dtype={dtype}).reshape({shape})"
+    if t.dtype == torch.bool:
+        return f"{name} = torch.randint(0, 2, {shape}, generator=g).bool()"
+    if t.is_complex():
+        return f"{name} = torch.randn({shape}, dtype={dtype}, generator=g)"
+    finite = t[torch.isfinite(t)] if t.is_floating_point() else t
+    low, high = (finite.min().item(), finite.max().item()) if finite.numel() else (0, 1)
+    if t.is_floating_point():
+        if low == high:
+            return f"{name} = torch.full({shape}, {literal(float(low))}, dtype={dtype})"
+        return f"{name} = torch.empty({shape}, dtype={dtype}).uniform_({low!r}, {high!r}, generator=g)"
+    return f"{name} = torch.randint({int(low)}, {int(high) + 1}, {shape}, dtype={dtype}, generator=g)"
+
+
+def inputs_source(piece: GraphModule, inputs: list[Any]) -> str:
+    names = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
+    lines = ["g = torch.Generator().manual_seed(seed)"]
+    lines += [input_source(name, t) for name, t in zip(names, inputs)]
+    lines.append(f"return ({''.join(f'{n}, ' for n in names)})")
+    return "def inputs(seed=0):\n" + textwrap.indent("\n".join(lines), "    ")
+
+
+#: the comparison the reproduction and the guard's test make (as `compare.judge`, written out)
+WRONG = '''
+def wrong(got, expected, reference):
+    """Why the backend's output is wrong ("" if right): its error against float64 over 10x torch's own."""
+    if got.shape != expected.shape:
+        return f"shape {list(got.shape)} where eager's is {list(expected.shape)}"
+    if not expected.is_floating_point():
+        return "" if torch.equal(got.to(expected.dtype), expected) else "values differ from eager's"
+    g, e, r = got.double(), expected.double(), reference.double()
+    if not torch.equal(g.isnan(), e.isnan()) or not torch.equal(g.isinf() & (g != e), e.isinf() & (g != e)):
+        return "NaN or inf where eager's is not"
+    keep = g.isfinite() & e.isfinite() & r.isfinite()
+    g, e, r = g[keep], e[keep], r[keep]
+    if not g.numel():
+        return ""
+    ours, theirs = (g - r).abs().max().item(), (e - r).abs().max().item()
+    floor = 8 * torch.finfo(expected.dtype).eps * max(1.0, r.abs().max().item())
+    if ours > 10 * theirs + floor:
+        return f"off by {ours:.2e} against float64 where torch is off by {theirs:.2e}"
+    return ""
+'''
+
+
+def _backend_source(backend: str) -> str:
+    return (
+        f"backend = backends.get({backend!r})\n"
+        "if getattr(backend, 'refuse_wrong_forms', False):  # IREE itself, not its refusal of known wrong forms\n"
+        "    backend = attrs.evolve(backend, refuse_wrong_forms=False)\n"
+        "if hasattr(backend, 'for_demo'):  # ttnn without ttnn: its host emulation\n"
+        "    backend = backend.for_demo()"
+    )
+
+
+def repro_source(loc: Any) -> str:
+    f = loc.finding
+    what = f"{f.kind} on {loc.backend}: node {f.node.name} ({f.op}), source {source_line(f.node)}"
+    return f'''"""Reproduction written by `fx-rewrites localize` for {loc.label}.
+
+{textwrap.fill(what, 110)}
+Run: python repro.py   (exit 1: reproduced; exit 0: not)
+"""
+
+import sys
+
+import attrs
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fx_rewrites import backends
+
+{_backend_source(loc.backend)}
+
+
+{program_source(f.piece)}
+
+
+{inputs_source(f.piece, f.inputs)}
+
+{WRONG}
+
+def upcast(args):
+    return [a.double() if a.is_floating_point() else a for a in args]
+
+
+def main():
+    args = inputs()
+    module = torch.fx.symbolic_trace(program)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(a) for a in args]
+    with mode:
+        FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+    for p, fake in zip([n for n in module.graph.nodes if n.op == "placeholder"], fakes):
+        p.meta["val"] = fake
+    expected, reference = program(*args), program(*upcast(args))
+    try:
+        got = backend.compile(module, args)(*[a.clone() for a in args])
+    except Exception as e:
+        text = " ".join(str(e).split())[:2000]
+        print(f"REPRODUCED: {{backend.name}} fails on {f.op}: {{type(e).__name__}}: {{text}}")
+        return 1
+    for i, (g, e, r) in enumerate(zip(got, expected, reference)):
+        why = wrong(g, e, r)
+        if why:
+            print(f"REPRODUCED: {{backend.name}} computes {f.op} wrong (output {{i}}): {{why}}")
+            return 1
+    print(f"not reproduced: {{backend.name}} matches eager on these inputs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write(loc: Any, out: Path, *, verify: bool = True) -> tuple[list[Path], bool | None]:
+    """repro.py and, for one node, guard_rule.py and test_guard_rule.py in `out`; with `verify`, run repro.py's
+    main() here: did it reproduce the finding?"""
+    from fx_rewrites.app.localize_guard import guard_source, guard_test_source
+
+    out.mkdir(parents=True, exist_ok=True)
+    texts = {"repro.py": repro_source(loc)}
+    if len(loc.finding.nodes) == 1 and isinstance(loc.finding.node.target, torch._ops.OpOverload):
+        texts["guard_rule.py"] = guard_source(loc)
+        texts["test_guard_rule.py"] = guard_test_source(loc)
+    written = []
+    for name, text in texts.items():
+        path = out / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    if not verify:
+        return written, None
+    namespace: dict[str, Any] = {"__name__": "fx_rewrites_localize_repro"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(texts["repro.py"], str(out / "repro.py"), "exec"), namespace)
+        return written, namespace["main"]() == 1
