@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Graph, GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
@@ -72,6 +72,10 @@ class Localization:
     seconds: float
     written: list[Path] = attrs.field(factory=list)
     reproduced: bool | None = None
+    #: nodes not checked (torch could not rebuild them as a piece), with why
+    skipped: list[tuple[Node, str]] = attrs.field(factory=list)
+    #: the name the reproduction gets the backend by (`backends.get`)
+    registered: str = ""
 
     def text(self) -> str:
         from fx_rewrites.app.localize_files import report
@@ -97,14 +101,19 @@ def flat_inputs(program: ExportedProgram, args: Sequence[Any], kwargs: Mapping[s
     from torch.fx import _pytree as fx_pytree
 
     user = iter(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs or {})), program.call_spec.in_spec))
+    signature = program.graph_signature
+    mutated = {*signature.buffers_to_mutate.values(), *signature.user_inputs_to_mutate.values()}
     flat = []
-    for spec in program.graph_signature.input_specs:
+    for spec in signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
-            flat.append(next(user))
+            value = next(user)
         elif spec.target in program.state_dict:
-            flat.append(program.state_dict[spec.target])
+            value = program.state_dict[spec.target]
         else:
-            flat.append(program.constants[spec.target])
+            value = program.constants[spec.target]
+        # a copy of what a run writes back into (a compiled program may update the program's own buffers)
+        mutable = spec.arg.name in mutated or spec.target in mutated
+        flat.append(value.clone() if mutable and isinstance(value, torch.Tensor) else value)
     return flat
 
 
@@ -240,12 +249,23 @@ class _Search:
     values: Mapping[str, Any]
     tolerance: tuple[float, float]
     compiles: int = 0
+    #: nodes torch could not rebuild as a piece of their own (not checked), with why
+    skipped: list[tuple[Node, str]] = attrs.field(factory=list)
+    _references: dict[str, Any] = attrs.field(factory=dict)
+
+    def reference(self, node: Node) -> Any:
+        if node.name not in self._references:
+            self._references[node.name] = float64_reference(node, self.values)
+        return self._references[node.name]
 
     def try_piece(self, nodes: Sequence[Node]) -> Finding | None:
         """Compile and run `nodes` on the backend; a Finding when it fails or an output is judged wrong."""
         try:
             gm, inputs, outputs = build_piece(nodes, self.values)
-        except Exception as e:  # torch cannot rebuild the piece: not the backend's fault, say so
+        except Exception as e:  # torch cannot rebuild the piece: not the backend's fault; halves may do
+            if len(nodes) == 1:
+                self.skipped.append((nodes[0], _describe(e)))
+                return None
             return Finding("rebuild failure", list(nodes), error=_describe(e))
         self.compiles += 1
         try:
@@ -266,7 +286,7 @@ class _Search:
             expected = self.values[node.name] if index is None else self.values[node.name][index]
             source = node if node.target is not operator.getitem else node.args[0]
             index = node.args[1] if node.target is operator.getitem else index
-            reference = float64_reference(source, self.values)
+            reference = self.reference(source)
             if isinstance(reference, (tuple, list)):
                 reference = reference[index] if index is not None else None
             verdict = judge(value, expected, reference, FACTOR, *self.tolerance)
@@ -285,7 +305,7 @@ class _Search:
             inner = self.bisect(part)
             if inner is not None:
                 return inner
-        return found if found.kind != "wrong numbers" else None
+        return found if found.kind not in ("wrong numbers", "rebuild failure") else None
 
     def each(self, nodes: Sequence[Node]) -> Finding | None:
         for node in nodes:
@@ -356,8 +376,8 @@ def localize(
     from fx_rewrites.api import apply
 
     start = time.perf_counter()
-    target = backends.get(backend) if isinstance(backend, str) else backend
-    target = target.for_demo() if hasattr(target, "for_demo") else target  # ttnn without ttnn: emulated
+    given = backends.get(backend) if isinstance(backend, str) else backend
+    target = given.for_demo() if hasattr(given, "for_demo") else given  # ttnn without ttnn: emulated
     args, kwargs = tuple(args), dict(kwargs or {})
     if not isinstance(program, ExportedProgram):
         program = torch.export.export(program, args, kwargs or None)
@@ -366,8 +386,15 @@ def localize(
     flat = flat_inputs(program, args, kwargs)
     values = record(program.graph_module, flat)
     output = program.graph_module.graph.output_node()
-    expected = [values[a.name] for a in pytree.tree_leaves(output.args[0]) if isinstance(a, Node)]
-    whole = _whole(target, program, args, kwargs, expected)
+    specs = program.graph_signature.output_specs
+    user = [a for a, spec in zip(output.args[0], specs) if spec.kind == OutputKind.USER_OUTPUT]
+    expected = [values[a.name] if isinstance(a, Node) else a for a in user]
+    mutated = set(program.graph_signature.buffers_to_mutate.values())
+    saved = {k: v.clone() for k, v in program.state_dict.items() if k in mutated}
+    copies = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, (args, kwargs))
+    whole = _whole(target, program, *copies, expected)
+    for k, v in saved.items():  # the backend may have updated the program's own buffers: put them back
+        program.state_dict[k].copy_(v)
     todo = units(program.graph_module, values)
     tolerance = (getattr(target, "rtol", 0.0), getattr(target, "atol", 0.0))
     search = _Search(measuring(target), values, tolerance)
@@ -375,4 +402,17 @@ def localize(
     if finding is not None:
         finding.refused = _refused(target, finding)
     name = getattr(target, "name", str(backend))
-    return Localization(name, label, rules, finding, whole, len(todo), search.compiles + 1, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    registered = backend if isinstance(backend, str) else getattr(given, "name", name)
+    return Localization(
+        name,
+        label,
+        rules,
+        finding,
+        whole,
+        len(todo),
+        search.compiles + 1,
+        seconds,
+        skipped=search.skipped,
+        registered=registered,
+    )

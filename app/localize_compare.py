@@ -41,6 +41,7 @@ def _upcast(value: Any) -> Any:
             return value.to(torch.complex128)
         if value.is_floating_point():
             return value.to(torch.float64)
+        return value.clone()  # an op writing into its input must not change the recorded value
     return value
 
 

@@ -111,7 +111,7 @@ from guard_rule import {name}
 
 from fx_rewrites import apply, backends
 
-{_backend_source(loc.backend)}
+{_backend_source(loc.registered or loc.backend)}
 
 
 {program_source(f.piece)}

@@ -185,3 +185,25 @@ def test_the_tolerance_follows_torch_s_own_error():
     assert judge(expected[:-1], expected, reference, 10.0).wrong
     ints = torch.arange(4)
     assert judge(ints + 1, ints, None, 10.0).wrong and not judge(ints, ints, None, 10.0).wrong
+
+
+class Counter(torch.nn.Module):
+    """Updates a buffer in forward: a compiled program may write into the program's own buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.count.add_(x.sum(0))
+        return x * self.count, x.relu()
+
+
+def test_a_buffer_update_is_recorded_from_a_copy_and_the_program_is_left_as_it_was():
+    x = torch.randn(4, 3)
+    program = torch.export.export(Counter(), (x,))
+    found = fx_rewrites.localize(program, (x,), backend="iree")
+    assert found.finding is None and found.compiles == 2, found.text()  # the whole, then one piece of all
+    assert torch.equal(program.state_dict["count"], torch.zeros(3))
+    as_exported = fx_rewrites.localize(program, (x,), backend="iree", rules=False)
+    assert (as_exported.finding.kind, as_exported.finding.op) == ("compile failure", "aten.add_.Tensor")
