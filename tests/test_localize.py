@@ -207,3 +207,18 @@ def test_a_buffer_update_is_recorded_from_a_copy_and_the_program_is_left_as_it_w
     assert torch.equal(program.state_dict["count"], torch.zeros(3))
     as_exported = fx_rewrites.localize(program, (x,), backend="iree", rules=False)
     assert (as_exported.finding.kind, as_exported.finding.op) == ("compile failure", "aten.add_.Tensor")
+
+
+class Fold(torch.nn.Module):
+    """`F.fold` (aten.col2im): IREE 3.13's error names `torch.constant.int` at <unknown>, not the op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.fold(x * 2.0, (8, 8), kernel_size=2, stride=2) - 1.0
+
+
+def test_a_compile_failure_is_named_by_its_aten_op_where_iree_names_a_constant(tmp_path):
+    found = fx_rewrites.localize(Fold(), (torch.randn(1, 4, 16),), backend="iree", rules=False)
+    assert (found.finding.kind, found.finding.op) == ("compile failure", "aten.col2im.default")
+    assert "FOUND: node col2im (aten.col2im.default): compile failure on iree" in found.text()
+    found.write(tmp_path)
+    assert found.reproduced
