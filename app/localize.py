@@ -76,6 +76,8 @@ class Localization:
     skipped: list[tuple[Node, str]] = attrs.field(factory=list)
     #: the name the reproduction gets the backend by (`backends.get`)
     registered: str = ""
+    #: what the result cannot say (ttnn's host emulation), "" if nothing
+    note: str = ""
 
     def text(self) -> str:
         from fx_rewrites.app.localize_files import report
@@ -404,6 +406,12 @@ def localize(
     name = getattr(target, "name", str(backend))
     seconds = time.perf_counter() - start
     registered = backend if isinstance(backend, str) else getattr(given, "name", name)
+    note = ""
+    if target is not given:  # ttnn without ttnn: the recorded run and the emulation both run the stand-ins' bodies
+        note = (
+            "the device regions ran in their host emulation, the stand-ins' own torch bodies, which the recorded "
+            "run on torch ran too: it compares the emulation with itself. Run it where ttnn is installed"
+        )
     return Localization(
         name,
         label,
@@ -415,4 +423,5 @@ def localize(
         seconds,
         skipped=search.skipped,
         registered=registered,
+        note=note,
     )

@@ -55,6 +55,8 @@ def report(loc: Any) -> str:
         f"searched {loc.nodes} nodes: {loc.compiles} compiles, {loc.seconds:.1f} s",
     ]
     f = loc.finding
+    if loc.note:
+        out.append(f"note: {loc.note}")
     if loc.skipped:
         out.append(f"not checked ({len(loc.skipped)} nodes torch could not rebuild as a piece of their own):")
         out += [f"  {n.name} ({op_name(n.target)}): {textwrap.shorten(why, 200)}" for n, why in loc.skipped[:5]]

@@ -147,9 +147,11 @@ def test_a_model_the_backend_matches_exits_0_and_writes_nothing(model_file, tmp_
     assert not out.exists()
 
 
-def test_eager_matches_itself(model_file, capsys):
+def test_eager_matches_itself_and_ttnn_s_emulation_says_what_it_cannot_tell(model_file, capsys):
     assert main(["localize", f"{model_file}:gelu", "--backend", "eager", "--out", "unused"]) == 0
     assert "PASS: eager matches eager" in capsys.readouterr().out
+    assert main(["localize", f"{model_file}:fine", "--backend", "ttnn", "--out", "unused"]) == 0
+    assert "it compares the emulation with itself" in capsys.readouterr().out
 
 
 def test_bad_input_exits_2(model_file, tmp_path, capsys):
