@@ -211,6 +211,7 @@ def repro_source(loc: Any) -> str:
 Run: python repro.py   (exit 1: reproduced; exit 0: not)
 """
 
+import inspect
 import sys
 
 import attrs
@@ -237,6 +238,10 @@ def upcast(args):
 def main():
     args = inputs()
     module = torch.fx.symbolic_trace(program)
+    lines, first = inspect.getsourcelines(program)
+    body = [(first + i, text.strip()) for i, text in enumerate(lines) if " = " in text]
+    for n, (line, text) in zip([n for n in module.graph.nodes if n.op == "call_function"], body):
+        n.meta["stack_trace"] = f'  File "{{__file__}}", line {{line}}, in program\\n    {{text}}\\n'  # for errors
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(a) for a in args]
     with mode:
@@ -284,7 +289,7 @@ def write(loc: Any, out: Path, *, verify: bool = True) -> tuple[list[Path], bool
         written.append(path)
     if not verify:
         return written, None
-    namespace: dict[str, Any] = {"__name__": "fx_rewrites_localize_repro"}
+    namespace: dict[str, Any] = {"__name__": "fx_rewrites_localize_repro", "__file__": str(out / "repro.py")}
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(texts["repro.py"], str(out / "repro.py"), "exec"), namespace)

@@ -121,6 +121,10 @@ def test_a_compile_failure_names_its_aten_op_and_the_reproduction_reproduces_it(
     run = _run(tmp_path / "repro.py")
     assert run.returncode == 1, run.stdout + run.stderr
     assert "REPRODUCED: iree fails on aten.pad.default: IreeCompileError" in run.stdout
+    pad_line = next(
+        i for i, line in enumerate((tmp_path / "repro.py").read_text().splitlines(), 1) if "aten.pad.default(" in line
+    )
+    assert f"at {tmp_path / 'repro.py'}:{pad_line}:0: expected offsets" in run.stdout  # not at ?:0:0
     assert "torch.ops.aten.pad.default(relu, [-1, -1])" in (tmp_path / "repro.py").read_text()
 
 
