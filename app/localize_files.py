@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import operator
+import pprint
 import re
 import textwrap
 from pathlib import Path
@@ -101,16 +103,23 @@ def report(loc: Any) -> str:
 # ----------------------------------------------------------------------------- Python text
 
 
+def quoted(text: str) -> str:
+    """A Python string literal in double quotes (the project's style)."""
+    return json.dumps(text)
+
+
 def literal(v: Any) -> str:
     """`v` as Python source that builds it."""
     if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else f"float({str(v)!r})"
-    if v is None or isinstance(v, (bool, int, str)):
+        return repr(v) if math.isfinite(v) else f"float({quoted(str(v))})"
+    if isinstance(v, str):
+        return quoted(v)
+    if v is None or isinstance(v, (bool, int)):
         return repr(v)
     if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
         return str(v)
     if isinstance(v, torch.device):
-        return f"torch.device({str(v)!r})"
+        return f"torch.device({quoted(str(v))})"
     if isinstance(v, list):
         return f"[{', '.join(literal(x) for x in v)}]"
     if isinstance(v, tuple):
@@ -143,29 +152,38 @@ def program_source(piece: GraphModule) -> str:
     return f"def program({', '.join(params)}):\n" + textwrap.indent("\n".join(body), "    ")
 
 
-def input_source(name: str, t: torch.Tensor) -> str:
-    """A line making a tensor like `t`: its exact values when small, else drawn over its range."""
+def _drawn(t: torch.Tensor) -> str:
+    """An expression drawing a tensor like `t` from the generator `g`: over its range, of its shape and dtype."""
     shape, dtype = list(t.shape), str(t.dtype)
-    if t.numel() <= EXACT:
-        return f"{name} = torch.tensor({literal(t.tolist())}, dtype={dtype}).reshape({shape})"
     if t.dtype == torch.bool:
-        return f"{name} = torch.randint(0, 2, {shape}, generator=g).bool()"
+        return f"torch.randint(0, 2, {shape}, generator=g).bool()"
     if t.is_complex():
-        return f"{name} = torch.randn({shape}, dtype={dtype}, generator=g)"
+        return f"torch.randn({shape}, dtype={dtype}, generator=g)"
     finite = t[torch.isfinite(t)] if t.is_floating_point() else t
     low, high = (finite.min().item(), finite.max().item()) if finite.numel() else (0, 1)
     if t.is_floating_point():
         if low == high:
-            return f"{name} = torch.full({shape}, {literal(float(low))}, dtype={dtype})"
-        return f"{name} = torch.empty({shape}, dtype={dtype}).uniform_({low!r}, {high!r}, generator=g)"
-    return f"{name} = torch.randint({int(low)}, {int(high) + 1}, {shape}, dtype={dtype}, generator=g)"
+            return f"torch.full({shape}, {literal(float(low))}, dtype={dtype})"
+        return f"torch.empty({shape}, dtype={dtype}).uniform_({low!r}, {high!r}, generator=g)"
+    return f"torch.randint({int(low)}, {int(high) + 1}, {shape}, dtype={dtype}, generator=g)"
+
+
+def input_source(name: str, t: torch.Tensor) -> str:
+    """Lines making a tensor like `t`: with seed 0 its recorded values when small, else drawn over its range."""
+    if t.numel() > EXACT:
+        return f"{name} = {_drawn(t)}"
+    values = pprint.pformat(t.tolist(), width=100, compact=True).replace("nan", 'float("nan")')
+    values = re.sub(r"(?<![\w\"])(-?)inf\b", r'\1float("inf")', values)
+    values = textwrap.indent(values, " " * 8).strip()
+    exact = f"torch.tensor(\n        {values},\n        dtype={t.dtype},\n    ).reshape({list(t.shape)})"
+    return f"if seed == 0:  # the values recorded\n    {name} = {exact}\nelse:\n    {name} = {_drawn(t)}"
 
 
 def inputs_source(piece: GraphModule, inputs: list[Any]) -> str:
     names = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
     lines = ["g = torch.Generator().manual_seed(seed)"]
     lines += [input_source(name, t) for name, t in zip(names, inputs)]
-    lines.append(f"return ({''.join(f'{n}, ' for n in names)})")
+    lines.append(f"return ({', '.join(names)}{',' if len(names) == 1 else ''})")
     return "def inputs(seed=0):\n" + textwrap.indent("\n".join(lines), "    ")
 
 
@@ -194,10 +212,10 @@ def wrong(got, expected, reference):
 
 def _backend_source(backend: str) -> str:
     return (
-        f"backend = backends.get({backend!r})\n"
-        "if getattr(backend, 'refuse_wrong_forms', False):  # IREE itself, not its refusal of known wrong forms\n"
+        f"backend = backends.get({quoted(backend)})\n"
+        'if getattr(backend, "refuse_wrong_forms", False):  # IREE itself, not its refusal of known wrong forms\n'
         "    backend = attrs.evolve(backend, refuse_wrong_forms=False)\n"
-        "if hasattr(backend, 'for_demo'):  # ttnn without ttnn: its host emulation\n"
+        'if hasattr(backend, "for_demo"):  # ttnn without ttnn: its host emulation\n'
         "    backend = backend.for_demo()"
     )
 

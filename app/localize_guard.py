@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from fx_rewrites.app.localize_files import WRONG, _backend_source, inputs_source, literal, program_source, source_line
+from fx_rewrites.app.localize_files import (
+    WRONG,
+    _backend_source,
+    inputs_source,
+    literal,
+    program_source,
+    quoted,
+    source_line,
+)
 from fx_rewrites.schema import bind
 
 
@@ -27,7 +35,7 @@ def _root(op: torch._ops.OpOverload) -> str:
 
 
 def _conditions(node: Any) -> list[str]:
-    """`named[...] == value` for each argument that is not a tensor, as measured."""
+    """`named[...] != value` for each argument that is not a tensor: a Miss unless it is as measured."""
     named = bind(node.target, node.args, dict(node.kwargs))
     out = []
     for key, value in named.items():
@@ -37,7 +45,7 @@ def _conditions(node: Any) -> list[str]:
             continue
         if isinstance(value, torch.fx.Node) or (isinstance(value, (list, tuple)) and _has_node(value)):
             continue
-        out.append(f"named.get({key!r}) {'is' if value is None else '=='} {text}")
+        out.append(f"named.get({quoted(key)}) {'is not' if value is None else '!='} {text}")
     return out
 
 
@@ -51,7 +59,7 @@ def guard_source(loc: Any) -> str:
     name = rule_name(op, loc.backend)
     checks = _conditions(node)
     when = "\n".join(
-        [f"    if not ({c}):\n        return Miss({('not the form measured: ' + c)!r})" for c in checks] or ["    pass"]
+        [f"    if {c}:\n        return Miss({quoted('not the form measured: ' + c)})" for c in checks] or ["    pass"]
     )
     doc = f"{f.op}: {f.kind} on {loc.backend} (found by `fx-rewrites localize` in {loc.label})"
     return f'''"""A guard for {f.op} on {loc.backend}: a skeleton written by `fx-rewrites localize`.
@@ -84,11 +92,11 @@ def _measured_form(node: Node) -> bool | Miss:
 
 @rule(
     roots=({_root(op)},),
-    name={name!r},
+    name={quoted(name)},
     when=_measured_form,
     priority=10,
-    tags={{{loc.backend.split("-")[0]!r}, "guard"}},
-    doc={doc!r},
+    tags={{{quoted(loc.backend.split("-")[0])}, "guard"}},
+    doc={quoted(doc)},
 )
 def {name}(node: Node, rw: Rewriter) -> Any:
     # TODO: rewrite the node into ops {loc.backend} computes right, e.g.
@@ -145,6 +153,6 @@ def test_the_rule_fires_and_the_backend_matches():
     for seed in (0, 1):
         args = inputs(seed)
         result = apply(torch.export.export(Form(), args), [{name}])
-        assert result.report.rewrites.get({name!r}), "the rule did not fire"
+        assert result.report.rewrites.get({quoted(name)}), "the rule did not fire"
         assert not _wrong_on(result.program, args)
 '''
