@@ -84,7 +84,8 @@ def judge(
     if exact:
         same = torch.equal(got.to(expected.dtype), expected)
         diff = _max(got.to(torch.float64) - expected.to(torch.float64))
-        reason = "" if same else f"{int((got.to(expected.dtype) != expected).sum())} elements differ from eager's"
+        count = int((got.to(expected.dtype) != expected).sum())
+        reason = "" if same else f"{count} of {expected.numel()} elements differ from eager's"
         return Judgement(not same, reason, shape, dtype, vs_eager=diff)
     if not (got.is_floating_point() or got.is_complex()):
         return Judgement(True, f"dtype {got.dtype} where eager's is {dtype}", shape, dtype)

@@ -29,15 +29,16 @@ EXACT = 64
 
 
 def source_line(node: Node) -> str:
-    """ "model.py:9 in forward: `z = F.gelu(y)`" from the node's stack trace, or which rule made the node."""
+    """ "model.py:9 in forward: `z = F.gelu(y)`" from the node's stack trace, and the rule that made the node."""
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
-    if frames:
-        path, line, fn, code = frames[-1]
-        return f"{path}:{line} in {fn}: `{code.strip()}`"
     made = [r.get("rule") for r in node.meta.get("rewrites", ()) if isinstance(r, dict)]
     made = [getattr(r, "name", r) for r in made]
-    return f"none recorded (a node made by the rule {made[-1]})" if made else "none recorded"
+    by = f" (a node made by the rule {made[-1]})" if made else ""
+    if frames:
+        path, line, fn, code = frames[-1]
+        return f"{path}:{line} in {fn}: `{code.strip()}`{by}"
+    return f"none recorded{by}"
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -228,3 +228,19 @@ def test_a_compile_failure_is_named_by_its_aten_op_where_iree_names_a_constant(t
     assert "FOUND: node col2im (aten.col2im.default): compile failure on iree" in found.text()
     found.write(tmp_path)
     assert found.reproduced
+
+
+def test_a_node_a_rule_made_is_traced_to_the_user_s_line_and_the_rule():
+    from fx_rewrites.app.localize_files import source_line
+
+    program = fx_rewrites.apply(torch.export.export(Crop(), (torch.randn(3, 6),)), backends_rules("iree")).program
+    made = next(n for n in program.graph.nodes if n.target == torch.ops.aten.slice.Tensor)
+    text = source_line(made)
+    assert "in forward: `return F.pad(x.relu(), (-1, -1)) * 3.0`" in text
+    assert "(a node made by the rule negative_pad_to_slice_for_iree)" in text
+
+
+def backends_rules(name: str):
+    from fx_rewrites import backends
+
+    return backends.get(name).rules
