@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fx_rewrites
 from fx_rewrites.app.cli import main
-from fx_rewrites.app.localize_compare import judge
+from fx_rewrites.app.localize.compare import judge
 
 MODEL = """
 import torch
@@ -231,7 +231,7 @@ def test_a_compile_failure_is_named_by_its_aten_op_where_iree_names_a_constant(t
 
 
 def test_a_node_a_rule_made_is_traced_to_the_user_s_line_and_the_rule():
-    from fx_rewrites.app.localize_files import source_line
+    from fx_rewrites.app.localize.files import source_line
 
     program = fx_rewrites.apply(torch.export.export(Crop(), (torch.randn(3, 6),)), backends_rules("iree")).program
     made = next(n for n in program.graph.nodes if n.target == torch.ops.aten.slice.Tensor)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fx_rewrites.app.localize_files import (
+from fx_rewrites.app.localize.files import (
     WRONG,
     _backend_source,
     inputs_source,

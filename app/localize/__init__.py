@@ -5,9 +5,9 @@ print(found.text())                 # the node, its source line, shapes, errors 
 found.write("localize-model/")      # repro.py, guard_rule.py, test_guard_rule.py
 
 The program runs on torch with every intermediate recorded; pieces of its graph (all of it, then halves,
-down to one node) are rebuilt as GraphModules whose inputs are the recorded values (`localize_pieces`) and
+down to one node) are rebuilt as GraphModules whose inputs are the recorded values (`pieces`) and
 compiled on the backend; a piece is wrong when an output's error against the op run in float64 is well above
-torch's own float32 error (`localize_compare.judge`). The first node in graph order wrong alone is reported.
+torch's own float32 error (`compare.judge`). The first node in graph order wrong alone is reported.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from fx_rewrites.app.localize_compare import Judgement, float64_reference, judge
-from fx_rewrites.app.localize_pieces import build_piece, flat_inputs, record, units
+from fx_rewrites.app.localize.compare import Judgement, float64_reference, judge
+from fx_rewrites.app.localize.pieces import build_piece, flat_inputs, record, units
 from fx_rewrites.schema import op_name
 
 #: the factor over torch's own float32 error (against float64) above which a backend's error is wrong
@@ -80,14 +80,14 @@ class Localization:
     note: str = ""
 
     def text(self) -> str:
-        from fx_rewrites.app.localize_files import report
+        from fx_rewrites.app.localize.files import report
 
         return report(self)
 
     def write(self, out: str | Path, *, verify: bool = True) -> list[Path]:
         """Write repro.py, guard_rule.py and test_guard_rule.py for the finding into `out`; with `verify`, run
         the reproduction here and set `reproduced`."""
-        from fx_rewrites.app.localize_files import write
+        from fx_rewrites.app.localize.files import write
 
         if self.finding is None:
             raise ValueError("nothing to write: the backend matches eager on every node")

@@ -294,7 +294,7 @@ if __name__ == "__main__":
 def write(loc: Any, out: Path, *, verify: bool = True) -> tuple[list[Path], bool | None]:
     """repro.py and, for one node, guard_rule.py and test_guard_rule.py in `out`; with `verify`, run repro.py's
     main() here: did it reproduce the finding?"""
-    from fx_rewrites.app.localize_guard import guard_source, guard_test_source
+    from fx_rewrites.app.localize.guard import guard_source, guard_test_source
 
     out.mkdir(parents=True, exist_ok=True)
     texts = {"repro.py": repro_source(loc)}
