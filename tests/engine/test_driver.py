@@ -204,3 +204,48 @@ def test_rule_index_is_built_once_per_rule_list(add_relu_ep, monkeypatch):
     assert len(built) == 1
     rt.assert_fired(rt.apply_rules(add_relu_ep, b, a), "b", times=1)  # another order: another index
     assert len(built) == 2
+
+
+class _LateRoot:
+    """A rule rooted on an op that does not exist yet (as the MoE rule roots on transformers' op, registered
+    when transformers' MoE code is first imported): `roots` looks the op up each time it is read."""
+
+    def __init__(self, namespace: str, op: str) -> None:
+        self.namespace, self.op = namespace, op
+        self.name, self.priority = "late_op_to_mul", 0
+
+    @property
+    def roots(self):
+        packet = getattr(getattr(torch.ops, self.namespace), self.op, None)
+        return (packet.default,) if packet is not None else (_LateRoot,)
+
+    def match(self, node):
+        return True
+
+    def rewrite(self, node, match, rw):
+        rw.replace(node, rw.call(aten.mul.Tensor, node.args[0], 2.0))
+
+
+def test_rule_index_follows_roots_registered_after_it_was_built(add_relu_ep):
+    """An index built while a rule's op was not registered yet must not hide the op once it is."""
+    late = _LateRoot("fxr_test_late", "twice")
+    clamp = _clamp_rule("a", 0)
+    rt.assert_fired(rt.apply_rules(add_relu_ep, clamp, late), "a", times=1)  # the index is built and cached
+
+    @torch.library.custom_op("fxr_test_late::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_fake(lambda x: torch.empty_like(x))
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.fxr_test_late.twice(x).relu()
+
+    inputs = [(torch.randn(3, 4),), (torch.randn(5, 4) - 1,)]
+    for dynamic in (None, ({0: torch.export.Dim("n")},)):
+        ep = rt.export(Twice(), *inputs[0], dynamic_shapes=dynamic)
+        result = rt.apply_rules(ep, clamp, late)
+        rt.assert_fired(result, "late_op_to_mul", times=1)
+        assert torch.ops.fxr_test_late.twice.default not in rt.targets(result)
+        rt.assert_matches_eager(result, Twice(), inputs if dynamic else [inputs[0], (torch.randn(3, 4) + 1,)])

@@ -81,8 +81,9 @@ def grouped_mm_to_gathered_bmm_for_iree(node: Node, rw: Rewriter) -> Any:
 
 
 class _OnRegisteredOp:
-    """A rule whose root is transformers' op as soon as it exists (looked up each time the engine indexes
-    its rules), the placeholder `_not_registered` before; everything else is the wrapped rule's."""
+    """A rule whose root is transformers' op as soon as it exists (looked up each time the engine runs its
+    rules, which rebuilds their index when it changed), the placeholder `_not_registered` before; everything
+    else is the wrapped rule's."""
 
     def __init__(self, inner: FunctionRule) -> None:
         self._inner = inner

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.export import Dim
@@ -43,3 +46,46 @@ def test_grouped_mm_becomes_a_gathered_bmm_on_iree(dynamic):
     compiled = iree.compile(rt.apply_rules(ep, iree.rules).program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(compiled(*args), Experts()(*args), rtol=1e-4, atol=1e-5)
+
+
+#: a fresh process: compile a Linear first (the IREE phases' rule index is built while transformers' op does
+#: not exist), then a tiny Qwen2-MoE, whose experts call the op registered when its MoE code is imported
+_AFTER_ANOTHER_COMPILE = """
+import sys
+sys.modules["torchvision"] = None  # not needed; transformers' image utils would import it
+import torch, fx_rewrites
+assert not hasattr(torch.ops.transformers, "grouped_mm_fallback"), "the op must not exist yet"
+linear = torch.nn.Linear(4, 3).eval()
+x = torch.randn(2, 4)
+torch.testing.assert_close(fx_rewrites.compile(linear, (x,))(x), linear(x))
+import transformers
+config = transformers.Qwen2MoeConfig(
+    vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+    intermediate_size=64, max_position_embeddings=32, use_cache=False, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=16, shared_expert_intermediate_size=32,
+)
+torch.manual_seed(0)
+model = transformers.Qwen2MoeModel(config).eval()
+class Hidden(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = model
+    def forward(self, ids):
+        return self.model(ids).last_hidden_state
+ids = [torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+with torch.no_grad():
+    compiled = fx_rewrites.compile(Hidden(), (ids[0],))
+    for i in ids:
+        torch.testing.assert_close(compiled(i), Hidden()(i), rtol=1e-4, atol=1e-5)
+print("matched")
+"""
+
+
+@pytest.mark.slow
+def test_moe_compiles_after_another_model_in_one_process():
+    """Issue 27: the rule index was cached with the MoE rule's placeholder root, so a MoE model compiled
+    after any other model in one process kept `grouped_mm_fallback` (IreeCompileError); first, it passed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _AFTER_ANOTHER_COMPILE], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0 and "matched" in proc.stdout, proc.stderr[-3000:]
