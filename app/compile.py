@@ -112,6 +112,7 @@ def compile(
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.app.dispatch import compile_dispatch, size_conds
+    from fx_rewrites.program import with_own_state
 
     target = backends.get(backend) if isinstance(backend, str) else backend
     if isinstance(args, list):
@@ -140,9 +141,9 @@ def compile(
         result.report.warn_unless_converged(target.name)
         dispatched = size_conds(program)
         if len(dispatched) == 1:  # a cond on the sizes: each side compiled, the call's sizes pick one
-            runtime = compile_dispatch(program, dispatched[0], target, args)
+            runtime = compile_dispatch(with_own_state(program), dispatched[0], target, args)
         else:
-            runtime = target.compile(result.program, args)
+            runtime = target.compile(with_own_state(result.program), args)  # its own buffers, not .program's
     return Compiled(target.name, result.program, result.report, runtime)
 
 

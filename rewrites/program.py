@@ -8,8 +8,15 @@ import dataclasses
 import warnings
 from collections.abc import Iterator
 
+import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
 from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.node import map_arg
@@ -37,6 +44,8 @@ class ProgramError(RewriteError):
 #: rules can read the signature and record mutations they make explicit.
 INPUT_SPECS = "fx_rewrites_input_specs"  # placeholder name -> InputSpec
 NEW_MUTATIONS = "fx_rewrites_new_mutations"  # [(OutputKind, target)], outputs 0..k-1
+#: the outputs that write a program's own state
+_STATE_WRITES = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
 
 
 def expose_signature(ep: ExportedProgram, gm: GraphModule) -> None:
@@ -155,3 +164,23 @@ def _program(
         constants=ep.constants,
         verifiers=ep.verifiers,
     )
+
+
+def with_own_state(ep: ExportedProgram) -> ExportedProgram:
+    """`ep` with a copy of each buffer or parameter its graph writes (the rest shared): a backend compiling
+    it, or its `module()`, keeps its own running means and counters instead of sharing `ep`'s, so calling
+    one never moves the other's. A shallow copy; `ep` itself is left as it was."""
+    written = {s.target for s in ep.graph_signature.output_specs if s.kind in _STATE_WRITES}
+    if not written:
+        return ep
+
+    def own(value: torch.Tensor) -> torch.Tensor:
+        copied = value.detach().clone()
+        return torch.nn.Parameter(copied, value.requires_grad) if isinstance(value, torch.nn.Parameter) else copied
+
+    copied = copy.copy(ep)
+    copied._state_dict = {k: own(v) if k in written else v for k, v in ep.state_dict.items()}
+    copied._constants = {
+        k: own(v) if k in written and isinstance(v, torch.Tensor) else v for k, v in ep.constants.items()
+    }
+    return copied
