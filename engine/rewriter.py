@@ -247,8 +247,12 @@ class Rewriter:
         self.outputs.append((index, value))
 
     def on_commit(self, fn: Callable[[], None]) -> None:
-        """Call `fn` once the rewrite is committed (bookkeeping outside the
-        graph that must not happen if the rewrite is rolled back)."""
+        """Call `fn` when the rewrite commits (bookkeeping outside the graph
+        that must not happen if the rewrite is rolled back): after its checks
+        passed, before the graph changes, in the order given. One that raises
+        fails the rewrite like a rule that raises: it is rolled back and the
+        graph is as before (what earlier callbacks of it did outside the graph
+        stays: keep each to one step that cannot fail halfway)."""
         self.callbacks.append(fn)
 
     def erase(self, node: Node) -> None:
@@ -265,6 +269,8 @@ class Rewriter:
         """Check, then apply the recorded changes. Returns the nodes whose
         neighbourhood changed (to be re-queued by the engine)."""
         self._check()
+        for fn in self.callbacks:  # inside the transaction: one that raises leaves the graph untouched
+            fn()
         touched: list[Node] = []
         dead: list[Node] = []
         for m in self.modifications:
@@ -301,8 +307,6 @@ class Rewriter:
             for index, value in self.outputs:
                 values_out.insert(index, value)
             output.args = (tuple(values_out),)
-        for fn in self.callbacks:
-            fn()
         dead += [r.old for r in self.replacements if r.after is None] + self.erasures
         dead += [n for n in self.created if not n.users]
         touched += self._sweep(dead)

@@ -249,3 +249,51 @@ def test_rule_index_follows_roots_registered_after_it_was_built(add_relu_ep):
         rt.assert_fired(result, "late_op_to_mul", times=1)
         assert torch.ops.fxr_test_late.twice.default not in rt.targets(result)
         rt.assert_matches_eager(result, Twice(), inputs if dynamic else [inputs[0], (torch.randn(3, 4) + 1,)])
+
+
+def _failing_bookkeeping(ran: list[str]):
+    """relu(x + w) -> clamp_min(w + x, 0): a replacement and an in-place modify, then an on_commit that raises."""
+
+    @fx_rewrites.rule(roots=(aten.relu.default,), name="bookkeeping_raises")
+    def bookkeeping_raises(node, rw):
+        add = node.args[0]
+        rw.modify(add, args=(add.args[1], add.args[0]))
+        rw.replace(node, rw.call(aten.clamp_min.default, add, 0.0))
+        rw.on_commit(lambda: ran.append("first"))
+
+        def fail() -> None:
+            raise RuntimeError("bookkeeping failed")
+
+        rw.on_commit(fail)
+
+    return bookkeeping_raises
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_on_commit_that_raises_rolls_the_rewrite_back(dynamic):
+    """Issue 27: on_commit callbacks ran after the graph had changed and were not rolled back when they raised.
+    They run inside the transaction now: one that raises leaves the graph as before, under both policies."""
+    shapes = ({0: torch.export.Dim("n")}, {0: torch.export.Dim("n")}) if dynamic else None
+    ep = rt.export(AddRelu(), torch.randn(3, 4), torch.randn(3, 4), dynamic_shapes=shapes)
+    inputs = [(torch.randn(3, 4), torch.randn(3, 4)), (torch.randn(5 if dynamic else 3, 4), torch.randn(3, 4) - 1)]
+    if dynamic:
+        inputs[1] = (inputs[1][0], torch.randn(5, 4))
+    ran: list[str] = []
+    gm = copy_graph_module(ep.graph_module)
+    before = str(gm.graph)
+    with pytest.raises(engine.RuleError, match="bookkeeping failed") as info:
+        engine.run(gm.graph, [_failing_bookkeeping(ran)])
+    assert info.value.rule == "bookkeeping_raises" and info.value.node == "relu"
+    assert str(gm.graph) == before  # add keeps its operand order, relu its users
+    gm.graph.lint()
+    gm.recompile()
+    for args in inputs:
+        torch.testing.assert_close(gm(*args)[0], AddRelu()(*args), rtol=0, atol=0)
+
+    result = rt.apply_rules(ep, _failing_bookkeeping(ran), r.add_to_sub, on_error="skip")
+    assert [(s.rule, s.node) for s in result.report.skips] == [("bookkeeping_raises", "relu")]
+    assert "bookkeeping failed" in result.report.skips[0].cause
+    rt.assert_not_fired(result, "bookkeeping_raises")
+    rt.assert_fired(result, "add_to_sub", times=1)
+    assert aten.clamp_min.default not in rt.targets(result) and aten.relu.default in rt.targets(result)
+    rt.assert_matches_eager(result, AddRelu(), inputs)
