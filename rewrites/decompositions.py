@@ -144,10 +144,22 @@ def _copysign(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(_signbit(b.to(dtype)), -magnitude, magnitude)
 
 
-#: ops whose decomposition in torch's table yields prims that lie about their result or that nothing lowers
+def _isfinite(x: torch.Tensor) -> torch.Tensor:
+    """`|x| < inf`: False for NaN as for the infinities. ATen's composite kernel is `(x == x) * (|x| != inf)`,
+    and IREE 3.13 folds `x == x` to True: NaN came out finite (issue 27)."""
+    if x.is_complex():
+        raise NotImplementedError(f"isfinite of {x.dtype}: kept whole")
+    if not x.is_floating_point():
+        return torch.ones_like(x, dtype=torch.bool)  # integers and bool are always finite
+    return x.abs() < math.inf
+
+
+#: ops whose decomposition in torch yields prims that lie about their result or that nothing lowers, or that
+#: a backend folds wrong (isfinite's `x == x`)
 OVERRIDES: dict[OpOverload, Callable[..., Any]] = {
     aten.signbit.default: _signbit,
     aten.copysign.Tensor: _copysign,
+    aten.isfinite.default: _isfinite,
 }
 
 

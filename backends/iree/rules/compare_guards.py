@@ -1,4 +1,5 @@
-"""A comparison of a float tensor with a Python int, which IREE 3.13 folds wrong on a constant tensor.
+"""Comparisons IREE 3.13 folds wrong: a float tensor with a Python int on a constant tensor, and a float
+tensor equal to itself.
 
 `(torch.full_like(x, 3.0) > 0)` is all False on IREE 3.13 (and `== 3` False,
 `< 0` True): with a float tensor that folds to a constant (a `full`, `ones * 3`)
@@ -7,6 +8,10 @@ right, and so is every arithmetic op with an int scalar tried (`+ - * / ** %`,
 clamp, masked_fill, where). torch compares a float tensor with an int scalar
 in the tensor's dtype, so the same comparison with the int written as a float
 is the same op (docs/iree-3.13-findings.md section 15).
+
+`x == x` of a float tensor is all True on IREE 3.13, NaN included (also through a clone or a view of x:
+`x == x.view(n)`), where `x != x`, `x >= x` and `x == x.exp().log()`-like distinct values are right. It is
+how NaN is told apart (ATen's isfinite is `(x == x) * (|x| != inf)`): written as `~(x != x)` instead.
 """
 
 from __future__ import annotations
@@ -49,3 +54,59 @@ def _int_scalar_of_float_tensor(node: Node, args: Mapping[str, Any]) -> dict[str
 )
 def float_scalar_in_comparison_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
     rw.replace(node, rw.call(node.target, m["self"], m["other"]))
+
+
+#: ops whose result holds its operand's values (a copy or a view): IREE sees through them to one value
+_SAME_VALUES = frozenset(
+    {
+        aten.clone.default,
+        aten.alias.default,
+        aten.detach.default,
+        aten.lift_fresh_copy.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.expand.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.unsqueeze.default,
+        aten.slice.Tensor,
+        aten.permute.default,
+        aten.contiguous.default,
+    }
+)
+_MAX_STEPS = 16
+
+
+def _source(value: Any) -> Any:
+    """The node `value` reads its values from, through copies and views."""
+    for _ in range(_MAX_STEPS):
+        if not isinstance(value, Node) or value.target not in _SAME_VALUES or not isinstance(value.args[0], Node):
+            break
+        value = value.args[0]
+    return value
+
+
+def _compared_with_itself(node: Node) -> Miss | bool:
+    a, b = node.args[:2]
+    val = a.meta.get("val") if isinstance(a, Node) else None
+    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+        return Miss("not a floating-point tensor")
+    if _source(a) is not _source(b):
+        return Miss("the operands are different values")
+    return True
+
+
+@rule(
+    roots=(aten.eq.Tensor,),
+    name="float_self_equality_for_iree",
+    when=_compared_with_itself,
+    tags={"iree", "guard"},
+    doc=(
+        "`x == x` of a floating-point tensor (also through a clone or view of x) becomes `~(x != x)`: the "
+        "same values, False at NaN. IREE 3.13 folds `x == x` to True, so NaN compared equal to itself (and "
+        "ATen's isfinite, `(x == x) * (|x| != inf)`, said NaN is finite)."
+    ),
+)
+def float_self_equality_for_iree(node: Node, rw: Rewriter) -> None:
+    rw.replace(node, rw.call(aten.logical_not.default, rw.call(aten.ne.Tensor, *node.args[:2])))

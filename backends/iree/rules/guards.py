@@ -15,7 +15,10 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fx_rewrites import schema
-from fx_rewrites.backends.iree.rules.compare_guards import float_scalar_in_comparison_for_iree
+from fx_rewrites.backends.iree.rules.compare_guards import (
+    float_scalar_in_comparison_for_iree,
+    float_self_equality_for_iree,
+)
 from fx_rewrites.backends.iree.rules.index_guards import int32_index_to_int64_for_iree, negative_put_index_for_iree
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
@@ -378,4 +381,5 @@ RULES = (
     empty_contraction_for_iree,
     instance_norm_input_stats_for_iree,
     float_scalar_in_comparison_for_iree,
+    float_self_equality_for_iree,
 )
