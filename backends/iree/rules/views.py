@@ -262,6 +262,36 @@ def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]
 # -- diagonal ------------------------------------------------------------------------------------------------
 
 
+#: ops that read their input's storage (sizes, strides and offset against the base), not its values
+_STORAGE_READERS = frozenset(
+    op
+    for name, overload in (
+        ("as_strided", "default"),
+        ("as_strided_", "default"),
+        ("as_strided_copy", "default"),
+        ("as_strided_scatter", "default"),
+        ("_reshape_alias", "default"),
+    )
+    if (op := getattr(getattr(aten, name, None), overload, None)) is not None
+)
+
+
+def _reads_storage(view: Node) -> Node | None:
+    """A user of `view`, or of a view of it, that reads the base's storage rather than the view's values."""
+    seen, todo = {view}, [view]
+    while todo:
+        for user in todo.pop().users:
+            if user.op != "call_function" or user in seen:
+                continue
+            if user.target in _STORAGE_READERS:
+                return user
+            returns = getattr(getattr(user.target, "_schema", None), "returns", ())
+            if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):  # a view: follow it
+                seen.add(user)
+                todo.append(user)
+    return None
+
+
 def _diagonal(node: Node) -> dict[str, Any] | Miss:
     named = schema.bind(node.target, node.args, dict(node.kwargs))
     val, out = named["self"].meta.get("val"), node.meta.get("val")
@@ -269,6 +299,9 @@ def _diagonal(node: Node) -> dict[str, Any] | Miss:
         return Miss("the diagonal's length is not static")
     if any(u.op == "call_function" and u.target._schema.is_mutable for u in node.users):
         return Miss("written through in place: the view must stay a view")
+    reader = _reads_storage(node)
+    if reader is not None:
+        return Miss(f"read by {reader.target} ({reader.name!r}), which reads the base's storage: it stays a view")
     n = val.dim()
     return {"self": named["self"], "offset": named.get("offset", 0), "dims": (named.get("dim1", 0) % n,
             named.get("dim2", 1) % n), "length": out.shape[-1], "rank": n}  # fmt: skip
@@ -284,7 +317,8 @@ def _diagonal(node: Node) -> dict[str, Any] | Miss:
         "indexed by arange rows and columns, the diagonal moved last): the same values, selected. IREE 3.13 "
         "returns y itself wrong, silently, when a diagonal of y is read by a broadcast where "
         "(`y, where(eye, y.diagonal().unsqueeze(-1), 0.)` on [2, 2, 2, 4]: y off by up to 2.5; on [3, 3, 2, 4] "
-        "and [4, 4, 8] too), the form the in-place pack gives a write through a diagonal."
+        "and [4, 4, 8] too), the form the in-place pack gives a write through a diagonal. Not when the diagonal, "
+        "or a view of it, is read by as_strided: that reads the base's storage, which a gather does not have."
     ),
 )
 def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:

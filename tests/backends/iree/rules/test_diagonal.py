@@ -112,3 +112,40 @@ def test_a_diagonal_of_symbolic_length_is_left_alone(iree):
     program = rt.export(module, x, dynamic_shapes=({0: Dim("n", min=2, max=8), 1: Dim("m", min=2, max=8)},))
     result = rt.apply_rules(program, iree.rules)
     rt.assert_not_fired(result, diagonal_as_gather_for_iree)
+
+
+class StridedOverDiagonal(torch.nn.Module):
+    """as_strided over a diagonal view (the peer suite's case): it reads the base's storage, not the
+    diagonal's values, so x[0, 0], x[1, 1], x[2, 2] here; `through_view` reaches it through an unsqueeze."""
+
+    def __init__(self, through_view: bool = False) -> None:
+        super().__init__()
+        self.through_view = through_view
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        d = x.diagonal()
+        if self.through_view:
+            d = d.unsqueeze(0)
+        return d.as_strided((3,), (6,)) * y.sum()
+
+
+@pytest.mark.parametrize("through_view", [False, True], ids=["direct", "through_view"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_a_diagonal_read_by_as_strided_stays_a_view(iree, dynamic, through_view):
+    """Issue 27: rewritten to a gather, the diagonal was a fresh 4-element tensor and the importer rejected the
+    as_strided ("indexes outside the base tensor"); as exported IREE ran it right. The rule declines now."""
+    module = StridedOverDiagonal(through_view)
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(4, 5, generator=g), torch.randn(3, generator=g))]
+    inputs.append((torch.randn(4, 5, generator=g), torch.randn(6 if dynamic else 3, generator=g)))
+    shapes = (None, {0: Dim("n", min=2, max=16)}) if dynamic else None
+    program = rt.export(module, *inputs[0], dynamic_shapes=shapes)
+    result = rt.apply_rules(program, diagonal_as_gather_for_iree, explain=True)
+    rt.assert_not_fired(result, diagonal_as_gather_for_iree)
+    assert any("storage" in a.reason for a in result.report.explain(diagonal_as_gather_for_iree.name))
+    result = rt.apply_rules(program, iree.rules)
+    rt.assert_not_fired(result, diagonal_as_gather_for_iree)
+    rt.assert_matches_eager(result, module, inputs, rtol=0, atol=0)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-6, atol=1e-6)
