@@ -6,7 +6,7 @@
   `lowerings`, `scatters`, `moe`, `conv`, `unbatched`);
 - `legalize`: legality-driven decomposition (`fx_rewrites.kinds.legalize` over the measured
   `backends/iree/legality.py`) and the guards against IREE's silent wrong results (`guards`,
-  `compare_guards`, `index_guards`, `views`, `live_scatters`, `steps`, `pooling`);
+  `compare_guards`, `activations`, `index_guards`, `views`, `live_scatters`, `steps`, `pooling`);
 - `performance`: per compile target, chosen by measurement (`performance.BY_TARGET`).
 
 Rule names keep their `_for_iree` suffix: they are what `explain --rule` and reports name.

@@ -15,6 +15,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fx_rewrites import schema
+from fx_rewrites.backends.iree.rules.activations import gelu_tanh_written_out_for_iree
 from fx_rewrites.backends.iree.rules.compare_guards import (
     float_scalar_in_comparison_for_iree,
     float_self_equality_for_iree,
@@ -382,4 +383,5 @@ RULES = (
     instance_norm_input_stats_for_iree,
     float_scalar_in_comparison_for_iree,
     float_self_equality_for_iree,
+    gelu_tanh_written_out_for_iree,
 )
