@@ -20,8 +20,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "special_values.py
 
 #: op -> what is wrong (measured 2026-11-26, IREE 3.13 llvm-cpu); as exported each fails loudly unless said
 KNOWN = {
-    "msort": "NaN sorts first on IREE (eager: last): half the column shifted",
-    "nn.functional.triplet_margin_loss": "NaN inputs give loss 0 (eager NaN); cause not localized",
+    "msort": "NaN sorted after -inf (eager: last); IREE's sort does it as exported too (findings section 19)",
+    "nn.functional.triplet_margin_loss": "loss 0 for NaN (eager NaN): IREE's clamp_min drops NaN, as exported too",
     "nn.functional.triplet_margin_with_distance_loss": "as triplet_margin_loss",
     "nn.functional.grid_sample": "torch's decomposition gives NaN where the kernel pads with 0 (torch too)",
     "grid_sampler_2d": "as grid_sample",
