@@ -219,7 +219,7 @@ def _complex_parts(value: Node, rw: Rewriter, depth: int = 0) -> tuple[Node, Nod
             return source, None
     if value.op != "call_function" or value.target not in _FFTS:
         return Miss(f"a complex value made by {value.target if value.op == 'call_function' else value.op}")
-    plan = _fft_plan(value)
+    plan = _fft_plan(value, schema.arguments(value))
     if isinstance(plan, Miss):
         return plan
     x, dims, code = plan
