@@ -174,10 +174,10 @@ MODELS: tuple[ZooModel, ...] = (
     _tf("convbert", "ConvBertModel", {**_TEXT, **_BERTISH, "embedding_size": 64, "head_ratio": 2,
         "conv_kernel_size": 3}),
     _tf("fnet", "FNetModel", {**_TEXT, **_BERTISH}, text(mask=False)),
-    # padded row: NaN on IREE (the fully-masked-row SDPA form); unpadded: IREE's gelu (tanh approximation) is 2.5e-5 off torch's at the first MLP (compared node by node); the random
-    # network carries that to 1e-4 at the output (252 of 2048 elements over atol 1e-5)
+    # padded row: NaN on IREE (the fully-masked-row SDPA form); IREE's gelu (tanh approximation) was 5e-5 off
+    # float64 where torch is 4e-7 (the tolerance was widened to 2e-4 for it): gelu_tanh_written_out_for_iree
     _tf("gemma3", "Gemma3TextModel", {**_DECODER, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention"]}, tolerance=(1e-4, 2e-4)),
+        "layer_types": ["sliding_attention", "full_attention"]}),
     _tf("modernbert", "ModernBertModel", {**_TEXT, **_BERTISH, "local_attention": 8, "global_attn_every_n_layers": 2,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2}),
     # -- transformers 5: more families
