@@ -21,13 +21,22 @@ from torch.fx import GraphModule, Node
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
-from fx_rewrites.backends.iree.rules.conv import CONVS, conv_one_window_dims, conv_single_window_for_iree
-from fx_rewrites.backends.iree.rules.guards import empty_variance
+from fx_rewrites.backends.iree.rules import live_scatters
+from fx_rewrites.backends.iree.rules.conv import conv_one_window_dims, conv_single_window_for_iree
+from fx_rewrites.backends.iree.rules.guards import (
+    empty_variance,
+    empty_variance_for_iree,
+    instance_norm_input_stats_for_iree,
+    negative_pad_to_slice_for_iree,
+)
+from fx_rewrites.backends.iree.rules.lowerings import logcumsumexp_to_masked_logsumexp_for_iree
 from fx_rewrites.backends.iree.rules.pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
 from fx_rewrites.backends.iree.rules.views import (
     diagonal_as_gather_for_iree,
+    index_put_of_itself_for_iree,
     read_elsewhere,
     reads_destination,
+    slice_scatter_of_itself_for_iree,
     writes_whole_tensor,
 )
 from fx_rewrites.engine import Miss
@@ -180,42 +189,42 @@ def _conv_one_window(node: Node) -> str:
     return f"{what}; no rule rewrites this form ({missed.reason}); fix: export those dims static"
 
 
-#: op -> why IREE computes this node wrong ("" when the node's form is computed right)
-_CHECKS: dict[Any, Callable[[Node], str]] = {
+#: (a guard, what is wrong with a node of its roots in the form it rewrites): the refusal's ops are the guard's own
+#: roots, so the two cannot drift apart
+_GUARDED: tuple[tuple[Any, Callable[[Node], str]], ...] = (
+    (empty_variance_for_iree, _empty_variance),
+    (instance_norm_input_stats_for_iree, _instance_norm),
+    (negative_pad_to_slice_for_iree, _negative_pad),
+    (logcumsumexp_to_masked_logsumexp_for_iree, _logcumsumexp),
+    (pool_single_window_for_iree, _one_window),
+    (conv_single_window_for_iree, _conv_one_window),
+    (diagonal_as_gather_for_iree, _diagonal_of_a_read_tensor),
+    (slice_scatter_of_itself_for_iree, _into_itself),
+    (index_put_of_itself_for_iree, _into_itself),
+    *((guard, _into_itself) for guard in live_scatters.RULES),
+)
+
+#: forms no guard rewrites, refused with the fix a user can make
+_UNGUARDED: dict[Any, Callable[[Node], str]] = {
     **{op: _decomposed_by_rules for name in WRONG_IN_SOME_FORMS for op in schema.resolve_op(name)},
-    **{
-        op: _bag_weights
-        for op in (
+    **dict.fromkeys(
+        (
             aten.embedding_bag.default,
             aten.embedding_bag.padding_idx,
             aten._embedding_bag.default,
             aten._embedding_bag_forward_only.default,
-        )
-    },
-    aten.instance_norm.default: _instance_norm,
-    **{
-        getattr(packet, name): _empty_variance
-        for packet in (aten.var, aten.std, aten.var_mean, aten.std_mean)
-        for name in packet.overloads()
-        if not getattr(packet, name)._schema.is_mutable
-    },
-    aten.logcumsumexp.default: _logcumsumexp,
-    aten.constant_pad_nd.default: _negative_pad,
-    aten.pad.default: _negative_pad,
-    aten.replication_pad1d.default: _negative_pad,
-    aten.replication_pad2d.default: _negative_pad,
-    aten.replication_pad3d.default: _negative_pad,
-    **dict.fromkeys(POOLS_BY_RANK, _one_window),
-    **dict.fromkeys(CONVS, _conv_one_window),
-    aten.diagonal.default: _diagonal_of_a_read_tensor,
-    aten.slice_scatter.default: _into_itself,
-    aten.index_put.default: _into_itself,
-    aten._unsafe_index_put.default: _into_itself,
-    aten.select_scatter.default: _into_itself,
-    aten.scatter.src: _into_itself,
-    aten.scatter.value: _into_itself,
-    aten.scatter_add.default: _into_itself,
-    aten.scatter_reduce.two: _into_itself,
+        ),
+        _bag_weights,
+    ),
+    **dict.fromkeys(
+        (aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default), _negative_pad
+    ),
+}
+
+#: op -> why IREE computes this node wrong ("" when the node's form is computed right)
+_CHECKS: dict[Any, Callable[[Node], str]] = {
+    **_UNGUARDED,
+    **{op: check for guard, check in _GUARDED for op in guard.roots},
 }
 
 
