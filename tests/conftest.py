@@ -11,6 +11,10 @@ from hypothesis import HealthCheck, settings
 from fx_rewrites import testing as rt
 from tests.zoo import torchvision_cpu
 
+# No result may depend on what ran before: the on-disk compile cache (on by default, in the user's cache
+# directory) is off for the tests; the tests of the cache give it a tmp directory of their own.
+os.environ["FX_REWRITES_IREE_CACHE"] = "off"
+
 # transformers 5 imports torchvision where it is installed, and PyPI's torchvision wheel cannot load its
 # compiled ops on CPU torch: register the two its import needs before any test imports transformers
 torchvision_cpu.install()

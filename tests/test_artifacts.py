@@ -114,20 +114,37 @@ def test_save_load_round_trip_keeps_the_call_convention(nested, monkeypatch):
     assert path.with_name("again.vmfb").read_bytes() == path.read_bytes()
 
 
-def test_weights_in_a_parameter_archive(tmp_path):
+def test_weights_in_a_parameter_archive(tmp_path, monkeypatch):
+    from fx_rewrites.backends.iree import invoke
+    from fx_rewrites.backends.iree.parameters import inline_limit
+
     model, (x,) = _net()
+    compiles = []
+    run = invoke.run_iree_compile
+    monkeypatch.setattr(invoke, "run_iree_compile", lambda *a, **k: compiles.append(1) or run(*a, **k))
+    monkeypatch.setattr("fx_rewrites.backends.iree.backend.run_iree_compile", invoke.run_iree_compile)
     compiled = fx_rewrites.compile(model, (x,))
-    compiled.save(tmp_path / "inline.vmfb")
+    # fc.weight (128 KiB) is a parameter, read from the model's memory; the small ones are inline
+    big = {k for k, t in model.state_dict().items() if t.numel() * t.element_size() >= inline_limit()}
+    assert big == {"fc.weight"} and set(compiled.runtime.parameters) == big
+    assert "fc.weight" in compiled.runtime.mlir and "dense_resource<" in compiled.runtime.mlir
+    assert len(compiled.runtime.mlir) < 64 * 1024  # no parameter's bytes in the text
+    assert len(compiles) == 1
     compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    assert len(compiles) == 1, "save(params=) writes the module compile built, without compiling again"
+    assert (tmp_path / "net.vmfb").read_bytes() == compiled.runtime.vmfb
+    compiled.save(tmp_path / "inline.vmfb")  # self-contained: compiled again with the parameters inside
+    assert len(compiles) == 2
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
     assert sizes["inline.vmfb"] > weights  # the weights are inside
-    assert sizes["net.vmfb"] < weights // 2 and sizes["net.irpa"] >= weights  # here they are not: in the archive
+    assert sizes["net.vmfb"] < weights // 2 and sizes["net.irpa"] >= 512 * 64 * 4  # here they are not
     import iree.runtime
 
     index = iree.runtime.ParameterIndex()
     index.load(str(tmp_path / "net.irpa"))
-    assert {key for key, _ in index.items()} == set(model.state_dict())  # keyed by the state-dict names
+    assert {key for key, _ in index.items()} == big  # keyed by the state-dict names
+    torch.testing.assert_close(fx_rewrites.load(tmp_path / "inline.vmfb")(x), model(x), rtol=1e-4, atol=1e-5)
     for loaded in (
         fx_rewrites.load(tmp_path / "net.vmfb"),
         fx_rewrites.load(tmp_path / "net.vmfb", params=tmp_path / "net.irpa"),

@@ -3,9 +3,12 @@
     fn = backends.get("iree").compile(fx_rewrites.apply(ep).program, args)
     fn(*args)  # same inputs and output structure as program.module()
 
-An ExportedProgram's parameters, buffers and lifted constants are frozen
+An ExportedProgram's parameters, buffers and lifted constants are bound
 into the module (`FxImporter.import_frozen_program`), so the callable takes
-the user inputs only. Mutated buffers (BUFFER_MUTATION outputs) stay
+the user inputs only: those of `parameters.inline_limit()` bytes or more
+(64 KiB) as named parameters the runtime reads from the tensors' memory
+(`parameters`), never as MLIR text; smaller ones inline, where IREE folds
+and packs them. Mutated buffers (BUFFER_MUTATION outputs) stay
 arguments, read from and written back to the program's state at each call
 as `program.module()` does; mutated inputs are written back too.
 
@@ -18,8 +21,10 @@ SymInt inputs which are an input's size are recomputed from that input
 `iree-compile` runs as a subprocess (a compiler crash does not take Python
 down) with a time limit (`IreeBackend.compile_timeout_s`; past it,
 `IreeCompileTimeout`; `invoke` says why); compiled modules are cached by
-the hash of the MLIR text, in memory and, when `FX_REWRITES_IREE_CACHE`
-names a directory, on disk. iree is imported on first compile:
+the hash of the MLIR text, in memory and on disk (`cache`: the user's cache
+directory, bounded; `FX_REWRITES_IREE_CACHE=off` for none). A step the
+machine's memory cannot hold raises `IreeMemoryError` before it starts
+(`memory`). iree is imported on first compile:
 `pip install -e '.[iree]'`.
 
 One backend per compile target is registered: `iree` (llvm-cpu, this host),
@@ -36,7 +41,13 @@ Modules: `errors` (what it raises), `invoke` (running iree-compile),
 
 from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend, rules_for
 from fx_rewrites.backends.iree.cache import CACHE_ENV, CompileCache
-from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeImportError, IreeUnsupportedError
+from fx_rewrites.backends.iree.errors import (
+    IreeCompileError,
+    IreeDeviceError,
+    IreeImportError,
+    IreeMemoryError,
+    IreeUnsupportedError,
+)
 from fx_rewrites.backends.iree.importing import INSTALL_HINT
 from fx_rewrites.backends.iree.invoke import TIMEOUT_ENV, IreeCompileTimeout
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
@@ -57,6 +68,7 @@ __all__ = [
     "IreeCompiled",
     "IreeDeviceError",
     "IreeImportError",
+    "IreeMemoryError",
     "IreeTarget",
     "IreeUnsupportedError",
     "rules_for",

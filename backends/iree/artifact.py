@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -162,11 +162,13 @@ def save(
     *,
     unsupported: str = "",
     params: str | Path | None = None,
-    externalize: Callable[[], tuple[bytes, dict[str, torch.Tensor]]] | None = None,
+    parameters: Mapping[str, torch.Tensor] | None = None,
+    embed: Callable[[], bytes] | None = None,
     archive: Path | None = None,
 ) -> None:
-    """Write `vmfb` to `path`; with `params`, the weights go to that .irpa instead (`externalize`
-    compiles the module that reads them), or, for a module loaded with its archive, that archive is copied."""
+    """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor): with `params`, they go
+    to that .irpa (written even when empty, so the documented `--parameters=` command runs); without, `embed`
+    compiles the self-contained module written instead. A module loaded with its archive copies that."""
     from fx_rewrites.backends.iree.parameters import write_archive
 
     if unsupported:
@@ -181,17 +183,18 @@ def save(
         if Path(params).resolve() != archive.resolve():
             shutil.copyfile(archive, params)
         return
-    if params is None:
+    if params is not None:
+        write_archive(parameters or {}, params)
         path.write_bytes(vmfb)
         return
-    if externalize is None:
-        raise ArtifactError(
-            "only a program from torch.export (fx_rewrites.compile, or IreeBackend.compile of an ExportedProgram) "
-            "can put its weights in a parameter archive; this one takes them as inputs. Fix: save without params="
-        )
-    with_params, tensors = externalize()
-    write_archive(tensors, params)
-    path.write_bytes(with_params)
+    if parameters:
+        if embed is None:
+            raise ArtifactError(
+                "this module reads its weights as parameters and cannot put them inside. Fix: pass "
+                "params='NAME.irpa' to save them beside it."
+            )
+        vmfb = embed()
+    path.write_bytes(vmfb)
 
 
 def _looks_like_vmfb(head: bytes) -> bool:

@@ -9,7 +9,7 @@ fn = gpu.compile(program, args)                        # compile and load on the
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -17,13 +17,21 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx_rewrites.backends.iree import wrong_forms
-from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
+from fx_rewrites.backends.iree import memory, wrong_forms
+from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
-from fx_rewrites.backends.iree.parameters import parameter_hooks
+from fx_rewrites.backends.iree.parameters import (
+    INLINE_ENV,
+    embed_parameters,
+    inline_limit,
+    is_parameter,
+    memory_parameters,
+    nbytes,
+    parameter_hooks,
+)
 from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
@@ -58,6 +66,24 @@ def _check_device(backend: IreeBackend, attribute: Any, device: str | None) -> N
             f"device {device!r} is not one the {backend.target.name} code of backend {backend.name!r} runs on; "
             f"give a {' or '.join(drivers)} device (e.g. {drivers[0]!r} or '{drivers[0]}://0')"
         )
+
+
+def _state_tensors(program: ExportedProgram) -> Iterator[torch.Tensor]:
+    """The tensors the importer freezes: `program`'s parameters, buffers and lifted constants."""
+    for value in (*program.state_dict.values(), *program.constants.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+
+
+def _attribute_tensors(gm: GraphModule) -> Iterator[torch.Tensor]:
+    """The tensors `gm` reads with get_attr (imported inline)."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                yield value
 
 
 @attrs.frozen
@@ -99,13 +125,13 @@ class IreeBackend:
         placeholders carry `meta["val"]`, such as the forward graph an
         aot_autograd backend of torch.compile receives (the callable takes
         every placeholder, as the GraphModule does; see `importing`).
-        `example_args` are not needed: both carry their shapes.
+        `example_args` are not needed: both carry their shapes. An
+        ExportedProgram's weights of `parameters.inline_limit()` bytes or
+        more are parameters, served from the tensors' own memory.
         """
         artifact = self.artifact(program)
-        function = self.load(artifact.vmfb)
-        externalize = None
-        if isinstance(program, ExportedProgram):
-            externalize = functools.partial(self._with_parameters, program)
+        function = self.load(artifact.vmfb, artifact.parameters)
+        embed = functools.partial(self._embedded, artifact) if artifact.parameters else None
         return IreeCompiled(
             artifact.plan,
             function,
@@ -113,18 +139,26 @@ class IreeBackend:
             artifact.vmfb,
             artifact.key,
             artifact.from_cache,
-            externalize,
             artifact.unsupported,
+            parameters=artifact.parameters,
+            embed=embed,
         )
 
     def artifact(self, program: ExportedProgram | GraphModule) -> IreeArtifact:
-        """Import and compile `program` (or take it from the cache) without loading it: no device needed."""
+        """Import and compile `program` (or take it from the cache) without loading it: no device needed.
+
+        An ExportedProgram's parameters, buffers and lifted constants of `parameters.inline_limit()`
+        bytes or more become named parameters (`artifact.parameters`, key -> tensor), not MLIR text."""
+        hooks = None
         if isinstance(program, ExportedProgram):
             prepared, plan = prepare_program(program)
             graph_module = program.graph_module
+            limit = inline_limit()
+            inline = sum(nbytes(t) for t in _state_tensors(prepared) if not is_parameter(t, limit))
         elif isinstance(program, GraphModule):
             prepared, plan = prepare_graph_module(program)
             graph_module = program
+            inline = sum(nbytes(t) for t in _attribute_tensors(prepared))
         else:
             raise TypeError(
                 "the IREE backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
@@ -132,26 +166,63 @@ class IreeBackend:
             )
         if self.refuse_wrong_forms:  # IREE's silent wrong results: an error naming the node instead
             wrong_forms.refuse(graph_module)
+        memory.check(
+            "the import and iree-compile",
+            f"a module with {inline / 1e6:.0f} MB of weights inline",
+            memory.compile_estimate(inline),
+            f"lower {INLINE_ENV} (bytes from which a weight is a parameter, now {inline_limit()}), or compile "
+            "a smaller model or batch",
+        )
         iree = iree_modules()
-        entries = reflection(plan, self.driver)
-        mlir = import_mlir(iree, prepared, reflection=entries)
+        if isinstance(program, ExportedProgram):
+            hooks = parameter_hooks(iree, prepared, limit=limit)
+        entries: dict[str, str] = {}
+
+        def entries_now() -> dict[str, str]:  # after the import: whether the module reads parameters
+            entries.update(reflection(plan, self.driver, parameters=bool(hooks and hooks.tensors)))
+            return entries
+
+        mlir = import_mlir(iree, prepared, reflection=entries_now, hooks=hooks)
+        del prepared  # the importer's copy of the graph: done with it
         flags = (*self.flags, *self.perf_flags)
         key = cache_key(mlir, (self.target.name, *flags))
         vmfb, cached = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, graph_module))
-        return IreeArtifact(plan, mlir, vmfb, key, cached, self.target.name, flags, entries.get(UNSUPPORTED_KEY, ""))
+        return IreeArtifact(
+            plan,
+            mlir,
+            vmfb,
+            key,
+            cached,
+            self.target.name,
+            flags,
+            entries.get(UNSUPPORTED_KEY, ""),
+            parameters=dict(hooks.tensors) if hooks is not None else {},
+            graph_module=graph_module,
+        )
 
-    def _with_parameters(self, program: ExportedProgram) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """`program` compiled with its weights as named parameters (see `parameters`), and those weights."""
+    def _embedded(self, artifact: IreeArtifact) -> bytes:
+        """`artifact`'s module compiled again with its parameters inline: a self-contained .vmfb (for
+        `save(path)` without `params=`; the import is not repeated)."""
         iree = iree_modules()
-        prepared, plan = prepare_program(program)  # a fresh copy: an import consumes the one it is given
-        hooks = parameter_hooks(iree, prepared)
-        mlir = import_mlir(iree, prepared, reflection=reflection(plan, self.driver, parameters=True), hooks=hooks)
-        key = cache_key(mlir, (self.target.name, *self.flags, *self.perf_flags))
-        vmfb, _ = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, program.graph_module))
-        return vmfb, hooks.tensors
+        weights = sum(nbytes(t) for t in artifact.parameters.values())
+        memory.check(
+            "iree-compile",
+            f"a self-contained .vmfb with {weights / 1e6:.0f} MB of weights inside",
+            memory.compile_estimate(weights),
+            "save the weights beside it: compiled.save('model.vmfb', params='model.irpa')",
+        )
+        mlir = artifact.mlir
+        if CALL_KEY in (before := reflection(artifact.plan, self.driver, parameters=True)):
+            after = reflection(artifact.plan, self.driver, parameters=False)
+            context = iree.compiler.ir.Context()
+            old, new = (str(iree.compiler.ir.StringAttr.get(e[CALL_KEY], context=context)) for e in (before, after))
+            mlir = mlir.replace(old, new, 1)
+        mlir = embed_parameters(mlir, artifact.parameters)
+        return self._compile_mlir(iree, mlir, artifact.graph_module)
 
-    def load(self, vmfb: bytes) -> Any:
-        """The `main` function of compiled `vmfb` bytes, loaded on this backend's device."""
+    def load(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """The `main` function of compiled `vmfb` bytes, loaded on this backend's device (`parameters`:
+        the tensors it reads as parameters of scope `model`, served from their memory)."""
         rt = iree_modules().runtime
         uri = self.device or self.driver
         try:
@@ -168,8 +239,15 @@ class IreeBackend:
                 cause=str(e),
             ) from None
         config = rt.Config(device=device)
-        module = rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config)
-        return module["main"]
+        modules = []
+        if parameters:
+            weights = sum(nbytes(t) for t in parameters.values())
+            memory.check(
+                "loading", f"a module reading {weights / 1e6:.0f} MB of parameters", weights, "free memory first"
+            )
+            modules.append(memory_parameters(config, parameters))
+        modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+        return rt.load_vm_modules(*modules, config=config)[-1]["main"]
 
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:

@@ -1,7 +1,20 @@
-"""Compiled modules (vmfb bytes) by the hash of their MLIR, in memory and optionally on disk."""
+"""Compiled modules (vmfb bytes) by the hash of their MLIR, in memory and on disk.
+
+The disk cache is on by default, under the user's cache directory
+(`$XDG_CACHE_HOME/fx-rewrites/iree`, else `~/.cache/fx-rewrites/iree`), and
+holds at most `$FX_REWRITES_IREE_CACHE_SIZE` MB (default 2048): past it the
+least recently used modules are removed. `FX_REWRITES_IREE_CACHE=0` (or
+`off`) turns it off; a directory there, or `CompileCache(directory=...)`,
+puts it elsewhere. Weights of at least `parameters.inline_limit()` bytes are
+parameters, outside the module (their names and shapes are in the text, not
+their values), so the key is the hash of a text that holds no large weight
+and models that differ only in those weights share one compile.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -12,29 +25,57 @@ from pathlib import Path
 
 import attrs
 
-#: environment variable naming a directory for the on-disk compile cache.
+#: environment variable: the on-disk compile cache's directory, or "0" / "off" for none
 CACHE_ENV = "FX_REWRITES_IREE_CACHE"
+#: environment variable: the on-disk cache's bound in MB (least recently used modules go past it)
+CACHE_SIZE_ENV = "FX_REWRITES_IREE_CACHE_SIZE"
+DEFAULT_CACHE_MB = 2048
+_OFF = ("0", "off", "no", "false", "none")
+
+
+def default_directory() -> Path:
+    """`$XDG_CACHE_HOME/fx-rewrites/iree`, else `~/.cache/fx-rewrites/iree`."""
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "fx-rewrites" / "iree"
+
+
+def size_limit() -> int:
+    """The disk cache's bound in bytes (`$FX_REWRITES_IREE_CACHE_SIZE` MB, default 2048)."""
+    text = os.environ.get(CACHE_SIZE_ENV, "").strip()
+    try:
+        mb = float(text) if text else DEFAULT_CACHE_MB
+    except ValueError:
+        raise ValueError(f"{CACHE_SIZE_ENV}={text!r}: expected a size in MB (e.g. 2048)") from None
+    return int(mb * (1 << 20))
 
 
 @attrs.define(eq=False)
 class CompileCache:
-    """vmfb bytes by key, in memory (the last `max_entries`) and optionally on disk.
+    """vmfb bytes by key, in memory (the last `max_entries`) and on disk.
 
-    `directory=None` uses `$FX_REWRITES_IREE_CACHE` when set (read at each
-    lookup). `hits` counts lookups served from memory or disk (`disk_hits`
-    of them from disk), `misses` the ones that compiled.
+    `directory=None` uses `$FX_REWRITES_IREE_CACHE` (read at each lookup):
+    unset, the user's cache directory (`default_directory`); "0" or "off", no
+    disk cache; else that directory. `max_bytes` bounds the disk cache (None:
+    `$FX_REWRITES_IREE_CACHE_SIZE` MB, default 2048). `hits` counts lookups
+    served from memory or disk (`disk_hits` of them from disk), `misses` the
+    ones that compiled.
     """
 
     directory: str | os.PathLike[str] | None = None
     max_entries: int = 64
+    max_bytes: int | None = None
     hits: int = 0
     disk_hits: int = 0
     misses: int = 0
     _memory: OrderedDict[str, bytes] = attrs.field(factory=OrderedDict, repr=False)
 
     def _dir(self) -> Path | None:
-        d = self.directory if self.directory is not None else os.environ.get(CACHE_ENV)
-        return Path(d) if d else None
+        if self.directory is not None:
+            return Path(self.directory)
+        text = os.environ.get(CACHE_ENV)
+        if text is None or not text.strip():
+            return default_directory()
+        return None if text.strip().lower() in _OFF else Path(text)
 
     def get_or_compile(self, key: str, compile_fn: Callable[[], bytes]) -> tuple[bytes, bool]:
         """The cached vmfb for `key`, else `compile_fn()` stored; and whether it was cached."""
@@ -44,9 +85,9 @@ class CompileCache:
             return self._memory[key], True
         directory = self._dir()
         path = directory / f"{key}.vmfb" if directory is not None else None
-        cached = path is not None and path.is_file()
-        if cached:
-            vmfb = path.read_bytes()
+        vmfb = self._read(path) if path is not None else None
+        cached = vmfb is not None
+        if vmfb is not None:
             self.hits += 1
             self.disk_hits += 1
         else:
@@ -54,10 +95,21 @@ class CompileCache:
             self.misses += 1
             if path is not None:
                 self._write(path, vmfb)
+                self._evict(path.parent, keep=path)
         self._memory[key] = vmfb
         while len(self._memory) > self.max_entries:
             self._memory.popitem(last=False)
         return vmfb, cached
+
+    @staticmethod
+    def _read(path: Path) -> bytes | None:
+        try:
+            vmfb = path.read_bytes()
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: the last to go
+        return vmfb
 
     @staticmethod
     def _write(path: Path, vmfb: bytes) -> None:
@@ -70,20 +122,51 @@ class CompileCache:
         except OSError:
             tmp.unlink(missing_ok=True)
 
+    def _evict(self, directory: Path, keep: Path) -> None:
+        """Remove the least recently used modules until the directory holds at most `max_bytes`."""
+        limit = size_limit() if self.max_bytes is None else self.max_bytes
+        entries = []
+        with contextlib.suppress(OSError):
+            for p in directory.glob("*.vmfb"):
+                with contextlib.suppress(OSError):
+                    st = p.stat()
+                    entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in sorted(entries, key=lambda e: e[0]):
+            if total <= limit:
+                break
+            if p == keep:
+                continue
+            with contextlib.suppress(OSError):
+                p.unlink()
+                total -= size
+
     def clear(self) -> None:
         """Forget the in-memory entries and reset the counters (the disk is left alone)."""
         self._memory.clear()
         self.hits = self.disk_hits = self.misses = 0
 
 
+@functools.cache
+def _host() -> str:
+    """This CPU's model and features (`--iree-llvmcpu-target-cpu=host` code differs between CPUs: a cache
+    directory shared between machines must not hand one's module to another)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":", 1)[0].strip() in wanted))
+
+
 def cache_key(mlir: str, flags: Sequence[str]) -> str:
-    """The key of `mlir` compiled with `flags` by this iree-compile on this machine."""
+    """The key of `mlir` compiled with `flags` by this iree-compile on this machine (its CPU)."""
     try:
         compiler = version("iree-base-compiler")
     except PackageNotFoundError:
         compiler = "unknown"
     h = hashlib.sha256()
-    for part in (compiler, platform.machine(), "\0".join(flags), mlir):
+    for part in (compiler, platform.machine(), _host(), "\0".join(flags), mlir):
         h.update(part.encode())
         h.update(b"\0\0")
     return h.hexdigest()

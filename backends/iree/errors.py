@@ -65,6 +65,21 @@ class IreeDeviceError(RewriteError, BackendUnavailable):
         self.cause = cause
 
 
+class IreeMemoryError(RewriteError, MemoryError):
+    """A step of the IREE backend needs more memory than the machine has (checked before it starts), or
+    iree-compile was killed (SIGKILL: the kernel's OOM killer, most likely) while it ran.
+
+    `step` is what was being built ("import", "iree-compile", "load", "embed"), `needed` and `available`
+    are bytes (`needed` 0 when unknown: a compiler that was killed).
+    """
+
+    def __init__(self, message: str, *, step: str, needed: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.step = step
+        self.needed = needed
+        self.available = available
+
+
 class IreeUnsupportedError(RewriteError, NotImplementedError):
     """The program uses something this backend does not handle yet."""
 

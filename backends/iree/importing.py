@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -285,12 +285,17 @@ def pinning_ref_tracker(fx_importer: Any) -> Any:
 
 
 def import_mlir(
-    iree: Any, program: ExportedProgram | GraphModule, *, reflection: dict[str, str] | None = None, hooks: Any = None
+    iree: Any,
+    program: ExportedProgram | GraphModule,
+    *,
+    reflection: dict[str, str] | Callable[[], dict[str, str]] | None = None,
+    hooks: Any = None,
 ) -> str:
     """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`.
 
     `reflection` goes into `main`'s `iree.reflection` attribute (the runtime reads it back from the
-    compiled module: `VmFunction.reflection`); `hooks` is an `FxImporterHooks` (see `parameters`).
+    compiled module: `VmFunction.reflection`); a callable is asked once the graph is imported (what it
+    says can depend on the hooks); `hooks` is an `FxImporterHooks` (see `parameters`).
     """
     fx_importer = iree.compiler.extras.fx_importer
     current: list[Node | None] = [None]
@@ -329,6 +334,8 @@ def import_mlir(
             main = importer.import_graph_module(program, func_name="main")
     except Exception as e:
         raise import_error(e, current[0]) from e
+    if callable(reflection):
+        reflection = reflection()
     if reflection:
         context = importer._c
         entries = {k: ir.StringAttr.get(v, context=context) for k, v in reflection.items()}

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fx_rewrites.backends.iree.errors import IreeCompileError
+from fx_rewrites.backends.iree.memory import killed_error
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def run_iree_compile(iree: Any, mlir: str, target_backend: str, flags: Sequence[
     """The vmfb of `mlir` (torch dialect) built for `target_backend` with `flags`, within `timeout_s` seconds.
 
     Raises `IreeCompilerFailed` (the compiler's stderr) when it exits with an
-    error, `IreeCompileTimeout` when it runs past the limit. `IREE_SAVE_TEMPS`
+    error, `IreeCompileTimeout` when it runs past the limit, `IreeMemoryError`
+    when something else killed it (SIGKILL: the OOM killer). `IREE_SAVE_TEMPS`
     keeps the input and the command line, as `compile_str` does.
     """
     core = iree.compiler.tools.core
@@ -82,6 +84,8 @@ def run_iree_compile(iree: Any, mlir: str, target_backend: str, flags: Sequence[
                 with open(kept, "w") as f:
                     f.write(text)
         stdout, stderr, returncode = _communicate(command, mlir.encode(), timeout_s, mlir)
+    if returncode == -signal.SIGKILL:  # not our limit (that raised already): the OOM killer, most likely
+        raise killed_error(returncode)
     if returncode != 0:
         raise IreeCompilerFailed(stderr.decode(errors="replace"))
     if stderr.strip():

@@ -1,24 +1,33 @@
-"""Weights outside the module: an IREE parameter archive (.irpa) and the globals that read it.
+"""Weights outside the module text: IREE parameters, served from memory or from an archive (.irpa).
 
-By default the importer freezes every parameter, buffer and lifted constant
-into the module as a `torch.vtensor.literal` (the weights travel inside the
-.vmfb). `ParameterHooks` makes it emit, for each such tensor of more than
-one element, a global bound to a named parameter instead:
+Every ExportedProgram the backend imports has its parameters, buffers and
+lifted constants of at least `inline_limit()` bytes bound to named
+parameters instead of frozen into the MLIR as `torch.vtensor.literal` bytes
+(the `FxImporterHooks.resolve_literal` hook of IREE 3.13's FX importer;
+keys are the state-dict names):
 
     util.global private @__param_fc_weight = #stream.parameter.named<"model"::"fc.weight"> : tensor<8x64xf32>
     ...
     %w = util.global.load @__param_fc_weight : tensor<8x64xf32>
     %0 = torch_c.from_builtin_tensor %w : tensor<8x64xf32> -> !torch.vtensor<[8,64],f32>
 
-(the `FxImporterHooks.resolve_literal` hook of IREE 3.13's FX importer;
-keys are the state-dict names). `write_archive` writes those tensors to an
-.irpa, which the runtime reads through an `io_parameters` module
-(`iree-run-module --parameters=model=model.irpa`, or `load_parameters`).
+The module text then holds no large weight bytes: the import, the cache key
+and iree-compile's input stay small whatever the model's size. In-process,
+`memory_parameters` serves the tensors from their own memory (an
+`iree.runtime.ParameterIndex` whose buffers are the tensors' bytes, no
+copy; the runtime copies them into its device memory once, at load);
+`write_archive` writes them to an .irpa, which `iree-run-module
+--parameters=model=model.irpa` or `load_parameters` reads. Smaller tensors
+(and one-element and bool ones) stay inline, where IREE folds and packs them
+at compile time; `embed_parameters` puts the parameters back into the text,
+for a self-contained .vmfb.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +37,30 @@ from torch.export import ExportedProgram
 #: the parameter scope the globals name (`--parameters=<scope>=file.irpa`)
 SCOPE = "model"
 
+#: environment variable: the size in bytes from which a weight is a parameter (default `INLINE_LIMIT`)
+INLINE_ENV = "FX_REWRITES_IREE_INLINE_LIMIT"
+#: weights smaller than this stay inline in the module (benchmarks/parameters.py measured the choice)
+INLINE_LIMIT = 64 * 1024
+
 _KEY = re.compile(r"[A-Za-z0-9_.:/-]+")
+
+
+def inline_limit() -> int:
+    """`$FX_REWRITES_IREE_INLINE_LIMIT` bytes, else `INLINE_LIMIT`."""
+    text = os.environ.get(INLINE_ENV, "").strip()
+    if not text:
+        return INLINE_LIMIT
+    try:
+        limit = int(text)
+    except ValueError:
+        raise ValueError(f"{INLINE_ENV}={text!r}: expected a size in bytes (e.g. 65536)") from None
+    if limit < 0:
+        raise ValueError(f"{INLINE_ENV}={text!r}: expected a size in bytes >= 0")
+    return limit
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def state_names(program: ExportedProgram) -> dict[int, str]:
@@ -40,9 +72,14 @@ def state_names(program: ExportedProgram) -> dict[int, str]:
     return names
 
 
-def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE) -> Any:
-    """FxImporterHooks that turn `program`'s state tensors into named parameters of `scope`
-    (its `.tensors`, key -> tensor, holds the ones the module reads once the import is done)."""
+def is_parameter(tensor: torch.Tensor, limit: int) -> bool:
+    """Whether a state tensor of this size becomes a parameter (else it is imported inline)."""
+    return tensor.numel() > 1 and tensor.dtype != torch.bool and nbytes(tensor) >= limit
+
+
+def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, limit: int = 0) -> Any:
+    """FxImporterHooks that turn `program`'s state tensors of `limit` bytes or more into named parameters
+    of `scope` (its `.tensors`, key -> tensor, holds the ones the module reads once the import is done)."""
     fx_importer, ir = iree.compiler.extras.fx_importer, iree.compiler.ir
     names = state_names(program)
 
@@ -57,8 +94,8 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE) -> 
 
         def resolve_literal(self, gni: Any, literal: Any, info: Any) -> Any:
             key = names.get(id(literal)) if isinstance(literal, torch.Tensor) else None
-            if key is None or literal.numel() <= 1:
-                return None  # inline, as the importer does by default (a one-element tensor folds better)
+            if key is None or not is_parameter(literal, limit):
+                return None  # inline, as the importer does by default (folded and packed at compile time)
             tensor_type = fx_importer.create_mlir_tensor_type(literal)
             symbol = self._symbols.get(key)
             if symbol is None:
@@ -90,14 +127,29 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE) -> 
     return ParameterHooks()
 
 
-def write_archive(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+def _bytes(tensor: torch.Tensor) -> Any:
+    """`tensor`'s bytes as a flat uint8 numpy array: its own memory when it is a contiguous CPU tensor."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def memory_parameters(config: Any, tensors: Mapping[str, torch.Tensor], scope: str = SCOPE) -> Any:
+    """The `io_parameters` VM module that serves `tensors` under `scope` from their memory (no copy for a
+    contiguous CPU tensor; the runtime copies each into its own memory while the module initialises)."""
+    import iree.runtime
+
+    index = iree.runtime.ParameterIndex()
+    for key, tensor in tensors.items():
+        index.add_buffer(key, _bytes(tensor))
+    return iree.runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))
+
+
+def write_archive(tensors: Mapping[str, torch.Tensor], path: str | Path) -> None:
     """An .irpa holding `tensors` (raw bytes, any dtype) under their keys."""
     import iree.runtime
 
     index = iree.runtime.ParameterIndex()
     for key, tensor in tensors.items():
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        index.add_buffer(key, data)
+        index.add_buffer(key, _bytes(tensor))
     index.create_archive_file(str(path))
 
 
@@ -108,3 +160,32 @@ def load_parameters(config: Any, path: str | Path, scope: str = SCOPE) -> Any:
     index = iree.runtime.ParameterIndex()
     index.load(str(path))
     return iree.runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))
+
+
+_GLOBAL = re.compile(
+    r'(util\.global private @(?P<symbol>\w+) = )#stream\.parameter\.named<"(?P<scope>[^"]*)"::"(?P<key>[^"]*)">'
+)
+
+
+def embed_parameters(mlir: str, tensors: Mapping[str, torch.Tensor], scope: str = SCOPE) -> str:
+    """`mlir` (an import with parameters) with each parameter of `scope` inline again: the global's
+    initial value is a `dense_resource` blob holding the tensor's bytes (a self-contained module)."""
+    blobs: list[str] = []
+
+    def inline(m: re.Match[str]) -> str:
+        if m["scope"] != scope or m["key"] not in tensors:
+            return m[0]
+        tensor = tensors[m["key"]]
+        name = f"fx_param_{m['symbol']}"
+        alignment = max(tensor.element_size(), 1).to_bytes(4, "little").hex().upper()
+        blobs.append(f'      {name}: "0x{alignment}{_bytes(tensor).tobytes().hex().upper()}"')
+        return f"{m[1]}dense_resource<{name}>"
+
+    text = _GLOBAL.sub(inline, mlir)
+    if not blobs:
+        return text
+    entries = ",\n".join(blobs)
+    head = "dialect_resources: {\n    builtin: {\n"
+    if "{-#" in text and head in text:
+        return text.replace(head, head + entries + ",\n", 1)
+    return f"{text}\n{{-#\n  dialect_resources: {{\n    builtin: {{\n{entries}\n    }}\n  }}\n#-}}\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,10 @@ class IreeArtifact:
     flags: tuple[str, ...] = ()
     #: why the program cannot be saved with its call convention ("" when it can)
     unsupported: str = ""
+    #: the weights the module reads as parameters (scope `model`), by key: the program's own tensors
+    parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    #: the graph it was imported from (names nodes in a later compile's errors)
+    graph_module: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.define(eq=False)
@@ -90,6 +94,8 @@ class IreeCompiled:
 
     `mlir` is the imported module text, `key` its cache key, `vmfb` the
     compiled bytes and `from_cache` whether they came from the cache.
+    `parameters` are the weights the module reads as parameters (key ->
+    tensor; none for a module that holds all its weights).
     """
 
     plan: Plan = attrs.field(repr=False)
@@ -98,16 +104,20 @@ class IreeCompiled:
     vmfb: bytes = attrs.field(repr=False)
     key: str = ""
     from_cache: bool = False
-    #: compiles the module again with its weights in a parameter archive: () -> (vmfb, key -> tensor)
-    externalize: Callable[[], tuple[bytes, dict[str, torch.Tensor]]] | None = attrs.field(default=None, repr=False)
     #: why `save` cannot write this program ("" when it can)
     unsupported: str = attrs.field(default="", repr=False)
+    #: the weights the module reads as parameters (scope `model`), by key
+    parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    #: compiles the module again with its parameters inside (a self-contained .vmfb): () -> vmfb
+    embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
     #: the parameter archive a loaded module reads its weights from
     archive: Path | None = None
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
-        with its call convention); with `params`, the weights go to that IREE parameter archive (.irpa)."""
+        with its call convention); with `params`, the parameters go to that IREE parameter archive (.irpa)
+        and the .vmfb is the one already compiled. Without, the .vmfb holds every weight (a module that
+        reads parameters is compiled again with them inside: use `params=` for large models)."""
         from fx_rewrites.backends.iree.artifact import save
 
         save(
@@ -115,7 +125,8 @@ class IreeCompiled:
             path,
             unsupported=self.unsupported,
             params=params,
-            externalize=self.externalize,
+            parameters=self.parameters,
+            embed=self.embed,
             archive=self.archive,
         )
 

@@ -1,0 +1,85 @@
+"""Memory: weights as parameters (not MLIR text), the estimate before a step, and a compiler killed for memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fx_rewrites.backends.iree import CompileCache, IreeBackend, IreeCompileError, IreeMemoryError, memory
+from fx_rewrites.backends.iree.importing import iree_modules
+from fx_rewrites.backends.iree.parameters import INLINE_ENV
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(256, 256)  # 256 KiB weight: a parameter
+        self.small = torch.nn.Linear(256, 4)  # 4 KiB: inline
+        self.register_buffer("scale", torch.full((256,), 0.5))  # 1 KiB buffer: inline
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(torch.relu(self.big(x)) * self.scale)
+
+
+def _compile():
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(3, 256)
+    return model, x, IreeBackend(cache=CompileCache()).compile(torch.export.export(model, (x,)), (x,))
+
+
+def test_large_weights_are_parameters_and_the_text_holds_none_of_their_bytes():
+    model, x, compiled = _compile()
+    assert set(compiled.parameters) == {"big.weight"}
+    assert compiled.parameters["big.weight"] is not None
+    assert '#stream.parameter.named<"model"::"big.weight">' in compiled.mlir
+    assert len(compiled.mlir) < 64 * 1024  # 256 KiB of weight would be 512 KiB of hex
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    # the runtime copied the weights at load: a later change to the model does not reach the module
+    expected = model(x)
+    with torch.no_grad():
+        model.big.weight.mul_(2)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_inline_limit_is_a_setting(monkeypatch):
+    monkeypatch.setenv(INLINE_ENV, str(1 << 30))
+    _, _, everything_inline = _compile()
+    assert not everything_inline.parameters and "stream.parameter" not in everything_inline.mlir
+    monkeypatch.setenv(INLINE_ENV, "0")
+    _, _, everything_a_parameter = _compile()
+    assert set(everything_a_parameter.parameters) == {"big.weight", "big.bias", "small.weight", "small.bias", "scale"}
+    monkeypatch.setenv(INLINE_ENV, "lots")
+    with pytest.raises(ValueError, match="expected a size in bytes"):
+        _compile()
+
+
+def test_a_step_that_would_not_fit_is_refused_before_it_starts(monkeypatch):
+    monkeypatch.setattr(memory, "available", lambda: 100 << 20)  # 100 MB left
+    with pytest.raises(IreeMemoryError) as info:
+        _compile()
+    e = info.value
+    assert e.step == "the import and iree-compile" and e.available == 100 << 20 and e.needed > e.available
+    assert "would need about 1.1 GB" in str(e) and "Fix:" in str(e) and INLINE_ENV in str(e)
+    monkeypatch.setenv(memory.CHECK_ENV, "0")  # the check can be turned off
+    _compile()
+
+
+def test_a_compiler_killed_by_sigkill_is_named_a_memory_error(monkeypatch):
+    core = iree_modules().compiler.tools.core
+    monkeypatch.setattr(core, "build_compile_command_line", lambda *a, **k: ["sh", "-c", "kill -9 $$"])
+    x = torch.randn(3)
+    with pytest.raises(IreeMemoryError) as info:
+        IreeBackend(cache=CompileCache()).artifact(torch.export.export(torch.nn.Tanh(), (x,)))
+    assert not isinstance(info.value, IreeCompileError)  # so no second try without performance flags
+    assert info.value.step == "iree-compile" and "OOM killer" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_available_reads_meminfo_and_the_cgroup(monkeypatch):
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 8 << 30)
+    monkeypatch.setattr(memory, "_cgroup_available", lambda: 2 << 30)
+    assert memory.available() == 2 << 30
+    monkeypatch.setattr(memory, "_cgroup_available", lambda: None)
+    assert memory.available() == 8 << 30
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
+    assert memory.available() is None
+    memory.check("x", "y", 1 << 60, "z")  # nothing known: no refusal
