@@ -97,6 +97,10 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
             if key is None or not is_parameter(literal, limit):
                 return None  # inline, as the importer does by default (folded and packed at compile time)
             tensor_type = fx_importer.create_mlir_tensor_type(literal)
+            if not (literal.dtype.is_floating_point or literal.dtype.is_complex):
+                # builtin tensors are signless (torch_c.from_builtin_tensor gives the vtensor its si64)
+                bits = ir.IntegerType.get_signless(literal.element_size() * 8)
+                tensor_type = ir.RankedTensorType.get(list(literal.shape), bits)
             symbol = self._symbols.get(key)
             if symbol is None:
                 symbol = self._declare(key, tensor_type)

@@ -83,3 +83,22 @@ def test_available_reads_meminfo_and_the_cgroup(monkeypatch):
     monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
     assert memory.available() is None
     memory.check("x", "y", 1 << 60, "z")  # nothing known: no refusal
+
+
+def test_integer_buffers_are_parameters_too(monkeypatch):
+    class Positions(torch.nn.Module):  # BERT's position_ids: an int64 buffer, sliced
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("ids", torch.arange(512).unsqueeze(0), persistent=False)
+            self.register_buffer("small", torch.arange(16, dtype=torch.int32))
+            self.table = torch.nn.Embedding(512, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.table(self.ids[:, : x.shape[1]]) + x[..., None] + self.small[:8].float()
+
+    monkeypatch.setenv(INLINE_ENV, "0")
+    model, x = Positions().eval(), torch.randn(2, 7)
+    compiled = IreeBackend(cache=CompileCache()).compile(torch.export.export(model, (x,)), (x,))
+    assert {"ids", "small", "table.weight"} <= set(compiled.parameters)
+    assert "tensor<1x512xi64>" in compiled.mlir and "tensor<16xi32>" in compiled.mlir  # signless builtin types
+    torch.testing.assert_close(compiled(x), model(x))
