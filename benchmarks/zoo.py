@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.zoo from a checkout
 
-os.environ.pop("FX_REWRITES_IREE_CACHE", None)  # compile times from an empty cache, never from disk
+os.environ["FX_REWRITES_IREE_CACHE"] = "off"  # compile times from an empty cache, never from disk (on by default)
 
 import torch
 from torch.utils import _pytree as pytree

@@ -1,0 +1,193 @@
+"""Models at the sizes people run: peak memory and the time of each step of `fx_rewrites.compile` (issue 25).
+
+    python benchmarks/scale.py                  # the decoder at 0.1B and 0.3B
+    python benchmarks/scale.py --sizes 0.3b,1b  # and the 1B of issue 25 (about 9 GB of memory)
+
+Each size runs in a child process of its own (one at a time), so its peak
+memory is its own: `python peak` is the child's peak RSS (getrusage
+RUSAGE_SELF), `iree-compile peak` that of the compiler it started
+(RUSAGE_CHILDREN); the bar is peak <= 3x the weights' bytes. The decoder is
+a transformers LlamaForCausalLM (seeded random weights, float32, eval),
+batch 1, 128 tokens, use_cache=False. Steps, in seconds: build (the model),
+export (torch.export), rules (fx_rewrites.apply with the IREE rules),
+import (torch -> MLIR, with the weights as parameters), iree-compile, load
+(the runtime's copy of the weights), first call, eager (one call of the
+model, default threads), save (`compiled.save(vmfb, params=irpa)`: the
+archive, no second compile), reload (`fx_rewrites.load`) and its first call.
+The compiled logits are compared with eager's (rtol 1e-3, atol 1e-3), before
+and after the reload. Not yet here (issue 25 item 3): the CNN row,
+steady-state calls against eager and Inductor, the torch.compile route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: LlamaConfig fields by size (vocab 32000, 16 heads; intermediate about 2.7x hidden as Llama's)
+DECODERS: dict[str, dict[str, int]] = {
+    "0.1b": {"hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12, "intermediate_size": 2048},
+    "0.3b": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "intermediate_size": 3584},
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "intermediate_size": 5632},
+}
+TOKENS = 128
+
+
+def cpu_model() -> str:
+    """lscpu's model name and the vector extensions the flags list."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown").strip()
+    flags = fields.get("Flags", "").split()
+    vector = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(vector) or 'no AVX2'}), {os.cpu_count()} cores"
+
+
+def _peak_gb(who: int) -> float:
+    return resource.getrusage(who).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+
+
+def child(size: str, out: Path, workdir: Path) -> None:
+    """One size, in this process: every step timed, results as JSON in `out`."""
+    sys.path.insert(0, str(ROOT))
+    from tests.zoo import torchvision_cpu
+
+    torchvision_cpu.install()  # PyPI's torchvision (a CUDA build) is imported by transformers
+    import torch
+    import transformers
+
+    import fx_rewrites
+    from fx_rewrites import api
+    from fx_rewrites.app import compile as app_compile
+    from fx_rewrites.backends.iree import backend as iree_backend
+
+    row: dict[str, Any] = {"size": size, **DECODERS[size]}
+    steps: dict[str, float] = {}
+
+    def timed(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        steps[name] = steps.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+    def wrap(module: Any, name: str, attribute: str) -> None:  # time each step where fx_rewrites calls it
+        original = getattr(module, attribute)
+        setattr(module, attribute, lambda *a, **k: timed(name, original, *a, **k))
+
+    wrap(iree_backend, "import", "import_mlir")
+    wrap(iree_backend, "iree-compile", "run_iree_compile")
+    wrap(app_compile, "export", "_export")
+    wrap(api, "rules", "apply")
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=32000, num_key_value_heads=DECODERS[size]["num_attention_heads"], **DECODERS[size]
+        )
+        return transformers.LlamaForCausalLM(config).eval()
+
+    model = timed("build", build)
+    row["parameters"] = sum(p.numel() for p in model.parameters())
+    row["weights_gb"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e9
+    ids = torch.randint(0, 32000, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    kwargs = {"use_cache": False}
+    with torch.no_grad():
+        expected = timed("eager", model, ids, **kwargs).logits
+        start = time.perf_counter()
+        compiled = fx_rewrites.compile(model, (ids,), kwargs)
+        others = sum(steps[s] for s in ("export", "rules", "import", "iree-compile"))
+        steps["load"] = time.perf_counter() - start - others
+        runtime = compiled.runtime
+        got = timed("first call", compiled, ids, **kwargs).logits
+        row["matches_eager"] = bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-3))
+        row["max_abs_diff"] = float((got - expected).abs().max())
+        row["same_argmax"] = bool(torch.equal(got.argmax(-1), expected.argmax(-1)))
+        row["mlir_mb"] = len(runtime.mlir) / 1e6
+        row["parameters_bound"] = len(runtime.parameters)
+        vmfb, irpa = workdir / "model.vmfb", workdir / "model.irpa"
+        timed("save", compiled.save, vmfb, params=irpa)
+        row["vmfb_mb"], row["irpa_gb"] = vmfb.stat().st_size / 1e6, irpa.stat().st_size / 1e9
+        runtime.release()
+        del compiled, runtime, got
+        loaded = timed("reload", fx_rewrites.load, vmfb)
+        again = timed("reloaded first call", loaded, ids, **kwargs).logits
+        row["reloaded_matches_eager"] = bool(torch.allclose(again, expected, rtol=1e-3, atol=1e-3))
+    row["steps_s"] = steps
+    row["python_peak_gb"] = _peak_gb(resource.RUSAGE_SELF)
+    row["compiler_peak_gb"] = _peak_gb(resource.RUSAGE_CHILDREN)
+    out.write_text(json.dumps(row))
+
+
+STEPS = ("build", "export", "rules", "import", "iree-compile", "load", "first call", "eager", "save", "reload")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"Decoder (LlamaForCausalLM, float32, batch 1, {TOKENS} tokens) through `fx_rewrites.compile`, "
+        f"on {cpu_model()}:",
+        "",
+        "| size | parameters | weights | python peak | iree-compile peak | peak / weights | MLIR | "
+        + " | ".join(f"{s} s" for s in STEPS)
+        + " | logits vs eager (rtol 1e-3) |",
+        "|---|" + "---|" * (7 + len(STEPS)),
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['error']} |")
+            continue
+        steps = r["steps_s"]
+        ok = "ok" if r["matches_eager"] and r["reloaded_matches_eager"] else f"differs ({r['max_abs_diff']:.2g})"
+        lines.append(
+            f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | {r['weights_gb']:.2f} GB | "
+            f"{r['python_peak_gb']:.2f} GB | {r['compiler_peak_gb']:.2f} GB | "
+            f"{r['python_peak_gb'] / r['weights_gb']:.2f}x | {r['mlir_mb']:.2f} MB | "
+            + " | ".join(f"{steps.get(s, float('nan')):.1f}" for s in STEPS)
+            + f" | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0.1b,0.3b")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.child:
+        with tempfile.TemporaryDirectory() as workdir:
+            child(args.child, args.out, Path(workdir))
+        return 0
+    rows = []
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            env = {**os.environ, "FX_REWRITES_IREE_CACHE": "off"}  # every step from scratch
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", size, "--out", str(out)], env=env, check=False, cwd=ROOT
+            )
+            row = json.loads(out.read_text()) if out.is_file() else {"size": size, "error": f"exit {proc.returncode}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
