@@ -15,7 +15,8 @@ The module text then holds no large weight bytes: the import, the cache key
 and iree-compile's input stay small whatever the model's size. In-process,
 `memory_parameters` serves the tensors from their own memory (an
 `iree.runtime.ParameterIndex` whose buffers are the tensors' bytes, no
-copy; the runtime copies them into its device memory once, at load);
+copy: with data tiling the module packs each weight once at load, else it
+may read the tensor's memory as is);
 `write_archive` writes them to an .irpa, which `iree-run-module
 --parameters=model=model.irpa` or `load_parameters` reads. Smaller tensors
 (and one-element and bool ones) stay inline, where IREE folds and packs them
@@ -139,7 +140,8 @@ def _bytes(tensor: torch.Tensor) -> Any:
 
 def memory_parameters(config: Any, tensors: Mapping[str, torch.Tensor], scope: str = SCOPE) -> Any:
     """The `io_parameters` VM module that serves `tensors` under `scope` from their memory (no copy for a
-    contiguous CPU tensor; the runtime copies each into its own memory while the module initialises)."""
+    contiguous CPU tensor). The runtime may import that memory as is (measured without data tiling: an
+    in-place change to the tensor then reaches the module) or pack a copy while the module initialises."""
     import iree.runtime
 
     index = iree.runtime.ParameterIndex()

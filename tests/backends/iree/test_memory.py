@@ -34,11 +34,6 @@ def test_large_weights_are_parameters_and_the_text_holds_none_of_their_bytes():
     assert '#stream.parameter.named<"model"::"big.weight">' in compiled.mlir
     assert len(compiled.mlir) < 64 * 1024  # 256 KiB of weight would be 512 KiB of hex
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-    # the runtime copied the weights at load: a later change to the model does not reach the module
-    expected = model(x)
-    with torch.no_grad():
-        model.big.weight.mul_(2)
-    torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_inline_limit_is_a_setting(monkeypatch):
