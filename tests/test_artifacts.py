@@ -303,3 +303,17 @@ def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"fx-rewrites {version('fx-rewrites')}"
     assert fx_rewrites.__version__ == version("fx-rewrites")
+
+
+def test_a_module_that_takes_its_weights_as_inputs_writes_no_archive(tmp_path):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fx_rewrites.backends.iree import CompileCache, IreeBackend
+
+    x, w = torch.randn(2, 4), torch.randn(4, 4)
+    graph = make_fx(lambda x, w: torch.relu(x @ w))(x, w)  # as torch.compile hands a graph: weights are inputs
+    compiled = IreeBackend(cache=CompileCache()).compile(graph, (x, w))
+    assert compiled.parameters is None
+    with pytest.raises(ArtifactError, match="takes them as inputs"):
+        compiled.save(tmp_path / "g.vmfb", params=tmp_path / "g.irpa")
+    assert not (tmp_path / "g.irpa").exists()

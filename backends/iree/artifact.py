@@ -166,8 +166,9 @@ def save(
     embed: Callable[[], bytes] | None = None,
     archive: Path | None = None,
 ) -> None:
-    """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor): with `params`, they go
-    to that .irpa (written even when empty, so the documented `--parameters=` command runs); without, `embed`
+    """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor; None for a module that
+    takes its weights as inputs or was loaded from a self-contained file): with `params`, they go to that
+    .irpa (written even when empty, so the documented `--parameters=` command runs); without, `embed`
     compiles the self-contained module written instead. A module loaded with its archive copies that."""
     from fx_rewrites.backends.iree.parameters import write_archive
 
@@ -184,7 +185,13 @@ def save(
             shutil.copyfile(archive, params)
         return
     if params is not None:
-        write_archive(parameters or {}, params)
+        if parameters is None:
+            raise ArtifactError(
+                "only a program from torch.export (fx_rewrites.compile, or IreeBackend.compile of an "
+                "ExportedProgram) can put its weights in a parameter archive; this one takes them as inputs or "
+                "holds them itself. Fix: save without params="
+            )
+        write_archive(parameters, params)
         path.write_bytes(vmfb)
         return
     if parameters:

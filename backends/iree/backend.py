@@ -196,7 +196,7 @@ class IreeBackend:
             self.target.name,
             flags,
             entries.get(UNSUPPORTED_KEY, ""),
-            parameters=dict(hooks.tensors) if hooks is not None else {},
+            parameters=dict(hooks.tensors) if hooks is not None else None,
             graph_module=graph_module,
         )
 
@@ -204,7 +204,8 @@ class IreeBackend:
         """`artifact`'s module compiled again with its parameters inline: a self-contained .vmfb (for
         `save(path)` without `params=`; the import is not repeated)."""
         iree = iree_modules()
-        weights = sum(nbytes(t) for t in artifact.parameters.values())
+        parameters = artifact.parameters or {}
+        weights = sum(nbytes(t) for t in parameters.values())
         memory.check(
             "iree-compile",
             f"a self-contained .vmfb with {weights / 1e6:.0f} MB of weights inside",
@@ -217,7 +218,7 @@ class IreeBackend:
             context = iree.compiler.ir.Context()
             old, new = (str(iree.compiler.ir.StringAttr.get(e[CALL_KEY], context=context)) for e in (before, after))
             mlir = mlir.replace(old, new, 1)
-        mlir = embed_parameters(mlir, artifact.parameters)
+        mlir = embed_parameters(mlir, parameters)
         return self._compile_mlir(iree, mlir, artifact.graph_module)
 
     def load(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:

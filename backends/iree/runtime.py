@@ -83,7 +83,8 @@ class IreeArtifact:
     #: why the program cannot be saved with its call convention ("" when it can)
     unsupported: str = ""
     #: the weights the module reads as parameters (scope `model`), by key: the program's own tensors
-    parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    #: (None for a GraphModule, whose weights are inputs)
+    parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
     #: the graph it was imported from (names nodes in a later compile's errors)
     graph_module: Any = attrs.field(default=None, repr=False)
 
@@ -95,7 +96,8 @@ class IreeCompiled:
     `mlir` is the imported module text, `key` its cache key, `vmfb` the
     compiled bytes and `from_cache` whether they came from the cache.
     `parameters` are the weights the module reads as parameters (key ->
-    tensor; none for a module that holds all its weights).
+    tensor; empty for a module that holds all its weights, None for one
+    that takes them as inputs).
     """
 
     plan: Plan = attrs.field(repr=False)
@@ -106,8 +108,9 @@ class IreeCompiled:
     from_cache: bool = False
     #: why `save` cannot write this program ("" when it can)
     unsupported: str = attrs.field(default="", repr=False)
-    #: the weights the module reads as parameters (scope `model`), by key
-    parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    #: the weights the module reads as parameters (scope `model`), by key; None: it takes its weights as
+    #: inputs (a GraphModule from torch.compile) or was loaded
+    parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
     #: compiles the module again with its parameters inside (a self-contained .vmfb): () -> vmfb
     embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
     #: the parameter archive a loaded module reads its weights from
