@@ -70,8 +70,10 @@ class Compiled:
         return self.runtime(*args, **kwargs)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
-        """Write the compiled module (IREE: a .vmfb `iree-run-module` runs; with `params`, the weights
-        go to that IREE parameter archive, .irpa). `fx_rewrites.load(path)` reads it back."""
+        """Write the compiled module (IREE: a .vmfb `iree-run-module` runs; with `params`, the module as
+        compiled and its weights of 64 KiB or more in that IREE parameter archive, .irpa, the way for large
+        models; without, one self-contained file, compiled once more with the weights inside).
+        `fx_rewrites.load(path)` reads it back."""
         save = getattr(self.runtime, "save", None)
         if save is None:
             from fx_rewrites.backends.iree.artifact import ArtifactError

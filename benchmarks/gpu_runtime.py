@@ -5,7 +5,8 @@ while any machine compiles for CUDA:
 
     python benchmarks/gpu_runtime.py prepare --out BUNDLE [--models bert,vit] [--quick]
         here: export each benchmark model (benchmarks/runtime_models.py), apply the
-        `iree-cuda` backend's rules, compile for CUDA (sm_80), save the vmfb, the call
+        `iree-cuda` backend's rules, compile for CUDA (sm_80), save the vmfb (and its weights of 64 KiB or
+        more as an .irpa), the call
         plan, the inputs and a checksum of the weights
     python benchmarks/gpu_runtime.py run --bundle BUNDLE --out RESULT.md
         on the GPU machine (torch with CUDA, transformers, iree-base-runtime; no
@@ -69,6 +70,7 @@ def prepare(args: argparse.Namespace) -> int:
     import fx_rewrites
     from fx_rewrites import backends
     from fx_rewrites.backends.iree import CompileCache, IreeBackend
+    from fx_rewrites.backends.iree.parameters import write_archive
     from fx_rewrites.ruleset import Phases
 
     registered = backends.get(args.backend)
@@ -92,6 +94,8 @@ def prepare(args: argparse.Namespace) -> int:
         result = fx_rewrites.apply(torch.export.export(model, pos, kw), backend.rules)
         artifact = backend.artifact(result.program)
         (out / f"{key}.vmfb").write_bytes(artifact.vmfb)
+        if artifact.parameters:  # the weights of 64 KiB or more: the module reads them as parameters
+            write_archive(artifact.parameters, out / f"{key}.irpa")
         manifest["models"][key] = {
             "model": name,
             "rules": args.rules,
@@ -144,7 +148,14 @@ def measure(key: str, entry: dict[str, Any], quick: bool, rt: Any, device: Any, 
     model = model.to(torch_device)
     config = rt.Config(device=device)
     vmfb = (Path(args.bundle) / f"{key}.vmfb").read_bytes()
-    main = rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config)["main"]
+    modules = []
+    archive = Path(args.bundle) / f"{key}.irpa"
+    if archive.is_file():  # served under scope "model", as fx_rewrites.load does
+        index = rt.ParameterIndex()
+        index.load(str(archive))
+        modules.append(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model")))
+    modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    main = rt.load_vm_modules(*modules, config=config)[-1]["main"]
     row: dict[str, Any] = {"model": key, "same_weights": same, "max_diff": 0.0, "close": True}
     with torch.no_grad():
         for pos, kw in inputs:
