@@ -50,6 +50,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
 from fx_rewrites.backends.iree.rules import performance
 from fx_rewrites.ruleset import Phases
 
@@ -139,7 +140,8 @@ def compile_iree(backend: IreeBackend, program: torch.export.ExportedProgram, ar
     result = fx_rewrites.apply(program, backend.rules)
     rules_s = time.perf_counter() - start
     start = time.perf_counter()
-    import_mlir(iree_modules(), prepare_program(result.program)[0])
+    prepared = prepare_program(result.program)[0]  # imported as the backend does: large weights as parameters
+    import_mlir(iree_modules(), prepared, hooks=parameter_hooks(iree_modules(), prepared, limit=inline_limit()))
     import_s = time.perf_counter() - start
     start = time.perf_counter()
     fn = backend.compile(result.program, args)
