@@ -2,6 +2,7 @@
 
     python benchmarks/parameters.py                          # benchmarks/runtime_models.py's bert, llama, vit, resnet
     python benchmarks/parameters.py --models resnet --repeat 15 --limits inf,0,65536,1048576
+    python benchmarks/parameters.py --models conv2d,conv3d,depthwise,linear   # one op each
 
 Each model is exported, rewritten with the IREE rules and compiled once per
 inline limit (`FX_REWRITES_IREE_INLINE_LIMIT`: weights of that many bytes or
@@ -35,6 +36,36 @@ from fx_rewrites.backends.iree import CompileCache, IreeBackend
 from fx_rewrites.backends.iree.parameters import INLINE_ENV
 
 
+class _Op(torch.nn.Module):
+    """One op whose weight is large: does a parameter cost it what an inline constant does not?"""
+
+    def __init__(self, op: torch.nn.Module) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x)
+
+
+#: single ops, each with its input (the weights: conv2d 2.4 MB, conv3d 0.44 MB, depthwise 9 KB, linear 4 MB)
+OPS = {
+    "conv2d": (lambda: torch.nn.Conv2d(256, 256, 3, padding=1), (1, 256, 28, 28)),
+    "conv3d": (lambda: torch.nn.Conv3d(64, 64, 3, padding=1), (1, 64, 8, 28, 28)),
+    "depthwise": (lambda: torch.nn.Conv2d(256, 256, 3, padding=1, groups=256), (1, 256, 56, 56)),
+    "linear": (lambda: torch.nn.Linear(1024, 1024), (128, 1024)),
+}
+
+
+def _model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    if name in OPS:
+        build, shape = OPS[name]
+        torch.manual_seed(0)
+        return _Op(build()).eval(), (torch.randn(shape),), {}
+    spec = MODELS[name]
+    call_args, call_kwargs = spec.inputs(False, 0)
+    return spec.model(), call_args, call_kwargs
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -56,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| model | eager | {' | '.join(f'limit {lim}' for lim in limits)} |")
     print(f"|---|---|{'---|' * len(limits)}")
     for name in args.models.split(","):
-        spec = MODELS[name]
-        model = spec.model()
-        call_args, call_kwargs = spec.inputs(False, 0)
+        model, call_args, call_kwargs = _model(name)
         backend = IreeBackend(driver="local-sync", cache=CompileCache())
         with torch.no_grad():
             expected = model(*call_args, **call_kwargs)
