@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import shlex
 import time
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 from fx_rewrites.app.cli.commands import _outcome, _reference, _status_console
 from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_PASS, InputError, _backend, _traceback
@@ -45,17 +42,9 @@ def _cross_compiled(backend: Any, program: Any) -> Any:
     needed) and not loaded: it saves as a loaded one does, but cannot run."""
     from fx_rewrites.api import apply
     from fx_rewrites.app.compile import Compiled
-    from fx_rewrites.backends.iree.runtime import IreeCompiled
 
     result = apply(program, backend.rules)
-    artifact = backend.artifact(result.program)
-    # the weights-in-an-.irpa compile, as IreeBackend.compile wires it (no public name for it yet)
-    externalize = functools.partial(backend._with_parameters, result.program)
-    runtime = IreeCompiled(
-        artifact.plan, None, artifact.mlir, artifact.vmfb, artifact.key, artifact.from_cache, externalize
-    )
-    runtime = attrs.evolve(runtime, unsupported=artifact.unsupported)
-    return Compiled(backend.name, result.program, result.report, runtime)
+    return Compiled(backend.name, result.program, result.report, backend.unloaded(result.program))
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

@@ -129,12 +129,18 @@ class IreeBackend:
         ExportedProgram's weights of `parameters.inline_limit()` bytes or
         more are parameters, served from the tensors' own memory.
         """
+        compiled = self.unloaded(program)
+        return attrs.evolve(compiled, function=self.load(compiled.vmfb, compiled.parameters))
+
+    def unloaded(self, program: ExportedProgram | GraphModule) -> IreeCompiled:
+        """`program` compiled (`artifact`) but not loaded: it saves as a loaded one does (`save`, with or
+        without `params=`) and needs no device, so it serves a target absent here (iree-cuda without a GPU);
+        calling it raises. `compile` is this and `load`."""
         artifact = self.artifact(program)
-        function = self.load(artifact.vmfb, artifact.parameters)
         embed = functools.partial(self._embedded, artifact) if artifact.parameters else None
         return IreeCompiled(
             artifact.plan,
-            function,
+            None,
             artifact.mlir,
             artifact.vmfb,
             artifact.key,

@@ -143,7 +143,10 @@ class IreeCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.function is None:
-            raise RuntimeError("this compiled module was released (IreeCompiled.release()); compile or load it again")
+            raise RuntimeError(
+                "this compiled module is not loaded (released, or built by IreeBackend.unloaded for a device absent "
+                "here): compile or load it on a machine with its device"
+            )
         plan = self.plan
         flat = bind(plan, args, kwargs)
         results = self.function(*(to_host(flat[a] if isinstance(a, int) else a) for a in plan.args))
