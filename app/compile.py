@@ -156,7 +156,7 @@ def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None 
     read: no pickle, no Python from the file. `params` is the parameter
     archive it was saved with (default: PATH with the suffix .irpa);
     `driver` overrides the IREE driver it was compiled for ("local-task")."""
-    from fx_rewrites.backends.iree.artifact import load as load_iree
+    from fx_rewrites.backends.iree.runtime import load as load_iree
 
     return load_iree(Path(path), params=params, driver=driver)
 

@@ -7,8 +7,12 @@ from typing import Any
 
 import attrs
 
-from fx_rewrites.engine import Rule
-from fx_rewrites.kinds.base import RuleDefinitionError
+from fx_rewrites.engine import RewriteError, Rule
+
+
+class RuleDefinitionError(RewriteError, ValueError):
+    """A rule is wrong as written (a bad field, two different rules with one name); raised when it is built,
+    naming it."""
 
 
 def _names(items: tuple[str | Rule, ...]) -> tuple[str, ...]:

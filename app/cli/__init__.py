@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from fx_rewrites.app.cli import localize
-from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_USAGE, InputError, _traceback
+from fx_rewrites.app.cli.common import _INPUTS_HELP, _MODEL_HELP, EXIT_FAIL, EXIT_USAGE, InputError, _traceback
 
 #: each command's function, imported when that command runs (torch and the rule packs load only then, so
 #: `--version` and `--help` answer at once)
@@ -44,19 +44,6 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 
 # ----------------------------------------------------------------------------- main
-
-_MODEL_HELP = (
-    "PATH.py:FACTORY, where FACTORY() returns (module, example_args) or (module, example_args, example_kwargs); "
-    "or PATH.pt2, an ExportedProgram saved "
-    "with torch.export.save. A .pt2 is read with torch.export.load only, after checking it holds no pickled "
-    "objects (tensor subclasses, custom objects), so loading it runs no code from the file; it runs on random "
-    "inputs shaped by its input specs (symbolic sizes at their hints) unless --inputs is given. A .py file is "
-    "imported, which runs it."
-)
-_INPUTS_HELP = (
-    "inputs instead of the factory's example_args or a .pt2's random ones: a tuple saved with "
-    "torch.save((x, ...), path), read with torch.load(weights_only=True)"
-)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -58,3 +58,18 @@ def describe_error(e: BaseException, limit: int | None = MAX_NOTE) -> str:
 
 def _traceback(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
+
+
+#: the MODEL and --inputs arguments' help, shared by the commands that take a model
+_MODEL_HELP = (
+    "PATH.py:FACTORY, where FACTORY() returns (module, example_args) or (module, example_args, example_kwargs); "
+    "or PATH.pt2, an ExportedProgram saved "
+    "with torch.export.save. A .pt2 is read with torch.export.load only, after checking it holds no pickled "
+    "objects (tensor subclasses, custom objects), so loading it runs no code from the file; it runs on random "
+    "inputs shaped by its input specs (symbolic sizes at their hints) unless --inputs is given. A .py file is "
+    "imported, which runs it."
+)
+_INPUTS_HELP = (
+    "inputs instead of the factory's example_args or a .pt2's random ones: a tuple saved with "
+    "torch.save((x, ...), path), read with torch.load(weights_only=True)"
+)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fx_rewrites.app.cli.common import EXIT_FAIL, EXIT_PASS, InputError, _backend, _traceback
+from fx_rewrites.app.cli.common import _INPUTS_HELP, _MODEL_HELP, EXIT_FAIL, EXIT_PASS, InputError, _backend, _traceback
 
 _HELP = "the first node the backend gets wrong (wrong numbers or no compile), with a reproduction"
 _DESCRIPTION = (
@@ -22,8 +22,6 @@ _DESCRIPTION = (
 
 def add_parser(sub: Any) -> None:
     """The `localize` subcommand, on the CLI's subparsers."""
-    from fx_rewrites.app.cli import _INPUTS_HELP, _MODEL_HELP
-
     p = sub.add_parser("localize", help=_HELP, description=_DESCRIPTION)
     p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     p.add_argument("--backend", default="iree", help="backend to localize on (default: iree; ttnn: emulated)")

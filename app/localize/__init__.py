@@ -87,7 +87,7 @@ class Localization:
     def write(self, out: str | Path, *, verify: bool = True) -> list[Path]:
         """Write repro.py, guard_rule.py and test_guard_rule.py for the finding into `out`; with `verify`, run
         the reproduction here and set `reproduced`."""
-        from fx_rewrites.app.localize.files import write
+        from fx_rewrites.app.localize.guard import write
 
         if self.finding is None:
             raise ValueError("nothing to write: the backend matches eager on every node")

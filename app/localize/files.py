@@ -7,15 +7,12 @@ and the comparison against eager and float64. It exits 1 when it reproduces the 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import operator
 import pprint
 import re
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -286,32 +283,3 @@ def main():
 if __name__ == "__main__":
     sys.exit(main())
 '''
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def write(loc: Any, out: Path, *, verify: bool = True) -> tuple[list[Path], bool | None]:
-    """repro.py and, for one node, guard_rule.py and test_guard_rule.py in `out`; with `verify`, run repro.py's
-    main() here: did it reproduce the finding?"""
-    from fx_rewrites.app.localize.guard import guard_source, guard_test_source
-
-    out.mkdir(parents=True, exist_ok=True)
-    texts = {"repro.py": repro_source(loc)}
-    if len(loc.finding.nodes) == 1 and isinstance(loc.finding.node.target, torch._ops.OpOverload):
-        texts["guard_rule.py"] = guard_source(loc)
-        texts["test_guard_rule.py"] = guard_test_source(loc)
-    written = []
-    for name, text in texts.items():
-        path = out / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    if not verify:
-        return written, None
-    namespace: dict[str, Any] = {"__name__": "fx_rewrites_localize_repro", "__file__": str(out / "repro.py")}
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(compile(texts["repro.py"], str(out / "repro.py"), "exec"), namespace)
-            return written, namespace["main"]() == 1
-    except Exception:  # the script itself fails (a backend not registered by name): it does not reproduce
-        return written, False

@@ -1,4 +1,5 @@
-"""A guard-rule skeleton for a localized node and its test, in the style of backends/iree/rules/guards.py.
+"""A guard-rule skeleton for a localized node and its test, in the style of backends/iree/rules/guards.py; `write`
+puts them beside the reproduction (files.py).
 
 The rule's `when` matches the op with the arguments measured; its body is left to write (it returns a Miss,
 so the skeleton imports and runs). The test asserts the backend is wrong on the form without the rule and
@@ -7,8 +8,11 @@ right with it, on two input sets: it fails until the rewrite is written, and onc
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ from fx_rewrites.app.localize.files import (
     literal,
     program_source,
     quoted,
+    repro_source,
     source_line,
 )
 from fx_rewrites.schema import bind
@@ -156,3 +161,30 @@ def test_the_rule_fires_and_the_backend_matches():
         assert result.report.rewrites.get({quoted(name)}), "the rule did not fire"
         assert not _wrong_on(result.program, args)
 '''
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write(loc: Any, out: Path, *, verify: bool = True) -> tuple[list[Path], bool | None]:
+    """repro.py and, for one node, guard_rule.py and test_guard_rule.py in `out`; with `verify`, run repro.py's
+    main() here: did it reproduce the finding?"""
+    out.mkdir(parents=True, exist_ok=True)
+    texts = {"repro.py": repro_source(loc)}
+    if len(loc.finding.nodes) == 1 and isinstance(loc.finding.node.target, torch._ops.OpOverload):
+        texts["guard_rule.py"] = guard_source(loc)
+        texts["test_guard_rule.py"] = guard_test_source(loc)
+    written = []
+    for name, text in texts.items():
+        path = out / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    if not verify:
+        return written, None
+    namespace: dict[str, Any] = {"__name__": "fx_rewrites_localize_repro", "__file__": str(out / "repro.py")}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(texts["repro.py"], str(out / "repro.py"), "exec"), namespace)
+            return written, namespace["main"]() == 1
+    except Exception:  # the script itself fails (a backend not registered by name): it does not reproduce
+        return written, False

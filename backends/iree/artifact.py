@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Input, Output, Plan
-from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
+from fx_rewrites.backends.iree.parameters import SCOPE
 from fx_rewrites.engine import RewriteError
 
 #: `iree.reflection` keys on `main`: the convention (JSON), or why it could not be written
@@ -202,47 +202,3 @@ def save(
             )
         vmfb = embed()
     path.write_bytes(vmfb)
-
-
-def _looks_like_vmfb(head: bytes) -> bool:
-    """IREE writes a zip whose first entry, module.fb, is a FlatBuffer with the identifier "IREE"."""
-    return head[:4] == b"PK\x03\x04" and b"IREE" in head[:256]
-
-
-def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:
-    """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
-    import iree.runtime
-
-    from fx_rewrites.backends.iree.runtime import IreeCompiled, get_device
-
-    path = Path(path)
-    if not path.is_file():
-        raise ArtifactError(f"no such file: {path}. Fix: check the path (a .vmfb written by compiled.save).")
-    with path.open("rb") as f:
-        head = f.read(256)
-    if not _looks_like_vmfb(head):
-        raise ArtifactError(f"{path} is not an IREE module (.vmfb). Fix: give the file compiled.save wrote.")
-    probe = iree.runtime.VmModule.mmap(iree.runtime.VmInstance(), str(path))
-    entries = probe.lookup_function("main").reflection if "main" in probe.function_names else {}
-    if CALL_KEY not in entries:
-        raise ArtifactError(
-            f"{path} carries no fx-rewrites call convention (it was not written by compiled.save); "
-            "run it with iree-run-module or iree.runtime directly"
-        )
-    plan, doc = plan_from_json(entries[CALL_KEY], str(path))
-    config = iree.runtime.Config(device=get_device(iree.runtime, driver or doc["driver"]))
-    modules = []
-    archive = None
-    if doc["parameters"] is not None:
-        archive = Path(params) if params is not None else path.with_suffix(".irpa")
-        if not archive.is_file():
-            raise ArtifactError(
-                f"{path} reads its weights from a parameter archive, and {archive} does not exist. "
-                "Fix: pass params='PATH.irpa' (the file written with it)."
-            )
-        modules.append(load_parameters(config, archive, doc["parameters"]["scope"]))
-    elif params is not None:
-        raise ArtifactError(f"{path} holds its weights itself; it reads no parameter archive. Fix: leave params= out.")
-    modules.append(iree.runtime.VmModule.mmap(config.vm_instance, str(path)))
-    bound = iree.runtime.load_vm_modules(*modules, config=config)
-    return IreeCompiled(plan, bound[-1]["main"], "", path.read_bytes(), archive=archive)

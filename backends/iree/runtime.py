@@ -13,6 +13,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
+from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
+from fx_rewrites.backends.iree.parameters import load_parameters
 
 #: devices by URI, made once per process (as `iree.runtime.get_device` caches them); dropped at exit, before
 #: nanobind's leak check (see `IreeCompiled.release`)
@@ -121,8 +123,6 @@ class IreeCompiled:
         with its call convention); with `params`, the parameters go to that IREE parameter archive (.irpa)
         and the .vmfb is the one already compiled. Without, the .vmfb holds every weight (a module that
         reads parameters is compiled again with them inside: use `params=` for large models)."""
-        from fx_rewrites.backends.iree.artifact import save
-
         save(
             self.vmfb,
             path,
@@ -161,3 +161,45 @@ class IreeCompiled:
             with torch.no_grad():  # mutations land where program.module() puts them
                 (flat[out.write] if isinstance(out.write, int) else out.write).copy_(value)
         return pytree.tree_unflatten(user_outputs, plan.out_spec)
+
+
+def _looks_like_vmfb(head: bytes) -> bool:
+    """IREE writes a zip whose first entry, module.fb, is a FlatBuffer with the identifier "IREE"."""
+    return head[:4] == b"PK\x03\x04" and b"IREE" in head[:256]
+
+
+def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:
+    """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
+    import iree.runtime
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"no such file: {path}. Fix: check the path (a .vmfb written by compiled.save).")
+    with path.open("rb") as f:
+        head = f.read(256)
+    if not _looks_like_vmfb(head):
+        raise ArtifactError(f"{path} is not an IREE module (.vmfb). Fix: give the file compiled.save wrote.")
+    probe = iree.runtime.VmModule.mmap(iree.runtime.VmInstance(), str(path))
+    entries = probe.lookup_function("main").reflection if "main" in probe.function_names else {}
+    if CALL_KEY not in entries:
+        raise ArtifactError(
+            f"{path} carries no fx-rewrites call convention (it was not written by compiled.save); "
+            "run it with iree-run-module or iree.runtime directly"
+        )
+    plan, doc = plan_from_json(entries[CALL_KEY], str(path))
+    config = iree.runtime.Config(device=get_device(iree.runtime, driver or doc["driver"]))
+    modules = []
+    archive = None
+    if doc["parameters"] is not None:
+        archive = Path(params) if params is not None else path.with_suffix(".irpa")
+        if not archive.is_file():
+            raise ArtifactError(
+                f"{path} reads its weights from a parameter archive, and {archive} does not exist. "
+                "Fix: pass params='PATH.irpa' (the file written with it)."
+            )
+        modules.append(load_parameters(config, archive, doc["parameters"]["scope"]))
+    elif params is not None:
+        raise ArtifactError(f"{path} holds its weights itself; it reads no parameter archive. Fix: leave params= out.")
+    modules.append(iree.runtime.VmModule.mmap(config.vm_instance, str(path)))
+    bound = iree.runtime.load_vm_modules(*modules, config=config)
+    return IreeCompiled(plan, bound[-1]["main"], "", path.read_bytes(), archive=archive)

@@ -9,13 +9,10 @@ from typing import Any
 import attrs
 from torch.fx import Node
 
-from fx_rewrites.engine import Miss, RewriteError, Rule, is_miss
+from fx_rewrites.engine import Miss, Rule, is_miss
 from fx_rewrites.engine.protocol import miss_reason
+from fx_rewrites.ruleset import Phases, RuleDefinitionError, RuleSet
 from fx_rewrites.schema import SchemaError, arguments
-
-
-class RuleDefinitionError(RewriteError, ValueError):
-    """A rule is wrong as written; raised when it is built, naming it."""
 
 
 def as_tuple(ops: Any) -> tuple[Any, ...]:
@@ -106,8 +103,6 @@ class RuleBase:
     def __or__(self, other: Any) -> Any:
         """`rule_a | rule_b` (or `+`): a RuleSet of both, in order; `other` may be a rule, RuleSet or list of
         rules. Two different rules with one name is an error, as in a RuleSet."""
-        from fx_rewrites.ruleset import Phases, RuleSet
-
         if isinstance(other, (RuleSet, Phases)):
             return NotImplemented  # theirs: `rule + DEFAULT` keeps DEFAULT's name, `rule + phases` stays Phases
         if isinstance(other, (Rule, list, tuple)):

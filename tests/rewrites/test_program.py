@@ -106,10 +106,25 @@ def test_unsupported_input_is_named(bad):
 
 
 def test_invalid_program_names_the_rule():
-    # torch's decomposition of the eval batch norm calls the mutating
-    # _native_batch_norm_legit, which a functional program may not hold.
+    # a rule that writes an in-place op into a functional (ATen dialect, decomposed) program
+    @fx_rewrites.rule(roots=(aten.relu.default,))
+    def relu_in_place(node, rw, *, args):
+        rw.replace(node, rw.call(aten.relu_.default, args["self"]))
+
+    ep = rt.export(lambda x: torch.relu(x) * 2, torch.randn(4)).run_decompositions()
+    with pytest.raises(ProgramError, match=r"not functional.*from rule 'relu_in_place'"):
+        rt.apply_rules(ep, relu_in_place)
+
+
+def test_a_decomposition_that_writes_its_inputs_is_declined_with_the_reason():
+    # torch's decomposition of the eval batch norm writes its running stats (copy_ into the op's own inputs, even
+    # functionalized); Decompose declines it, naming why, instead of leaving a program that is not functional
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
     ep = rt.export(model, torch.randn(1, 3, 6, 6)).run_decompositions()
     rule = fx_rewrites.Decompose(ops=aten._native_batch_norm_legit_no_training.default, name="bn_decomp")
-    with pytest.raises(ProgramError, match=r"not functional.*from rule 'bn_decomp'"):
-        rt.apply_rules(ep, rule)
+    result = rt.apply_rules(ep, rule, explain=True)
+    rt.assert_not_fired(result, rule)
+    reasons = [a.reason for a in result.report.explain("bn_decomp")]
+    assert reasons == [
+        "the decomposition of aten._native_batch_norm_legit_no_training.default writes to its inputs (aten.copy_.default)"
+    ]
