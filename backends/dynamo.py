@@ -19,6 +19,16 @@ returns the activations the backward saves), and a backward graph, which
 runs on torch eager: `backward="eager"` (the default) warns once per graph
 when a backward is first run; `backward="error"` raises
 `BackwardNotSupported` instead.
+
+Inference graphs are frozen (`backends/freezing.py`): the parameters and
+buffers dynamo lifts into graph inputs are compiled in as constants, as
+Inductor's freezing does, so IREE can pack convolution and matmul weights
+at compile time; the compiled callable no longer takes them. Buffers the
+graph mutates stay inputs, training graphs are never frozen, and a frozen
+weight that changes later (in place or reassigned) makes the next call
+warn and compile the graph again. Off: `FX_REWRITES_FREEZE=0`,
+`dynamo_backend(..., freeze=False)` or
+`torch.compile(..., options={"freeze": False})`.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from torch.fx import GraphModule
 
 from fx_rewrites import backends
 from fx_rewrites.api import Result, apply
+from fx_rewrites.backends import freezing
 from fx_rewrites.backends.base import Backend
 from fx_rewrites.ruleset import RuleSet
 
@@ -79,12 +90,15 @@ class CompiledGraph:
     example_inputs: Sequence[Any]
     result: Result
     compiled: Callable[..., Any]
+    #: the dynamo sources of the inputs compiled in as constants (`backends/freezing.py`); () when not frozen
+    frozen: tuple[str, ...] = ()
 
 
 def _compile_graph(
     backend: Backend | str,
     rules: RuleSet | None,
     on_graph: Callable[[CompiledGraph], None] | None,
+    state: dict[int, tuple[str, Any]],
     kind: Literal["inference", "forward"],
     gm: GraphModule,
     example_inputs: Sequence[Any],
@@ -92,15 +106,23 @@ def _compile_graph(
     from functorch.compile import make_boxed_func
 
     target = backends.get(backend) if isinstance(backend, str) else backend
+    frozen = freezing.plan(gm, state) if kind == "inference" else {}
     result = apply(gm, target.rules if rules is None else rules)
     log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
     result.report.warn_unless_converged(target.name, stacklevel=2)
-    compiled = target.compile(result.graph_module, example_inputs)
-    if callable(getattr(compiled, "release", None)):
-        _LIVE.add(compiled)
+    if frozen and len(result.graph_module.graph.find_nodes(op="placeholder")) == len(example_inputs):
+        kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
+        run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: target.compile(g, kept))
+        compiled, names = run.compiled, run.names
+        log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
+    else:
+        run = compiled = target.compile(result.graph_module, example_inputs)
+        names = ()
+    if callable(getattr(run, "release", None)):
+        _LIVE.add(run)
     if on_graph is not None:
-        on_graph(CompiledGraph(target.name, kind, gm, example_inputs, result, compiled))
-    return make_boxed_func(compiled)
+        on_graph(CompiledGraph(target.name, kind, gm, example_inputs, result, compiled, names))
+    return make_boxed_func(run)
 
 
 def _backward(name: str, mode: Literal["eager", "error"], gm: GraphModule, example_inputs: Sequence[Any]) -> Any:
@@ -137,14 +159,18 @@ def dynamo_backend(
     rules: RuleSet | None = None,
     on_graph: Callable[[CompiledGraph], None] | None = None,
     backward: Literal["eager", "error"] = "eager",
-) -> Callable[[GraphModule, Sequence[Any]], Callable[..., Any]]:
+    freeze: bool | None = None,
+) -> Callable[..., Callable[..., Any]]:
     """A `torch.compile(backend=...)` callable for the fx-rewrites backend `backend`.
 
     `backend` is a registered name (looked up at the first compile, so
     entry-point backends work) or a Backend; `rules` replaces the backend's
     RuleSet; `on_graph` is called with a `CompiledGraph` for every graph
     compiled (for tests, logging, saving graphs); `backward` says what
-    happens when a backward runs (see the module docstring).
+    happens when a backward runs (see the module docstring); `freeze`
+    whether inference graphs get their parameters and buffers as constants
+    (None: unless `$FX_REWRITES_FREEZE` is "0"; `torch.compile(...,
+    options={"freeze": ...})` overrides both).
     """
     if backward not in ("eager", "error"):
         raise ValueError(f"backward must be 'eager' or 'error', got {backward!r}")
@@ -153,13 +179,22 @@ def dynamo_backend(
     # a Python name, as torch.compile(backend="fx_rewrites_iree_cuda") finds it: "-" becomes "_"
     name = f"{PREFIX}{backend if isinstance(backend, str) else backend.name}".replace("-", "_")
     compile_graph = functools.partial(_compile_graph, backend, rules, on_graph)
-    aot = aot_autograd(
-        fw_compiler=functools.partial(compile_graph, "forward"),
-        inference_compiler=functools.partial(compile_graph, "inference"),
-        bw_compiler=functools.partial(_backward, name, backward),
-    )
+    bw_compiler = functools.partial(_backward, name, backward)
 
-    def compiler(gm: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def compiler(
+        gm: GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+    ) -> Callable[..., Any]:
+        unknown = sorted(set(options or {}) - {"freeze"})
+        if unknown:
+            raise ValueError(f"torch.compile(backend={name}) takes options {{'freeze': bool}}, got {unknown}")
+        on = freezing.enabled((options or {}).get("freeze", freeze))
+        # the real tensors of the module state among the inputs; the inference compiler freezes them
+        state = freezing.freezable(gm, example_inputs) if on else {}
+        aot = aot_autograd(
+            fw_compiler=functools.partial(compile_graph, {}, "forward"),
+            inference_compiler=functools.partial(compile_graph, state, "inference"),
+            bw_compiler=bw_compiler,
+        )
         return aot(gm, example_inputs)
 
     compiler.__name__ = compiler.__qualname__ = name

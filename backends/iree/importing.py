@@ -221,6 +221,17 @@ def _recompute_sizes(gm: GraphModule) -> set[str]:
     return replaced
 
 
+def _inline_tensor_attributes(gm: GraphModule) -> None:
+    """Replace each `get_attr` of a tensor (a frozen parameter, `backends/freezing.py`) by the tensor
+    itself, the form `import_frozen_program` gives the importer: it becomes a `torch.vtensor.literal`
+    (the stateless import binds no get_attr)."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, str(node.target), None)
+        if isinstance(value, torch.Tensor):
+            node.replace_all_uses_with(value)
+            gm.graph.erase_node(node)
+
+
 def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     """A private copy of `gm` ready for the importer, and the call plan.
 
@@ -228,10 +239,12 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     it returns. Sym placeholders that are an input's size are recomputed in
     the module from that input (the caller's value is not passed to IREE);
     other Sym placeholders are passed as scalars. Unused specialised inputs
-    and constant outputs are dropped and restored around the call.
+    and constant outputs are dropped and restored around the call. Tensor
+    attributes (`get_attr`) are imported as constants.
     """
     _check_graph_module(gm)
     copy = copy_tree(gm)
+    _inline_tensor_attributes(copy)
     graph = copy.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     codegen = graph._codegen
