@@ -7,6 +7,9 @@ tests see what the rules did. IREE compiles each graph in about a second.
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,6 +175,142 @@ def test_mutations_are_written_back(iree_graphs):
             _assert_close(compiled(x), reference(x_ref))
             torch.testing.assert_close(x, x_ref)
     assert model.count.item() == 3 and len(graphs) == 1
+
+
+# -- freezing: parameters and buffers compiled in as constants (backends/freezing.py) -----------
+
+
+def _main_arguments(compiled: IreeCompiled) -> list[str]:
+    """The tensor types of the arguments of the compiled module's `main`."""
+    signature = next(line for line in compiled.mlir.splitlines() if "func.func @main" in line)
+    return re.findall(r"%arg\d+: (!torch\.\w+<[^>]*>)", signature.split("->")[0])
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, groups=4)
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv1(x)))
+        return self.fc(self.conv2(y).mean((2, 3)))
+
+
+def _state_count(model: torch.nn.Module) -> int:
+    return len(list(model.parameters())) + len([b for name, b in model.named_buffers() if "num_batches" not in name])
+
+
+@pytest.mark.parametrize("make", [MLP, ConvNet], ids=["mlp", "conv"])
+def test_inference_graphs_freeze_their_weights(make):
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = make().eval()
+    x_shape = (3, 16) if make is MLP else (2, 3, 12, 12)
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(x_shape)
+            _assert_close(compiled(x), model(x))
+    (graph,) = graphs
+    # every parameter and buffer the graph reads is a constant: main takes the input only
+    assert graph.kind == "inference" and len(graph.frozen) == _state_count(model)
+    assert _main_arguments(graph.compiled) == [f"!torch.vtensor<[{','.join(map(str, x_shape))}],f32>"]
+    assert "torch.vtensor.literal" in graph.compiled.mlir
+
+
+@pytest.mark.parametrize("how", ["argument", "option", "env"])
+def test_freezing_opt_out(how, monkeypatch):
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    kwargs, options = {}, None
+    if how == "argument":
+        kwargs = {"freeze": False}
+    elif how == "option":
+        options = {"freeze": False}
+    else:
+        monkeypatch.setenv("FX_REWRITES_FREEZE", "0")
+    backend = dynamo_backend("iree", on_graph=graphs.append, **kwargs)
+    compiled = torch.compile(model, backend=backend, options=options)
+    with torch.no_grad():
+        x = torch.randn(2, 3, 12, 12)
+        _assert_close(compiled(x), model(x))
+    (graph,) = graphs
+    assert graph.frozen == () and len(_main_arguments(graph.compiled)) == 1 + _state_count(model)
+
+
+def test_grad_enabled_graph_is_not_frozen():
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = ConvNet().train()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
+    x = torch.randn(2, 3, 12, 12)
+    reference = ConvNet().train()
+    reference.load_state_dict(model.state_dict())
+    _assert_close(compiled(x), reference(x))  # train mode: BatchNorm's running stats are updated in the graph
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    (graph,) = graphs
+    assert graph.kind == "forward" and graph.frozen == ()
+    assert len(_main_arguments(graph.compiled)) > 1 + len(list(model.parameters()))
+    with pytest.warns(UserWarning, match=r"backward graph runs on torch eager"):
+        compiled(x).sum().backward()
+    assert model.fc.weight.grad is not None
+
+
+class RunningScale(torch.nn.Module):
+    """A buffer updated in forward (it must stay an input) beside a parameter (frozen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum(0))
+        return self.fc(x) + self.total
+
+
+def test_buffer_updated_in_forward_stays_an_input():
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model, reference = RunningScale(), RunningScale()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            _assert_close(compiled(x), reference(x))
+    torch.testing.assert_close(model.total, reference.total)
+    (graph,) = graphs
+    assert len(graph.frozen) == 2 and not any("total" in name for name in graph.frozen)
+    assert _main_arguments(graph.compiled) == ["!torch.vtensor<[4],f32>", "!torch.vtensor<[2,4],f32>"]
+
+
+def test_changed_weights_compile_again():
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model, reference = MLP().eval(), MLP().eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        _assert_close(compiled(x), reference(x))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _assert_close(compiled(x), reference(x))  # unchanged: no second compile
+        assert not [w for w in caught if "frozen" in str(w.message)]
+        for change in (
+            lambda m: m.fc1.weight.mul_(2),  # in place (load_state_dict, an optimizer step)
+            lambda m: setattr(m.fc2, "bias", torch.nn.Parameter(torch.ones(4))),  # reassigned
+        ):
+            change(model), change(reference)
+            with pytest.warns(UserWarning, match=r"frozen parameter.*changed.*compiling it again"):
+                _assert_close(compiled(x), reference(x))
+            _assert_close(compiled(x), reference(x))
+    assert len(graphs) == 1  # dynamo did not recompile: the backend's Frozen did, twice
 
 
 # -- graph breaks: Python pre- and post-processing around the model (seed 001 #2) ---------
