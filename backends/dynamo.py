@@ -81,7 +81,9 @@ class CompiledGraph:
     "forward" (the forward of a training graph); `graph_module` the graph
     aot_autograd gave, `result` what `fx_rewrites.apply` made of it
     (`result.report.rewrites`: rule name -> count), `compiled` what the
-    backend returned for it.
+    backend returned for it (for a frozen graph: for the graph with the
+    `frozen` inputs as constants, at its first compile), `frozen` the
+    dynamo sources of the inputs compiled in as constants.
     """
 
     backend: str

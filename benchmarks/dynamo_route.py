@@ -1,0 +1,168 @@
+"""The torch.compile route (`backend=fx_rewrites_iree`) against eager and the export route, per op class.
+
+    python benchmarks/dynamo_route.py                 # conv2d, depthwise, grouped, conv3d, linear
+    python benchmarks/dynamo_route.py --resnet50      # and transformers' ResNet-50 (minutes of compile)
+    python benchmarks/dynamo_route.py --cases conv2d --parameters   # and the export route with IREE parameters
+
+Per case, in one process, on the same input: torch eager; torch.compile
+through the IREE backend with freezing off (every weight a run-time input,
+the route before `backends/freezing.py`) and on (weights compiled in as
+constants); the export route (`fx_rewrites.apply(ep, rules)` then
+`IreeBackend.compile`: weights frozen as literals); with --parameters, the
+export route's module with its weights as IREE parameters (globals read from
+a parameter archive, `compiled.save(params=)` then `fx_rewrites.load`).
+One thread each (torch.set_num_threads(1), IREE local-sync), CPU time of
+the process (`time.process_time`), every variant called in turn round after
+round, medians; outputs compared with eager: the largest |difference| is printed, and a line for each
+variant not within rtol 1e-4, atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fx_rewrites.api import apply
+from fx_rewrites.backends.dynamo import dynamo_backend
+from fx_rewrites.backends.iree import CompileCache, IreeBackend
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def cases(resnet50: bool) -> dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]]:
+    def conv(cls: type, c: int, groups: int, shape: tuple[int, ...]) -> Callable[[], Any]:
+        return lambda: (cls(c, c, 3, padding=1, groups=groups), torch.randn(shape))
+
+    out: dict[str, Callable[[], Any]] = {
+        "conv2d 64->64 3x3, 56x56": conv(torch.nn.Conv2d, 64, 1, (1, 64, 56, 56)),
+        "depthwise conv2d 64 3x3, 56x56": conv(torch.nn.Conv2d, 64, 64, (1, 64, 56, 56)),
+        "grouped conv2d 64->64 g8 3x3, 56x56": conv(torch.nn.Conv2d, 64, 8, (1, 64, 56, 56)),
+        "conv3d 32->32 3x3x3, 8x28x28": conv(torch.nn.Conv3d, 32, 1, (1, 32, 8, 28, 28)),
+        "linear 1024->1024, batch 16": lambda: (torch.nn.Linear(1024, 1024), torch.randn(16, 1024)),
+    }
+    if resnet50:
+
+        def resnet() -> tuple[torch.nn.Module, torch.Tensor]:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from runtime_models import _tf  # transformers, importable on CPU torch with PyPI's torchvision
+
+            transformers = _tf()
+            return transformers.ResNetModel(transformers.ResNetConfig()), torch.randn(1, 3, 224, 224)
+
+        out["ResNet-50 (transformers), 1x3x224x224"] = resnet
+    return out
+
+
+def output(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "last_hidden_state"):
+        return value.last_hidden_state
+    return value[0]
+
+
+def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, x = make()
+    model = model.eval()
+    backend = IreeBackend(driver="local-sync", cache=CompileCache())
+    fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(x)}
+    compile_s: dict[str, float] = {}
+    with torch.no_grad():
+        expected = output(model(x))
+        for label, freeze in (("compile, weights as inputs", False), ("compile, frozen", True)):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=dynamo_backend(backend, freeze=freeze))
+            start = time.perf_counter()
+            compiled(x)  # compiles
+            compile_s[label] = time.perf_counter() - start
+            fns[label] = lambda compiled=compiled: compiled(x)
+        start = time.perf_counter()
+        ep = torch.export.export(model, (x,))
+        program = apply(ep, backend.rules).program
+        exported = backend.compile(program, (x,))
+        compile_s["export route"] = time.perf_counter() - start
+        fns["export route"] = lambda: exported(x)
+        if parameters:
+            import fx_rewrites
+
+            folder = Path(tempfile.mkdtemp())
+            exported.save(folder / "m.vmfb", params=folder / "m.irpa")
+            loaded = fx_rewrites.load(folder / "m.vmfb", params=folder / "m.irpa", driver="local-sync")
+            fns["export route, weights as IREE parameters"] = lambda: loaded(x)
+        diffs = {}
+        for label, fn in fns.items():
+            got = output(fn())
+            diffs[label] = (got - expected).abs().max().item()
+            if not torch.allclose(got, expected, rtol=RTOL, atol=ATOL):
+                print(
+                    f"  {name}, {label}: not close to eager at rtol {RTOL}, atol {ATOL}: max |diff| {diffs[label]:.2e}"
+                )
+        times: dict[str, list[float]] = {label: [] for label in fns}
+        for _ in range(repeat):
+            for label, fn in fns.items():
+                start = time.process_time()
+                fn()
+                times[label].append(time.process_time() - start)
+    torch._dynamo.reset()
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {"name": name, "ms": ms, "compile_s": compile_s, "max_diff": diffs, "scale": expected.abs().max().item()}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    labels = list(rows[0]["ms"])
+    lines = [
+        "| case | " + " | ".join(f"{label} ms" for label in labels) + " | frozen / eager |",
+        "|---" * (len(labels) + 2) + "|",
+    ]
+    for row in rows:
+        ms = row["ms"]
+        cells = " | ".join(f"{ms[label]:.2f}" if label in ms else "" for label in labels)
+        lines.append(f"| {row['name']} | {cells} | {ms['compile, frozen'] / ms['eager']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resnet50", action="store_true", help="add transformers' ResNet-50 (minutes of compile)")
+    parser.add_argument("--cases", default="", help="comma-separated prefixes of the case names to run")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--parameters", action="store_true", help="also the export route with IREE parameters")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    chosen = {
+        k: v for k, v in cases(args.resnet50).items() if not args.cases or k.startswith(tuple(args.cases.split(",")))
+    }
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; one thread each, CPU time, medians of {args.repeat} rounds")
+    rows = []
+    for name, make in chosen.items():
+        row = measure(name, make, args.repeat, args.parameters)
+        print(
+            name, {k: round(v, 3) for k, v in row["ms"].items()}, {k: round(v, 1) for k, v in row["compile_s"].items()}
+        )
+        sys.stdout.flush()
+        rows.append(row)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
