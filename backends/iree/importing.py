@@ -223,8 +223,8 @@ def _recompute_sizes(gm: GraphModule) -> set[str]:
 
 def _inline_tensor_attributes(gm: GraphModule) -> None:
     """Replace each `get_attr` of a tensor (a frozen parameter, `backends/freezing.py`) by the tensor
-    itself, the form `import_frozen_program` gives the importer: it becomes a `torch.vtensor.literal`
-    (the stateless import binds no get_attr)."""
+    itself, the form `import_frozen_program` gives the importer: it becomes a `torch.vtensor.literal`,
+    or whatever the hooks' `resolve_literal` makes of it (the stateless import binds no get_attr)."""
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, str(node.target), None)
         if isinstance(value, torch.Tensor):
@@ -240,11 +240,11 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     the module from that input (the caller's value is not passed to IREE);
     other Sym placeholders are passed as scalars. Unused specialised inputs
     and constant outputs are dropped and restored around the call. Tensor
-    attributes (`get_attr`) are imported as constants.
+    attributes (`get_attr`, frozen weights) stay in the copy; `import_mlir`
+    imports them as constants.
     """
     _check_graph_module(gm)
     copy = copy_tree(gm)
-    _inline_tensor_attributes(copy)
     graph = copy.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     codegen = graph._codegen
@@ -344,6 +344,7 @@ def import_mlir(
         if isinstance(program, ExportedProgram):
             main = importer.import_frozen_program(program, func_name="main")
         else:
+            _inline_tensor_attributes(program)
             main = importer.import_graph_module(program, func_name="main")
     except Exception as e:
         raise import_error(e, current[0]) from e
