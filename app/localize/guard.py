@@ -90,7 +90,7 @@ aten = torch.ops.aten
 
 def _measured_form(node: Node) -> bool | Miss:
     """The form {loc.backend} was measured wrong on; widen it once the rewrite is checked on more."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
 {when}
     return True
 

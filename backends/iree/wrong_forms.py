@@ -55,7 +55,7 @@ def _symbolic(value: Any) -> bool:
 
 
 def _bag_weights(node: Node) -> str:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if named.get("per_sample_weights") is None:
         return ""
     return (
@@ -86,7 +86,7 @@ def _logcumsumexp(node: Node) -> str:
 
 
 def _negative_pad(node: Node) -> str:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     pads = named.get("pad", named.get("padding", ()))
     if not any(isinstance(p, int) and p < 0 for p in pads):
         return ""
@@ -115,7 +115,7 @@ def _padded(node: Node) -> bool:
 
 
 def _into_itself(node: Node) -> str:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     dest = named["self"]
     source = named.get("src", named.get("values", named.get("value")))
     if reads_destination(dest, source):

@@ -124,7 +124,7 @@ class Substitute(RuleBase):
         return f"substitute_{self.roots[0]._opname}_to_{self.to._opname}"
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> None:
-        bound = schema.bind(node.target, node.args, dict(node.kwargs))
+        bound = schema.arguments(node)
         wanted = set(schema.arg_names(self.to))
         named = {k: v for k, v in bound.items() if k in wanted}
         named.update({k: _resolve(v, bound) for k, v in self.args.items()})

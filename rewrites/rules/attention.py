@@ -61,7 +61,7 @@ class Attention:
 
 def bind(node: Node) -> Attention:
     """The arguments of an `aten.scaled_dot_product_attention` node."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     return Attention(
         query=named["query"],
         key=named["key"],
@@ -85,7 +85,7 @@ def _logsumexp_unread(node: Node) -> bool | Miss:
     users = list(node.users)
     if not (users and all(u.target is operator.getitem and u.args[1] == 0 for u in users)):
         return Miss("the logsumexp output (index 1) is read: only the fused kernel computes it")
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     mask, query, key = _val(named.get("attn_mask")), _val(named["query"]), _val(named["key"])
     if query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         # the kernel serves grouped-query heads itself; SDPA would need enable_gqa, left to IREE as it came

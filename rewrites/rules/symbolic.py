@@ -106,7 +106,7 @@ def sym_in_tensor_slots(graph: Graph | GraphModule) -> list[str]:
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
-        bound = schema.bind(node.target, node.args, dict(node.kwargs))
+        bound = schema.arguments(node)
         for a in node.target._schema.arguments:
             value = bound.get(a.name)
             if _is_tensor_type(a.type):

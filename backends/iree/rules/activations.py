@@ -29,7 +29,7 @@ _SATURATED = 10.0
 
 
 def _tanh_gelu_of_float32(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if named.get("approximate", "none") != "tanh":
         return Miss("approximate='none': IREE's erf form was not measured wrong")
     val = named["self"].meta.get("val") if isinstance(named["self"], Node) else None
@@ -40,7 +40,6 @@ def _tanh_gelu_of_float32(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.gelu.default,),
-    name="gelu_tanh_written_out_for_iree",
     when=_tanh_gelu_of_float32,
     tags={"iree", "guard"},
     doc=(
@@ -51,7 +50,7 @@ def _tanh_gelu_of_float32(node: Node) -> bool | Miss:
     ),
 )
 def gelu_tanh_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.bind(node.target, node.args, dict(node.kwargs))["self"]
+    x = schema.arguments(node)["self"]
 
     def two_u(v: Node) -> Node:
         squared = rw.call(aten.mul.Tensor, v, v)

@@ -99,7 +99,6 @@ def _compared_with_itself(node: Node) -> Miss | bool:
 
 @rule(
     roots=(aten.eq.Tensor,),
-    name="float_self_equality_for_iree",
     when=_compared_with_itself,
     tags={"iree", "guard"},
     doc=(

@@ -45,7 +45,7 @@ def _per_dim(value: Any, n: int, default: int) -> list[Any]:
 
 def _conv_args(node: Node) -> dict[str, Any] | Miss:
     """The convolution's arguments by name, with padding, stride, dilation and window span as n ints."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     x, w, out = named["input"].meta.get("val"), named["weight"].meta.get("val"), node.meta.get("val")
     if not all(isinstance(v, torch.Tensor) for v in (x, w, out)):
         return Miss("no tensor values")

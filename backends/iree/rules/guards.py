@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.rules.compare_guards import (
 from fx_rewrites.backends.iree.rules.index_guards import int32_index_to_int64_for_iree, negative_put_index_for_iree
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -32,7 +33,7 @@ _TO_END = 9223372036854775807
 
 def _pads(node: Node) -> tuple[Node, list[int]] | Miss:
     """(input, pads) of a constant or replicate pad with a negative amount."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if named.get("mode", "constant") not in ("constant", "replicate"):
         return Miss(f"mode={named['mode']!r}: torch rejects negative pads there itself")
     pads = list(named["pad"])
@@ -57,7 +58,6 @@ def _negative_pad(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.constant_pad_nd.default, aten.pad.default),
-    name="negative_pad_to_slice_for_iree",
     when=_negative_pad,
     priority=10,  # before the legalize phase's decomposition of the same node
     tags={"iree", "guard"},
@@ -79,7 +79,7 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
             x = rw.call(aten.slice.Tensor, x, rank - 1 - i, start, after if after < 0 else _TO_END)
     kept = [max(p, 0) for p in pads]
     if any(kept):
-        named = schema.bind(node.target, node.args, dict(node.kwargs))
+        named = dict(schema.arguments(node))
         named.update({"self": x, "pad": kept})
         args, kwargs = schema.unbind(node.target, named, explicit=False)
         try:
@@ -96,7 +96,7 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
 def _multi_index(node: Node) -> tuple[Node, int, list[Node]] | Miss:
     """(input, first indexed dim, the index tensors) of x[..., i0, i1, ...] with two or more adjacent
     integer index tensors of which one has a symbolic size, over indexed dims of static size."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     x, indices = named["self"], list(named["indices"])
     first = next((i for i, t in enumerate(indices) if t is not None), None)
     if first is None:
@@ -122,7 +122,6 @@ def _has_multi_index(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.index.Tensor,),
-    name="multi_index_to_flat_gather_for_iree",
     when=_has_multi_index,
     priority=10,
     tags={"iree", "guard"},
@@ -176,7 +175,7 @@ def _numel(value: Any) -> int | None:
 def empty_variance(node: Node) -> bool | Miss:
     """Whether `node` reduces an empty input (static sizes) to a non-empty result: every group it
     reduces is then empty, and torch gives NaN for each variance and mean."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if _numel(named["self"].meta.get("val")) != 0:
         return Miss("the input is not statically empty")
     outputs = node.meta.get("val")
@@ -188,7 +187,6 @@ def empty_variance(node: Node) -> bool | Miss:
 
 @rule(
     roots=_VARIANCES,
-    name="empty_variance_for_iree",
     when=empty_variance,
     tags={"iree", "guard"},
     doc=(
@@ -230,7 +228,7 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
     if not isinstance(result, torch.Tensor) or _numel(result) == 0:
         return Miss("an empty result (IREE compiles those)")
     empty: list[Node] = []
-    for name, value in schema.bind(node.target, node.args, dict(node.kwargs)).items():
+    for name, value in schema.arguments(node).items():
         for operand in value if isinstance(value, (list, tuple)) else (value,):
             val = operand.meta.get("val") if isinstance(operand, Node) else None
             if not isinstance(val, torch.Tensor):
@@ -245,7 +243,6 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
 
 @rule(
     roots=_CONTRACTIONS,
-    name="empty_contraction_for_iree",
     when=_empty_operands,
     tags={"iree", "guard"},
     doc=(
@@ -269,7 +266,7 @@ def empty_contraction_for_iree(node: Node, rw: Rewriter, empty: list[Node]) -> A
 
 
 def _instance_norm_with_stats(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if not named["use_input_stats"]:
         return Miss("use_input_stats=False: the running statistics are what it normalises by")
     if named["running_mean"] is None and named["running_var"] is None:
@@ -279,7 +276,6 @@ def _instance_norm_with_stats(node: Node) -> bool | Miss:
 
 @rule(
     roots=(aten.instance_norm.default,),
-    name="instance_norm_input_stats_for_iree",
     when=_instance_norm_with_stats,
     priority=10,  # before the legalize phase's decomposition of the same node
     tags={"iree", "guard"},
@@ -293,7 +289,7 @@ def _instance_norm_with_stats(node: Node) -> bool | Miss:
     ),
 )
 def instance_norm_input_stats_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = dict(schema.arguments(node))
     named.update(running_mean=None, running_var=None)
     args, kwargs = schema.unbind(node.target, named, explicit=False)
     rw.replace(node, rw.call(node.target, *args, **kwargs))
@@ -311,7 +307,7 @@ _FILLED = {
 
 
 def _symbolic_size(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if all(isinstance(s, int) for s in named["size"]):
         return Miss("static sizes (IREE fills those right)")
     return True
@@ -319,7 +315,6 @@ def _symbolic_size(node: Node) -> bool | Miss:
 
 @rule(
     roots=tuple(_FILLED),
-    name="filled_tensor_to_full_for_iree",
     when=_symbolic_size,
     tags={"iree", "guard"},
     doc=(
@@ -331,7 +326,7 @@ def _symbolic_size(node: Node) -> bool | Miss:
     ),
 )
 def filled_tensor_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     val = node.meta["val"]
     options = {"dtype": val.dtype, "layout": val.layout, "device": val.device}
     if named.get("pin_memory") is not None:
@@ -353,7 +348,6 @@ def _fill_fits(node: Node) -> bool | Miss:
 
 @rule(
     roots=tuple(_FILLS),
-    name="fill_to_full_for_iree",
     when=_fill_fits,
     tags={"iree", "guard"},
     doc=(
@@ -371,17 +365,20 @@ def fill_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(aten.full.default, sizes, value, dtype=val.dtype, device=val.device))
 
 
-RULES = (
-    filled_tensor_to_full_for_iree,
-    fill_to_full_for_iree,
-    negative_pad_to_slice_for_iree,
-    int32_index_to_int64_for_iree,
-    negative_put_index_for_iree,
-    multi_index_to_flat_gather_for_iree,
-    empty_variance_for_iree,
-    empty_contraction_for_iree,
-    instance_norm_input_stats_for_iree,
-    float_scalar_in_comparison_for_iree,
-    float_self_equality_for_iree,
-    gelu_tanh_written_out_for_iree,
+RULES = RuleSet(
+    [
+        filled_tensor_to_full_for_iree,
+        fill_to_full_for_iree,
+        negative_pad_to_slice_for_iree,
+        int32_index_to_int64_for_iree,
+        negative_put_index_for_iree,
+        multi_index_to_flat_gather_for_iree,
+        empty_variance_for_iree,
+        empty_contraction_for_iree,
+        instance_norm_input_stats_for_iree,
+        float_scalar_in_comparison_for_iree,
+        float_self_equality_for_iree,
+        gelu_tanh_written_out_for_iree,
+    ],
+    name="iree-guards",
 )

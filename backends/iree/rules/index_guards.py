@@ -40,7 +40,7 @@ _INDEX_LISTS = _index_list_ops()
 
 def _int32_indices(node: Node) -> dict[str, list[Any]] | Miss:
     """The index lists of `node` (argument name -> list) when one of their tensors is int32."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     lists = {name: list(named[name]) for name in _INDEX_LISTS[node.target]}
     for indices in lists.values():
         for index in indices:
@@ -57,7 +57,6 @@ def _has_int32_index(node: Node) -> bool | Miss:
 
 @rule(
     roots=tuple(_INDEX_LISTS),
-    name="int32_index_to_int64_for_iree",
     when=_has_int32_index,
     priority=20,  # before multi_index_to_flat_gather_for_iree: its linear index is then computed in int64
     tags={"iree", "guard"},
@@ -71,7 +70,7 @@ def _has_int32_index(node: Node) -> bool | Miss:
     ),
 )
 def int32_index_to_int64_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = dict(schema.arguments(node))
     for name, indices in _int32_indices(node).items():
         named[name] = [
             rw.call(aten._to_copy.default, index, dtype=torch.int64)
@@ -99,7 +98,7 @@ def _is_wrapped(index: Node) -> bool:
 
 def _unwrapped_put_indices(node: Node) -> list[int] | Miss:
     """Positions (= the dims of `self` they index) of the integer index tensors not yet wrapped."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     indices = list(named["indices"])
     vals = [i.meta.get("val") if isinstance(i, Node) else None for i in indices]
     if any(i is not None and not isinstance(v, torch.Tensor) for i, v in zip(indices, vals)):
@@ -117,7 +116,6 @@ def _has_unwrapped_put_index(node: Node) -> bool | Miss:
 
 @rule(
     roots=_PUTS,
-    name="negative_put_index_for_iree",
     when=_has_unwrapped_put_index,
     priority=10,  # after int32_index_to_int64_for_iree
     tags={"iree", "guard"},
@@ -130,7 +128,7 @@ def _has_unwrapped_put_index(node: Node) -> bool | Miss:
     ),
 )
 def negative_put_index_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = dict(schema.arguments(node))
     x, indices = named["self"], list(named["indices"])
     for k in _unwrapped_put_indices(node):
         size = x.meta["val"].shape[k]

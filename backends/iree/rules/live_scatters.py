@@ -73,7 +73,7 @@ _REDUCTIONS = {
 
 
 def _scatter(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if node.target == aten.scatter_reduce.two and not named["self"].meta["val"].dtype.is_floating_point:
         # an integer mean divides with rounding, and an integer identity for amax/amin is the dtype's bound:
         # neither measured; such a scatter is refused by wrong_forms instead

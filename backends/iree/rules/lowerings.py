@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 
 def _histc_args(node: Node) -> tuple[Node, int, float, float] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     x, bins = named["self"], named.get("bins", 100)
     lo, hi = named.get("min", 0), named.get("max", 0)
     if not all(isinstance(v, (int, float)) for v in (bins, lo, hi)):
@@ -105,7 +105,7 @@ def _kthvalue_ok(node: Node) -> bool | Miss:
     ),
 )
 def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     x, k = named["self"], named["k"]
     dim, keepdim = named.get("dim", -1), named.get("keepdim", False)
     smallest = rw.call(aten.topk.default, x, k, dim, False, True)

@@ -133,7 +133,7 @@ def attention_by_head_groups(node: Node, rw: Rewriter, g: HeadGroups) -> Any:
 
 
 def _softmax_in_float32(node: Node) -> bool | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     x = _val(named["self"])
     if x.dtype != torch.float32:
         return Miss(f"{x.dtype}: torch's kernel keeps a float32 sum that written out in {x.dtype} would lose")
@@ -245,7 +245,7 @@ _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.convolution.default)
 
 def _conv(node: Node) -> dict[str, Any]:
     """The convolution's arguments by name, spatial lists as long as the kernel's spatial dims."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     spatial = _val(named["weight"]).dim() - 2
     out = {"input": named["input"], "weight": named["weight"], "bias": named.get("bias")}
     for key, default in (("stride", 1), ("padding", 0), ("dilation", 1)):

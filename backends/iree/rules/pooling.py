@@ -78,7 +78,7 @@ def _ceil_extra(size: Any, kernel: int, stride: int, pad: int) -> int | None:
 
 
 def _ceil_pool(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if not named.get("ceil_mode", False):
         return Miss("ceil_mode=False")
     n = _POOLS[node.target]
@@ -191,7 +191,7 @@ def known(condition: Any) -> bool:
 
 def _pool_args(node: Node) -> dict[str, Any]:
     """A pooling's arguments by name, with kernel, stride, padding, dilation and window span as n ints."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     n = POOLS_BY_RANK[node.target]
     kernel = _per_dim(named["kernel_size"], n, [])
     stride = _per_dim(named.get("stride"), n, kernel)
@@ -310,7 +310,7 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
 
 
 def _adaptive_values_only(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
         return Miss("static map sizes (IREE lowers it)")
     output_size = _per_dim(named["output_size"], 2, [])

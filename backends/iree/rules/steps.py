@@ -152,7 +152,7 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
     """`select` of the innermost dim, or a step-1 slice of one element of it (`narrow(-1, i, 1)`), of a
     longer static dim, read by a gather, a flip or a diagonal: its input, dim, index and whether the dim is
     dropped."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     base = named["self"].meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
         return Miss("no tensor values")

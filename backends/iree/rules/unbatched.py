@@ -63,7 +63,7 @@ def _unbatched(node: Node) -> bool | Miss:
 )
 def unbatched_window_op_for_iree(node: Node, rw: Rewriter) -> None:
     first = node.target._schema.arguments[0].name
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = dict(schema.arguments(node))
     named[first] = rw.call(aten.unsqueeze.default, named[first], 0)
     args, kwargs = schema.unbind(node.target, named, explicit=False)
     batched = rw.call(node.target, *args, **kwargs)

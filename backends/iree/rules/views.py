@@ -35,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
@@ -169,7 +170,7 @@ def slice_bound(value: Any, size: Any, default: Any) -> Any:
 def writes_whole_tensor(node: Node) -> bool:
     """Whether a slice_scatter writes every element (step 1 over the whole dim: functionalization's write-back
     through a view, `slice_scatter(t, f(slice(t, d, 0, end)), d, 0, end)`); the guard then returns the source."""
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     val = named["self"].meta["val"]
     size = val.shape[named.get("dim", 0) % val.dim()]
     lo, hi = slice_bound(named.get("start"), size, 0), slice_bound(named.get("end"), size, size)
@@ -177,14 +178,13 @@ def writes_whole_tensor(node: Node) -> bool:
 
 
 def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     hazard = scatter_hazard(node, named["self"], named["src"])
     return named if hazard is True else hazard
 
 
 @rule(
     roots=(aten.slice_scatter.default,),
-    name="slice_scatter_of_itself_for_iree",
     when=_slice_scatter,
     tags={"iree", "guard"},
     doc=(
@@ -226,14 +226,13 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
 
 
 def _index_put(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     hazard = scatter_hazard(node, named["self"], named["values"])
     return named if hazard is True else hazard
 
 
 @rule(
     roots=(aten.index_put.default, aten._unsafe_index_put.default),
-    name="index_put_of_itself_for_iree",
     when=_index_put,
     tags={"iree", "guard"},
     doc=(
@@ -293,7 +292,7 @@ def _reads_storage(view: Node) -> Node | None:
 
 
 def _diagonal(node: Node) -> dict[str, Any] | Miss:
-    named = schema.bind(node.target, node.args, dict(node.kwargs))
+    named = schema.arguments(node)
     val, out = named["self"].meta.get("val"), node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or type(out.shape[-1]) is not int:
         return Miss("the diagonal's length is not static")
@@ -309,7 +308,6 @@ def _diagonal(node: Node) -> dict[str, Any] | Miss:
 
 @rule(
     roots=(aten.diagonal.default,),
-    name="diagonal_as_gather_for_iree",
     when=_diagonal,
     tags={"iree", "guard"},
     doc=(
@@ -331,8 +329,6 @@ def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> 
     rw.replace(node, rw.call(aten.permute.default, picked, [*range(1, n - 1), 0]))
 
 
-RULES = (
-    slice_scatter_of_itself_for_iree,
-    index_put_of_itself_for_iree,
-    diagonal_as_gather_for_iree,
+RULES = RuleSet(
+    [slice_scatter_of_itself_for_iree, index_put_of_itself_for_iree, diagonal_as_gather_for_iree], name="iree-views"
 )

@@ -39,7 +39,7 @@ Build = Callable[[Node, Rewriter, Bound], Any]
 
 def bind(node: Node) -> Bound:
     """The node's arguments by schema name."""
-    return schema.bind(node.target, node.args, dict(node.kwargs))
+    return schema.arguments(node)
 
 
 def problem(arg: Any, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES, scalar_ok: bool = False) -> str | None:

@@ -19,7 +19,7 @@ from fx_rewrites.backends.iree import IreeCompileError, IreeUnsupportedError
 from fx_rewrites.backends.iree.rules import live_scatters, views
 
 aten = torch.ops.aten
-GUARDS = [*views.RULES[:2], *live_scatters.RULES]
+GUARDS = [*list(views.RULES)[:2], *live_scatters.RULES]
 
 
 def _first(x: torch.Tensor) -> torch.Tensor:
