@@ -29,6 +29,14 @@ weight that changes later (in place or reassigned) makes the next call
 warn and compile the graph again. Off: `FX_REWRITES_FREEZE=0`,
 `dynamo_backend(..., freeze=False)` or
 `torch.compile(..., options={"freeze": False})`.
+
+A graph (inference or forward) the rules or the backend cannot take runs on
+torch eager, as aot_autograd gave it, with one `EagerFallbackWarning` per
+graph that names the op and the error; the other graphs still run on the
+backend. Strict mode raises instead (the error as the backend gave it,
+wrapped by dynamo in `BackendCompilerFailed`): `FX_REWRITES_STRICT=1`,
+`dynamo_backend(..., strict=True)` or
+`torch.compile(..., options={"strict": True})`.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -55,6 +65,9 @@ PREFIX = "fx_rewrites_"
 
 log = logging.getLogger(__name__)
 
+#: "1": a graph the backend cannot compile raises instead of running on torch eager
+STRICT_ENV = "FX_REWRITES_STRICT"
+
 #: compiled graphs with runtime objects to free before the interpreter shuts down (see `_release_at_exit`)
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -73,6 +86,44 @@ class BackwardNotSupported(RuntimeError):
     """A backward ran through a graph compiled with `dynamo_backend(..., backward="error")`."""
 
 
+class EagerFallbackWarning(UserWarning):
+    """A graph the backend could not compile runs on torch eager (`-W error::...EagerFallbackWarning`, or
+    strict mode, makes it an error)."""
+
+
+def strict_enabled(option: bool | None) -> bool:
+    """Whether a graph the backend cannot compile raises: `option`, else `$FX_REWRITES_STRICT` not "" or "0"."""
+    if option is not None:
+        return bool(option)
+    return os.environ.get(STRICT_ENV, "0").strip() not in ("", "0")
+
+
+def _failing_op(error: BaseException) -> str:
+    """The op an error names: the backend's `.op` (IreeCompileError, IreeImportError), else one in `op`-quotes."""
+    op = getattr(error, "op", "") or ""
+    if op:
+        return str(op)
+    found = re.search(r"`((?:aten|prims|torch|higher_order)\.[\w.]+)`", str(error))
+    return found.group(1) if found else ""
+
+
+def fallback_message(name: str, kind: str, gm: GraphModule, error: BaseException) -> str:
+    """The warning of a graph that runs on torch eager because `error` stopped its compile."""
+    op = _failing_op(error)
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    if len(first) > 600:
+        first = first[:600] + " ..."
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    what = f"`{op}`" if op else "an op (the error does not name it)"
+    return (
+        f"torch.compile(backend={name}): this {kind} graph ({calls} ops) runs on torch eager, because "
+        f"{what} stopped its compile: {type(error).__name__}: {first} "
+        f"The other graphs still run on the backend. To run this one there too: a rule that rewrites {what} into "
+        f"ops the backend takes (a missing rule is a bug worth reporting, with this message). To raise instead of "
+        f"falling back: {STRICT_ENV}=1, or torch.compile(..., options={{'strict': True}})."
+    )
+
+
 @attrs.frozen
 class CompiledGraph:
     """One graph of a torch.compile'd function, as the `on_graph` hook sees it.
@@ -81,7 +132,7 @@ class CompiledGraph:
     "forward" (the forward of a training graph); `graph_module` the graph
     aot_autograd gave, `result` what `fx_rewrites.apply` made of it
     (`result.report.rewrites`: rule name -> count), `compiled` what the
-    backend returned for it (for a frozen graph: for the graph with the
+    backend returned for it (torch eager's graph when `fallback` says why) (for a frozen graph: for the graph with the
     `frozen` inputs as constants, at its first compile), `frozen` the
     dynamo sources of the inputs compiled in as constants.
     """
@@ -90,16 +141,21 @@ class CompiledGraph:
     kind: Literal["inference", "forward"]
     graph_module: GraphModule
     example_inputs: Sequence[Any]
-    result: Result
+    result: Result | None
     compiled: Callable[..., Any]
     #: the dynamo sources of the inputs compiled in as constants (`backends/freezing.py`); () when not frozen
     frozen: tuple[str, ...] = ()
+    #: the warning of a graph that runs on torch eager ("" when the backend compiled it); `compiled` is then the
+    #: graph as aot_autograd gave it, and `result` None when the rules themselves failed
+    fallback: str = ""
 
 
 def _compile_graph(
     backend: Backend | str,
     rules: RuleSet | None,
     on_graph: Callable[[CompiledGraph], None] | None,
+    name: str,
+    strict: bool,
     state: dict[int, tuple[str, Any]],
     kind: Literal["inference", "forward"],
     gm: GraphModule,
@@ -108,18 +164,30 @@ def _compile_graph(
     from functorch.compile import make_boxed_func
 
     target = backends.get(backend) if isinstance(backend, str) else backend
-    frozen = freezing.plan(gm, state) if kind == "inference" else {}
-    result = apply(gm, target.rules if rules is None else rules)
-    log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
-    result.report.warn_unless_converged(target.name, stacklevel=2)
-    if frozen and len(result.graph_module.graph.find_nodes(op="placeholder")) == len(example_inputs):
-        kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
-        run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: target.compile(g, kept))
-        compiled, names = run.compiled, run.names
-        log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
-    else:
-        run = compiled = target.compile(result.graph_module, example_inputs)
-        names = ()
+    result: Result | None = None
+    try:
+        frozen = freezing.plan(gm, state) if kind == "inference" else {}
+        result = apply(gm, target.rules if rules is None else rules)
+        log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
+        result.report.warn_unless_converged(target.name, stacklevel=2)
+        if frozen and len(result.graph_module.graph.find_nodes(op="placeholder")) == len(example_inputs):
+            kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
+            run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: target.compile(g, kept))
+            compiled, names = run.compiled, run.names
+            log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
+        else:
+            run = compiled = target.compile(result.graph_module, example_inputs)
+            names = ()
+    except Exception as e:
+        if strict:
+            raise
+        # the graph as aot_autograd gave it: what the rules made of it may hold ops only the backend runs
+        message = fallback_message(name, kind, gm, e)
+        log.info("%s", message, exc_info=True)
+        warnings.warn(message, EagerFallbackWarning, stacklevel=2)
+        if on_graph is not None:
+            on_graph(CompiledGraph(target.name, kind, gm, example_inputs, result, gm, (), message))
+        return make_boxed_func(gm)
     if callable(getattr(run, "release", None)):
         _LIVE.add(run)
     if on_graph is not None:
@@ -162,6 +230,7 @@ def dynamo_backend(
     on_graph: Callable[[CompiledGraph], None] | None = None,
     backward: Literal["eager", "error"] = "eager",
     freeze: bool | None = None,
+    strict: bool | None = None,
 ) -> Callable[..., Callable[..., Any]]:
     """A `torch.compile(backend=...)` callable for the fx-rewrites backend `backend`.
 
@@ -172,7 +241,10 @@ def dynamo_backend(
     happens when a backward runs (see the module docstring); `freeze`
     whether inference graphs get their parameters and buffers as constants
     (None: unless `$FX_REWRITES_FREEZE` is "0"; `torch.compile(...,
-    options={"freeze": ...})` overrides both).
+    options={"freeze": ...})` overrides both); `strict` whether a graph the
+    backend cannot compile raises instead of running on torch eager with an
+    `EagerFallbackWarning` (None: when `$FX_REWRITES_STRICT` is set and not
+    "0"; `options={"strict": ...}` overrides both).
     """
     if backward not in ("eager", "error"):
         raise ValueError(f"backward must be 'eager' or 'error', got {backward!r}")
@@ -180,21 +252,24 @@ def dynamo_backend(
 
     # a Python name, as torch.compile(backend="fx_rewrites_iree_cuda") finds it: "-" becomes "_"
     name = f"{PREFIX}{backend if isinstance(backend, str) else backend.name}".replace("-", "_")
-    compile_graph = functools.partial(_compile_graph, backend, rules, on_graph)
+    compile_graph = functools.partial(_compile_graph, backend, rules, on_graph, name)
     bw_compiler = functools.partial(_backward, name, backward)
 
     def compiler(
         gm: GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
     ) -> Callable[..., Any]:
-        unknown = sorted(set(options or {}) - {"freeze"})
+        unknown = sorted(set(options or {}) - {"freeze", "strict"})
         if unknown:
-            raise ValueError(f"torch.compile(backend={name}) takes options {{'freeze': bool}}, got {unknown}")
+            raise ValueError(
+                f"torch.compile(backend={name}) takes options {{'freeze': bool, 'strict': bool}}, got {unknown}"
+            )
         on = freezing.enabled((options or {}).get("freeze", freeze))
+        raises = strict_enabled((options or {}).get("strict", strict))
         # the real tensors of the module state among the inputs; the inference compiler freezes them
         state = freezing.freezable(gm, example_inputs) if on else {}
         aot = aot_autograd(
-            fw_compiler=functools.partial(compile_graph, {}, "forward"),
-            inference_compiler=functools.partial(compile_graph, state, "inference"),
+            fw_compiler=functools.partial(compile_graph, raises, {}, "forward"),
+            inference_compiler=functools.partial(compile_graph, raises, state, "inference"),
             bw_compiler=bw_compiler,
         )
         return aot(gm, example_inputs)
@@ -215,12 +290,15 @@ fx_rewrites_iree_vulkan = dynamo_backend("iree-vulkan")
 
 __all__ = [
     "PREFIX",
+    "STRICT_ENV",
     "BackwardNotSupported",
     "CompiledGraph",
+    "EagerFallbackWarning",
     "dynamo_backend",
     "fx_rewrites_eager",
     "fx_rewrites_iree",
     "fx_rewrites_iree_cuda",
     "fx_rewrites_iree_rocm",
     "fx_rewrites_iree_vulkan",
+    "strict_enabled",
 ]

@@ -20,6 +20,7 @@ from fx_rewrites import backends
 from fx_rewrites.backends.dynamo import (
     BackwardNotSupported,
     CompiledGraph,
+    EagerFallbackWarning,
     dynamo_backend,
     fx_rewrites_eager,
     fx_rewrites_iree,
@@ -118,7 +119,7 @@ def test_rules_fire_on_the_aot_graph(iree_graphs):
     torch.manual_seed(0)
     model = Gates().eval()
     with torch.no_grad(), pytest.raises(BackendCompilerFailed, match=r"IreeImportError.*node 'cond'"):
-        as_is = dynamo_backend("iree", rules=RuleSet([]))
+        as_is = dynamo_backend("iree", rules=RuleSet([]), strict=True)  # strict: raises, not eager
         torch.compile(model, backend=as_is, dynamic=True, fullgraph=True)(torch.randn(3, 8))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
@@ -388,6 +389,58 @@ def test_tiny_bert(iree_graphs):
     for name in ("last_hidden_state", "pooler_output"):
         torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-4, atol=1e-4)
     assert len(graphs) == 1 and isinstance(graphs[0].compiled, IreeCompiled)
+
+
+# -- a graph the backend cannot compile runs on eager --------------------------------------
+
+
+def test_graph_the_backend_cannot_compile_runs_on_eager(iree_graphs):
+    """Without its rules, Gates' cond does not import into IREE: the graph runs on torch eager, as aot_autograd
+    gave it, with one warning (for two calls) that names the op, the error and how to raise instead."""
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = Gates().eval()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", rules=RuleSet([]), on_graph=graphs.append))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for x in (torch.randn(3, 8), -torch.randn(3, 8).abs() - 2):
+                _assert_close(compiled(x), model(x))
+    fallbacks = [w for w in caught if issubclass(w.category, EagerFallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    text = str(fallbacks[0].message)
+    assert "inference graph" in text and "runs on torch eager" in text
+    assert "because `cond` stopped its compile: IreeImportError" in text, text
+    assert "FX_REWRITES_STRICT=1" in text and "'strict': True" in text
+    (graph,) = graphs
+    assert graph.fallback == text and graph.compiled is graph.graph_module
+
+
+@pytest.mark.parametrize("how", ["env", "option", "argument"])
+def test_strict_mode_raises(how, monkeypatch):
+    model = Gates().eval()
+    options = None
+    if how == "env":
+        monkeypatch.setenv("FX_REWRITES_STRICT", "1")
+        backend = dynamo_backend("iree", rules=RuleSet([]))
+    elif how == "option":
+        backend, options = dynamo_backend("iree", rules=RuleSet([])), {"strict": True}
+    else:
+        backend = dynamo_backend("iree", rules=RuleSet([]), strict=True)
+    compiled = torch.compile(model, backend=backend, options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerFallbackWarning)
+        with torch.no_grad(), pytest.raises(BackendCompilerFailed, match=r"IreeImportError.*node 'cond'"):
+            compiled(torch.randn(3, 8))
+
+
+def test_strict_off_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("FX_REWRITES_STRICT", "1")
+    model = Gates().eval()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", rules=RuleSet([])), options={"strict": False})
+    with pytest.warns(EagerFallbackWarning, match="cond"), torch.no_grad():
+        x = torch.randn(3, 8)
+        _assert_close(compiled(x), model(x))
 
 
 # -- backward, the eager backend, the names ----------------------------------------------
