@@ -154,6 +154,58 @@ def _isfinite(x: torch.Tensor) -> torch.Tensor:
     return x.abs() < math.inf
 
 
+# ----------------------------------------------------------------------------- attention with its logsumexp
+# torch.compile's training forward calls attention through the CPU flash kernel and saves its logsumexp for the
+# kernel's backward (which runs on torch eager). torch 2.13's decomposition of the kernel returns the attention
+# weights [N, H, L, S] where the kernel returns the logsumexp [N, H, L]: a backward given those reads garbage.
+
+
+def flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten._scaled_dot_product_flash_attention_for_cpu` written out: (attention, logsumexp of the scaled, masked
+    scores over the keys), as the kernel returns them; a row that masks every key gives 0 for both, as the kernel
+    does. Not for dropout, grouped-query heads, or is_causal with more keys than queries (the kernel aligns its
+    causal mask to the last key)."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("flash attention with dropout draws random numbers: kept whole")
+    if query.shape[1] != key.shape[1]:
+        raise NotImplementedError("flash attention with grouped-query heads: kept whole")
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        raise NotImplementedError("causal flash attention with a different number of queries and keys: kept whole")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        rows = torch.arange(query.shape[-2], device=query.device)
+        cols = torch.arange(key.shape[-2], device=query.device)
+        scores = scores.masked_fill(rows.unsqueeze(-1) < cols, -math.inf)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(attn_mask.logical_not(), -math.inf)
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    top = scores.amax(-1, keepdim=True)
+    has_key = top > -math.inf
+    top = torch.where(has_key, top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights, value) / total
+    out = torch.where(has_key, out, torch.zeros_like(out))
+    logsumexp = torch.where(has_key, torch.log(total) + top, torch.zeros_like(top)).squeeze(-1)
+    # laid out as the kernel lays them out (the output as empty_like(query), the logsumexp as [N, L, H]
+    # transposed): the graph around the kernel views them in that layout (transpose(1, 2).view(N, L, H * E))
+    order = sorted(range(query.dim()), key=lambda d: -query.stride(d))
+    out = out.permute(order).contiguous().permute([order.index(d) for d in range(query.dim())])
+    return out, logsumexp.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 #: ops whose decomposition in torch yields prims that lie about their result or that nothing lowers, or that
 #: a backend folds wrong (isfinite's `x == x`)
 OVERRIDES: dict[OpOverload, Callable[..., Any]] = {

@@ -1,10 +1,13 @@
 """Fused attention on IREE: one form, guarded, and (where measured faster) written out.
 
-Four rules, over `aten.scaled_dot_product_attention` and the CPU kernel
+Five rules, over `aten.scaled_dot_product_attention` and the CPU kernel
 torch.compile's graphs call (`aten._scaled_dot_product_flash_attention_for_cpu`):
 
 - `flash_attention_for_cpu_to_sdpa`: the CPU kernel, whose logsumexp
   nobody reads, becomes the SDPA op it implements, so one form is left.
+- `flash_attention_for_cpu_with_logsumexp`: the CPU kernel whose logsumexp
+  a training forward saves for the kernel's backward is written out
+  (`fx_rewrites.decompositions.flash_attention_for_cpu`), both outputs.
 - `attention_fully_masked_rows_guard` (a guard, every IREE target): a row
   of the mask that masks every key (a bool row all False, a float row all
   -inf: a padded sequence under a sliding window, Gemma3, ModernBERT) gives 0
@@ -32,9 +35,10 @@ import torch
 from torch.fx import Node
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fx_rewrites import schema
+from fx_rewrites import decompositions, schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
+from fx_rewrites.kinds.decompose import trace_decomposition
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -84,7 +88,12 @@ def _val(node: Any) -> Any:
 def _logsumexp_unread(node: Node) -> bool | Miss:
     users = list(node.users)
     if not (users and all(u.target is operator.getitem and u.args[1] == 0 for u in users)):
-        return Miss("the logsumexp output (index 1) is read: only the fused kernel computes it")
+        return Miss("the logsumexp output (index 1) is read: flash_attention_for_cpu_with_logsumexp writes it out")
+    return _sdpa_can_stand_for(node)
+
+
+def _sdpa_can_stand_for(node: Node) -> bool | Miss:
+    """Whether the CPU kernel's attention output is what SDPA computes from the same arguments."""
     named = schema.arguments(node)
     mask, query, key = _val(named.get("attn_mask")), _val(named["query"]), _val(named["key"])
     if query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
@@ -129,6 +138,36 @@ def flash_attention_for_cpu_to_sdpa(node: Node, rw: Rewriter, *, args: Mapping[s
     for user in list(node.users):
         rw.replace(user, sdpa)
     rw.erase(node)  # the kernel's schema marks it nondeterministic (dropout): the dead-node sweep keeps it
+
+
+def _logsumexp_read(node: Node) -> bool | Miss:
+    users = list(node.users)
+    if all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+        return Miss("the logsumexp is unread: flash_attention_for_cpu_to_sdpa makes it SDPA")
+    if schema.bind(node.target, node.args, dict(node.kwargs)).get("dropout_p", 0.0) != 0.0:
+        return Miss("dropout_p != 0: random, kept whole")
+    return _sdpa_can_stand_for(node)
+
+
+@rule(
+    roots=(FLASH_FOR_CPU,),
+    when=_logsumexp_read,
+    tags={"iree", "attention"},
+    doc=(
+        "aten._scaled_dot_product_flash_attention_for_cpu whose logsumexp is read (torch.compile's training "
+        "forward saves it for the kernel's backward, which runs on torch eager) is written out: matmul, scale, "
+        "mask, a softmax by its max, matmul, and the logsumexp of the scores; a row that masks every key gives 0 "
+        "for both, as the kernel. IREE: \"failed to legalize operation 'torch.operator'\" on the kernel. torch "
+        "2.13's own decomposition returns the attention weights in the logsumexp's place."
+    ),
+)
+def flash_attention_for_cpu_with_logsumexp(node: Node, rw: Rewriter) -> Any:
+    traced = trace_decomposition(node, decompositions.flash_attention_for_cpu, rw.fake_mode)
+    if isinstance(traced, Miss):
+        return traced
+    graph, inputs = traced
+    rw.replace(node, rw.inline(graph, inputs))
+    return None
 
 
 # ----------------------------------------------------------------------------- a mask that masks nothing
@@ -325,6 +364,11 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
 
 #: every IREE target: one form, guarded
 GUARDS = RuleSet(
-    [flash_attention_for_cpu_to_sdpa, attention_mask_that_masks_nothing, attention_fully_masked_rows_guard],
+    [
+        flash_attention_for_cpu_to_sdpa,
+        flash_attention_for_cpu_with_logsumexp,
+        attention_mask_that_masks_nothing,
+        attention_fully_masked_rows_guard,
+    ],
     name="attention-guards",
 )

@@ -23,20 +23,30 @@ from fx_rewrites.ruleset import RuleSet
 aten = torch.ops.aten
 
 
-def _only_output_0_used(node: Node) -> bool | Miss:
+def _statistics_empty_where_read(node: Node) -> bool | Miss:
+    """Outputs 1 and 2 (the saved mean and inverse std) may be read where they are empty: what eval-mode batch
+    norm saves on CPU (torch.compile's forward of a grad-enabled eval call returns them for the backward, which
+    uses the running statistics)."""
     for user in node.users:
-        if user.target is not operator.getitem or user.args[1] != 0:
-            return Miss(f"{user.name} reads an output other than 0 (the batch statistics)")
+        if user.target is not operator.getitem:
+            return Miss(f"{user.name} reads the outputs as a tuple")
+        if user.args[1] != 0:
+            val = user.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.shape != (0,):
+                shape = tuple(val.shape) if isinstance(val, torch.Tensor) else val
+                return Miss(f"{user.name} reads saved statistics of shape {shape}, not the empty ones of eval mode")
     return True
 
 
 @rule(
     roots=(aten._native_batch_norm_legit_no_training.default,),
-    when=_only_output_0_used,
+    when=_statistics_empty_where_read,
     tags={"composites"},
     doc=(
         "Eval-mode batch norm as `_native_batch_norm_legit_no_training` (what run_decompositions "
-        "and torch.compile produce) becomes (x - mean) * (weight / sqrt(var + eps)) + bias. "
+        "and torch.compile produce) becomes (x - mean) * (weight / sqrt(var + eps)) + bias; its saved "
+        "statistics (outputs 1 and 2, read by a grad-enabled forward) are empty in eval mode and become "
+        "empty tensors. "
         "IREE: \"failed to legalize operation 'torch.operator' that was explicitly marked illegal: "
         'torch.aten._native_batch_norm_legit_no_training".'
     ),
@@ -54,7 +64,13 @@ def batch_norm_eval_to_affine(node: Node, rw: Rewriter) -> Any:
     )
     if bias is not None:
         out = rw.call(aten.add.Tensor, out, rw.call(aten.view.default, bias, shape))
-    _replace_output_0(node, out, rw)
+    for user in list(node.users):
+        if user.args[1] == 0:
+            rw.replace(user, out)
+        else:
+            val = user.meta["val"]
+            rw.replace(user, rw.call(aten.zeros.default, [0], dtype=val.dtype, device=val.device))
+    rw.erase(node)
     return None
 
 
