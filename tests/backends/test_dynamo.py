@@ -394,12 +394,13 @@ def test_tiny_bert(iree_graphs):
 # -- a graph the backend cannot compile runs on eager --------------------------------------
 
 
-def test_graph_the_backend_cannot_compile_runs_on_eager(iree_graphs):
+def test_graph_the_backend_cannot_compile_runs_on_eager(monkeypatch):
     """Without its rules, Gates' cond does not import into IREE: the graph runs on torch eager, as aot_autograd
     gave it, with one warning (for two calls) that names the op, the error and how to raise instead."""
     graphs: list[CompiledGraph] = []
     torch.manual_seed(0)
     model = Gates().eval()
+    monkeypatch.delenv("FX_REWRITES_STRICT")  # a user's default (tests/conftest.py sets it for every other test)
     compiled = torch.compile(model, backend=dynamo_backend("iree", rules=RuleSet([]), on_graph=graphs.append))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -418,10 +419,10 @@ def test_graph_the_backend_cannot_compile_runs_on_eager(iree_graphs):
 
 @pytest.mark.parametrize("how", ["env", "option", "argument"])
 def test_strict_mode_raises(how, monkeypatch):
+    monkeypatch.setenv("FX_REWRITES_STRICT", "1" if how == "env" else "0")
     model = Gates().eval()
     options = None
     if how == "env":
-        monkeypatch.setenv("FX_REWRITES_STRICT", "1")
         backend = dynamo_backend("iree", rules=RuleSet([]))
     elif how == "option":
         backend, options = dynamo_backend("iree", rules=RuleSet([])), {"strict": True}
@@ -435,6 +436,7 @@ def test_strict_mode_raises(how, monkeypatch):
 
 
 def test_strict_off_overrides_the_environment(monkeypatch):
+    """options={"strict": False} falls back even with FX_REWRITES_STRICT=1 (which tests/conftest.py sets)."""
     monkeypatch.setenv("FX_REWRITES_STRICT", "1")
     model = Gates().eval()
     compiled = torch.compile(model, backend=dynamo_backend("iree", rules=RuleSet([])), options={"strict": False})

@@ -145,6 +145,30 @@ def test_attention_trains_on_iree(form):
     assert graphs[0].result.report.rewrites["flash_attention_for_cpu_with_logsumexp"] == 1
 
 
+def test_training_forward_the_backend_cannot_compile_runs_on_eager(monkeypatch):
+    """Without the rules the kernel reaches IREE, which cannot compile it: the forward runs on eager with one
+    warning naming the kernel, the backward on eager as always, and the gradients are eager's."""
+    monkeypatch.delenv("FX_REWRITES_STRICT")  # a user's default (tests/conftest.py sets it for the other tests)
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = Attention()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=dynamo_backend("iree", rules=RuleSet([]), on_graph=graphs.append))
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(EagerFallbackWarning) as caught:
+        warnings.filterwarnings("ignore", "compiles inference and forward graphs only")
+        compiled(x).square().sum().backward()
+    fallbacks = [w for w in caught if issubclass(w.category, EagerFallbackWarning)]
+    assert len(fallbacks) == 1
+    assert "this forward graph" in str(fallbacks[0].message)
+    assert "`aten._scaled_dot_product_flash_attention_for_cpu` stopped its compile" in str(fallbacks[0].message)
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    (graph,) = graphs
+    assert graph.fallback and graph.compiled is graph.graph_module
+
+
 # -- eval-mode batch norm called with grad enabled -------------------------------------------------------------
 
 
