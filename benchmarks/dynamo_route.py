@@ -103,7 +103,7 @@ def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool) -
         expected = output(model(x))
         for label, freeze in (("compile, weights as inputs", False), ("compile, frozen", True)):
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend=dynamo_backend(backend, freeze=freeze))
+            compiled = torch.compile(model, backend=dynamo_backend(backend, freeze=freeze, strict=True))
             start = time.perf_counter()
             compiled(x)  # compiles
             compile_s[label] = time.perf_counter() - start

@@ -100,7 +100,7 @@ def measure_compile_route(entry: registry.ZooModel, backend: Any, model: Any, ro
     graphs: list[CompiledGraph] = []
     torch._dynamo.reset()
     backend.cache.clear()
-    compiled = torch.compile(model, backend=dynamo_backend(backend, on_graph=graphs.append), dynamic=False)
+    compiled = torch.compile(model, backend=dynamo_backend(backend, on_graph=graphs.append, strict=True), dynamic=False)
     args, kwargs = entry.inputs(registry.SEEDS[0])
     start = time.perf_counter()
     try:
