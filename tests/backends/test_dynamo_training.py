@@ -118,18 +118,20 @@ def test_flash_attention_rule_leaves_unread_logsumexp_and_dropout():
     assert not result.report.rewrites
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("form", ["float_mask", "causal"])
-def test_attention_trains_on_iree(form):
-    """Output and gradients (the kernel's backward on eager, fed the written-out logsumexp) match eager."""
+def test_attention_trains_on_iree(form, dynamic):
+    """Output and gradients (the kernel's backward on eager, fed the written-out logsumexp) match eager; with
+    dynamic=True on two sequence lengths, one graph for both."""
     graphs: list[CompiledGraph] = []
     torch.manual_seed(0)
     model = Attention(causal=form == "causal")
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
-    for seed in (0, 1):
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append), dynamic=dynamic)
+    for seed, n in ((0, 5), (1, 7 if dynamic else 5)):
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(2, 5, 16, generator=g)
-        mask = torch.where(torch.rand(2, 1, 5, 5, generator=g) < 0.3, float("-inf"), 0.0)
+        x = torch.randn(2, n, 16, generator=g)
+        mask = torch.where(torch.rand(2, 1, n, n, generator=g) < 0.3, float("-inf"), 0.0)
         args = (x,) + ((mask,) if form == "float_mask" else ())
         with warnings.catch_warnings():
             warnings.simplefilter("error", EagerFallbackWarning)
@@ -142,7 +144,7 @@ def test_attention_trains_on_iree(form):
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     _no_fallback(graphs)
-    assert graphs[0].result.report.rewrites["flash_attention_for_cpu_with_logsumexp"] == 1
+    assert len(graphs) == 1 and graphs[0].result.report.rewrites["flash_attention_for_cpu_with_logsumexp"] == 1
 
 
 def test_training_forward_the_backend_cannot_compile_runs_on_eager(monkeypatch):
@@ -201,13 +203,14 @@ def test_batch_norm_eval_with_saved_statistics_graph():
             torch.testing.assert_close(got, expected)
 
 
-def test_batch_norm_eval_trains_on_iree():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_batch_norm_eval_trains_on_iree(dynamic):
     graphs: list[CompiledGraph] = []
     net = _bn_net()
     reference = copy.deepcopy(net)
-    compiled = torch.compile(net, backend=dynamo_backend("iree", on_graph=graphs.append))
-    for seed in (0, 1):
-        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+    compiled = torch.compile(net, backend=dynamo_backend("iree", on_graph=graphs.append), dynamic=dynamic)
+    for seed, size in ((0, 8), (1, 10 if dynamic else 8)):
+        x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
         with warnings.catch_warnings():
             warnings.simplefilter("error", EagerFallbackWarning)
             warnings.filterwarnings("ignore", "compiles inference and forward graphs only")
@@ -219,7 +222,7 @@ def test_batch_norm_eval_trains_on_iree():
         for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     _no_fallback(graphs)
-    assert graphs[0].kind == "forward"
+    assert len(graphs) == 1 and graphs[0].kind == "forward"
     assert graphs[0].result.report.rewrites["batch_norm_eval_to_affine"] == 1
 
 
