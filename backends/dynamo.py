@@ -132,9 +132,11 @@ class CompiledGraph:
     "forward" (the forward of a training graph); `graph_module` the graph
     aot_autograd gave, `result` what `fx_rewrites.apply` made of it
     (`result.report.rewrites`: rule name -> count), `compiled` what the
-    backend returned for it (torch eager's graph when `fallback` says why) (for a frozen graph: for the graph with the
+    backend returned for it (for a frozen graph: for the graph with the
     `frozen` inputs as constants, at its first compile), `frozen` the
-    dynamo sources of the inputs compiled in as constants.
+    dynamo sources of the inputs compiled in as constants, `fallback` the
+    warning of a graph that runs on torch eager (then `compiled` is
+    `graph_module`, and `result` None when the rules themselves failed).
     """
 
     backend: str
@@ -145,8 +147,7 @@ class CompiledGraph:
     compiled: Callable[..., Any]
     #: the dynamo sources of the inputs compiled in as constants (`backends/freezing.py`); () when not frozen
     frozen: tuple[str, ...] = ()
-    #: the warning of a graph that runs on torch eager ("" when the backend compiled it); `compiled` is then the
-    #: graph as aot_autograd gave it, and `result` None when the rules themselves failed
+    #: the warning of a graph that runs on torch eager; "" when the backend compiled it
     fallback: str = ""
 
 
