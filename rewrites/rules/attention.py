@@ -144,7 +144,7 @@ def _logsumexp_read(node: Node) -> bool | Miss:
     users = list(node.users)
     if all(u.target is operator.getitem and u.args[1] == 0 for u in users):
         return Miss("the logsumexp is unread: flash_attention_for_cpu_to_sdpa makes it SDPA")
-    if schema.bind(node.target, node.args, dict(node.kwargs)).get("dropout_p", 0.0) != 0.0:
+    if schema.arguments(node).get("dropout_p", 0.0) != 0.0:
         return Miss("dropout_p != 0: random, kept whole")
     return _sdpa_can_stand_for(node)
 
