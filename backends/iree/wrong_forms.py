@@ -106,7 +106,7 @@ def _padded(node: Node) -> bool:
         if user.target in _PADS:
             return True
         if user.target in _CONVOLUTIONS:
-            padding = schema.bind(user.target, user.args, dict(user.kwargs)).get("padding", 0)
+            padding = schema.arguments(user).get("padding", 0)
             if padding not in (0, "valid") and any(
                 p != 0 for p in ([padding] if isinstance(padding, int) else padding)
             ):

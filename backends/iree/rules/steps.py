@@ -39,7 +39,7 @@ def _stepped_innermost(sliced: Any) -> dict[str, Any] | Miss:
     input, dim, step, start, count and the dim's size."""
     if not (isinstance(sliced, Node) and sliced.target == aten.slice.Tensor):
         return Miss("not a slice")
-    named = schema.bind(sliced.target, sliced.args, dict(sliced.kwargs))
+    named = schema.arguments(sliced)
     base, out = named["self"].meta.get("val"), sliced.meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(out, torch.Tensor):
         return Miss("no tensor values")
