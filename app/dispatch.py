@@ -22,7 +22,7 @@ import attrs
 import sympy
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 from torch.fx import _pytree as fx_pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_false, statically_known_true
@@ -153,11 +153,18 @@ class SizeDispatch:
         )
 
 
+def _writes_state(program: ExportedProgram) -> bool:
+    kinds = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
+    return any(s.kind in kinds for s in program.graph_signature.output_specs)
+
+
 def compile_dispatch(program: ExportedProgram, found: SizeCond, target: Any, args: tuple[Any, ...]) -> SizeDispatch:
     """Both sides of `found` through `target`'s rules and compiler."""
     results = tuple(apply(specialise(program, found, value), target.rules) for value in (True, False))
     for result in results:
         result.report.warn_unless_converged(target.name)
+    if getattr(target, "state", None) == "module" and _writes_state(program):
+        target = attrs.evolve(target, state="host")  # both sides read and write the one state: the program's
     runtimes = [target.compile(result.program, args) for result in results]
     return SizeDispatch(found, program.call_spec.in_spec, runtimes[0], runtimes[1], results)
 

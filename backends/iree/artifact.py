@@ -67,13 +67,14 @@ def reflection(plan: Plan, driver: str, parameters: bool = False) -> dict[str, s
 
 
 def plan_json(plan: Plan, driver: str, parameters: bool = False) -> str:
-    """`plan` as JSON (ArtifactError for what JSON cannot carry: mutated buffers, custom pytree types)."""
+    """`plan` as JSON (ArtifactError for what JSON cannot carry: state passed by the host, custom pytree types)."""
     if any(isinstance(a, torch.Tensor) for a in plan.args) or any(
         isinstance(o.write, torch.Tensor) for o in plan.outputs
     ):
         raise ArtifactError(
-            "the program mutates buffers (state kept between calls), which a saved artifact cannot carry yet; "
-            "export the model in eval mode without in-place buffer updates"
+            "the program mutates buffers and was compiled to keep that state in the program's tensors "
+            "(IreeBackend(state='host')), which a saved artifact cannot carry; compile with state='module' (the "
+            "default), which keeps it in the module"
         )
     try:
         in_spec, out_spec = pytree.treespec_dumps(plan.in_spec), pytree.treespec_dumps(plan.out_spec)

@@ -21,7 +21,13 @@ from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.importing import (
+    import_mlir,
+    iree_modules,
+    lift_state,
+    prepare_graph_module,
+    prepare_program,
+)
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.parameters import (
     INLINE_ENV,
@@ -102,6 +108,9 @@ class IreeBackend:
       (`wrong_forms`); False compiles them, for measuring IREE itself, never for results.
     - `compile_timeout_s`: iree-compile's time limit in seconds (None: none); past it the compiler is
       stopped and `IreeCompileTimeout` raised. Default: `$FX_REWRITES_IREE_COMPILE_TIMEOUT`, else 1800.
+    - `state`: where an ExportedProgram's mutated buffers (running means, counters, caches) live: "module",
+      the default, keeps them in the module as mutable globals (no copy through the host per call; saved
+      with it); "host" passes them at each call and writes them back to the program's tensors.
     """
 
     name: str = "iree"
@@ -116,6 +125,11 @@ class IreeBackend:
     cache: CompileCache = attrs.field(factory=CompileCache, eq=False, repr=False)
     refuse_wrong_forms: bool = True
     compile_timeout_s: float | None = attrs.field(factory=default_timeout, validator=_check_timeout)
+    #: where an ExportedProgram's mutated buffers live between calls: "module" (mutable IREE globals, initialised
+    #: from the program's values when compiled; the program's tensors are not written) or "host" (arguments of
+    #: each call, read from and written back to the program's tensors: several modules sharing one state, as the
+    #: size dispatch's two sides do; such a module cannot be saved)
+    state: str = attrs.field(default="module", validator=attrs.validators.in_(("module", "host")))
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
         """Import, compile (or take from the cache) and load `program` on this backend's device.
@@ -155,9 +169,11 @@ class IreeBackend:
 
         An ExportedProgram's parameters, buffers and lifted constants of `parameters.inline_limit()`
         bytes or more become named parameters (`artifact.parameters`, key -> tensor), not MLIR text."""
-        hooks = None
+        hooks = state = None
         if isinstance(program, ExportedProgram):
             prepared, plan = prepare_program(program)
+            if self.state == "module":  # mutated buffers: mutable globals in the module
+                plan, state = lift_state(program, plan)
             graph_module = program.graph_module
             limit = inline_limit()
             inline = sum(nbytes(t) for t in _state_tensors(prepared) if not is_parameter(t, limit))
@@ -188,7 +204,7 @@ class IreeBackend:
             entries.update(reflection(plan, self.driver, parameters=bool(hooks and hooks.tensors)))
             return entries
 
-        mlir = import_mlir(iree, prepared, reflection=entries_now, hooks=hooks)
+        mlir = import_mlir(iree, prepared, reflection=entries_now, hooks=hooks, state=state)
         del prepared  # the importer's copy of the graph: done with it
         flags = (*self.flags, *self.perf_flags)
         key = cache_key(mlir, (self.target.name, *flags))

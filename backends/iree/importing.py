@@ -3,8 +3,10 @@
 Two inputs:
 
 - an `ExportedProgram` (`prepare_program`): parameters, buffers and lifted
-  constants are frozen into the module; mutated state stays an argument,
-  read from and written back to the program at each call.
+  constants are frozen into the module; mutated state (running means,
+  counters, caches) becomes mutable module globals (`lift_state`): `main`
+  reads them first and stores their new values last, so the state lives in
+  the module between calls.
 - a functional ATen `GraphModule` whose placeholders carry `meta["val"]`
   (`prepare_graph_module`): the forward graph an aot_autograd backend of
   `torch.compile` receives, or a `make_fx` graph. Every placeholder is an
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -176,6 +178,52 @@ def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
     return copy, plan
 
 
+@dataclasses.dataclass(frozen=True)
+class StateGlobals:
+    """Mutated buffers and parameters kept in the module as mutable globals, not passed by the caller.
+
+    `reads`: (position among the imported function's arguments, state key); `writes`: (position among its
+    results, state key); `tensors`: key -> the tensor that gives the global its initial value.
+    """
+
+    reads: tuple[tuple[int, str], ...]
+    writes: tuple[tuple[int, str], ...]
+    tensors: Mapping[str, torch.Tensor]
+
+
+def lift_state(program: ExportedProgram, plan: Plan) -> tuple[Plan, StateGlobals | None]:
+    """`plan` (from `prepare_program`) without its state arguments and state writes, and where they went
+    (None, and `plan` as is, for a program that mutates no buffer or parameter).
+
+    The imported function still takes the state as arguments and returns its new values;
+    `import_mlir(..., state=...)` wraps it in a `main` that loads them from mutable globals and stores them back.
+    """
+    keys = {id(t): k for k, t in (*program.constants.items(), *program.state_dict.items())}
+    reads = tuple((i, keys[id(a)]) for i, a in enumerate(plan.args) if isinstance(a, torch.Tensor))
+    if not reads and not any(isinstance(o.write, torch.Tensor) for o in plan.outputs):
+        return plan, None
+    writes, outputs, kept = [], [], 0
+    for out in plan.outputs:
+        if isinstance(out.write, torch.Tensor):
+            writes.append((out.result, keys[id(out.write)]))
+            continue
+        if out.result is None:
+            outputs.append(out)
+        else:
+            outputs.append(Output(kept, out.constant, out.dtype, out.write))
+            kept += 1
+    tensors = {k: _state(program, k) for k in dict.fromkeys([k for _, k in reads] + [k for _, k in writes])}
+    lifted = Plan(
+        plan.in_spec,
+        plan.out_spec,
+        tuple(a for a in plan.args if not isinstance(a, torch.Tensor)),
+        tuple(outputs),
+        plan.inputs,
+        plan.ranges,
+    )
+    return lifted, StateGlobals(reads, tuple(writes), tensors)
+
+
 # ----------------------------------------------------------------------------- GraphModule
 
 
@@ -303,12 +351,16 @@ def import_mlir(
     *,
     reflection: dict[str, str] | Callable[[], dict[str, str]] | None = None,
     hooks: Any = None,
+    state: StateGlobals | None = None,
 ) -> str:
     """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`.
 
     `reflection` goes into `main`'s `iree.reflection` attribute (the runtime reads it back from the
     compiled module: `VmFunction.reflection`); a callable is asked once the graph is imported (what it
-    says can depend on the hooks); `hooks` is an `FxImporterHooks` (see `parameters`).
+    says can depend on the hooks); `hooks` is an `FxImporterHooks` (see `parameters`). With `state`
+    (`lift_state`), the program is imported as the private `main$body` and `main` wraps it: it loads each
+    mutated buffer from its mutable global (declared by `hooks.state_global`), calls the body and stores
+    the new values back, returning the rest.
     """
     fx_importer = iree.compiler.extras.fx_importer
     current: list[Node | None] = [None]
@@ -342,7 +394,11 @@ def import_mlir(
     importer._cc = _NodeLocations(importer._c, py_attr_tracker=importer._py_attr_tracker)  # pinned iree 3.13
     try:
         if isinstance(program, ExportedProgram):
-            main = importer.import_frozen_program(program, func_name="main")
+            if state is None:
+                main = importer.import_frozen_program(program, func_name="main")
+            else:
+                body = importer.import_frozen_program(program, func_name=BODY, func_visibility="private")
+                main = _wrap_state(ir, importer, body, state, hooks)
         else:
             _inline_tensor_attributes(program)
             main = importer.import_graph_module(program, func_name="main")
@@ -355,3 +411,48 @@ def import_mlir(
         entries = {k: ir.StringAttr.get(v, context=context) for k, v in reflection.items()}
         main.attributes["iree.reflection"] = ir.DictAttr.get(entries, context=context)
     return importer.module.operation.get_asm(enable_debug_info=True)
+
+
+#: the imported function of a program with state (`import_mlir`); `main` wraps it
+BODY = "main$body"
+
+
+def _wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: Any) -> Any:
+    """A public `main` around the private `body`: state arguments loaded from mutable globals, state results
+    stored back to them, the user's arguments and results passed through in order."""
+    ftype = ir.FunctionType(ir.TypeAttr(body.attributes["function_type"]).value)
+    inputs, results = list(ftype.inputs), list(ftype.results)
+    symbols = {key: hooks.state_global(key, tensor) for key, tensor in state.tensors.items()}
+    reads, writes = dict(state.reads), dict(state.writes)
+    lines, params, operands = [], [], []
+    for i, vtype in enumerate(inputs):
+        if i in reads:
+            symbol, builtin = symbols[reads[i]]
+            lines.append(f"%s{i} = util.global.load @{symbol} : {builtin}")
+            lines.append(f"%v{i} = torch_c.from_builtin_tensor %s{i} : {builtin} -> {vtype}")
+            operands.append(f"%v{i}")
+        else:
+            params.append(f"%a{i}: {vtype}")
+            operands.append(f"%a{i}")
+    call = f"({', '.join(operands)}) : ({', '.join(map(str, inputs))}) -> ({', '.join(map(str, results))})"
+    lines.append(f'{"%r:" + str(len(results)) + " = " if results else ""}func.call @"{BODY}"{call}')
+    returned = []
+    for j, vtype in enumerate(results):
+        if j in writes:
+            symbol, builtin = symbols[writes[j]]
+            lines.append(f"%b{j} = torch_c.to_builtin_tensor %r#{j} : {vtype} -> {builtin}")
+            lines.append(f"util.global.store %b{j}, @{symbol} : {builtin}")
+        else:
+            returned.append((f"%r#{j}", str(vtype)))
+    user_results = ", ".join(t for _, t in returned)
+    ret = f"func.return {', '.join(v for v, _ in returned)} : {user_results}" if returned else "func.return"
+    head = f"func.func @main({', '.join(params)}) -> ({user_results})"
+    text = f"{head} attributes {{torch.assume_strict_symbolic_shapes}} {{\n  " + "\n  ".join([*lines, ret]) + "\n}"
+    # parsed (and verified) beside declarations of what it refers to, then moved into the module
+    declarations = [f"util.global private mutable @{symbol} : {builtin}" for symbol, builtin in symbols.values()]
+    declarations.append(f'func.func private @"{BODY}"{call.split(" : ", 1)[1]}')
+    scratch = ir.Module.parse("\n".join([*declarations, text]), context=importer._c)
+    op = next(o for o in scratch.body.operations if ir.StringAttr(o.attributes["sym_name"]).value == "main")
+    op.detach_from_parent()
+    ir.InsertionPoint(importer.module.body).insert(op)
+    return op

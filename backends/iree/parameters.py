@@ -127,10 +127,61 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
             self.tensors[key] = self._literal(key)
             return symbol
 
+        def state_global(self, key: str, tensor: torch.Tensor) -> tuple[str, str]:
+            """Declare the mutable global holding the state tensor `key` (a buffer the program updates),
+            initialised from the parameter `key` when it is one by size (it is then served, or archived, with
+            the weights), else from its bytes inline; its symbol and builtin tensor type."""
+            tensor_type = _builtin_type(tensor)
+            symbol = "__state_" + re.sub(r"\W", "_", key)
+            while symbol in self._symbols.values():
+                symbol += "_"
+            if is_parameter(tensor, limit) and _KEY.fullmatch(key):
+                initial = f'#stream.parameter.named<"{scope}"::"{key}">'
+                self.tensors[key] = tensor
+            else:
+                initial = _dense(tensor)
+            op = ir.Operation.parse(
+                f"util.global private mutable @{symbol} = {initial} : {tensor_type}", context=self._module.context
+            )
+            body = self._module.regions[0].blocks[0]
+            first = body.operations[0] if len(body.operations) else None
+            (ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(body)).insert(op)
+            self._symbols["\0state:" + key] = symbol
+            return symbol, tensor_type
+
         def _literal(self, key: str) -> torch.Tensor:
             return program.state_dict[key] if key in program.state_dict else program.constants[key]
 
     return ParameterHooks()
+
+
+_ELEMENT = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "i8",
+    torch.bool: "i1",
+}
+
+
+def _builtin_type(tensor: torch.Tensor) -> str:
+    """The builtin (signless) tensor type holding `tensor`: `tensor<4x8xf32>`, `tensor<i64>`."""
+    element = _ELEMENT.get(tensor.dtype)
+    if element is None:
+        raise NotImplementedError(f"a mutated buffer of dtype {tensor.dtype} cannot be a module global yet")
+    return f"tensor<{''.join(f'{d}x' for d in tensor.shape)}{element}>"
+
+
+def _dense(tensor: torch.Tensor) -> str:
+    """`tensor`'s value as an MLIR dense attribute: raw little-endian bytes in hex (bools as a list)."""
+    if tensor.dtype == torch.bool:
+        return "dense<" + str(tensor.tolist()).replace("True", "true").replace("False", "false") + ">"
+    return f'dense<"0x{_bytes(tensor).tobytes().hex().upper()}">'
 
 
 def _bytes(tensor: torch.Tensor) -> Any:
@@ -170,7 +221,8 @@ def load_parameters(config: Any, path: str | Path, scope: str = SCOPE) -> Any:
 
 
 _GLOBAL = re.compile(
-    r'(util\.global private @(?P<symbol>\w+) = )#stream\.parameter\.named<"(?P<scope>[^"]*)"::"(?P<key>[^"]*)">'
+    r"(util\.global private (?:mutable )?@(?P<symbol>\w+) = )"
+    r'#stream\.parameter\.named<"(?P<scope>[^"]*)"::"(?P<key>[^"]*)">'
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sys
 
+import attrs
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -219,18 +220,26 @@ class Counter(torch.nn.Module):
         return x * self.count
 
 
-def test_mutated_buffers_update_program_state_like_eager(iree):
-    """State is read and written at each call (not frozen), in the program's state_dict/constants."""
+@pytest.mark.parametrize("state", ["module", "host"])
+def test_mutated_buffers_keep_their_state_like_eager(iree, state):
+    """state="module" (the default): the state lives in the module's mutable globals, and the program's
+    tensors stay as they were; state="host": it is read and written at each call in the program's
+    state_dict/constants (as program.module() does)."""
     reference, model = Counter(), Counter()
     x = torch.randn(2)
     ep = fx_rewrites.apply(_export(model, x)).program  # the in-place rules write BUFFER_MUTATION outputs
     assert sorted(ep.graph_signature.buffers_to_mutate.values()) == ["count", "last"]
-    fn = iree.compile(ep, (x,))
+    fn = attrs.evolve(iree, state=state).compile(ep, (x,))
+    assert ("util.global private mutable @__state_count" in fn.mlir) == (state == "module")
     for _ in range(3):
         x = torch.randn(2)
         _assert_same(fn(x), reference(x))
-    assert ep.state_dict["count"].item() == 3 and torch.equal(ep.constants["last"], x)
-    assert model.count.item() == 3  # shared with the module, as program.module() does
+    if state == "host":
+        assert ep.state_dict["count"].item() == 3 and torch.equal(ep.constants["last"], x)
+        assert model.count.item() == 3  # shared with the module, as program.module() does
+    else:
+        assert ep.state_dict["count"].item() == 0 and not ep.constants["last"].any()
+        assert model.count.item() == 0
 
 
 def test_graph_module_input_says_export_first():
