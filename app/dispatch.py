@@ -163,7 +163,7 @@ def compile_dispatch(program: ExportedProgram, found: SizeCond, target: Any, arg
     results = tuple(apply(specialise(program, found, value), target.rules) for value in (True, False))
     for result in results:
         result.report.warn_unless_converged(target.name)
-    if getattr(target, "state", None) == "module" and _writes_state(program):
+    if getattr(target, "state", None) == "module" and any(_writes_state(r.program) for r in results):
         target = attrs.evolve(target, state="host")  # both sides read and write the one state: the program's
     runtimes = [target.compile(result.program, args) for result in results]
     return SizeDispatch(found, program.call_spec.in_spec, runtimes[0], runtimes[1], results)

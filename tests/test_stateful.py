@@ -182,3 +182,33 @@ def test_iree_run_module_starts_from_the_saved_state(built, tmp_path):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _close(torch.from_numpy(np.load(tmp_path / f"y{run}.npy")), expected[0])
+
+
+class CountedDispatch(torch.nn.Module):
+    """A counter and a cond on the batch size: `fx_rewrites.compile` builds a module per side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(1))
+        self.w = torch.nn.Parameter(torch.randn(2, 2, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return torch.cond(x.shape[0] <= 4, lambda x: x @ self.w, lambda x: torch.tanh(x @ self.w), (x,)) + self.n
+
+
+def test_a_size_dispatch_shares_one_state_between_its_modules():
+    """The two sides of a size dispatch are two modules: their state is passed by the host (state="host"),
+    so calls that alternate sides count on from each other as eager does."""
+    from fx_rewrites.app.dispatch import SizeDispatch
+
+    model = CountedDispatch()
+    reference = copy.deepcopy(model)
+    compiled = fx_rewrites.compile(
+        model, (torch.randn(3, 2),), dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},)
+    )
+    assert isinstance(compiled.runtime, SizeDispatch)
+    with torch.no_grad():
+        for batch in (3, 6, 2, 8):
+            x = torch.randn(batch, 2)
+            _close(compiled(x), reference(x))
