@@ -99,7 +99,9 @@ class IreeCompiled:
     compiled bytes and `from_cache` whether they came from the cache.
     `parameters` are the weights the module reads as parameters (key ->
     tensor; empty for a module that holds all its weights, None for one
-    that takes them as inputs).
+    that takes them as inputs). A program that updates buffers keeps them in
+    the module (mutable globals): each call goes on from the state the last
+    one left, and the program's tensors are not written (docs/deploy.md).
     """
 
     plan: Plan = attrs.field(repr=False)
@@ -122,7 +124,8 @@ class IreeCompiled:
         """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
         with its call convention); with `params`, the parameters go to that IREE parameter archive (.irpa)
         and the .vmfb is the one already compiled. Without, the .vmfb holds every weight (a module that
-        reads parameters is compiled again with them inside: use `params=` for large models)."""
+        reads parameters is compiled again with them inside: use `params=` for large models). Buffers the
+        program updates are saved with the values they had when it was compiled (its initial state)."""
         save(
             self.vmfb,
             path,
