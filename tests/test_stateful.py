@@ -212,3 +212,54 @@ def test_a_size_dispatch_shares_one_state_between_its_modules():
         for batch in (3, 6, 2, 8):
             x = torch.randn(batch, 2)
             _close(compiled(x), reference(x))
+
+
+class Dtypes(torch.nn.Module):
+    """State of each kind a global holds: signless integers, bool (inline as a list), bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("i32", torch.zeros(4, dtype=torch.int32))
+        self.register_buffer("u8", torch.full((4,), 250, dtype=torch.uint8))  # wraps around, as eager's does
+        self.register_buffer("flag", torch.tensor([True, False, True, False]))
+        self.register_buffer("bf16", torch.zeros(4, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.i32.add_(2)
+        self.u8.add_(3)
+        self.flag.logical_not_()
+        self.bf16.add_(0.5)
+        return x + self.i32 + self.u8 + self.flag + self.bf16.float()
+
+
+class Cache(torch.nn.Module):
+    """A static cache written at the given positions (`index_copy_`, as transformers' StaticCache does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(64, 8))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.k.index_copy_(0, pos, x)
+        return self.k.cumsum(0)[:32] + x.mean(0)
+
+
+@pytest.mark.parametrize("case", ["dtypes", "cache"])
+def test_state_of_other_dtypes_and_a_cache(case, tmp_path):
+    if case == "dtypes":
+        model, shapes = Dtypes(), None
+        calls = [(torch.randn(4),) for _ in range(3)]
+    else:
+        model, seq = Cache(), torch.export.Dim("seq", min=1, max=63)
+        shapes = ({0: seq}, {0: seq})
+        calls = [(torch.randn(5, 8), torch.arange(5)), (torch.randn(1, 8), torch.tensor([5]))]
+        calls.append((torch.randn(1, 8), torch.tensor([6])))
+    eager, again = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = fx_rewrites.compile(model, calls[0], dynamic_shapes=shapes)
+    compiled.save(tmp_path / "m.vmfb", params=tmp_path / "m.irpa")
+    loaded = fx_rewrites.load(tmp_path / "m.vmfb")
+    with torch.no_grad():
+        for args in calls:
+            want = eager(*args)
+            _close(compiled(*args), want)
+            _close(loaded(*args), again(*args))
