@@ -34,7 +34,8 @@ compiles without a device; `compile` also loads on the device
 (`IreeDeviceError` when it is absent).
 
 Modules: `errors` (what it raises), `invoke` (running iree-compile),
-`cache`, `importing` (graph -> MLIR and the call plan), `runtime`
+`cache`, `importing` (graph -> MLIR and the call plan), `state` (written buffers as
+module globals), `parameters`, `memory`, `runtime`
 (`IreeCompiled`, `IreeArtifact`), `targets` (`IreeTarget`, `TARGETS`),
 `backend` (`IreeBackend`).
 """

@@ -21,13 +21,7 @@ from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
-from fx_rewrites.backends.iree.importing import (
-    import_mlir,
-    iree_modules,
-    lift_state,
-    prepare_graph_module,
-    prepare_program,
-)
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.parameters import (
     INLINE_ENV,
@@ -40,6 +34,7 @@ from fx_rewrites.backends.iree.parameters import (
 )
 from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
+from fx_rewrites.backends.iree.state import lift_state
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.ruleset import Phases, RuleSet
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
+from fx_rewrites.backends.iree.state import BODY, StateGlobals, state_tensor, wrap_state
 from fx_rewrites.program import copy_graph_module, rebuild_program
 from fx_rewrites.rules.symbolic import sym_placeholder_sources
 
@@ -115,10 +116,6 @@ def _check_signature(program: ExportedProgram) -> None:
         )
 
 
-def _state(program: ExportedProgram, target: str) -> torch.Tensor:
-    return program.state_dict[target] if target in program.state_dict else program.constants[target]
-
-
 def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
     """A private copy of `program` ready for the importer, and the call plan.
 
@@ -147,7 +144,7 @@ def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
     sources: dict[str, int | torch.Tensor] = {name: i for i, name in enumerate(user_names)}
     for spec in sig.input_specs:
         if spec.kind in _STATE_IN and spec.target in mutated:
-            sources[spec.arg.name] = _state(program, spec.target)
+            sources[spec.arg.name] = state_tensor(program, spec.target)
     graph = copy.graph_module.graph
     args: list[int | torch.Tensor] = []
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in sources]:
@@ -161,7 +158,7 @@ def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
             writes.append(user_names.index(spec.target))
         else:
-            writes.append(_state(program, spec.target) if spec.kind in _STATE_OUT else None)
+            writes.append(state_tensor(program, spec.target) if spec.kind in _STATE_OUT else None)
     output = graph.output_node()
     outputs = _outputs(output, pytree.tree_leaves(output.args[0]), writes)
     graph.lint()
@@ -176,52 +173,6 @@ def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
         program_ranges(program),
     )
     return copy, plan
-
-
-@dataclasses.dataclass(frozen=True)
-class StateGlobals:
-    """Mutated buffers and parameters kept in the module as mutable globals, not passed by the caller.
-
-    `reads`: (position among the imported function's arguments, state key); `writes`: (position among its
-    results, state key); `tensors`: key -> the tensor that gives the global its initial value.
-    """
-
-    reads: tuple[tuple[int, str], ...]
-    writes: tuple[tuple[int, str], ...]
-    tensors: Mapping[str, torch.Tensor]
-
-
-def lift_state(program: ExportedProgram, plan: Plan) -> tuple[Plan, StateGlobals | None]:
-    """`plan` (from `prepare_program`) without its state arguments and state writes, and where they went
-    (None, and `plan` as is, for a program that mutates no buffer or parameter).
-
-    The imported function still takes the state as arguments and returns its new values;
-    `import_mlir(..., state=...)` wraps it in a `main` that loads them from mutable globals and stores them back.
-    """
-    keys = {id(t): k for k, t in (*program.constants.items(), *program.state_dict.items())}
-    reads = tuple((i, keys[id(a)]) for i, a in enumerate(plan.args) if isinstance(a, torch.Tensor))
-    if not reads and not any(isinstance(o.write, torch.Tensor) for o in plan.outputs):
-        return plan, None
-    writes, outputs, kept = [], [], 0
-    for out in plan.outputs:
-        if isinstance(out.write, torch.Tensor):
-            writes.append((out.result, keys[id(out.write)]))
-            continue
-        if out.result is None:
-            outputs.append(out)
-        else:
-            outputs.append(Output(kept, out.constant, out.dtype, out.write))
-            kept += 1
-    tensors = {k: _state(program, k) for k in dict.fromkeys([k for _, k in reads] + [k for _, k in writes])}
-    lifted = Plan(
-        plan.in_spec,
-        plan.out_spec,
-        tuple(a for a in plan.args if not isinstance(a, torch.Tensor)),
-        tuple(outputs),
-        plan.inputs,
-        plan.ranges,
-    )
-    return lifted, StateGlobals(reads, tuple(writes), tensors)
 
 
 # ----------------------------------------------------------------------------- GraphModule
@@ -398,7 +349,7 @@ def import_mlir(
                 main = importer.import_frozen_program(program, func_name="main")
             else:
                 body = importer.import_frozen_program(program, func_name=BODY, func_visibility="private")
-                main = _wrap_state(ir, importer, body, state, hooks)
+                main = wrap_state(ir, importer, body, state, hooks)
         else:
             _inline_tensor_attributes(program)
             main = importer.import_graph_module(program, func_name="main")
@@ -411,48 +362,3 @@ def import_mlir(
         entries = {k: ir.StringAttr.get(v, context=context) for k, v in reflection.items()}
         main.attributes["iree.reflection"] = ir.DictAttr.get(entries, context=context)
     return importer.module.operation.get_asm(enable_debug_info=True)
-
-
-#: the imported function of a program with state (`import_mlir`); `main` wraps it
-BODY = "main$body"
-
-
-def _wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: Any) -> Any:
-    """A public `main` around the private `body`: state arguments loaded from mutable globals, state results
-    stored back to them, the user's arguments and results passed through in order."""
-    ftype = ir.FunctionType(ir.TypeAttr(body.attributes["function_type"]).value)
-    inputs, results = list(ftype.inputs), list(ftype.results)
-    symbols = {key: hooks.state_global(key, tensor) for key, tensor in state.tensors.items()}
-    reads, writes = dict(state.reads), dict(state.writes)
-    lines, params, operands = [], [], []
-    for i, vtype in enumerate(inputs):
-        if i in reads:
-            symbol, builtin = symbols[reads[i]]
-            lines.append(f"%s{i} = util.global.load @{symbol} : {builtin}")
-            lines.append(f"%v{i} = torch_c.from_builtin_tensor %s{i} : {builtin} -> {vtype}")
-            operands.append(f"%v{i}")
-        else:
-            params.append(f"%a{i}: {vtype}")
-            operands.append(f"%a{i}")
-    call = f"({', '.join(operands)}) : ({', '.join(map(str, inputs))}) -> ({', '.join(map(str, results))})"
-    lines.append(f'{"%r:" + str(len(results)) + " = " if results else ""}func.call @"{BODY}"{call}')
-    returned = []
-    for j, vtype in enumerate(results):
-        if j in writes:
-            symbol, builtin = symbols[writes[j]]
-            lines.append(f"%b{j} = torch_c.to_builtin_tensor %r#{j} : {vtype} -> {builtin}")
-            lines.append(f"util.global.store %b{j}, @{symbol} : {builtin}")
-        else:
-            returned.append((f"%r#{j}", str(vtype)))
-    user_results = ", ".join(t for _, t in returned)
-    ret = f"func.return {', '.join(v for v, _ in returned)} : {user_results}" if returned else "func.return"
-    head = f"func.func @main({', '.join(params)}) -> ({user_results})"
-    text = f"{head} attributes {{torch.assume_strict_symbolic_shapes}} {{\n  " + "\n  ".join([*lines, ret]) + "\n}"
-    # parsed (and verified) beside declarations of what it refers to, then moved into the module
-    declarations = [f"util.global private mutable @{symbol} : {builtin}" for symbol, builtin in symbols.values()]
-    declarations.append(f'func.func private @"{BODY}"{call.split(" : ", 1)[1]}')
-    scratch = ir.Module.parse("\n".join([*declarations, text]), context=importer._c)
-    op = next(o for o in scratch.body.operations if ir.StringAttr(o.attributes["sym_name"]).value == "main")
-    op.detach_from_parent()
-    ir.InsertionPoint(importer.module.body).insert(op)
-    return op
