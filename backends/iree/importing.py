@@ -220,15 +220,31 @@ def _recompute_sizes(gm: GraphModule) -> set[str]:
     return replaced
 
 
+def _in_a_list(user: Node, node: Node) -> bool:
+    """Whether `node` is an item of a list or tuple argument of `user` (aten.index's indices, cat's tensors)."""
+    return any(
+        isinstance(a, (list, tuple)) and any(item is node for item in a) for a in (*user.args, *user.kwargs.values())
+    )
+
+
 def _inline_tensor_attributes(gm: GraphModule) -> None:
     """Replace each `get_attr` of a tensor (a frozen parameter, `backends/freezing.py`) by the tensor
     itself, the form `import_frozen_program` gives the importer: it becomes a `torch.vtensor.literal`,
-    or whatever the hooks' `resolve_literal` makes of it (the stateless import binds no get_attr)."""
+    or whatever the hooks' `resolve_literal` makes of it (the stateless import binds no get_attr). Where
+    it is an item of a list argument (Swin's `table[self.relative_position_index]`), it is read through
+    aten.clone: the importer rejects a literal inside a list ("Heterogeneous lists are not supported"),
+    as the IREE pack's `copy_frozen_tensor_in_list` does for an ExportedProgram's frozen state."""
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, str(node.target), None)
-        if isinstance(value, torch.Tensor):
-            node.replace_all_uses_with(value)
-            gm.graph.erase_node(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        for user in [u for u in node.users if _in_a_list(u, node)]:
+            with gm.graph.inserting_before(user):
+                copy = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
+            copy.meta["val"] = node.meta.get("val")
+            user.replace_input_with(node, copy)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
 
 
 def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:

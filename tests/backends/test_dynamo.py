@@ -222,6 +222,33 @@ def test_inference_graphs_freeze_their_weights(make):
     assert "torch.vtensor.literal" in graph.compiled.mlir
 
 
+class TableLookup(torch.nn.Module):
+    """Swin's relative position bias: a table indexed by an index buffer (an item of aten.index's list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(9, 2))
+        self.register_buffer("index", torch.tensor([[0, 4, 8], [2, 4, 6]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table[self.index].sum(-1)
+
+
+def test_a_frozen_tensor_inside_a_list_argument_compiles():
+    """A frozen buffer read as an index (inside aten.index's list) is imported through a clone: as a literal in
+    the list the importer failed ('Heterogeneous lists are not supported', the zoo's swin)."""
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = TableLookup().eval()
+    compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append))
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3)
+            _assert_close(compiled(x), model(x))
+    (graph,) = graphs
+    assert not graph.fallback and len(graph.frozen) == 2
+
+
 @pytest.mark.parametrize("how", ["argument", "option", "env"])
 def test_freezing_opt_out(how, monkeypatch):
     graphs: list[CompiledGraph] = []
