@@ -129,23 +129,29 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
 
         def state_global(self, key: str, tensor: torch.Tensor) -> tuple[str, str]:
             """Declare the mutable global holding the state tensor `key` (a buffer the program updates),
-            initialised from the parameter `key` when it is one by size (it is then served, or archived, with
-            the weights), else from its bytes inline; its symbol and builtin tensor type."""
+            initialised from the parameter `key` whatever its size (served, or archived, with the weights);
+            its symbol and builtin tensor type.
+
+            Never from an inline constant: IREE 3.13 gives two mutable globals of equal inline initial value
+            (a key and a value cache, both zeros) one storage, so the writes to one land in the other
+            (tests/backends/iree/test_equal_state.py; an initializer through `util.optimization_barrier` does
+            not help: the constants are merged before). Parameters are loaded apart. Bool state stays inline."""
             tensor_type = _builtin_type(tensor)
             symbol = "__state_" + re.sub(r"\W", "_", key)
             while symbol in self._symbols.values():
                 symbol += "_"
-            if is_parameter(tensor, limit) and _KEY.fullmatch(key):
-                initial = f'#stream.parameter.named<"{scope}"::"{key}">'
+            if _KEY.fullmatch(key) and tensor.dtype != torch.bool:
                 self.tensors[key] = tensor
+                text = _copied_from_parameter(symbol, tensor_type, f'#stream.parameter.named<"{scope}"::"{key}">')
             else:
-                initial = _dense(tensor)
-            op = ir.Operation.parse(
-                f"util.global private mutable @{symbol} = {initial} : {tensor_type}", context=self._module.context
-            )
+                text = f"util.global private mutable @{symbol} = {_dense(tensor)} : {tensor_type}"
             body = self._module.regions[0].blocks[0]
             first = body.operations[0] if len(body.operations) else None
-            (ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(body)).insert(op)
+            at = ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(body)
+            scratch = ir.Module.parse(text, context=self._module.context)  # alive while its ops move
+            for op in list(scratch.body.operations):
+                op.detach_from_parent()
+                at.insert(op)
             self._symbols["\0state:" + key] = symbol
             return symbol, tensor_type
 
@@ -153,6 +159,25 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
             return program.state_dict[key] if key in program.state_dict else program.constants[key]
 
     return ParameterHooks()
+
+
+def _copied_from_parameter(symbol: str, tensor_type: str, parameter: str) -> str:
+    """A mutable global `symbol` that starts as a copy of `parameter`, read through an immutable global.
+
+    Declared `= #stream.parameter.named<...>` itself, the global's storage can be the parameter's memory as
+    is: a read-only mapping of the .irpa once saved and loaded, where the first in-place write (a cache's
+    index_copy_) is a segmentation fault. The immutable global is a constant: the store makes a copy.
+    """
+    return (
+        f"util.global private @{symbol}__initial = {parameter} : {tensor_type}\n"
+        f"util.global private mutable @{symbol} : {tensor_type}\n"
+        "util.initializer {\n"
+        f"  %initial = util.global.load @{symbol}__initial : {tensor_type}\n"
+        f"  %copy = flow.tensor.clone %initial : {tensor_type}\n"
+        f"  util.global.store %copy, @{symbol} : {tensor_type}\n"
+        "  util.return\n"
+        "}"
+    )
 
 
 _ELEMENT = {
