@@ -155,10 +155,16 @@ def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None 
     Only the call convention (JSON inside the .vmfb) and IREE's module are
     read: no pickle, no Python from the file. `params` is the parameter
     archive it was saved with (default: PATH with the suffix .irpa);
-    `driver` overrides the IREE driver it was compiled for ("local-task")."""
+    `driver` overrides the IREE driver it was compiled for ("local-task"). A module from
+    `fx_rewrites.compile_lm` comes back as a `CompiledLM` (`generate`)."""
+    from fx_rewrites.app.lm import is_lm, load_lm
+    from fx_rewrites.backends.iree.runtime import function_reflections
     from fx_rewrites.backends.iree.runtime import load as load_iree
 
-    return load_iree(Path(path), params=params, driver=driver)
+    path = Path(path)
+    if path.is_file() and is_lm(function_reflections(path)):  # fx_rewrites.compile_lm's: prefill and decode
+        return load_lm(path, params=params, driver=driver)
+    return load_iree(path, params=params, driver=driver)
 
 
 def example_inputs(compiled: Any) -> list[str]:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from fx_rewrites import rules
     from fx_rewrites.api import Result, apply
     from fx_rewrites.app.compile import Compiled, compile, load
+    from fx_rewrites.app.lm import CompiledLM, compile_lm
     from fx_rewrites.app.localize import Localization, localize
     from fx_rewrites.engine import Miss, NonConvergence, NumericMismatch, Report, RewriteError, Rewriter, RuleError
     from fx_rewrites.engine.errors import GraphInputError
@@ -64,6 +65,7 @@ _FROM = {
     ),
     **dict.fromkeys(("Phases", "RuleSet"), "fx_rewrites.ruleset"),
     **dict.fromkeys(("Compiled", "compile", "load"), "fx_rewrites.app.compile"),
+    **dict.fromkeys(("CompiledLM", "compile_lm"), "fx_rewrites.app.lm"),
     **dict.fromkeys(("Localization", "localize"), "fx_rewrites.app.localize"),
 }
 
@@ -91,6 +93,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Compiled",
+    "CompiledLM",
     "Decompose",
     "FillDefaults",
     "Forward",
@@ -113,6 +116,7 @@ __all__ = [
     "Substitute",
     "apply",
     "compile",
+    "compile_lm",
     "from_arg",
     "load",
     "localize",

@@ -241,6 +241,11 @@ class IreeBackend:
     def load(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:
         """The `main` function of compiled `vmfb` bytes, loaded on this backend's device (`parameters`:
         the tensors it reads as parameters of scope `model`, served from their memory)."""
+        return self.load_module(vmfb, parameters)["main"]
+
+    def load_module(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """Compiled `vmfb` bytes loaded on this backend's device: its functions by name (`["main"]`), all in
+        one VM context (they share the module's globals); `parameters` as for `load`."""
         rt = iree_modules().runtime
         uri = self.device or self.driver
         try:
@@ -265,7 +270,7 @@ class IreeBackend:
             )
             modules.append(memory_parameters(config, parameters))
         modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-        return rt.load_vm_modules(*modules, config=config)[-1]["main"]
+        return rt.load_vm_modules(*modules, config=config)[-1]
 
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -312,23 +312,9 @@ def pinning_ref_tracker(fx_importer: Any) -> Any:
     return PinningRefTracker()
 
 
-def import_mlir(
-    iree: Any,
-    program: ExportedProgram | GraphModule,
-    *,
-    reflection: dict[str, str] | Callable[[], dict[str, str]] | None = None,
-    hooks: Any = None,
-    state: StateGlobals | None = None,
-) -> str:
-    """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`.
-
-    `reflection` goes into `main`'s `iree.reflection` attribute (the runtime reads it back from the
-    compiled module: `VmFunction.reflection`); a callable is asked once the graph is imported (what it
-    says can depend on the hooks); `hooks` is an `FxImporterHooks` (see `parameters`). With `state`
-    (`lift_state`), the program is imported as the private `main$body` and `main` wraps it: it loads each
-    mutated buffer from its mutable global (declared by `hooks.state_global`), calls the body and stores
-    the new values back, returning the rest.
-    """
+def make_importer(iree: Any, hooks: Any = None) -> tuple[Any, list[Node | None]]:
+    """An FxImporter (nodes located by name and user frame, tracked objects pinned) and the cell that holds
+    the node being imported, for `import_error`."""
     fx_importer = iree.compiler.extras.fx_importer
     current: list[Node | None] = [None]
 
@@ -359,6 +345,37 @@ def import_mlir(
         hooks=hooks,
     )
     importer._cc = _NodeLocations(importer._c, py_attr_tracker=importer._py_attr_tracker)  # pinned iree 3.13
+    return importer, current
+
+
+def set_reflection(iree: Any, importer: Any, function: Any, reflection: Mapping[str, str]) -> None:
+    """`function`'s `iree.reflection` attribute (read back with `VmFunction.reflection`)."""
+    if not reflection:
+        return
+    ir = iree.compiler.ir
+    entries = {k: ir.StringAttr.get(v, context=importer._c) for k, v in reflection.items()}
+    function.attributes["iree.reflection"] = ir.DictAttr.get(entries, context=importer._c)
+
+
+def import_mlir(
+    iree: Any,
+    program: ExportedProgram | GraphModule,
+    *,
+    reflection: dict[str, str] | Callable[[], dict[str, str]] | None = None,
+    hooks: Any = None,
+    state: StateGlobals | None = None,
+) -> str:
+    """torch-dialect MLIR text of `program`, a private copy (the importer edits it) from `prepare_*`.
+
+    `reflection` goes into `main`'s `iree.reflection` attribute (the runtime reads it back from the
+    compiled module: `VmFunction.reflection`); a callable is asked once the graph is imported (what it
+    says can depend on the hooks); `hooks` is an `FxImporterHooks` (see `parameters`). With `state`
+    (`lift_state`), the program is imported as the private `main$body` and `main` wraps it: it loads each
+    mutated buffer from its mutable global (declared by `hooks.state_global`), calls the body and stores
+    the new values back, returning the rest.
+    """
+    ir = iree.compiler.ir
+    importer, current = make_importer(iree, hooks)
     try:
         if isinstance(program, ExportedProgram):
             if state is None:
@@ -373,8 +390,5 @@ def import_mlir(
         raise import_error(e, current[0]) from e
     if callable(reflection):
         reflection = reflection()
-    if reflection:
-        context = importer._c
-        entries = {k: ir.StringAttr.get(v, context=context) for k, v in reflection.items()}
-        main.attributes["iree.reflection"] = ir.DictAttr.get(entries, context=context)
+    set_reflection(iree, importer, main, reflection or {})
     return importer.module.operation.get_asm(enable_debug_info=True)

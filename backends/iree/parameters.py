@@ -79,16 +79,43 @@ def is_parameter(tensor: torch.Tensor, limit: int) -> bool:
     return tensor.numel() > 1 and tensor.dtype != torch.bool and nbytes(tensor) >= limit
 
 
-def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, limit: int = 0) -> Any:
+def shared_names(programs: Mapping[str, ExportedProgram]) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
+    """id(tensor) -> key and key -> tensor over the state of several programs imported into one module.
+
+    A tensor several programs hold (the same weight object) has one key, its name in the first program that
+    holds it; a name two programs give different tensors (each its own lifted constant `c_0`) is kept by the
+    first, and the next one's becomes `<function>/<name>`, so no function reads another's tensor."""
+    names: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for function, program in programs.items():
+        for name, tensor in (*program.state_dict.items(), *program.constants.items()):
+            if not isinstance(tensor, torch.Tensor) or not _KEY.fullmatch(name) or id(tensor) in names:
+                continue
+            key = name if tensors.get(name, tensor) is tensor else f"{function}/{name}"
+            names[id(tensor)] = key
+            tensors[key] = tensor
+    return names, tensors
+
+
+def parameter_hooks(
+    iree: Any,
+    program: ExportedProgram | Mapping[str, ExportedProgram],
+    scope: str = SCOPE,
+    limit: int = 0,
+) -> Any:
     """FxImporterHooks that turn `program`'s state tensors of `limit` bytes or more into named parameters
-    of `scope` (its `.tensors`, key -> tensor, holds the ones the module reads once the import is done)."""
+    of `scope` (its `.tensors`, key -> tensor, holds the ones the module reads once the import is done).
+
+    `program` may be several programs by function name, imported into one module with these hooks: a weight
+    they share is one parameter global, read by each function (`shared_names`)."""
     fx_importer, ir = iree.compiler.extras.fx_importer, iree.compiler.ir
-    names = state_names(program)
+    names, by_key = shared_names(program if isinstance(program, Mapping) else {"main": program})
 
     class ParameterHooks(fx_importer.FxImporterHooks):
         def __init__(self) -> None:
             self.tensors: dict[str, torch.Tensor] = {}
             self._symbols: dict[str, str] = {}
+            self._state: dict[str, tuple[str, str, torch.Tensor]] = {}
             self._module: Any = None
 
         def prepare_module(self, module_op: Any) -> None:
@@ -137,6 +164,14 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
             (tests/backends/iree/test_equal_state.py; an initializer through `util.optimization_barrier` does
             not help: the constants are merged before). Parameters are loaded apart. Bool state stays inline."""
             tensor_type = _builtin_type(tensor)
+            shared = self._state.get(key)
+            if shared is not None:  # another function of the module reads this state: one global for all
+                if shared[2] is not tensor:
+                    raise ValueError(
+                        f"two functions of one module name the state {key!r} with different tensors; give their "
+                        "programs the same buffers (export them from one module instance)"
+                    )
+                return shared[0], shared[1]
             symbol = "__state_" + re.sub(r"\W", "_", key)
             while symbol in self._symbols.values():
                 symbol += "_"
@@ -153,10 +188,11 @@ def parameter_hooks(iree: Any, program: ExportedProgram, scope: str = SCOPE, lim
                 op.detach_from_parent()
                 at.insert(op)
             self._symbols["\0state:" + key] = symbol
+            self._state[key] = (symbol, tensor_type, tensor)
             return symbol, tensor_type
 
         def _literal(self, key: str) -> torch.Tensor:
-            return program.state_dict[key] if key in program.state_dict else program.constants[key]
+            return by_key[key]
 
     return ParameterHooks()
 

@@ -171,25 +171,30 @@ def _looks_like_vmfb(head: bytes) -> bool:
     return head[:4] == b"PK\x03\x04" and b"IREE" in head[:256]
 
 
-def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:
-    """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
+def _probe(path: Path) -> Any:
+    """`path`'s IREE module, mapped for reading its functions' reflection (ArtifactError: not a .vmfb)."""
     import iree.runtime
 
-    path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"no such file: {path}. Fix: check the path (a .vmfb written by compiled.save).")
     with path.open("rb") as f:
         head = f.read(256)
     if not _looks_like_vmfb(head):
         raise ArtifactError(f"{path} is not an IREE module (.vmfb). Fix: give the file compiled.save wrote.")
-    probe = iree.runtime.VmModule.mmap(iree.runtime.VmInstance(), str(path))
-    entries = probe.lookup_function("main").reflection if "main" in probe.function_names else {}
-    if CALL_KEY not in entries:
-        raise ArtifactError(
-            f"{path} carries no fx-rewrites call convention (it was not written by compiled.save); "
-            "run it with iree-run-module or iree.runtime directly"
-        )
-    plan, doc = plan_from_json(entries[CALL_KEY], str(path))
+    return iree.runtime.VmModule.mmap(iree.runtime.VmInstance(), str(path))
+
+
+def function_reflections(path: str | Path) -> dict[str, dict[str, str]]:
+    """Each public function of the .vmfb at `path` -> its `iree.reflection` entries."""
+    probe = _probe(Path(path))
+    return {name: dict(probe.lookup_function(name).reflection) for name in probe.function_names}
+
+
+def _bind(path: Path, doc: dict[str, Any], params: str | Path | None, driver: str | None) -> tuple[Any, Path | None]:
+    """The module at `path` loaded (with its parameter archive when `doc` says it reads one): its functions
+    by name, in one VM context; and the archive."""
+    import iree.runtime
+
     config = iree.runtime.Config(device=get_device(iree.runtime, driver or doc["driver"]))
     modules = []
     archive = None
@@ -204,5 +209,30 @@ def load(path: str | Path, *, params: str | Path | None = None, driver: str | No
     elif params is not None:
         raise ArtifactError(f"{path} holds its weights itself; it reads no parameter archive. Fix: leave params= out.")
     modules.append(iree.runtime.VmModule.mmap(config.vm_instance, str(path)))
-    bound = iree.runtime.load_vm_modules(*modules, config=config)
-    return IreeCompiled(plan, bound[-1]["main"], "", path.read_bytes(), archive=archive)
+    return iree.runtime.load_vm_modules(*modules, config=config)[-1], archive
+
+
+def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:
+    """An `IreeCompiled` for a .vmfb written by `save` (its weights from `params`, or the .irpa beside it)."""
+    return load_functions(path, ("main",), params=params, driver=driver)["main"]
+
+
+def load_functions(
+    path: str | Path, names: tuple[str, ...], *, params: str | Path | None = None, driver: str | None = None
+) -> dict[str, IreeCompiled]:
+    """An `IreeCompiled` per function `names` of the .vmfb at `path`, all in one VM context (they share the
+    module's state); each function's call convention comes from its own reflection."""
+    path = Path(path)
+    probe = _probe(path)
+    docs = {}
+    for name in names:
+        entries = probe.lookup_function(name).reflection if name in probe.function_names else {}
+        if CALL_KEY not in entries:
+            raise ArtifactError(
+                f"{path} carries no fx-rewrites call convention for function {name!r} (it was not written by "
+                "compiled.save); run it with iree-run-module or iree.runtime directly"
+            )
+        docs[name] = plan_from_json(entries[CALL_KEY], str(path))
+    bound, archive = _bind(path, docs[names[0]][1], params, driver)
+    vmfb = path.read_bytes()
+    return {name: IreeCompiled(plan, bound[name], "", vmfb, archive=archive) for name, (plan, _) in docs.items()}

@@ -73,9 +73,16 @@ def lift_state(program: ExportedProgram, plan: Plan) -> tuple[Plan, StateGlobals
 BODY = "main$body"
 
 
-def wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: Any) -> Any:
-    """A public `main` around the private `body`: state arguments loaded from mutable globals, state results
-    stored back to them, the user's arguments and results passed through in order."""
+def body_name(name: str) -> str:
+    """The private function a public function `name` with state wraps (`main$body` for `main`)."""
+    return f"{name}$body"
+
+
+def wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: Any, name: str = "main") -> Any:
+    """A public `name` around the private `body` (`body_name(name)`): state arguments loaded from mutable
+    globals, state results stored back to them, the user's arguments and results passed through in order.
+    Functions of one module that name the same state key share its global (`hooks.state_global`)."""
+    callee = body_name(name)
     ftype = ir.FunctionType(ir.TypeAttr(body.attributes["function_type"]).value)
     inputs, results = list(ftype.inputs), list(ftype.results)
     symbols = {key: hooks.state_global(key, tensor) for key, tensor in state.tensors.items()}
@@ -91,7 +98,7 @@ def wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: An
             params.append(f"%a{i}: {vtype}")
             operands.append(f"%a{i}")
     call = f"({', '.join(operands)}) : ({', '.join(map(str, inputs))}) -> ({', '.join(map(str, results))})"
-    lines.append(f'{"%r:" + str(len(results)) + " = " if results else ""}func.call @"{BODY}"{call}')
+    lines.append(f'{"%r:" + str(len(results)) + " = " if results else ""}func.call @"{callee}"{call}')
     returned = []
     for j, vtype in enumerate(results):
         if j in writes:
@@ -102,13 +109,13 @@ def wrap_state(ir: Any, importer: Any, body: Any, state: StateGlobals, hooks: An
             returned.append((f"%r#{j}", str(vtype)))
     user_results = ", ".join(t for _, t in returned)
     ret = f"func.return {', '.join(v for v, _ in returned)} : {user_results}" if returned else "func.return"
-    head = f"func.func @main({', '.join(params)}) -> ({user_results})"
+    head = f"func.func @{name}({', '.join(params)}) -> ({user_results})"
     text = f"{head} attributes {{torch.assume_strict_symbolic_shapes}} {{\n  " + "\n  ".join([*lines, ret]) + "\n}"
     # parsed (and verified) beside declarations of what it refers to, then moved into the module
     declarations = [f"util.global private mutable @{symbol} : {builtin}" for symbol, builtin in symbols.values()]
-    declarations.append(f'func.func private @"{BODY}"{call.split(" : ", 1)[1]}')
+    declarations.append(f'func.func private @"{callee}"{call.split(" : ", 1)[1]}')
     scratch = ir.Module.parse("\n".join([*declarations, text]), context=importer._c)
-    op = next(o for o in scratch.body.operations if ir.StringAttr(o.attributes["sym_name"]).value == "main")
+    op = next(o for o in scratch.body.operations if ir.StringAttr(o.attributes["sym_name"]).value == name)
     op.detach_from_parent()
     ir.InsertionPoint(importer.module.body).insert(op)
     return op

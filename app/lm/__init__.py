@@ -1,0 +1,122 @@
+"""`fx_rewrites.compile_lm`: a transformers causal LM to one IREE module that generates.
+
+    lm = fx_rewrites.compile_lm(model, max_cache_len=256, batch_size=2)
+    out = lm.generate(input_ids, attention_mask=mask, max_new_tokens=32)   # == model.generate(..., do_sample=False)
+    lm.save("lm.vmfb")                                                     # and lm.irpa: the weights
+    fx_rewrites.load("lm.vmfb").generate(input_ids, ...)
+
+The model is wrapped with a static KV cache held as buffers (`export.CachedLM`), exported twice over the
+same instance (prefill with the prompt length dynamic, decode with one token), the backend's rules are
+applied to each, and both are compiled into one module (`backends.iree.functions`): the weights are
+parameters declared once, the cache is mutable globals both functions update, so it stays in the module
+between calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fx_rewrites.app.lm.export import CachedLM, export_lm
+from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
+
+
+def _info(model: Any, max_cache_len: int, batch_size: int) -> LMInfo:
+    config = getattr(model, "generation_config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None)
+    eos = _ids(getattr(config, "eos_token_id", None))
+    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos)
+
+
+def compile_lm(
+    model: torch.nn.Module,
+    *,
+    max_cache_len: int,
+    batch_size: int = 1,
+    backend: str | Any = "iree",
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+) -> CompiledLM:
+    """Compile a transformers causal LM (`LlamaForCausalLM`, ...) with a static KV cache of `max_cache_len`
+    positions for `batch_size` sequences into one module with `prefill` and `decode` functions sharing the
+    weights and the cache. `dtype`: compile a copy of the model in that dtype (the model is left as is);
+    `strict`: torch.export's strict mode (both work). Returns a `CompiledLM` (`generate`, `save`)."""
+    from fx_rewrites import backends
+    from fx_rewrites.api import apply
+    from fx_rewrites.backends.iree.backend import IreeBackend
+    from fx_rewrites.backends.iree.functions import compile_functions
+    from fx_rewrites.backends.iree.runtime import IreeCompiled
+    from fx_rewrites.program import quiet_torch_pytree
+
+    target = backends.get(backend) if isinstance(backend, str) else backend
+    if not isinstance(target, IreeBackend):
+        raise ValueError(
+            f"compile_lm builds one IREE module with prefill and decode functions; backend {target.name!r} is not "
+            "an IREE backend. Fix: backend='iree' (or an IreeBackend)"
+        )
+    if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
+        raise TypeError(
+            f"compile_lm takes a transformers causal LM (a PreTrainedModel such as LlamaForCausalLM), got "
+            f"{type(model).__name__}; for another module use fx_rewrites.compile"
+        )
+    if max_cache_len < 2 or batch_size < 1:
+        raise ValueError(f"max_cache_len={max_cache_len}, batch_size={batch_size}: expected >= 2 and >= 1")
+    if dtype is not None and dtype != model.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    wrapper = CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size)
+    info = _info(model, max_cache_len, batch_size)
+    with quiet_torch_pytree():
+        exported = export_lm(wrapper, strict=strict)
+        results = {name: apply(program, target.rules) for name, program in exported.items()}
+        for result in results.values():
+            result.report.warn_unless_converged(target.name)
+        programs = {name: result.program for name, result in results.items()}
+        functions = compile_functions(
+            target,
+            programs,
+            extra={"prefill": {LM_KEY: info.to_json()}},
+            limit=0,  # every weight a parameter, whatever its size: one copy, outside the module text
+            same_state=True,
+        )
+    bound = target.load_module(functions.vmfb, functions.parameters)
+    calls = {
+        name: IreeCompiled(functions.plans[name], bound[name], functions.mlir, functions.vmfb, functions.key)
+        for name in FUNCTIONS
+    }
+    return CompiledLM(
+        info,
+        calls["prefill"],
+        calls["decode"],
+        functions.vmfb,
+        functions.mlir,
+        parameters=functions.parameters,
+        programs=programs,
+        reports={name: result.report for name, result in results.items()},
+    )
+
+
+def is_lm(reflections: dict[str, dict[str, str]]) -> bool:
+    """Whether a module's function reflections (`runtime.function_reflections`) are `compile_lm`'s."""
+    return LM_KEY in reflections.get("prefill", {}) and "decode" in reflections
+
+
+def load_lm(
+    path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, driver: str | None = None
+) -> CompiledLM:
+    """A `CompiledLM` saved with `.save(path)` (its weights from `params`, default the .irpa beside it)."""
+    from fx_rewrites.backends.iree.runtime import function_reflections, load_functions
+
+    path = Path(path)
+    info = LMInfo.from_json(function_reflections(path)["prefill"][LM_KEY])
+    calls = load_functions(path, FUNCTIONS, params=params, driver=driver)
+    prefill, decode = calls["prefill"], calls["decode"]
+    return CompiledLM(info, prefill, decode, prefill.vmfb, archive=prefill.archive)
+
+
+__all__ = ["CachedLM", "CompiledLM", "LMInfo", "compile_lm", "export_lm", "is_lm", "load_lm"]

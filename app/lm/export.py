@@ -1,0 +1,94 @@
+"""A transformers causal LM with a static KV cache as two exported programs, prefill and decode.
+
+`CachedLM` wraps the model with a `transformers.StaticCache` whose keys, values and write positions are
+buffers of the wrapper (so torch.export sees them as state the programs update in place), and calls it
+with a 2D attention mask over the whole cache (left padding), the tokens' positions and the cache position
+of the first token. `export_lm` exports it twice over the same instance: `prefill` (the prompt length a
+`torch.export.Dim`, 1..max_cache_len) and `decode` (one token); both read and write the same buffers.
+Each returns the logits of its last position only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.export import Dim, ExportedProgram
+
+
+def _static_cache(model: Any, batch_size: int, max_cache_len: int) -> Any:
+    from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+    from transformers.configuration_utils import get_head_shapes
+
+    config = model.config.get_text_config()
+    cache = StaticCache(max_cache_len=max_cache_len, config=config)
+    for i, layer in enumerate(cache.layers):
+        # as transformers' own export wrapper: a sliding-window layer rolls its buffer with Python control flow;
+        # a full-length layer with the sliding-window mask gives the same attention while the sequence fits
+        if isinstance(layer, StaticSlidingWindowLayer) or not isinstance(layer, StaticLayer):
+            cache.layers[i] = StaticLayer(max_cache_len)
+    num_heads, head_dim = get_head_shapes(config)
+    cache.early_initialization(batch_size, num_heads, head_dim, model.dtype, model.device)
+    return cache
+
+
+class CachedLM(torch.nn.Module):
+    """`model` with a static cache held as buffers: `forward(input_ids, attention_mask, position_ids,
+    cache_position)` writes the tokens' keys and values at `cache_position[0]`.. and returns the logits of
+    the last position, (batch, 1, vocab). `attention_mask` is (batch, max_cache_len): 1 for a real token,
+    0 for padding (positions not written yet are masked by causality whatever they hold)."""
+
+    def __init__(self, model: Any, *, max_cache_len: int, batch_size: int = 1) -> None:
+        super().__init__()
+        self.model = model
+        self.max_cache_len = max_cache_len
+        self.batch_size = batch_size
+        self.static_cache = _static_cache(model, batch_size, max_cache_len)
+        for i, layer in enumerate(self.static_cache.layers):
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+    ) -> torch.Tensor:
+        for i, layer in enumerate(self.static_cache.layers):
+            # the layers read the module's buffers: under a non-strict export these are what it traces as
+            # buffers (the layers' own references would be lifted constants, written in place)
+            layer.keys = getattr(self, f"key_cache_{i}")
+            layer.values = getattr(self, f"value_cache_{i}")
+            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
+            layer.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.static_cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits
+
+
+def example_inputs(batch_size: int, length: int, max_cache_len: int, start: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs of one call of `length` tokens from cache position `start` (every token real)."""
+    ids = torch.zeros(batch_size, length, dtype=torch.long)
+    mask = torch.ones(batch_size, max_cache_len, dtype=torch.long)
+    positions = torch.arange(start, start + length).expand(batch_size, length).contiguous()
+    return ids, mask, positions, torch.tensor([start], dtype=torch.long)
+
+
+def export_lm(wrapper: CachedLM, *, strict: bool = False) -> dict[str, ExportedProgram]:
+    """`prefill` (the prompt length dynamic, 2..max_cache_len) and `decode` (one token) of `wrapper`,
+    exported over the same instance: both programs read and write its cache buffers."""
+    n, b = wrapper.max_cache_len, wrapper.batch_size
+    length = Dim("prompt", min=2, max=n)
+    shapes = {"input_ids": {1: length}, "attention_mask": None, "position_ids": {1: length}, "cache_position": None}
+    with torch.no_grad():
+        prefill = torch.export.export(wrapper, example_inputs(b, min(4, n), n), dynamic_shapes=shapes, strict=strict)
+        decode = torch.export.export(wrapper, example_inputs(b, 1, n, start=min(4, n - 1)), strict=strict)
+    return {"prefill": prefill, "decode": decode}

@@ -1,0 +1,150 @@
+"""`CompiledLM`: prefill and decode of one module, and the greedy loop `generate` that HF's would run.
+
+The loop mirrors `transformers`' greedy search (`model.generate(..., do_sample=False)`): left-padded
+prompts, positions from the attention mask's running count, each row stopping at its end-of-sequence
+token and padded with `pad_token_id` after it, the whole batch stopping once every row has ended.
+The cache stays in the module: each call passes only the new tokens, their positions, the mask over the
+cache and the cache position of the first new token (which also restarts the cache for a new prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+#: `iree.reflection` key on `prefill`: what `generate` needs besides the two functions (JSON)
+LM_KEY = "fx_rewrites.lm"
+FUNCTIONS = ("prefill", "decode")
+
+
+@attrs.frozen
+class LMInfo:
+    """What the compiled module was built for."""
+
+    max_cache_len: int
+    batch_size: int
+    pad_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> LMInfo:
+        doc = json.loads(text)
+        return cls(doc["max_cache_len"], doc["batch_size"], doc["pad_token_id"], tuple(doc["eos_token_id"]))
+
+
+def _ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        return tuple(int(v) for v in value.reshape(-1).tolist())
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+@attrs.define(eq=False)
+class CompiledLM:
+    """A causal LM compiled to one module with `prefill` and `decode` functions sharing weights and cache.
+
+    `generate(input_ids, attention_mask=None, max_new_tokens=20, eos_token_id=None)` returns what
+    `model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=False)` returns;
+    `save(path)` writes the .vmfb and the weights (.irpa beside it, or `params=`), which
+    `fx_rewrites.load(path)` reads back. `prefill` / `decode` are the module's functions, called as the
+    exported wrapper (`CachedLM`) is: `(input_ids, attention_mask, position_ids, cache_position)`.
+    """
+
+    info: LMInfo
+    prefill: Any = attrs.field(repr=False)
+    decode: Any = attrs.field(repr=False)
+    vmfb: bytes = attrs.field(repr=False)
+    mlir: str = attrs.field(default="", repr=False)
+    #: the weights the module reads (key -> tensor); None once loaded from a file (see `archive`)
+    parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
+    archive: Path | None = None
+    #: the rewritten programs (function -> ExportedProgram) and what the rules did; None once loaded
+    programs: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    reports: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+
+    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+        """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa)."""
+        from fx_rewrites.backends.iree.artifact import save
+
+        path = Path(path)
+        params = Path(params) if params is not None else path.with_suffix(".irpa")
+        save(self.vmfb, path, params=params, parameters=self.parameters or {}, archive=self.archive)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 20,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy generation, as `model.generate(..., do_sample=False)`: (batch, prompt + generated) ids.
+        `eos_token_id` / `pad_token_id` default to the model's generation config's."""
+        info = self.info
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected (batch, prompt length)")
+        rows, length = ids.shape
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, dtype=torch.long)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected {tuple(ids.shape)} as input_ids")
+        if rows > info.batch_size:
+            raise ValueError(
+                f"{rows} prompts, and the module was compiled for a batch of {info.batch_size}. Fix: "
+                f"fx_rewrites.compile_lm(model, max_cache_len=..., batch_size={rows}), or split the prompts"
+            )
+        if length < 1 or max_new_tokens < 1:
+            return ids.clone()
+        if length + max_new_tokens - 1 > info.max_cache_len:
+            raise ValueError(
+                f"a prompt of {length} tokens and {max_new_tokens} new ones need {length + max_new_tokens - 1} "
+                f"cache positions; the module holds {info.max_cache_len}. Fix: fewer new tokens, or "
+                f"compile_lm(model, max_cache_len={length + max_new_tokens - 1})"
+            )
+        eos = _ids(eos_token_id) or info.eos_token_id
+        pad = pad_token_id if pad_token_id is not None else info.pad_token_id
+        if pad is None and eos:
+            pad = eos[0]  # as transformers does (with a warning)
+        if rows < info.batch_size:  # filler rows (one real token each), dropped from the result
+            extra = info.batch_size - rows
+            ids = torch.cat([ids, ids.new_zeros(extra, length)])
+            mask = torch.cat([mask, torch.ones(extra, length, dtype=torch.long)])
+        return self._greedy(ids, mask, max_new_tokens, eos, pad)[:rows]
+
+    def _greedy(
+        self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...], pad: int | None
+    ) -> torch.Tensor:
+        batch, length = ids.shape
+        cache_mask = torch.ones(batch, self.info.max_cache_len, dtype=torch.long)
+        cache_mask[:, :length] = mask
+        positions = mask.cumsum(-1) - 1
+        positions = positions.masked_fill(mask == 0, 1)
+        step = self.prefill if length > 1 else self.decode
+        logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
+        unfinished = torch.ones(batch, dtype=torch.bool)
+        eos_tensor = torch.tensor(eos, dtype=torch.long)
+        out = [ids]
+        position = positions[:, -1:]
+        for i in range(max_new_tokens):
+            token = logits[:, -1, :].argmax(-1)
+            if eos:
+                if pad is None:
+                    raise ValueError("eos_token_id is set and pad_token_id is not: give pad_token_id=")
+                token = torch.where(unfinished, token, torch.full_like(token, pad))
+                unfinished &= ~torch.isin(token, eos_tensor)
+            out.append(token[:, None])
+            if i == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            position = position + 1
+            logits = self.decode(token[:, None], cache_mask, position, torch.tensor([length + i], dtype=torch.long))
+        return torch.cat(out, dim=1)

@@ -1,0 +1,139 @@
+"""Several exported programs as one IREE module: a public function each, one copy of the weights and the state.
+
+    functions = compile_functions(backend, {"prefill": prefill_ep, "decode": decode_ep}, same_state=True)
+    bound = backend.load_module(functions.vmfb, functions.parameters)
+    bound["prefill"](...); bound["decode"](...)      # one VM context: the state globals are shared
+
+One FxImporter imports every program with one set of hooks (`parameters.parameter_hooks` over all of
+them): a weight the programs share (the same tensor object) is one `#stream.parameter.named` global that
+each function loads; a buffer they update under the same key is one mutable global (`state.wrap_state`
+around each `<name>$body`), so what one function stores the next one reads, inside the module, with no
+copy through the host. Each function carries its own call plan in its `iree.reflection`. (iree-turbine's
+`FxProgramsBuilder` shares globals between functions the same way, by tensor identity.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.export import ExportedProgram
+
+from fx_rewrites.backends.convention import Plan
+from fx_rewrites.backends.iree import wrong_forms
+from fx_rewrites.backends.iree.artifact import reflection
+from fx_rewrites.backends.iree.cache import cache_key
+from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
+from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
+from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
+from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, wrap_state
+
+
+@attrs.frozen(eq=False)
+class IreeFunctions:
+    """A compiled module of several functions: `plans` (function -> call plan), the MLIR, the `vmfb`
+    bytes, the cache key, and the `parameters` (key -> tensor) every function reads from scope `model`;
+    `state`: function -> the keys of the mutable globals it reads and writes."""
+
+    plans: Mapping[str, Plan] = attrs.field(repr=False)
+    mlir: str = attrs.field(repr=False)
+    vmfb: bytes = attrs.field(repr=False)
+    key: str = ""
+    from_cache: bool = False
+    parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    state: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+
+
+def _state_keys(state: StateGlobals | None) -> tuple[str, ...]:
+    return () if state is None else tuple(sorted(state.tensors))
+
+
+def import_functions(
+    iree: Any,
+    programs: Mapping[str, tuple[ExportedProgram, StateGlobals | None]],
+    *,
+    hooks: Any,
+    reflections: Callable[[], Mapping[str, Mapping[str, str]]] | None = None,
+) -> str:
+    """torch-dialect MLIR of one module with a public function per (name, (prepared program, state)):
+    each imported by the same importer and `hooks`, as `name` (no state) or as the private `<name>$body`
+    wrapped by `name` (`wrap_state`). `reflections` is asked once every function is imported."""
+    ir = iree.compiler.ir
+    importer, current = make_importer(iree, hooks)
+    public = {}
+    for name, (program, state) in programs.items():
+        try:
+            if state is None:
+                public[name] = importer.import_frozen_program(program, func_name=name)
+            else:
+                body = importer.import_frozen_program(program, func_name=body_name(name), func_visibility="private")
+                public[name] = wrap_state(ir, importer, body, state, hooks, name=name)
+        except Exception as e:
+            raise import_error(e, current[0]) from e
+    for name, entries in (reflections() if reflections else {}).items():
+        set_reflection(iree, importer, public[name], entries)
+    return importer.module.operation.get_asm(enable_debug_info=True)
+
+
+def compile_functions(
+    backend: Any,
+    programs: Mapping[str, ExportedProgram],
+    *,
+    extra: Mapping[str, Mapping[str, str]] | None = None,
+    limit: int | None = None,
+    same_state: bool = False,
+) -> IreeFunctions:
+    """`programs` (function name -> ExportedProgram, rules already applied) compiled by `backend` (an
+    `IreeBackend`) into one module, or taken from its cache.
+
+    `extra`: more `iree.reflection` entries per function; `limit`: the size in bytes from which a state
+    tensor is a parameter (default `inline_limit()`; 0: every weight); `same_state`: every function must read
+    and write the same state keys (a KV cache that prefill fills and decode extends), else ValueError.
+    """
+    if backend.state != "module":
+        raise ValueError(
+            "several functions share their state only inside the module; use an IreeBackend with state='module'"
+        )
+    prepared: dict[str, tuple[ExportedProgram, StateGlobals | None]] = {}
+    plans: dict[str, Plan] = {}
+    for name, program in programs.items():
+        if not isinstance(program, ExportedProgram):
+            raise TypeError(f"function {name!r}: expected an ExportedProgram, got {type(program).__name__}")
+        if backend.refuse_wrong_forms:
+            wrong_forms.refuse(program.graph_module)
+        copy, plan = prepare_program(program)
+        plans[name], state = lift_state(program, plan)
+        prepared[name] = (copy, state)
+    keys = {name: _state_keys(state) for name, (_, state) in prepared.items()}
+    if same_state and len(set(keys.values())) > 1:
+        raise ValueError(
+            "the functions do not update the same state, so they cannot share it: "
+            + "; ".join(f"{n}: {list(k)}" for n, k in keys.items())
+            + ". Export every program from one module instance whose buffers they all update"
+        )
+    iree = iree_modules()
+    hooks = parameter_hooks(
+        iree,
+        {name: copy for name, (copy, _) in prepared.items()},
+        limit=inline_limit() if limit is None else limit,
+    )
+
+    def reflections() -> dict[str, dict[str, str]]:
+        out = {}
+        for name, plan in plans.items():
+            entries = reflection(plan, backend.driver, parameters=bool(hooks.tensors))
+            out[name] = {**entries, **(extra or {}).get(name, {})}
+        return out
+
+    mlir = import_functions(iree, prepared, hooks=hooks, reflections=reflections)
+    del prepared
+    flags = (*backend.flags, *backend.perf_flags)
+    key = cache_key(mlir, (backend.target.name, *flags))
+    first = next(iter(programs.values())).graph_module
+    vmfb, cached = backend.cache.get_or_compile(key, lambda: backend._compile_mlir(iree, mlir, first))
+    return IreeFunctions(plans, mlir, vmfb, key, cached, dict(hooks.tensors), keys)
+
+
+__all__ = ["IreeFunctions", "IreeUnsupportedError", "compile_functions", "import_functions"]
