@@ -1,0 +1,192 @@
+"""`fx_rewrites.compile_lm` (issue 26): a tiny Llama as one IREE module, prefill + decode sharing weights and the
+KV cache; `generate` equals `model.generate(do_sample=False)` token for token, in process and after save + load.
+
+Two compiles (batch 2 non-strict, batch 1 strict), each two programs in one module: about a minute.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import fx_rewrites
+
+pytestmark = pytest.mark.slow
+
+NEW = 32
+CACHE = 48
+#: the smallest gap between the best and second-best logit at any greedy step, for the comparison to mean
+#: something: float32 differences between IREE and torch (~1e-6 here) cannot flip a choice this far apart
+MARGIN = 1e-3
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.15,  # logits far enough apart that greedy choices do not tie
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def prompts(batch: int, length: int = 7, padded: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts avoiding the pad and eos tokens; with batch 2 the second row is left-padded by `padded`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :padded] = 0
+        mask[1, :padded] = 0
+    return ids, mask
+
+
+def reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    """HF's greedy tokens, after checking that no step's choice is within MARGIN of a tie."""
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    for step, scores in enumerate(out.scores):
+        top = scores.topk(2, dim=-1).values
+        gap = (top[:, 0] - top[:, 1]).min().item()
+        assert gap > MARGIN, f"step {step}: greedy choice within {gap:.2g} of a tie; pick another seed"
+    return out.sequences
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def lm2(llama):
+    return fx_rewrites.compile_lm(llama, max_cache_len=CACHE, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def lm1(llama):
+    return fx_rewrites.compile_lm(llama, max_cache_len=CACHE, batch_size=1, strict=True)
+
+
+@pytest.fixture(scope="module")
+def saved(lm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm") / "lm.vmfb"
+    lm2.save(path)
+    return path
+
+
+def test_batch_two_left_padded_matches_generate(llama, lm2):
+    ids, mask = prompts(2)
+    want = reference(llama, ids, mask)
+    assert torch.equal(lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW), want)
+    # the cache position restarts with each call: a second generate gives the same tokens
+    assert torch.equal(lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW), want)
+
+
+def test_batch_one_strict_export_matches_generate(llama, lm1):
+    ids, mask = prompts(1)
+    want = reference(llama, ids, mask)
+    assert torch.equal(lm1.generate(ids, max_new_tokens=NEW), want)
+    one = ids[:, :1]  # a one-token prompt goes through decode
+    assert torch.equal(lm1.generate(one, max_new_tokens=8), llama.generate(one, max_new_tokens=8, do_sample=False))
+
+
+def test_fewer_rows_than_compiled(llama, lm2):
+    ids, mask = prompts(1, seed=3)
+    assert torch.equal(lm2.generate(ids, max_new_tokens=NEW), reference(llama, ids, mask))
+
+
+def test_rows_stop_at_eos_and_are_padded(llama, lm2):
+    """An eos token one row reaches before the other: that row is padded after it, as HF does."""
+    ids, mask = prompts(2, seed=5)
+    free = reference(llama, ids, mask)
+    first = free[0, ids.shape[1] + 4].item()  # row 0's fifth new token: its end
+    want = reference(llama, ids, mask, eos_token_id=first)
+    got = lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=first)
+    assert torch.equal(got, want)
+    assert (got[0, ids.shape[1] + 5 :] == llama.generation_config.pad_token_id).all()
+
+
+def test_save_and_load(llama, lm2, saved):
+    assert saved.with_suffix(".irpa").is_file()
+    loaded = fx_rewrites.load(saved)
+    assert isinstance(loaded, fx_rewrites.CompiledLM)
+    ids, mask = prompts(2)
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW), reference(llama, ids, mask))
+
+
+def test_weights_are_parameters_declared_once(lm2):
+    mlir = lm2.mlir
+    for function in ("prefill", "decode"):
+        assert f"func.func @{function}(" in mlir and f"func.func private @{function}$body(" in mlir
+    declared = [line for line in mlir.splitlines() if line.lstrip().startswith("util.global private")]
+    names = sorted(lm2.parameters)
+    assert "model.model.embed_tokens.weight" in names and "model.lm_head.weight" in names
+    for key in names:  # one declaration per weight, read by both functions
+        assert sum(f'#stream.parameter.named<"model"::"{key}">' in line for line in declared) == 1, key
+    state = [line for line in declared if "private mutable" in line]
+    assert len(state) == 6  # keys, values and the write position of 2 layers, once each
+    assert "dense_resource" not in mlir and "torch.vtensor.literal(dense<\"0x" not in mlir  # no weight bytes inline
+
+
+def test_decode_continues_from_the_prefill_cache(llama, lm2):
+    """decode reads what prefill wrote (the cache is shared): its logits are the model's on the whole sequence."""
+    ids, _ = prompts(2, seed=7)
+    length = ids.shape[1]
+    mask = torch.ones(2, CACHE, dtype=torch.long)
+    positions = torch.arange(length).expand(2, length)
+    lm2.prefill(ids, mask, positions, torch.tensor([0]))
+    token = torch.tensor([[5], [6]])
+    got = lm2.decode(token, mask, torch.full((2, 1), length), torch.tensor([length]))
+    with torch.no_grad():
+        want = llama(torch.cat([ids, token], 1)).logits[:, -1:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # and another prompt's cache gives other logits: decode does read it
+    lm2.prefill(ids.flip(1), mask, positions, torch.tensor([0]))
+    other = lm2.decode(token, mask, torch.full((2, 1), length), torch.tensor([length]))
+    assert (other - want).abs().max() > 1e-2
+
+
+def test_iree_run_module_runs_one_decode_step(llama, saved, tmp_path):
+    """The documented command (docs/deploy.md): one decode step of token 5 at cache position 0, from the saved
+    initial (empty) cache, gives the model's logits for that one token."""
+    tool = shutil.which("iree-run-module")
+    assert tool, "iree-run-module (iree-base-runtime) is not on PATH: pip install -e '.[iree]'"
+    argv = [tool, "--device=local-task", f"--module={saved}", "--function=decode"]
+    argv += [f"--parameters=model={saved.with_suffix('.irpa')}"]
+    argv += ["--input=2x1xi64=5", f"--input=2x{CACHE}xi64=1", "--input=2x1xi64=0", "--input=1xi64=0"]
+    argv += [f"--output=@{tmp_path / 'logits.npy'}"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.from_numpy(np.load(tmp_path / "logits.npy"))
+    with torch.no_grad():
+        want = llama(torch.tensor([[5], [5]])).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_errors_say_what_to_change(lm1):
+    ids, _ = prompts(2)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        lm1.generate(ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="cache positions"):
+        lm1.generate(ids[:1], max_new_tokens=CACHE)
