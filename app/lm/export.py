@@ -17,19 +17,35 @@ from torch.export import Dim, ExportedProgram
 
 
 def _static_cache(model: Any, batch_size: int, max_cache_len: int) -> Any:
-    from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+    """The model's `StaticCache`, initialised, with the layer substitutions of transformers' own export wrapper
+    (`TorchExportableModuleWithStaticCache`): a sliding-window layer rolls its buffer with Python control flow,
+    so it becomes a full-length `StaticLayer` (the model's sliding-window mask still limits what each token
+    sees, over absolute cache positions, as HF's dynamic cache does while the sequence fits the cache); a
+    KV-sharing consumer (`DummyLayer`) never reads its cache and gets an empty one."""
+    from transformers import cache_utils
     from transformers.configuration_utils import get_head_shapes
 
     config = model.config.get_text_config()
-    cache = StaticCache(max_cache_len=max_cache_len, config=config)
+    cache = cache_utils.StaticCache(max_cache_len=max_cache_len, config=config)
+    dummy = getattr(cache_utils, "DummyLayer", ())
     for i, layer in enumerate(cache.layers):
-        # as transformers' own export wrapper: a sliding-window layer rolls its buffer with Python control flow;
-        # a full-length layer with the sliding-window mask gives the same attention while the sequence fits
-        if isinstance(layer, StaticSlidingWindowLayer) or not isinstance(layer, StaticLayer):
-            cache.layers[i] = StaticLayer(max_cache_len)
+        if isinstance(layer, cache_utils.StaticSlidingWindowLayer):
+            cache.layers[i] = cache_utils.StaticLayer(max_cache_len)
+        elif dummy and isinstance(layer, dummy):
+            cache.layers[i] = cache_utils.StaticLayer(0)
     num_heads, head_dim = get_head_shapes(config)
     cache.early_initialization(batch_size, num_heads, head_dim, model.dtype, model.device)
     return cache
+
+
+def _layer_tensors(cache: Any) -> list[tuple[int, str]]:
+    """(layer index, attribute) of every tensor the cache's layers hold (keys, values, write position, ...)."""
+    return [
+        (i, attr)
+        for i, layer in enumerate(cache.layers)
+        for attr, value in sorted(vars(layer).items())
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 class CachedLM(torch.nn.Module):
@@ -44,10 +60,9 @@ class CachedLM(torch.nn.Module):
         self.max_cache_len = max_cache_len
         self.batch_size = batch_size
         self.static_cache = _static_cache(model, batch_size, max_cache_len)
-        for i, layer in enumerate(self.static_cache.layers):
-            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
-            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
-            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+        self._held = _layer_tensors(self.static_cache)
+        for i, attr in self._held:
+            self.register_buffer(f"cache_{i}_{attr}", getattr(self.static_cache.layers[i], attr), persistent=False)
 
     def forward(
         self,
@@ -56,13 +71,14 @@ class CachedLM(torch.nn.Module):
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
     ) -> torch.Tensor:
-        for i, layer in enumerate(self.static_cache.layers):
+        layers = self.static_cache.layers
+        for i, attr in self._held:
             # the layers read the module's buffers: under a non-strict export these are what it traces as
             # buffers (the layers' own references would be lifted constants, written in place)
-            layer.keys = getattr(self, f"key_cache_{i}")
-            layer.values = getattr(self, f"value_cache_{i}")
-            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
-            layer.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
+            setattr(layers[i], attr, getattr(self, f"cache_{i}_{attr}"))
+        for layer in layers:
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -71,6 +87,11 @@ class CachedLM(torch.nn.Module):
             use_cache=True,
             logits_to_keep=1,
         )
+        for i, attr in self._held:  # a layer that replaced a tensor instead of writing it: write it back
+            buffer, value = getattr(self, f"cache_{i}_{attr}"), getattr(layers[i], attr)
+            if value is not buffer:
+                buffer.copy_(value)
+                setattr(layers[i], attr, buffer)
         return out.logits
 
 
