@@ -101,6 +101,9 @@ def test_batch_two_left_padded_matches_generate(llama, lm2):
     assert torch.equal(lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW), want)
     # the cache position restarts with each call: a second generate gives the same tokens
     assert torch.equal(lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW), want)
+    # without a mask, the padding is inferred from the pad token, as transformers does
+    assert torch.equal(lm2.generate(ids, max_new_tokens=NEW), llama.generate(ids, max_new_tokens=NEW, do_sample=False))
+    assert torch.equal(lm2.generate(ids, max_new_tokens=NEW), want)
 
 
 def test_batch_one_strict_export_matches_generate(llama, lm1):
@@ -114,6 +117,11 @@ def test_batch_one_strict_export_matches_generate(llama, lm1):
 def test_fewer_rows_than_compiled(llama, lm2):
     ids, mask = prompts(1, seed=3)
     assert torch.equal(lm2.generate(ids, max_new_tokens=NEW), reference(llama, ids, mask))
+    free = reference(llama, ids, mask)
+    eos = free[0, ids.shape[1] + 2].item()  # the row ends early: the filler row must not keep the batch going
+    want = reference(llama, ids, mask, eos_token_id=eos)
+    assert want.shape[1] < free.shape[1]
+    assert torch.equal(lm2.generate(ids, max_new_tokens=NEW, eos_token_id=eos), want)
 
 
 def test_rows_stop_at_eos_and_are_padded(llama, lm2):

@@ -95,7 +95,16 @@ class CompiledLM:
         if ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected (batch, prompt length)")
         rows, length = ids.shape
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, dtype=torch.long)
+        eos = _ids(eos_token_id) or info.eos_token_id
+        pad = pad_token_id if pad_token_id is not None else info.pad_token_id
+        if pad is None and eos:
+            pad = eos[0]  # as transformers does (with a warning)
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask, dtype=torch.long)
+        elif pad is not None and pad not in eos and bool((ids == pad).any()):
+            mask = (ids != pad).long()  # transformers infers the padding from the pad token, where it can
+        else:
+            mask = torch.ones_like(ids)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected {tuple(ids.shape)} as input_ids")
         if rows > info.batch_size:
@@ -111,18 +120,20 @@ class CompiledLM:
                 f"cache positions; the module holds {info.max_cache_len}. Fix: fewer new tokens, or "
                 f"compile_lm(model, max_cache_len={length + max_new_tokens - 1})"
             )
-        eos = _ids(eos_token_id) or info.eos_token_id
-        pad = pad_token_id if pad_token_id is not None else info.pad_token_id
-        if pad is None and eos:
-            pad = eos[0]  # as transformers does (with a warning)
-        if rows < info.batch_size:  # filler rows (one real token each), dropped from the result
+        if rows < info.batch_size:  # filler rows (every token real), finished from the start, dropped at the end
             extra = info.batch_size - rows
             ids = torch.cat([ids, ids.new_zeros(extra, length)])
             mask = torch.cat([mask, torch.ones(extra, length, dtype=torch.long)])
-        return self._greedy(ids, mask, max_new_tokens, eos, pad)[:rows]
+        return self._greedy(ids, mask, max_new_tokens, eos, pad, rows)[:rows]
 
     def _greedy(
-        self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...], pad: int | None
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new_tokens: int,
+        eos: tuple[int, ...],
+        pad: int | None,
+        rows: int,
     ) -> torch.Tensor:
         batch, length = ids.shape
         cache_mask = torch.ones(batch, self.info.max_cache_len, dtype=torch.long)
@@ -131,19 +142,17 @@ class CompiledLM:
         positions = positions.masked_fill(mask == 0, 1)
         step = self.prefill if length > 1 else self.decode
         logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
-        unfinished = torch.ones(batch, dtype=torch.bool)
+        unfinished = torch.arange(batch) < rows  # filler rows never hold the batch back
         eos_tensor = torch.tensor(eos, dtype=torch.long)
         out = [ids]
         position = positions[:, -1:]
         for i in range(max_new_tokens):
             token = logits[:, -1, :].argmax(-1)
             if eos:
-                if pad is None:
-                    raise ValueError("eos_token_id is set and pad_token_id is not: give pad_token_id=")
                 token = torch.where(unfinished, token, torch.full_like(token, pad))
                 unfinished &= ~torch.isin(token, eos_tensor)
             out.append(token[:, None])
-            if i == max_new_tokens - 1 or not bool(unfinished.any()):
+            if i == max_new_tokens - 1 or (eos and not bool(unfinished.any())):
                 break
             position = position + 1
             logits = self.decode(token[:, None], cache_mask, position, torch.tensor([length + i], dtype=torch.long))
