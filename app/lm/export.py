@@ -10,6 +10,7 @@ Each returns the logits of its last position only.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -59,6 +60,9 @@ class CachedLM(torch.nn.Module):
         self.model = model
         self.max_cache_len = max_cache_len
         self.batch_size = batch_size
+        accepted = inspect.signature(model.forward).parameters
+        self._keep = "logits_to_keep" in accepted  # else the logits are sliced after the call
+        self._positions = "position_ids" in accepted
         self.static_cache = _static_cache(model, batch_size, max_cache_len)
         self._held = _layer_tensors(self.static_cache)
         for i, attr in self._held:
@@ -79,20 +83,22 @@ class CachedLM(torch.nn.Module):
         for layer in layers:
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
                 layer.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keep else {}
+        if self._positions:
+            kwargs["position_ids"] = position_ids
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids,
             past_key_values=self.static_cache,
             use_cache=True,
-            logits_to_keep=1,
+            **kwargs,
         )
         for i, attr in self._held:  # a layer that replaced a tensor instead of writing it: write it back
             buffer, value = getattr(self, f"cache_{i}_{attr}"), getattr(layers[i], attr)
             if value is not buffer:
                 buffer.copy_(value)
                 setattr(layers[i], attr, buffer)
-        return out.logits
+        return out.logits if self._keep else out.logits[:, -1:]
 
 
 def example_inputs(batch_size: int, length: int, max_cache_len: int, start: int = 0) -> tuple[torch.Tensor, ...]:
