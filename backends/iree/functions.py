@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
 
 from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import wrong_forms
@@ -28,7 +29,9 @@ from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
 from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
-from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, wrap_state
+from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
+
+_STATE_OUT = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
 
 
 @attrs.frozen(eq=False)
@@ -44,6 +47,10 @@ class IreeFunctions:
     from_cache: bool = False
     parameters: Mapping[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
     state: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+
+
+def _holds(program: ExportedProgram, key: str) -> bool:
+    return key in program.state_dict or key in program.constants
 
 
 def _state_keys(state: StateGlobals | None) -> tuple[str, ...]:
@@ -101,9 +108,20 @@ def compile_functions(
     for name, program in programs.items():
         if not isinstance(program, ExportedProgram):
             raise TypeError(f"function {name!r}: expected an ExportedProgram, got {type(program).__name__}")
+    # a buffer one function writes is state in every function that reads it (else a reader would see the
+    # value frozen at compile time, not what the writer stored)
+    written = {s.target for p in programs.values() for s in p.graph_signature.output_specs if s.kind in _STATE_OUT}
+    for key in sorted(written):
+        holders = {n: state_tensor(p, key) for n, p in programs.items() if _holds(p, key)}
+        if len({id(t) for t in holders.values()}) > 1:
+            raise ValueError(
+                f"functions {sorted(holders)} name the state {key!r} with different tensors, so they cannot share "
+                "it; export every program from one module instance"
+            )
+    for name, program in programs.items():
         if backend.refuse_wrong_forms:
             wrong_forms.refuse(program.graph_module)
-        copy, plan = prepare_program(program)
+        copy, plan = prepare_program(program, state=written)
         plans[name], state = lift_state(program, plan)
         prepared[name] = (copy, state)
     keys = {name: _state_keys(state) for name, (_, state) in prepared.items()}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -116,19 +116,21 @@ def _check_signature(program: ExportedProgram) -> None:
         )
 
 
-def prepare_program(program: ExportedProgram) -> tuple[ExportedProgram, Plan]:
+def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tuple[ExportedProgram, Plan]:
     """A private copy of `program` ready for the importer, and the call plan.
 
     Parameters, buffers and constants are frozen into the module, except
     mutated ones: those stay arguments, read from and written back to
     `program`'s state at each call (as `program.module()` does). Specialised
     non-tensor inputs and constant outputs (None, ints) have no IREE type:
-    they are dropped from the copy and restored around the call.
+    they are dropped from the copy and restored around the call. `state`:
+    more buffer and parameter names to keep as arguments though this program
+    only reads them (another function of the module writes them).
     """
     _check_signature(program)
     sig = program.graph_signature
     copy = rebuild_program(program, copy_tree(program.graph_module))
-    mutated = {s.target for s in sig.output_specs if s.kind in _STATE_OUT}
+    mutated = {s.target for s in sig.output_specs if s.kind in _STATE_OUT} | set(state)
     # the importer freezes what the signature calls state; mutated state must stay an argument
     copy_specs = copy.graph_signature.input_specs
     for i, spec in enumerate(copy_specs):
