@@ -154,8 +154,10 @@ def test_weights_are_parameters_declared_once(lm2):
         assert sum(f'#stream.parameter.named<"model"::"{key}">' in line for line in declared) == 1, key
     state = [line for line in declared if "private mutable" in line]
     assert len(state) == 6  # keys, values and the write position of 2 layers, once each
-    # the caches start from parameters of their own names, never equal inline values IREE 3.13 would fuse
-    assert sum("#stream.parameter.named" in line for line in state) == 4
+    # each starts from a copy of a parameter of its own name, never from an inline value (IREE 3.13 gives equal
+    # inline initial values one storage: tests/backends/iree/test_equal_state.py)
+    initial = [line for line in declared if "__initial = #stream.parameter.named" in line]
+    assert len(initial) == 6 and not any(" = " in line for line in state)
     assert len(lm2.programs["prefill"].graph_signature.buffers_to_mutate) == 6
     assert "dense_resource" not in mlir and 'torch.vtensor.literal(dense<"0x' not in mlir  # no weight bytes inline
 

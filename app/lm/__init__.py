@@ -81,11 +81,8 @@ def compile_lm(
             target,
             programs,
             extra={"prefill": {LM_KEY: info.to_json()}},
-            # every weight a parameter, whatever its size: one copy, outside the module text. The cache globals
-            # then start from parameters of their own names: IREE 3.13 fuses mutable globals of equal inline
-            # initial values (iree-util-fuse-globals; a key and a value cache both zeros), and the writes of one
-            # then land in the other (tests/backends/iree/test_equal_state.py on main; seen here as prefill
-            # logits 0.28 off with a zero splat)
+            # every weight a parameter, whatever its size: one copy, outside the module text (the cache globals
+            # start from parameters of their own names whatever the limit: `parameter_hooks.state_global`)
             limit=0,
             same_state=True,
         )
