@@ -25,6 +25,8 @@ from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepa
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.parameters import (
     INLINE_ENV,
+    attribute_hooks,
+    attribute_tensors,
     embed_parameters,
     inline_limit,
     is_parameter,
@@ -74,17 +76,6 @@ def _state_tensors(program: ExportedProgram) -> Iterator[torch.Tensor]:
     for value in (*program.state_dict.values(), *program.constants.values()):
         if isinstance(value, torch.Tensor):
             yield value
-
-
-def _attribute_tensors(gm: GraphModule) -> Iterator[torch.Tensor]:
-    """The tensors `gm` reads with get_attr (imported inline)."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part, None)
-            if isinstance(value, torch.Tensor):
-                yield value
 
 
 @attrs.frozen
@@ -163,7 +154,8 @@ class IreeBackend:
         """Import and compile `program` (or take it from the cache) without loading it: no device needed.
 
         An ExportedProgram's parameters, buffers and lifted constants of `parameters.inline_limit()`
-        bytes or more become named parameters (`artifact.parameters`, key -> tensor), not MLIR text."""
+        bytes or more become named parameters (`artifact.parameters`, key -> tensor), not MLIR text; so do
+        a GraphModule's get_attr tensors (the torch.compile route's frozen weights) of that size."""
         hooks = state = None
         if isinstance(program, ExportedProgram):
             prepared, plan = prepare_program(program)
@@ -175,7 +167,9 @@ class IreeBackend:
         elif isinstance(program, GraphModule):
             prepared, plan = prepare_graph_module(program)
             graph_module = program
-            inline = sum(nbytes(t) for t in _attribute_tensors(prepared))
+            limit = inline_limit()
+            # frozen weights (get_attr tensors) of the limit or more are parameters too (`attribute_hooks`)
+            inline = sum(nbytes(t) for t in attribute_tensors(prepared).values() if not is_parameter(t, limit))
         else:
             raise TypeError(
                 "the IREE backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
@@ -193,6 +187,8 @@ class IreeBackend:
         iree = iree_modules()
         if isinstance(program, ExportedProgram):
             hooks = parameter_hooks(iree, prepared, limit=limit)
+        else:
+            hooks = attribute_hooks(iree, prepared, limit=limit)
         entries: dict[str, str] = {}
 
         def entries_now() -> dict[str, str]:  # after the import: whether the module reads parameters

@@ -30,10 +30,12 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx import GraphModule
 
 #: the parameter scope the globals name (`--parameters=<scope>=file.irpa`)
 SCOPE = "model"
@@ -214,6 +216,29 @@ def _copied_from_parameter(symbol: str, tensor_type: str, parameter: str) -> str
         "  util.return\n"
         "}"
     )
+
+
+def attribute_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors `gm` reads with get_attr, by target (frozen weights, `backends/freezing.py`'s
+    `_frozen_<k>`; a make_fx graph's `_tensor_constant<k>`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value: Any = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor):
+            tensors[str(node.target)] = value
+    return tensors
+
+
+def attribute_hooks(iree: Any, gm: GraphModule, scope: str = SCOPE, limit: int = 0) -> Any:
+    """`parameter_hooks` for a GraphModule: the tensors it reads with get_attr of `limit` bytes or more
+    become named parameters (keys: the get_attr targets), the others stay inline. The torch.compile route's
+    frozen weights (`backends/freezing.py`) are get_attrs, which `importing.prepare_graph_module`'s import
+    hands to `resolve_literal` as the tensors themselves, so the hooks know them by id."""
+    # parameter_hooks reads a program's state_dict and constants only
+    view = SimpleNamespace(state_dict=attribute_tensors(gm), constants={})
+    return parameter_hooks(iree, view, scope, limit)  # type: ignore[arg-type]
 
 
 _ELEMENT = {
