@@ -38,16 +38,20 @@ compile), `dynamo_backend(..., freeze=False)`, or
 
 The frozen tensors are named by their dynamo source (`L['self']._modules
 ['conv']._parameters['weight']`) and kept on the graph under
-`_frozen_<i>` attributes, which the IREE import (`prepare_graph_module`)
-turns into `torch.vtensor.literal`s: the weights travel in the MLIR text,
-fine at ResNet-50's 100 MB, not at 1B parameters (issue 25: 7.6 GB of
-text). To bind them as IREE parameters instead (globals read from a
-parameter index, `backends/iree/parameters.py`), the import's
-`resolve_literal` hook can key these tensors by id to their attribute name
-(or `Frozen.names`). Measured with the export route: a conv2d's weight as a
-parameter global is packed as well as a literal (2.70 against 2.76 ms),
-ResNet-50 runs 243 ms against 200 ms, and an int8 weight as a parameter
-does not compile in IREE 3.13 (si8 -> i8 materialization).
+`_frozen_<i>` attributes. The IREE import binds those of
+`parameters.inline_limit()` bytes or more as IREE parameters served from the
+tensors' own memory (`parameters.attribute_hooks`, keys the attribute
+names), as the export route does with an ExportedProgram's state, and makes
+the smaller ones `torch.vtensor.literal`s: the module text holds no large
+weight (a 1B decoder's weights as literals were 7.6 GB of text, issue 25).
+
+With `FX_REWRITES_FOLD_BATCH_NORM=1`, eval batch norm (decomposed by
+aot_autograd into a sub, a mul and an add per channel) is folded into the
+frozen convolution before it (`freezing_fold.fold_conv_affine`), as
+Inductor's freezing does. Off by default: on IREE it was measured neutral
+(benchmarks/dynamo_route.py, one thread, CPU time, 21 interleaved rounds:
+ResNet-50 211.0 against 212.7 ms, the basic-block ResNet 26.5 against 26.4
+ms); IREE already fuses the per-channel ops into the convolution's dispatch.
 """
 
 from __future__ import annotations
@@ -62,12 +66,16 @@ import attrs
 import torch
 from torch.fx import GraphModule
 
+from fx_rewrites.backends.freezing_fold import fold_conv_affine
 from fx_rewrites.program import copy_graph_module
 
 log = logging.getLogger(__name__)
 
 #: the environment variable that turns freezing off ("0") for every fx-rewrites dynamo backend
 ENV = "FX_REWRITES_FREEZE"
+
+#: "1": fold eval batch norm into the frozen convolutions (`freezing_fold`; measured neutral on IREE, so off)
+FOLD_ENV = "FX_REWRITES_FOLD_BATCH_NORM"
 
 #: the attribute prefix of a frozen tensor on the frozen graph module
 ATTR = "_frozen_"
@@ -195,6 +203,8 @@ class Frozen:
     stamps: list[tuple[int, int]] = attrs.field(factory=list, repr=False)
     keep: tuple[int, ...] = ()
     recompiles: int = 0
+    #: fold per-channel affine ops (eval batch norm) into the frozen convolutions (`freezing_fold`)
+    fold: bool = attrs.field(factory=lambda: os.environ.get(FOLD_ENV, "0").strip() == "1")
 
     @classmethod
     def make(
@@ -220,6 +230,8 @@ class Frozen:
         with unset_fake_temporarily():
             frozen = dict(zip(self.positions, zip(self.names, self.tensors, strict=True), strict=True))
             self.frozen_graph = freeze(self.graph, frozen)
+            if self.fold:
+                fold_conv_affine(self.frozen_graph)  # eval batch norm into the frozen conv weights
             release = getattr(self.compiled, "release", None)
             self.compiled = self.build(self.frozen_graph)
         if callable(release):
@@ -255,4 +267,4 @@ class Frozen:
             release()
 
 
-__all__ = ["ATTR", "ENV", "Frozen", "enabled", "freezable", "freeze", "plan"]
+__all__ = ["ATTR", "ENV", "FOLD_ENV", "Frozen", "enabled", "freezable", "freeze", "plan"]

@@ -3,6 +3,8 @@
     python benchmarks/dynamo_route.py                 # conv2d, depthwise, grouped, conv3d, linear
     python benchmarks/dynamo_route.py --resnet50      # and transformers' ResNet-50 (minutes of compile)
     python benchmarks/dynamo_route.py --cases conv2d --parameters   # and the export route with IREE parameters
+    python benchmarks/dynamo_route.py --models bert,llama,vit,resnet --resnet50 \
+        --variants "compile, frozen;compile, frozen, batch norm folded"   # runtime.py's models, BN folded or not
 
 Per case, in one process, on the same input: torch eager; torch.compile
 through the IREE backend with freezing off (every weight a run-time input,
@@ -20,19 +22,22 @@ variant not within rtol 1e-4, atol 1e-5.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fx_rewrites.api import apply
+from fx_rewrites.backends import freezing
 from fx_rewrites.backends.dynamo import dynamo_backend
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
 
@@ -92,28 +97,50 @@ def output(value: Any) -> torch.Tensor:
     return value[0]
 
 
-def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool) -> dict[str, Any]:
+def runtime_cases(names: str) -> dict[str, Callable[[], tuple[torch.nn.Module, tuple, dict]]]:
+    """benchmarks/runtime.py's models (`runtime_models.MODELS`, full size) by name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from runtime_models import MODELS
+
+    def make(spec: Any) -> Callable[[], tuple[torch.nn.Module, tuple, dict]]:
+        return lambda: (spec.model(), *spec.inputs(False, 0))
+
+    return {f"{name}: {MODELS[name].what}": make(MODELS[name]) for name in names.split(",") if name}
+
+
+#: the torch.compile variants: label -> (freeze, fold batch norm into the frozen convolutions)
+VARIANTS = {
+    "compile, weights as inputs": (False, False),
+    "compile, frozen": (True, False),
+    "compile, frozen, batch norm folded": (True, True),
+}
+
+
+def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool, variants: list[str]) -> dict[str, Any]:
     torch.manual_seed(0)
-    model, x = make()
+    made = make()
+    model, args, kwargs = (made[0], (made[1],), {}) if len(made) == 2 else made
     model = model.eval()
     backend = IreeBackend(driver="local-sync", cache=CompileCache())
-    fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(x)}
+    fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(*args, **kwargs)}
     compile_s: dict[str, float] = {}
     with torch.no_grad():
-        expected = output(model(x))
-        for label, freeze in (("compile, weights as inputs", False), ("compile, frozen", True)):
+        expected = output(model(*args, **kwargs))
+        for label in variants:
+            freeze, fold = VARIANTS[label]
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=dynamo_backend(backend, freeze=freeze, strict=True))
             start = time.perf_counter()
-            compiled(x)  # compiles
+            with _folding(fold):
+                compiled(*args, **kwargs)  # compiles
             compile_s[label] = time.perf_counter() - start
-            fns[label] = lambda compiled=compiled: compiled(x)
+            fns[label] = lambda compiled=compiled: compiled(*args, **kwargs)
         start = time.perf_counter()
-        ep = torch.export.export(model, (x,))
+        ep = torch.export.export(model, args, kwargs)
         program = apply(ep, backend.rules).program
-        exported = backend.compile(program, (x,))
+        exported = backend.compile(program, args)
         compile_s["export route"] = time.perf_counter() - start
-        fns["export route"] = lambda: exported(x)
+        fns["export route"] = lambda: exported(*args, **kwargs)
         if parameters:
             import fx_rewrites
             from fx_rewrites.backends.iree.errors import IreeCompileError
@@ -125,7 +152,7 @@ def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool) -
                 print(f"  {name}, weights as IREE parameters: {str(e).splitlines()[0][:300]}")
             else:
                 loaded = fx_rewrites.load(folder / "m.vmfb", params=folder / "m.irpa", driver="local-sync")
-                fns["export route, weights as IREE parameters"] = lambda: loaded(x)
+                fns["export route, weights as IREE parameters"] = lambda: loaded(*args, **kwargs)
         diffs = {}
         for label, fn in fns.items():
             got = output(fn())
@@ -145,6 +172,28 @@ def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool) -
     return {"name": name, "ms": ms, "compile_s": compile_s, "max_diff": diffs, "scale": expected.abs().max().item()}
 
 
+@contextlib.contextmanager
+def _folding(on: bool) -> Iterator[None]:
+    """Batch norm folded into the frozen convolutions (`backends/freezing_fold.py`) or not, while compiling."""
+    real, env = freezing.fold_conv_affine, os.environ.get(freezing.FOLD_ENV)
+    os.environ[freezing.FOLD_ENV] = "1" if on else "0"
+
+    def counted(gm: Any) -> int:
+        count = real(gm)
+        print(f"  {count} per-channel ops folded into convolutions")
+        return count
+
+    freezing.fold_conv_affine = counted
+    try:
+        yield
+    finally:
+        freezing.fold_conv_affine = real
+        if env is None:
+            os.environ.pop(freezing.FOLD_ENV, None)
+        else:
+            os.environ[freezing.FOLD_ENV] = env
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -156,13 +205,14 @@ def cpu_model() -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     labels = list(max((row["ms"] for row in rows), key=len))
     lines = [
-        "| case | " + " | ".join(f"{label} ms" for label in labels) + " | frozen / eager |",
-        "|---" * (len(labels) + 2) + "|",
+        "| case | " + " | ".join(f"{label} ms" for label in labels) + " | frozen / eager | frozen / export route |",
+        "|---" * (len(labels) + 3) + "|",
     ]
     for row in rows:
         ms = row["ms"]
         cells = " | ".join(f"{ms[label]:.2f}" if label in ms else "failed" for label in labels)
-        lines.append(f"| {row['name']} | {cells} | {ms['compile, frozen'] / ms['eager']:.2f}x |")
+        frozen = ms.get("compile, frozen", float("nan"))
+        lines.append(f"| {row['name']} | {cells} | {frozen / ms['eager']:.2f}x | {frozen / ms['export route']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -172,15 +222,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="comma-separated prefixes of the case names to run")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--parameters", action="store_true", help="also the export route with IREE parameters")
+    parser.add_argument("--models", default="", help="benchmarks/runtime.py's models, e.g. bert,llama,vit,resnet")
+    parser.add_argument(
+        "--variants",
+        default="compile, weights as inputs;compile, frozen",
+        help=f"';'-separated torch.compile variants, of {list(VARIANTS)}",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     chosen = {
-        k: v for k, v in cases(args.resnet50).items() if not args.cases or k.startswith(tuple(args.cases.split(",")))
+        k: v
+        for k, v in cases(args.resnet50).items()
+        if (not args.cases and not args.models)
+        or (args.cases and k.startswith(tuple(args.cases.split(","))))
+        or (args.resnet50 and k.startswith("ResNet-50"))
     }
+    chosen.update(runtime_cases(args.models))
+    variants = [v for v in args.variants.split(";") if v]
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; one thread each, CPU time, medians of {args.repeat} rounds")
     rows = []
     for name, make in chosen.items():
-        row = measure(name, make, args.repeat, args.parameters)
+        row = measure(name, make, args.repeat, args.parameters, variants)
         print(name, "ms", {k: round(v, 3) for k, v in row["ms"].items()})
         print("  compile s", {k: round(v, 1) for k, v in row["compile_s"].items()})
         print(

@@ -1,0 +1,162 @@
+"""Eval batch norm folded into the frozen convolution before it (`backends/freezing_fold.py`), on the graphs
+torch.compile's aot_autograd hands the IREE backend (BatchNorm decomposed: sub mean, mul scale, add shift)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from fx_rewrites.backends import freezing
+from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
+from fx_rewrites.backends.freezing_fold import fold_conv_affine
+from fx_rewrites.backends.iree import CompileCache, IreeBackend
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(monkeypatch):
+    monkeypatch.setenv(freezing.FOLD_ENV, "1")  # off by default (measured neutral on IREE)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class ConvBn(torch.nn.Module):
+    """conv+bn+relu (no conv bias), conv+bn (conv bias), and a conv read twice (its bn cannot fold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 1)
+        self.bn2 = torch.nn.BatchNorm2d(8)
+        self.conv3 = torch.nn.Conv2d(8, 8, 1)
+        self.bn3 = torch.nn.BatchNorm2d(8)
+        for bn in (self.bn1, self.bn2, self.bn3):  # running statistics and affine parameters far from 0 and 1
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        z = self.conv3(y)
+        return self.bn3(z) + z
+
+
+def _ops(gm: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _float64(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    import copy
+
+    return copy.deepcopy(model).double()(x.double())
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_eval_batch_norm_folds_into_the_frozen_convolutions(monkeypatch, dynamic):
+    folded: list[tuple[collections.Counter, torch.fx.GraphModule, int]] = []
+
+    def recording(gm: torch.fx.GraphModule) -> int:
+        before = _ops(gm)
+        count = fold_conv_affine(gm)
+        folded.append((before, gm, count))
+        return count
+
+    monkeypatch.setattr(freezing, "fold_conv_affine", recording)
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = ConvBn().eval()
+    backend = dynamo_backend(IreeBackend(cache=CompileCache()), on_graph=graphs.append, strict=True)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    with torch.no_grad():
+        for shape in [(2, 3, 12, 12), (3, 3, 10, 10)] if dynamic else [(2, 3, 12, 12)]:
+            x = torch.randn(shape)
+            expected = model(x)
+            got = compiled(x)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            # within float32's own error of the float64 result, as eager is
+            reference = _float64(model, x)
+            assert (got.double() - reference).abs().max() <= 4 * (expected.double() - reference).abs().max() + 1e-6
+    ((before, after, count),) = folded
+    # the aot graph decomposes each batch norm: sub mean, mul scale, add shift (and rsqrt(var + eps) * gamma)
+    assert before[str(aten.convolution.default)] == 3 and before[str(aten.rsqrt.default)] == 3
+    assert count == 6  # bn1 and bn2: sub, mul, add each; bn3 reads a conv that its residual reads too
+    ops = _ops(after)
+    assert ops[str(aten.convolution.default)] == 3 and ops[str(aten.rsqrt.default)] == 1
+    assert ops[str(aten.sub.Tensor)] == 1 and ops[str(aten.relu.default)] == 1
+    convs = after.graph.find_nodes(op="call_function", target=aten.convolution.default)
+    assert sum(str(c.args[1].target).startswith("_folded_") for c in convs) == 2
+    assert all(c.args[2] is not None and c.args[2].op == "get_attr" for c in convs)
+    (graph,) = graphs
+    assert "torch.aten.rsqrt" in graph.compiled.mlir  # bn3 (not folded) only
+    assert graph.compiled.mlir.count("torch.aten.rsqrt") == 1
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(freezing.FOLD_ENV)
+    calls: list[int] = []
+    monkeypatch.setattr(freezing, "fold_conv_affine", lambda gm: calls.append(1) or 0)
+    torch.manual_seed(0)
+    model = ConvBn().eval()
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=dynamo_backend("eager", strict=True))(x), model(x))
+    assert calls == []
+
+
+def test_the_folded_graph_runs_as_the_unfolded_one():
+    """The pass itself on the frozen aot graph: eager runs of the graph before and after agree."""
+    captured: list[torch.fx.GraphModule] = []
+    real = freezing.freeze
+
+    def capture(gm, frozen):
+        new = real(gm, frozen)
+        captured.append(new)
+        return new
+
+    torch.manual_seed(0)
+    model = ConvBn().eval()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(freezing, "freeze", capture)
+        mp.setattr(freezing, "fold_conv_affine", lambda gm: 0)
+        with torch.no_grad():
+            torch.compile(model, backend=dynamo_backend("eager", strict=True))(torch.randn(2, 3, 12, 12))
+    (frozen,) = captured
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        (unfolded,) = frozen(x)
+        assert fold_conv_affine(frozen) == 6
+        (got,) = frozen(x)
+        assert fold_conv_affine(frozen) == 0  # nothing left to fold
+        expected = model(x)
+    torch.testing.assert_close(unfolded, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+class DivideByChannels(torch.nn.Module):
+    def __init__(self, divisor: torch.Tensor) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.register_buffer("divisor", divisor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) / self.divisor.view(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize(("divisor", "folds"), [([1.0, 2.0, -4.0, 0.5], 1), ([1.0, 0.0, 2.0, 3.0], 0)])
+def test_a_division_folds_only_without_a_zero_divisor(monkeypatch, divisor, folds):
+    counts: list[int] = []
+    monkeypatch.setattr(freezing, "fold_conv_affine", lambda gm: counts.append(fold_conv_affine(gm)) or counts[-1])
+    torch.manual_seed(0)
+    model = DivideByChannels(torch.tensor(divisor)).eval()
+    compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(cache=CompileCache()), strict=True))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert counts == [folds]
