@@ -258,7 +258,8 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     other Sym placeholders are passed as scalars. Unused specialised inputs
     and constant outputs are dropped and restored around the call. Tensor
     attributes (`get_attr`, frozen weights) stay in the copy; `import_mlir`
-    imports them as constants.
+    imports them as constants, or as parameters where the hooks' `resolve_literal`
+    binds them (`parameters.attribute_hooks`).
     """
     _check_graph_module(gm)
     copy = copy_tree(gm)

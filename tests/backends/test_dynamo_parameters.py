@@ -86,3 +86,20 @@ def test_the_memory_check_counts_only_inline_frozen_weights(monkeypatch):
         BackendCompilerFailed, match=r"IreeMemoryError: the import and iree-compile of a module with 0 MB"
     ):
         _run([(3, 256)])
+
+
+def test_a_changed_parameter_weight_compiles_again():
+    """A frozen weight served as a parameter from the model's memory, changed in place: the next call warns,
+    compiles again and matches (the compiled module is the same, from the cache; the parameter is the new value)."""
+    graphs: list[CompiledGraph] = []
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(), on_graph=graphs.append, strict=True))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        model.big.weight.mul_(-2)
+        with pytest.warns(UserWarning, match=r"frozen parameter.*changed.*compiling it again"):
+            got = compiled(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+    assert len(graphs) == 1
