@@ -12,6 +12,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ExportGraphSignature,
+    InputKind,
     InputSpec,
     OutputKind,
     OutputSpec,
@@ -120,6 +121,7 @@ def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
         output_specs.append(spec)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     input_specs = [s for s in ep.graph_signature.input_specs if getattr(s.arg, "name", None) in placeholders]
+    input_specs = _written_constants_as_buffers(input_specs, added)
     signature = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
     with quiet_torch_pytree():  # deepcopy of the TreeSpecs in the call graph
         call_graph = copy.deepcopy(ep.module_call_graph)
@@ -132,6 +134,18 @@ def rebuild_program(ep: ExportedProgram, gm: GraphModule) -> ExportedProgram:
         return _program(ep, gm, signature, call_graph)
     except Exception as e:  # torch's verifier raises several kinds
         raise ProgramError(_blame(gm, e)) from e
+
+
+def _written_constants_as_buffers(specs: list[InputSpec], added: list) -> list[InputSpec]:
+    """Lifted constants a rule now writes (a BUFFER_MUTATION output names them) as non-persistent buffers:
+    state held outside the module's buffers, which `ExportedProgram.constants` keeps as it keeps those."""
+    written = {target for kind, target in added if kind == OutputKind.BUFFER_MUTATION}
+    return [
+        InputSpec(InputKind.BUFFER, s.arg, s.target, persistent=False)
+        if s.kind == InputKind.CONSTANT_TENSOR and s.target in written
+        else s
+        for s in specs
+    ]
 
 
 def _blame(gm: GraphModule, error: Exception) -> str:

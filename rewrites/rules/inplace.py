@@ -23,7 +23,12 @@ mutated tensor `x`:
   of `split`/`unbind`), only as deep as a base read later or a program input;
 - when `x` is a program input or buffer, the final value is returned as a
   USER_INPUT_MUTATION / BUFFER_MUTATION output, so `ep.module()` has the
-  side effects eager has.
+  side effects eager has. A lifted constant written in place is state the
+  module keeps outside its buffers (non-strict `torch.export` lifts the
+  tensors a plain Python object holds, as transformers' `StaticCache` in
+  `TorchExportableModuleWithStaticCache`): it becomes a non-persistent
+  buffer with a BUFFER_MUTATION output (`program.rebuild_program`), the
+  state eager keeps in that tensor.
 
 Ops without a functional variant but with a CompositeImplicitAutograd kernel
 (`dropout_`: in eval mode an identity; `alpha_dropout_`, `requires_grad_`)
@@ -74,6 +79,8 @@ def _mutation_kind(base: Node) -> tuple[OutputKind, str] | Miss:
         return OutputKind.USER_INPUT_MUTATION, base.name
     if spec.kind == InputKind.PARAMETER:  # RWKV rescales its weights in place, under no_grad
         return OutputKind.PARAMETER_MUTATION, spec.target
+    if spec.kind == InputKind.CONSTANT_TENSOR:  # state held outside the module's buffers (a non-strict export)
+        return OutputKind.BUFFER_MUTATION, spec.target  # `rebuild_program` makes it a non-persistent buffer
     return Miss(f"mutates {spec.kind.name.lower()} {base.name}, which a program cannot return as mutated")
 
 
