@@ -244,3 +244,20 @@ def backends_rules(name: str):
     from fx_rewrites import backends
 
     return backends.get(name).rules
+
+
+class InversePermutation(torch.nn.Module):
+    """transformers' MoE routing: `inv = torch.empty_like(perm); inv[perm] = arange(n)` fills every element."""
+
+    def forward(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return x[perm][inverse] * 2.0
+
+
+def test_uninitialized_memory_is_not_compared():
+    """`empty_like`'s output is whatever the memory held: no backend can be wrong about it (a Qwen3-MoE
+    localization stopped there, on values 4.8e18 apart, before reaching anything real)."""
+    x, perm = torch.randn(6, 3), torch.tensor([3, 0, 5, 1, 4, 2])
+    found = fx_rewrites.localize(InversePermutation(), (x, perm), backend="iree", bisect=False)
+    assert found.finding is None, found.text()

@@ -174,8 +174,21 @@ class _Search:
         return None
 
 
+#: ops whose output is memory left as it was (any value is right): not compared
+_UNINITIALIZED = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+
+
 def _random(node: Node) -> bool:
+    """Outputs no backend must reproduce: random ops' (`nondeterministic_seeded`) and uninitialized memory."""
     target = node.args[0].target if node.target is operator.getitem else node.target
+    if target in _UNINITIALIZED:
+        return True
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
