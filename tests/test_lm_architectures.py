@@ -1,0 +1,134 @@
+"""Greedy generation through IREE, token for token against `model.generate(do_sample=False)` (issue 26 item 4).
+
+Each architecture of `tests/lm_models.py` (tiny, seeded) is exported with transformers' own static-cache
+wrapper (`TorchExportableModuleWithStaticCache`) with a Dim on the sequence, compiled once
+(`fx_rewrites.compile`: the KV cache is module state, kept in the IREE module between calls), and run as one
+program for the prefill (the whole prompt) and every decode step (one token at `cache_position`).
+
+`GENERATE` is the generation under test: switching to `fx_rewrites.compile_lm(...).generate` is that one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import fx_rewrites
+from tests import lm_models
+
+pytestmark = pytest.mark.slow  # an export and an IREE compile per case: ~5-15 s each on the shared machine
+
+#: the cache length: the prompt and the tokens generated fit (Gemma3's window of 8 is shorter)
+MAX_CACHE = 48
+#: the architectures that generate through IREE as the reference does
+ARCHITECTURES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "gpt2"]
+
+
+def single_program(model: torch.nn.Module, ids: torch.Tensor, new: int, *, strict: bool = True) -> list[int]:
+    """Greedy tokens from one compiled program (prefill and decode steps), transformers' wrapper exported."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    model.generation_config.cache_implementation = "static"
+    wrapper = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=MAX_CACHE)
+    seq = torch.export.Dim("seq", min=1, max=MAX_CACHE)
+    with torch.no_grad():
+        program = torch.export.export(
+            wrapper,
+            (),
+            {"input_ids": ids, "cache_position": torch.arange(ids.shape[1])},
+            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+            strict=strict,
+        )
+    compiled = fx_rewrites.compile(program)
+    logits = compiled(input_ids=ids, cache_position=torch.arange(ids.shape[1]))
+    tokens = [int(logits[0, -1].argmax())]
+    for position in range(ids.shape[1], ids.shape[1] + new - 1):
+        logits = compiled(input_ids=torch.tensor([[tokens[-1]]]), cache_position=torch.tensor([position]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+#: (model, prompt ids, new tokens) -> the new tokens; later `compile_lm(model, max_cache_len=...).generate`
+GENERATE: Callable[..., list[int]] = single_program
+
+
+@pytest.fixture(autouse=True)
+def _caches_from_the_archive(monkeypatch):
+    """Every state tensor from the parameter archive under its own name: inline, IREE 3.13 fuses the key and
+    value caches (equal zeros) into one storage (tests/backends/iree/test_equal_state.py)."""
+    monkeypatch.setenv("FX_REWRITES_IREE_INLINE_LIMIT", "1024")
+
+
+def _expected(name: str) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+    model, _ = lm_models.build(name)
+    ids = lm_models.prompt()
+    expected = lm_models.reference(model, ids)
+    sequence = torch.cat([ids, expected], dim=1)
+    # greedy argmax far from a tie: float32 error cannot flip a token (IREE is ~1e-6 off on these logits)
+    assert lm_models.top2_margin(model, sequence, ids.shape[1] - 1) > 1e-3
+    return model, ids, expected[0].tolist()
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_greedy_tokens_match_generate(name):
+    model, ids, expected = _expected(name)
+    assert GENERATE(model, ids, lm_models.NEW) == expected
+
+
+def test_non_strict_export_matches_generate():
+    """torch.export's default: the cache is lifted as constants written in place (made state by the rules)."""
+    model, ids, expected = _expected("llama")
+    assert single_program(model, ids, lm_models.NEW, strict=False) == expected
+
+
+class _RecurrentStep(torch.nn.Module):
+    """Mamba2 for one call with its recurrent state explicit (each layer's convolution window and SSM state in,
+    their new values out). transformers' static-cache wrapper cannot take Mamba2 (`get_head_shapes` reads
+    `num_attention_heads`, which Mamba2Config has not), and Mamba2's mixer branches in Python on the sequence
+    length (`seq_len == 1`: the recurrent form; else the chunked scan) and on the cache layer's
+    `has_previous_state`: prefill and decode are two programs (a Dim on the prefill length specializes too: the
+    chunk padding's guards), which compile_lm's two entry points over one state fit."""
+
+    def __init__(self, model: torch.nn.Module, cache: object) -> None:
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, input_ids: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for i, layer in enumerate(self.cache.layers):
+            layer.conv_states[0].copy_(state[2 * i])
+            layer.recurrent_states[0].copy_(state[2 * i + 1])
+        logits = self.model(input_ids, cache_params=self.cache, use_cache=True).logits
+        new = [t * 1 for layer in self.cache.layers for t in (layer.conv_states[0], layer.recurrent_states[0])]
+        return (logits, *new)
+
+
+def recurrent_programs(model: torch.nn.Module, ids: torch.Tensor, new: int) -> list[int]:
+    """Greedy tokens from two compiled programs (prefill of the prompt's length, decode of one token), the
+    recurrent state passed from call to call by the caller."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :2], cache_params=cache, use_cache=True)  # the layers allocate their state
+    step = _RecurrentStep(model, cache)
+    zeros = [torch.zeros_like(t) for layer in cache.layers for t in (layer.conv_states[0], layer.recurrent_states[0])]
+    programs = []
+    for inputs, previous in ((ids, False), (ids[:, :1], True)):
+        for layer in cache.layers:
+            layer.has_previous_state[0] = previous  # which branch the trace takes
+        with torch.no_grad():
+            programs.append(fx_rewrites.compile(torch.export.export(step, (inputs, *zeros))))
+    prefill, decode = programs
+    logits, *state = prefill(ids, *zeros)
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < new:
+        logits, *state = decode(torch.tensor([[tokens[-1]]]), *state)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+def test_recurrent_state_mamba2_matches_generate():
+    model, ids, expected = _expected("mamba2")
+    assert recurrent_programs(model, ids, lm_models.NEW) == expected
