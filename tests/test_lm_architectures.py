@@ -23,7 +23,16 @@ pytestmark = pytest.mark.slow  # an export and an IREE compile per case: ~5-15 s
 #: the cache length: the prompt and the tokens generated fit (Gemma3's window of 8 is shorter)
 MAX_CACHE = 48
 #: the architectures that generate through IREE as the reference does
-ARCHITECTURES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "gpt2"]
+ARCHITECTURES = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "gemma3",
+    "phi3",
+    "gpt2",
+    # right static, wrong with the Dim on IREE (docs/generation.md); non-strict crashes the runtime: not run
+    pytest.param("qwen3_moe", marks=pytest.mark.xfail(strict=True, reason="IREE wrong on the MoE with a Dim")),
+]
 
 
 def single_program(model: torch.nn.Module, ids: torch.Tensor, new: int, *, strict: bool = True) -> list[int]:
