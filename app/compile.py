@@ -114,7 +114,7 @@ def compile(
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.app.dispatch import compile_dispatch, size_conds
-    from fx_rewrites.program import with_own_state
+    from fx_rewrites.program import unwrap_tensor_subclasses, with_own_state
 
     target = backends.get(backend) if isinstance(backend, str) else backend
     if isinstance(args, list):
@@ -139,6 +139,7 @@ def compile(
                 f"fx_rewrites.compile takes a torch.nn.Module (a GraphModule is one) or a "
                 f"torch.export.ExportedProgram, got {type(model).__name__}"
             )
+        program = unwrap_tensor_subclasses(program)  # torchao's quantized weights (the cond path reads it too)
         result = apply(program, target.rules)
         result.report.warn_unless_converged(target.name)
         dispatched = size_conds(program)

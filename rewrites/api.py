@@ -14,7 +14,13 @@ from torch.fx import GraphModule
 from fx_rewrites import bisect, engine
 from fx_rewrites.engine import GraphInputError, Report, Rule
 from fx_rewrites.engine import values as fake_values
-from fx_rewrites.program import copy_graph_module, drop_dead_subgraphs, expose_signature, rebuild_program
+from fx_rewrites.program import (
+    copy_graph_module,
+    drop_dead_subgraphs,
+    expose_signature,
+    rebuild_program,
+    unwrap_tensor_subclasses,
+)
 from fx_rewrites.ruleset import Phases, RuleSet, as_phases
 
 
@@ -104,6 +110,7 @@ def apply(
     """
     phases = _phases(rules)
     if isinstance(program, ExportedProgram):
+        program = unwrap_tensor_subclasses(program)  # torchao's quantized weights: plain int8 + scales
         gm = copy_graph_module(program.graph_module)
         expose_signature(program, gm)
     elif isinstance(program, GraphModule):

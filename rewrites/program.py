@@ -198,3 +198,42 @@ def with_own_state(ep: ExportedProgram) -> ExportedProgram:
         k: own(v) if k in written and isinstance(v, torch.Tensor) else v for k, v in ep.constants.items()
     }
     return copied
+
+
+def _is_subclass(value: object) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value)
+
+
+def has_tensor_subclasses(ep: ExportedProgram) -> bool:
+    """Whether `ep` holds tensor-subclass state (torchao's quantized weights, `Int8Tensor`) or reads a
+    subclass's inner tensors (`export.access_subclass_inner_tensor`): what `torch.export` leaves before
+    `run_decompositions`."""
+    if any(_is_subclass(v) for v in (*ep.state_dict.values(), *ep.constants.values())):
+        return True
+    access = getattr(getattr(torch.ops, "export", None), "access_subclass_inner_tensor", None)
+    return access is not None and any(
+        n.op == "call_function" and getattr(n.target, "overloadpacket", None) is access for n in ep.graph.nodes
+    )
+
+
+def unwrap_tensor_subclasses(ep: ExportedProgram) -> ExportedProgram:
+    """`ep` with its tensor subclasses flattened into plain tensors, or `ep` itself when it holds none.
+
+    A weight quantized with torchao (`quantize_(model, Int8WeightOnlyConfig())`) exports as a subclass
+    whose ops run in Python; `run_decompositions({})` (no decomposition table: the ops stay as they are)
+    replaces each by its inner tensors (int8 data, float scales) as parameters and traces the subclass's
+    ops into the graph (the dequantize), which backends then see as ordinary aten ops."""
+    if not has_tensor_subclasses(ep):
+        return ep
+    try:
+        with quiet_torch_pytree():
+            return ep.run_decompositions({})
+    except Exception as e:
+        raise ProgramError(
+            f"the program holds tensor subclasses (e.g. torchao quantized weights) and torch could not "
+            f"flatten them into plain tensors: {type(e).__name__}: {' '.join(str(e).split())[:400]}. Fix: "
+            "call program.run_decompositions() yourself to see the failure, or export the model before "
+            "quantizing it"
+        ) from e
