@@ -230,6 +230,13 @@ def cpu() -> str:
     return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, {' '.join(flags)}"
 
 
+def row(model_name: str, name: str, threads: str, value: Any) -> str:
+    clock = "CPU" if threads == "1" else "wall"
+    if isinstance(value, str):
+        return f"| {model_name} | {name} | {threads} ({clock}) | - | - | {value} |"
+    return f"| {model_name} | {name} | {threads} ({clock}) | {value[0]:.1f} | {value[1]:.2f} | {value[2]} |"
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -268,16 +275,13 @@ def main(argv: list[str] | None = None) -> None:
                 gens = routes(m, max_len, threads, prompt, wanted)
                 for name, value in measure(gens, prompt, args.new, args.rounds, threads).items():
                     rows.append((f"{size} ({params:.0f}M) {kind}", name, threads, value))
+                    print("  " + row(*rows[-1]), flush=True)  # as measured: a later failure loses nothing
                 del gens
         del model, variants
     print("\n| model | route | threads | prefill ms | decode tokens/s | tokens = eager |")
     print("|---|---|---|---:|---:|---|")
-    for model_name, name, threads, value in rows:
-        clock = "CPU" if threads == "1" else "wall"
-        if isinstance(value, str):
-            print(f"| {model_name} | {name} | {threads} ({clock}) | - | - | {value} |")
-        else:
-            print(f"| {model_name} | {name} | {threads} ({clock}) | {value[0]:.1f} | {value[1]:.2f} | {value[2]} |")
+    for line in rows:
+        print(row(*line))
     print(f"load average at the end: {load()}")
 
 
