@@ -17,7 +17,7 @@ Routes, each greedy from the same prompt:
 - `iree export+loop`: what works today: transformers' `TorchExportableModuleWithStaticCache` exported (strict) with a
   Dim on the sequence, `fx_rewrites.compile`, one call for the prompt, one per new token, argmax on the host. The
   cache buffers are passed in and out at each call (`state="host"`); `--state module` keeps them in the module as
-  mutable IREE globals (`backends/iree/state.py`), which computes this program wrong today (see STATE);
+  mutable IREE globals (`backends/iree/state.py`; see STATE);
 - `iree compile_lm`: `fx_rewrites.compile_lm(model, max_cache_len=...).generate(...)` where this checkout has it.
 
 Prefill = the time of a generate with 1 new token; decode tokens/s = (N - 1) / (time(N new) - time(1 new)).
@@ -111,8 +111,8 @@ def inductor_generate(model: torch.nn.Module, max_len: int) -> Generate:
     return hf_generate(compiled, static=True, max_len=max_len)
 
 
-#: where the export+loop route keeps the cache: "host" (passed in and out at each call) until the module-globals
-#: path ("module") computes it right: on this model it gives logits off by 0.16 from the first call (issue 26)
+#: where the export+loop route keeps the cache: "host" (passed in and out at each call); "module" (mutable IREE
+#: globals) computed this program wrong before main's fix of equal zero-initialised globals sharing one storage
 STATE = "host"
 
 
