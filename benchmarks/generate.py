@@ -18,7 +18,8 @@ Routes, each greedy from the same prompt:
   Dim on the sequence, `fx_rewrites.compile`, one call for the prompt, one per new token, argmax on the host. The
   cache buffers are passed in and out at each call (`state="host"`); `--state module` keeps them in the module as
   mutable IREE globals (`backends/iree/state.py`; see STATE);
-- `iree compile_lm`: `fx_rewrites.compile_lm(model, max_cache_len=...).generate(...)` where this checkout has it.
+- `iree compile_lm`: `fx_rewrites.compile_lm(model, max_cache_len=...).generate(...)`: one module, prefill and decode
+  over shared weights, the cache kept in the module.
 
 Prefill = the time of a generate with 1 new token; decode tokens/s = (N - 1) / (time(N new) - time(1 new)).
 `--threads 1`: torch.set_num_threads(1), IREE local-sync, CPU time of the process (time.process_time);
@@ -163,10 +164,7 @@ def iree_loop_generate(model: torch.nn.Module, max_len: int, threads: str, promp
 def compile_lm_generate(model: torch.nn.Module, max_len: int, threads: str) -> Generate | str:
     import fx_rewrites
 
-    compile_lm = getattr(fx_rewrites, "compile_lm", None)
-    if compile_lm is None:
-        return "fx_rewrites.compile_lm is not in this checkout"
-    lm = compile_lm(model, max_cache_len=max_len, backend=iree_backend(threads))
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(threads))
     return lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
 
 
