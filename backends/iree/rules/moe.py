@@ -41,20 +41,22 @@ def _not_registered() -> None:
     """The root of the rule while the op does not exist: no node calls it."""
 
 
-def _shapes(node: Node) -> Miss | None:
+def _shapes(node: Node) -> Miss | bool:
+    """True when the rule can write the op out; else a Miss saying why not (the number of experts becomes a
+    literal in the graph, so it must be fixed)."""
     x, weight, offs = (a.meta.get("val") if isinstance(a, Node) else None for a in node.args[:3])
     if not all(isinstance(v, torch.Tensor) for v in (x, weight, offs)):
         return Miss("an argument without a tensor value")
     if x.dim() != 2 or weight.dim() != 3 or offs.dim() != 1:
         return Miss(f"input/weight/offs of ranks {x.dim()}/{weight.dim()}/{offs.dim()}, not 2/3/1")
     if not isinstance(weight.shape[0], int):
-        return Miss("a symbolic number of experts")
-    return None
+        return Miss("a symbolic number of experts (the rewrite writes it as a literal)")
+    return True
 
 
 @rule(
     roots=(_not_registered,),
-    when=lambda node: _shapes(node) or True,
+    when=_shapes,
     tags={"iree"},
     doc=(
         "transformers' `grouped_mm_fallback(input, weight, offs)` (the experts' matmuls of Mixtral and "

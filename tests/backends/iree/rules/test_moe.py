@@ -48,6 +48,22 @@ def test_grouped_mm_becomes_a_gathered_bmm_on_iree(dynamic):
         torch.testing.assert_close(compiled(*args), Experts()(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_grouped_mm_rule_declines_a_symbolic_number_of_experts():
+    """The rule writes the number of experts into the graph as a literal; exported with a Dim on the experts
+    it must decline (its `when` once ended in `or True` and fired, leaving a graph that names an unbound
+    SymInt), and it fires on the same program with the experts fixed."""
+    x, weight, offs = _inputs(7, [2, 2, 6], 0)
+    experts = Dim("experts")
+    ep = rt.export(Experts(), x, weight, offs, dynamic_shapes=(None, {0: experts}, {0: experts}))
+    result = rt.apply_rules(ep, grouped_mm_for_iree, explain=True)
+    rt.assert_not_fired(result, "grouped_mm_to_gathered_bmm_for_iree")
+    (attempt,) = result.report.explain("grouped_mm_to_gathered_bmm_for_iree")
+    assert "a symbolic number of experts" in attempt.reason, attempt
+    torch.testing.assert_close(result.program.module()(x, weight, offs), Experts()(x, weight, offs))
+    fixed = rt.apply_rules(rt.export(Experts(), x, weight, offs), grouped_mm_for_iree)
+    rt.assert_fired(fixed, "grouped_mm_to_gathered_bmm_for_iree", times=1)
+
+
 #: a fresh process: compile a Linear first (the IREE phases' rule index is built while transformers' op does
 #: not exist), then a tiny Qwen2-MoE, whose experts call the op registered when its MoE code is imported
 _AFTER_ANOTHER_COMPILE = """
