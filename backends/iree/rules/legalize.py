@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
-from fx_rewrites.backends.iree.rules import guards, live_scatters, pooling, steps, views
+from fx_rewrites.backends.iree.rules import float64_math, guards, live_scatters, pooling, steps, views
 from fx_rewrites.engine import Miss
 from fx_rewrites.kinds.legalize import legalize, legalize_form
 from fx_rewrites.ruleset import RuleSet
@@ -56,6 +56,13 @@ def _global_pool_of_symbolic_map(node: Node, args: Mapping[str, Any]) -> bool | 
     return True
 
 
+def _float64_result(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.float64:
+        return Miss("not float64 (IREE's float32 linspace was not measured wrong)")
+    return True
+
+
 #: forms of ops IREE 3.13 lowers in other forms (legality_data.PARTIAL), decomposed in just those forms
 PARTIAL_FORMS = (
     legalize_form(
@@ -67,6 +74,19 @@ PARTIAL_FORMS = (
             'arithmetic. IREE 3.13 fails on it: 5-d (reflection_pad3d) "failed to legalize operation '
             "'torch.constant.int'\", 4-d with an asymmetric pad \"LLVM Translation failed for operation: "
             'builtin.unrealized_conversion_cast".'
+        ),
+        illegal=illegal_ops(),
+        lowered=legality_data.LOWERED,
+        tags={"iree"},
+    ),
+    legalize_form(
+        (torch.ops.aten.linspace.default,),
+        when=_float64_result,
+        name="decompose_float64_linspace_for_iree",
+        doc=(
+            "aten.linspace of float64 (also what torch.logspace exports to) replaced by torch's decomposition "
+            "(an arange scaled in float64). IREE 3.13 computes float64 linspace to float32's precision: "
+            "linspace(0, -4, 4) 7.9e-8 off, logspace(0, -4, 4) 4.2e-9 (a silent wrong number)."
         ),
         illegal=illegal_ops(),
         lowered=legality_data.LOWERED,
@@ -112,6 +132,7 @@ LEGALIZE = RuleSet(
         *live_scatters.RULES,
         *steps.RULES,
         *pooling.RULES,
+        *float64_math.RULES,
     ],
     name="iree-legalize",
 )
