@@ -4,14 +4,13 @@ Only where `torch._decomp` and the op's CompositeImplicitAutograd kernel
 give nothing IREE can take (the legality-driven decomposition,
 `kinds.legalize`, handles every other op): aten.histc (transformers' MoE
 routing counts tokens per expert with it) and the real part of a DFT
-(FNet mixes tokens with `torch.fft.fftn(x).real`); and `split_with_sizes` in
+(FNet mixes tokens with `torch.fft.fftn(x).real`; in `fft`) and irfft; and `split_with_sizes` in
 the one form IREE fails on (symbolic sizes), as slices; and softmax /
 log_softmax of a 0-d tensor, on which iree-compile never returns.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites import schema
+from fx_rewrites.backends.iree.rules.fft import inverse_real_fft_to_matmul_for_iree, real_fft_to_matmul_for_iree
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
@@ -160,154 +160,6 @@ def logcumsumexp_to_masked_logsumexp_for_iree(node: Node, rw: Rewriter, *, args:
     rw.replace(node, rw.call(aten.transpose.int, out, dim, -1) if dim != val.dim() - 1 else out)
 
 
-# -- the real part of a DFT ----------------------------------------------------------------
-
-#: forward FFTs of a real or complex input, as export leaves them (CIA ops) and as aot_autograd does (_fft_c2c)
-_FFTS = (
-    aten.fft_fftn.default,
-    aten.fft_fft2.default,
-    aten.fft_fft.default,
-    aten._fft_c2c.default,
-    aten._fft_r2c.default,
-)
-_SCALE = {"backward": 0, None: 0, "ortho": 1, "forward": 2}  # _fft_c2c's normalization codes
-
-
-def _fft_plan(node: Node, args: Mapping[str, Any]) -> tuple[Node, list[int], int] | Miss:
-    """(input, dims, normalization code) of a forward FFT over whole static dims."""
-    x = args["self"]
-    rank = x.meta["val"].dim()
-    if node.target is aten._fft_c2c.default or node.target is aten._fft_r2c.default:
-        if node.target is aten._fft_r2c.default and args.get("onesided"):
-            return Miss("a one-sided real FFT (rfft)")
-        if node.target is aten._fft_c2c.default and not args["forward"]:
-            return Miss("an inverse FFT")
-        dims, code = list(args["dim"]), args["normalization"]
-    else:
-        sizes = args.get("s", args.get("n"))
-        if sizes is not None:
-            return Miss("an FFT with an explicit size (padding or trimming)")
-        if node.target is aten.fft_fft.default:
-            dims = [args.get("dim", -1)]
-        elif node.target is aten.fft_fft2.default:
-            dims = list(args.get("dim", [-2, -1]))
-        else:
-            dims = list(args["dim"]) if args.get("dim") is not None else list(range(rank))
-        code = _SCALE.get(args.get("norm"), -1)
-        if code < 0:
-            return Miss(f"norm={args.get('norm')!r}")
-    dims = [d % rank for d in dims]
-    shape = x.meta["val"].shape
-    if not all(isinstance(shape[d], int) for d in dims):
-        return Miss("a transformed dim has a symbolic size")
-    return x, dims, code
-
-
-def _complex_parts(value: Node, rw: Rewriter, depth: int = 0) -> tuple[Node, Node | None] | Miss:
-    """(real part, imaginary part or None for zero) of `value` as real nodes: a real tensor, a real
-    tensor converted to complex, or a forward FFT of one of these."""
-    val = value.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return Miss("not a tensor")
-    if not val.is_complex():
-        return value, None
-    if depth > 8:
-        return Miss("more than 8 FFTs in a chain")
-    if value.op == "call_function" and value.target is aten._to_copy.default:
-        source = value.args[0]
-        if isinstance(source, Node) and not source.meta["val"].is_complex():
-            return source, None
-    if value.op != "call_function" or value.target not in _FFTS:
-        return Miss(f"a complex value made by {value.target if value.op == 'call_function' else value.op}")
-    plan = _fft_plan(value, schema.arguments(value))
-    if isinstance(plan, Miss):
-        return plan
-    x, dims, code = plan
-    parts = _complex_parts(x, rw, depth + 1)
-    if isinstance(parts, Miss):
-        return parts
-    re, im = parts
-    for dim in dims:
-        re, im = _dft_along(rw, re, im, dim, x.meta["val"].shape[dim], code, val.real.dtype)
-    return re, im
-
-
-def _dft_matrices(rw: Rewriter, n: int, code: int, dtype: torch.dtype, device: torch.device) -> tuple[Node, Node]:
-    """cos(2 pi k j / n) and sin(...) (symmetric, scaled for the normalization), built in the graph: an
-    ExportedProgram takes no new tensor constants. k j mod n is exact in integers, so the angle stays small."""
-    k = rw.call(aten.arange.default, n, dtype=torch.int64, device=device)
-    products = rw.call(aten.mul.Tensor, rw.call(aten.unsqueeze.default, k, 1), rw.call(aten.unsqueeze.default, k, 0))
-    turns = rw.call(aten._to_copy.default, rw.call(aten.remainder.Scalar, products, n), dtype=dtype)
-    theta = rw.call(aten.mul.Tensor, turns, 2 * math.pi / n)
-    cos, sin = rw.call(aten.cos.default, theta), rw.call(aten.sin.default, theta)
-    scale = {0: 1.0, 1: 1 / math.sqrt(n), 2: 1 / n}[code]
-    if scale != 1.0:
-        cos, sin = rw.call(aten.mul.Tensor, cos, scale), rw.call(aten.mul.Tensor, sin, scale)
-    return cos, sin
-
-
-def _dft_along(rw: Rewriter, re: Node, im: Node | None, dim: int, n: int, code: int, dtype: torch.dtype) -> tuple:
-    """One forward DFT along `dim`: X = (C - iS) x with C[k, j] = cos(2 pi k j / n), S the sine."""
-    cos, sin = _dft_matrices(rw, n, code, dtype, re.meta["val"].device)
-
-    def along(t: Node, matrix: Node) -> Node:
-        moved = rw.call(aten.transpose.int, t, dim, -1)
-        return rw.call(aten.transpose.int, rw.call(aten.matmul.default, moved, matrix), dim, -1)
-
-    if re.meta["val"].dtype != dtype:
-        re = rw.call(aten._to_copy.default, re, dtype=dtype)
-    new_re, new_im = along(re, cos), rw.call(aten.neg.default, along(re, sin))
-    if im is not None:
-        new_re = rw.call(aten.add.Tensor, new_re, along(im, sin))
-        new_im = rw.call(aten.add.Tensor, new_im, along(im, cos))
-    return new_re, new_im
-
-
-def _real_of(node: Node) -> Node | Miss:
-    """The complex node whose real part `node` takes (aten.real, or view_as_real(z)[..., 0])."""
-    if node.target is aten.real.default:
-        return node.args[0]
-    source = node.args[0]
-    if (
-        isinstance(source, Node)
-        and source.op == "call_function"
-        and source.target is aten.view_as_real.default
-        and node.args[1] in (-1, source.meta["val"].dim() - 1)
-        and node.args[2] == 0
-    ):
-        return source.args[0]
-    return Miss("not the real part of a complex value")
-
-
-def _real_of_fft(node: Node) -> bool | Miss:
-    z = _real_of(node)
-    if isinstance(z, Miss):
-        return z
-    if not isinstance(z, Node) or z.op != "call_function" or z.target not in _FFTS:
-        return Miss("the complex value is not an FFT")
-    return True
-
-
-@rule(
-    roots=(aten.real.default, aten.select.int),
-    when=_real_of_fft,
-    tags={"iree"},
-    doc=(
-        "The real part of forward FFTs of a real input over dims of static size (FNet's token mixing, "
-        "`torch.fft.fftn(x, dim=(1, 2)).real`; fft, fft2, fftn as exported, _fft_c2c with "
-        "view_as_real(...)[..., 0] as aot_autograd leaves them) becomes matmuls by constant cosine and sine "
-        "matrices, one dim at a time, tracking real and imaginary parts. IREE 3.13 has no FFT and no complex "
-        "lowering: \"failed to legalize operation 'torch.operator'\" (aten.fft_fftn / aten._fft_c2c)."
-    ),
-)
-def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
-    parts = _complex_parts(_real_of(node), rw)
-    if isinstance(parts, Miss):
-        return parts
-    rw.replace(node, parts[0])
-    return None
-
-
 # -- split_with_sizes of symbolic sizes ----------------------------------------------------------
 
 
@@ -374,6 +226,7 @@ RULES = RuleSet(
         kthvalue_to_topk_for_iree,
         logcumsumexp_to_masked_logsumexp_for_iree,
         real_fft_to_matmul_for_iree,
+        inverse_real_fft_to_matmul_for_iree,
     ],
     name="iree-lowerings",
 )
