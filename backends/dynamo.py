@@ -199,16 +199,21 @@ def _compile_graph(
 def _backward(name: str, mode: Literal["eager", "error"], gm: GraphModule, example_inputs: Sequence[Any]) -> Any:
     from functorch.compile import make_boxed_func
 
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ops = ", ".join(dict.fromkeys(getattr(n.target, "__name__", str(n.target)) for n in calls[:40]))
     what = (
-        f"torch.compile(backend={name}) compiles inference and forward graphs only: "
-        "run the compiled model under torch.no_grad() (or torch.inference_mode()) for inference"
+        f"torch.compile(backend={name}) compiles inference and forward graphs only: a backward ran (a "
+        "`.backward()` or `torch.autograd.grad` through a graph compiled with grad enabled)"
     )
+    listed = f"{len(calls)} ops: {ops[:200]}{' ...' if len(ops) > 200 else ''}"
     if mode == "error":
 
         def refuse(*args: Any) -> Any:
             raise BackwardNotSupported(
-                f"{what}; a backward was requested, and this backend was made with backward='error'. "
-                "Use backward='eager' to run backward graphs on torch eager."
+                f"{what}, and this backward graph ({listed}) was refused: this backend was made with "
+                "backward='error'. For inference, run the compiled model under torch.no_grad() (or "
+                "torch.inference_mode()): no backward graph is made. For training, make the backend with "
+                "backward='eager' (the default): the backward graphs then run on torch eager."
             )
 
         return make_boxed_func(refuse)
@@ -218,7 +223,16 @@ def _backward(name: str, mode: Literal["eager", "error"], gm: GraphModule, examp
         nonlocal warned
         if not warned:
             warned = True
-            warnings.warn(f"{what}; this backward graph runs on torch eager.", stacklevel=2)
+            warnings.warn(
+                f"{what}, and this backward graph runs on torch eager ({listed}); its forward graph stays on the "
+                "backend, and the gradients are torch's. For inference, run the compiled model under "
+                "torch.no_grad() (or torch.inference_mode()): no backward graph is made and every graph runs on the "
+                "backend. For "
+                "training this is expected (warned once per backward graph): silence it with "
+                "warnings.filterwarnings('ignore', 'compiles inference and forward graphs only'); to raise "
+                "instead, make the backend with dynamo_backend(..., backward='error').",
+                stacklevel=2,
+            )
         return gm(*args)
 
     return make_boxed_func(run)
