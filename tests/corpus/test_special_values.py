@@ -18,15 +18,17 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "special_values.py"
 
-#: op -> what is wrong (measured 2026-11-26, IREE 3.13 llvm-cpu); as exported each fails loudly unless said
+#: op -> what is wrong (measured 2026-11-26, IREE 3.13 llvm-cpu). Each gives what torch's own decomposition gives
+#: when run on torch: the legalize phase is faithful, and torch's kernel and its decomposition disagree
+#: (docs/iree-3.13-findings.md section 19). msort, the triplet losses and masked.normalize were fixed by
+#: backends/iree/rules/nan_guards.py.
 KNOWN = {
-    "msort": "NaN sorted after -inf (eager: last); IREE's sort does it as exported too (findings section 19)",
-    "nn.functional.triplet_margin_loss": "loss 0 for NaN (eager NaN): IREE's clamp_min drops NaN, as exported too",
-    "nn.functional.triplet_margin_with_distance_loss": "as triplet_margin_loss",
-    "nn.functional.grid_sample": "torch's decomposition gives NaN where the kernel pads with 0 (torch too)",
+    "nn.functional.grid_sample": "NaN where the kernel pads with 0: the decomposition's weights of a NaN coordinate",
     "grid_sampler_2d": "as grid_sample",
-    "masked.normalize": "inf / -inf / 0 where eager has NaN",
-    "nn.functional.instance_norm": "inf where eager has NaN; IREE is wrong as exported too",
+    "nn.functional.instance_norm": (
+        "inf where eager has NaN, with an infinite weight and bias: the kernel computes x * a + (b - mean * a), "
+        "inf - inf; the decomposition (x - mean) * a + b"
+    ),
 }
 
 
