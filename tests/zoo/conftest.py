@@ -7,6 +7,10 @@ would otherwise pile up guards until the recompile limit sends it to eager.
 
 The `zoo` marker is registered here, so the suite stays self-contained:
 deselect the zoo with `-m "not zoo"` (it is also `slow`).
+
+No result may depend on what ran before: `FX_REWRITES_ZOO_SHUFFLE=SEED` runs the zoo's test modules, and
+the tests within each, in an order shuffled by SEED (each module's models still built once), e.g.
+`FX_REWRITES_ZOO_SHUFFLE=1 pytest tests/zoo`. CI runs the collected order.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 from collections.abc import Iterator
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +39,44 @@ def pytest_configure(config: pytest.Config) -> None:
         "zoo: transformers models exported, rewritten with the IREE rules, compiled and run on IREE "
         "(in CI; deselect with -m 'not zoo')",
     )
+
+
+#: FX_REWRITES_ZOO_SHUFFLE=SEED: the zoo's tests in an order shuffled by SEED (an int)
+SHUFFLE_ENV = "FX_REWRITES_ZOO_SHUFFLE"
+_HERE = Path(__file__).resolve().parent
+
+
+def shuffled(items: list[Any], seed: int) -> list[Any]:
+    """`items` (pytest items) with the zoo's modules in a shuffled order and each module's tests shuffled; the
+    items outside tests/zoo keep their places. A module's tests stay together: its module-scoped Zoo builds
+    each model once."""
+    rng = random.Random(seed)
+    places = [i for i, item in enumerate(items) if _HERE in Path(item.path).resolve().parents]
+    modules: dict[Path, list[Any]] = {}
+    for i in places:
+        modules.setdefault(Path(items[i].path), []).append(items[i])
+    order = list(modules)
+    rng.shuffle(order)
+    reordered = []
+    for module in order:
+        tests = modules[module]
+        rng.shuffle(tests)
+        reordered.extend(tests)
+    out = list(items)
+    for i, item in zip(places, reordered, strict=True):
+        out[i] = item
+    return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seed = os.environ.get(SHUFFLE_ENV, "").strip()
+    if seed:
+        items[:] = shuffled(items, int(seed))
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = os.environ.get(SHUFFLE_ENV, "").strip()
+    return f"zoo order shuffled with seed {seed} ({SHUFFLE_ENV})" if seed else None
 
 
 #: set FX_REWRITES_ZOO=full to run the rows kept out of CI (`ci=False`: the slowest to compile)
