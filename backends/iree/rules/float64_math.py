@@ -2,10 +2,11 @@
 
 The backend keeps float64 (`--iree-input-demote-f64-to-f32=false`, targets.py), and llvm-cpu lowers a
 float64 `math.cos` to a call of libm's `cos`, which its embedded linker does not have: `iree-lld: undefined
-symbol: cos` (also sin, tan, tanh, log2, log10; `torch.arange(8, dtype=torch.float64).cos()`, the sin-cos
-position tables built in float64). No iree-compile flag expands them (its polynomial approximations are
-float32's; exp, log, expm1, log1p, pow, sinh, cosh and sigmoid of float64 do compile). Computing them in
-float32 would silently lose 9 digits, so they are written out in float64:
+symbol: cos` (also sin, tan, tanh, log2, log10; atan and its kin are in float64_atan.py), as in
+`torch.arange(8, dtype=torch.float64).cos()` (sin-cos position tables built in float64). No iree-compile
+flag expands them (its polynomial approximations are float32's). exp, log, pow, cosh and sigmoid of float64
+compile and are accurate; expm1, log1p and sinh compile but cancel near 0 (silently wrong). Computing any of
+them in float32 would silently lose 9 digits, so they are written out in float64:
 
 - sin, cos, tan: x = n pi/2 + r with n = round(2x/pi) and r reduced by Cody-Waite with pi/2 split into six
   24-bit parts and a tail (each n * part exact for |n| < 2^29), then fdlibm's kernels on |r| <= pi/4 and the

@@ -16,7 +16,16 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
-from fx_rewrites.backends.iree.rules import float64_math, guards, live_scatters, nan_guards, pooling, steps, views
+from fx_rewrites.backends.iree.rules import (
+    float64_atan,
+    float64_math,
+    guards,
+    live_scatters,
+    nan_guards,
+    pooling,
+    steps,
+    views,
+)
 from fx_rewrites.engine import Miss
 from fx_rewrites.kinds.legalize import legalize, legalize_form
 from fx_rewrites.ruleset import RuleSet
@@ -133,6 +142,7 @@ LEGALIZE = RuleSet(
         *steps.RULES,
         *pooling.RULES,
         *float64_math.RULES,
+        *float64_atan.RULES,
         *nan_guards.RULES,
     ],
     name="iree-legalize",

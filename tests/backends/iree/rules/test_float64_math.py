@@ -11,20 +11,27 @@ from torch.export import Dim
 
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.iree.rules import float64_math
+from fx_rewrites.backends.iree.rules import float64_atan, float64_math
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
-OPS = ("sin", "cos", "tan", "tanh", "log2", "log10", "expm1", "log1p", "sinh")
+OPS = ("sin", "cos", "tan", "tanh", "log2", "log10", "expm1", "log1p", "sinh", "atan", "asin", "acos")
 #: the most each op's result may be off torch's float64, in float64 steps relative to the result (measured:
-#: 1.04 sin and cos, 1.99 tan, 1.00 tanh and log2, 2.00 log10, 1.57 expm1, 1.85 log1p, 1.94 sinh)
+#: 1.04 sin and cos, 1.99 tan, 1.00 tanh and log2, 2.00 log10, 1.57 expm1, 1.85 log1p, 1.94 sinh, 1.00 atan and
+#: atan2, 1.12 asin, 1.44 acos)
 ULPS = 4.0
 
 
 class AllOps(torch.nn.Module):
     def forward(self, x):
         positive = x.abs()
-        return tuple(getattr(torch, op)(positive if op.startswith("log") else x) for op in OPS)
+        unit = x.clamp(-1, 1)  # asin, acos: [-1, 1], both ends included
+        picked = {"log": positive, "asi": unit, "aco": unit}
+        return (
+            *(getattr(torch, op)(picked.get(op[:3], x)) for op in OPS),
+            torch.atan2(x, torch.flip(x, [0])),
+            torch.atan2(x, positive),
+        )
 
 
 class PositionTable(torch.nn.Module):
@@ -64,9 +71,10 @@ def test_float64_math_compiles_and_matches_float64_torch(dynamic):
     result = rt.apply_rules(ep, iree.rules)
     for op in OPS:
         rt.assert_fired(result, f"float64_{op}_written_out_for_iree", times=1)
+    rt.assert_fired(result, "float64_atan2_written_out_for_iree", times=2)
     compiled = iree.compile(result.program, (inputs[0],))
     for x in inputs:
-        for op, got, want in zip(OPS, compiled(x), AllOps()(x), strict=True):
+        for op, got, want in zip((*OPS, "atan2", "atan2"), compiled(x), AllOps()(x), strict=True):
             _assert_within_ulps(op, got, want)
 
 
@@ -76,7 +84,7 @@ def test_float64_math_special_values_are_torch_s():
     x = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1e-300, 8.4e8, -8.5e8, 1e300], dtype=F64)
     iree = backends.get("iree")
     compiled = iree.compile(rt.apply_rules(rt.export(AllOps(), x), iree.rules).program, (x,))
-    for op, got, want in zip(OPS, compiled(x), AllOps()(x), strict=True):
+    for op, got, want in zip((*OPS, "atan2", "atan2"), compiled(x), AllOps()(x), strict=True):
         beyond = (x.abs() > float64_math.LARGEST_N * math.pi / 2) & torch.tensor(op in ("sin", "cos", "tan"))
         assert got[beyond].isnan().all(), op
         torch.testing.assert_close(got[~beyond], want[~beyond], rtol=4 * EPS, atol=0, equal_nan=True, msg=op)
@@ -97,7 +105,7 @@ def test_float64_position_table_compiles_on_iree():
 
 def test_float32_math_is_left_to_iree():
     x = torch.randn(16)
-    result = rt.apply_rules(rt.export(AllOps(), x), float64_math.RULES, explain=True)
+    result = rt.apply_rules(rt.export(AllOps(), x), float64_math.RULES, float64_atan.RULES, explain=True)
     assert not result.report.rewrites
     assert all("not a float64 tensor" in a.reason for a in result.report.explain())
 
