@@ -1,0 +1,116 @@
+"""IREE convolution performance rules (backends/iree/rules/conv_performance.py): same numbers, another form.
+
+Each rule on real exports (static, with a Dim batch, with a Dim height),
+its graph after, numerics against eager on two input sets, idempotence, and
+the default llvm-cpu route end to end on IREE. Speed: benchmarks/scale_cnn.py
+and benchmarks/runtime.py, not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
+
+aten = torch.ops.aten
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Shortcut(torch.nn.Module):
+    """ResNet's downsampling shortcut: a strided 1x1 convolution and a batch norm, added to a strided 3x3 path."""
+
+    def __init__(self, spatial: int = 2, stride: int | tuple[int, ...] = 2, groups: int = 1, bias: bool = False):
+        super().__init__()
+        conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[spatial - 1]
+        norm = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)[spatial - 1]
+        self.conv = conv(8, 16, 1, stride=stride, groups=groups, bias=bias)
+        self.norm = norm(16)
+        with torch.no_grad():  # running statistics that are not the identity
+            self.norm.running_mean.copy_(_randn(7, 16))
+            self.norm.running_var.copy_(_randn(8, 16).abs() + 0.5)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x)))
+
+
+CASES = {
+    "2d_stride2": (dict(spatial=2, stride=2), (8, 15, 14)),
+    "2d_stride_2x1_grouped_bias": (dict(spatial=2, stride=(2, 1), groups=2, bias=True), (8, 9, 7)),
+    "2d_stride3_odd": (dict(spatial=2, stride=3), (8, 10, 11)),
+    "1d_stride2": (dict(spatial=1, stride=2), (8, 13)),
+    "3d_stride_1x2x2": (dict(spatial=3, stride=(1, 2, 2)), (8, 3, 9, 10)),
+}
+
+
+def _check(name: str, dynamic: str | None) -> None:
+    kwargs, shape = CASES[name]
+    torch.manual_seed(0)
+    module = Shortcut(**kwargs).eval()
+    inputs = [(_randn(s, 2, *shape),) for s in (0, 1)]
+    if dynamic == "width":
+        inputs.append((_randn(2, 2, *shape[:2], shape[2] + 3),))
+    dims = {"batch": {0: Dim("batch", min=2, max=16)}, "width": {3: Dim("w", min=4, max=64)}}
+    ep = rt.export(module, *inputs[0], dynamic_shapes=(dims[dynamic],) if dynamic else None)
+    result = rt.apply_rules(ep, strided_pointwise_conv_as_slice)
+    rt.assert_fired(result, strided_pointwise_conv_as_slice, times=1)
+    convs = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.convolution.default]
+    assert len(convs) == 1 and all(s == 1 for s in convs[0].args[3]), "the convolution is left unstrided"
+    stride = kwargs["stride"]
+    steps = [stride] * kwargs["spatial"] if isinstance(stride, int) else list(stride)
+    slices = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.slice.Tensor]
+    assert sorted((n.args[1], n.args[4]) for n in slices) == [(d + 2, s) for d, s in enumerate(steps) if s != 1]
+    rt.assert_ops(result, absent=[aten.conv1d.default, aten.conv2d.default, aten.conv3d.default])
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
+    rt.assert_idempotent(result, strided_pointwise_conv_as_slice)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dynamic", [None, "batch"], ids=["static", "dim"])
+def test_strided_pointwise_conv_as_slice(name, dynamic):
+    _check(name, dynamic)
+
+
+def test_strided_pointwise_declines_a_dim_along_a_strided_dim():
+    """The slice's length and the convolution's are equal expressions the engine cannot prove equal: declined."""
+    module = Shortcut(spatial=2, stride=3).eval()
+    ep = rt.export(module, _randn(0, 2, 8, 10, 11), dynamic_shapes=({2: Dim("h", min=4, max=64)},))
+    rt.assert_not_fired(rt.apply_rules(ep, strided_pointwise_conv_as_slice), strided_pointwise_conv_as_slice)
+
+
+def test_strided_pointwise_conv_with_a_dim_along_an_unstrided_dim():
+    _check("2d_stride_2x1_grouped_bias", "width")
+
+
+def test_strided_pointwise_declines_other_convolutions():
+    convs = (
+        torch.nn.Conv2d(8, 16, 1),  # no stride
+        torch.nn.Conv2d(8, 16, 3, stride=2),  # not pointwise
+        torch.nn.Conv2d(8, 16, 1, stride=2, padding=1),  # the padded border would be read
+        torch.nn.ConvTranspose2d(8, 16, 1, stride=2),
+    )
+    for conv in convs:
+        ep = rt.export(conv.eval(), _randn(0, 1, 8, 12, 12))
+        rt.assert_not_fired(rt.apply_rules(ep, strided_pointwise_conv_as_slice), strided_pointwise_conv_as_slice)
+
+
+@pytest.mark.parametrize("name", ["2d_stride2", "2d_stride_2x1_grouped_bias", "3d_stride_1x2x2"])
+def test_strided_pointwise_on_iree(name):
+    """The default `iree` backend (llvm-cpu, its performance phase on): the rule fires, IREE matches eager."""
+    kwargs, shape = CASES[name]
+    torch.manual_seed(0)
+    module = Shortcut(**kwargs).eval()
+    inputs = [(_randn(s, 2, *shape),) for s in (0, 1)]
+    iree = backends.get("iree")
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, strided_pointwise_conv_as_slice)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-5, atol=1e-5)
