@@ -21,9 +21,9 @@ on every model it fires on (docs/performance.md has the table).
 - `conv1d_as_matmul`: llvm-cpu. A 1-D convolution (Whisper's audio stem)
   is shifted row slices side by side and one matmul; IREE's 1-D convolution
   runs at 1 to 2 GFLOP/s.
-- `strided_pointwise_conv_as_slice` (conv_performance.py): llvm-cpu. A
-  strided 1x1 convolution (ResNet's shortcuts) is a strided slice and an
-  unstrided 1x1 convolution: ResNet-50 1.76x eager -> 0.79x.
+- conv_performance.py: llvm-cpu. Strided 1x1, 3-D, depthwise and grouped
+  convolutions, which IREE 3.13 lowers 3-12x slower than eager, in forms it
+  runs well (ResNet-50 1.76x eager -> 0.79x).
 
 GPU targets get no performance rule until one is measured there
 (docs/performance.md, the GPU section). Vulkan needs attention written out
@@ -41,7 +41,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
-from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
+from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
@@ -382,7 +382,7 @@ ALL = RuleSet(
         softmax_as_exp_times_reciprocal,
         patch_conv_as_matmul,
         conv1d_as_matmul,
-        strided_pointwise_conv_as_slice,
+        *conv.RULES,
     ],
     name="iree-performance",
 )
