@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py                  # the decoder at 0.1B and 0.3B
     python benchmarks/scale.py --sizes 0.3b,1b  # and the 1B of issue 25 (about 9 GB of memory)
+    python benchmarks/scale.py --cnn            # the CNN row: ResNet-50 (benchmarks/scale_cnn.py)
 
 Each size runs in a child process of its own (one at a time), so its peak
 memory is its own: `python peak` is the child's peak RSS (VmHWM), `iree-compile
@@ -255,6 +256,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cnn_row(rounds: int) -> int:
+    """The CNN row (ResNet-50 through the export route, benchmarks/scale_cnn.py) in a child process of its own."""
+    env = {**os.environ, "FX_REWRITES_IREE_CACHE": "off"}  # every step from scratch
+    script = Path(__file__).resolve().parent / "scale_cnn.py"
+    return subprocess.run(
+        [sys.executable, str(script), "--rounds", str(rounds), "--before"], env=env, cwd=ROOT
+    ).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.1b,0.3b")
@@ -262,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--reload", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--cnn", action="store_true", help="the CNN row instead: ResNet-50, export route")
+    parser.add_argument("--cnn-rounds", type=int, default=11, help="interleaved rounds of the CNN row")
     args = parser.parse_args(argv)
+    if args.cnn:
+        return cnn_row(args.cnn_rounds)
     if args.reload:
         reload(Path(args.reload))
         return 0

@@ -1,0 +1,174 @@
+"""One op per class (convolutions and a linear) through the export route against eager and Inductor (issue 25).
+
+    python benchmarks/conv_classes.py                     # every class, 11 rounds
+    python benchmarks/conv_classes.py --cases depthwise,conv3d --rounds 21
+    python benchmarks/conv_classes.py --models            # torchvision models holding those classes
+
+Per case, in one process, on the same input: torch eager, Inductor
+(`torch.compile`, default mode), the export route
+(`fx_rewrites.apply(ep, iree.rules)` then `IreeBackend(driver="local-sync")
+.compile`, weights of 64 KiB or more as IREE parameters) and the export
+route without the convolution performance rules
+(`backends/iree/rules/conv_performance.py`: "before"). One thread each
+(`torch.set_num_threads(1)`, IREE local-sync), CPU time of the process
+(`time.process_time`), the variants called in turn round after round;
+medians with the fastest and slowest round. Each output is compared with
+eager's (rtol 1e-4, atol 1e-5), and the rules that fired are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _conv(cls: type, cin: int, cout: int, k: int, shape: tuple[int, ...], **kw: Any) -> Callable[[], Any]:
+    return lambda: (cls(cin, cout, k, **kw), torch.randn(shape, generator=torch.Generator().manual_seed(1)))
+
+
+#: name -> a module and its input (ResNet-50's shapes where it has the class)
+CASES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
+    "conv2d 3x3 64->64, 56x56": _conv(torch.nn.Conv2d, 64, 64, 3, (1, 64, 56, 56), padding=1),
+    "conv2d 1x1 256->64, 56x56": _conv(torch.nn.Conv2d, 256, 64, 1, (1, 256, 56, 56)),
+    "strided conv2d 3x3/2 128->128, 56x56": _conv(torch.nn.Conv2d, 128, 128, 3, (1, 128, 56, 56), padding=1, stride=2),
+    "strided conv2d 1x1/2 256->512, 56x56": _conv(torch.nn.Conv2d, 256, 512, 1, (1, 256, 56, 56), stride=2),
+    "depthwise conv2d 3x3 64, 56x56": _conv(torch.nn.Conv2d, 64, 64, 3, (1, 64, 56, 56), padding=1, groups=64),
+    "grouped conv2d 3x3 64->64 g8, 56x56": _conv(torch.nn.Conv2d, 64, 64, 3, (1, 64, 56, 56), padding=1, groups=8),
+    "conv3d 3x3x3 32->32, 8x28x28": _conv(torch.nn.Conv3d, 32, 32, 3, (1, 32, 8, 28, 28), padding=1),
+    "grouped conv2d 3x3 128->128 g32, 56x56": _conv(
+        torch.nn.Conv2d, 128, 128, 3, (1, 128, 56, 56), padding=1, groups=32
+    ),
+    "linear 1024->1024, 128 rows": lambda: (
+        torch.nn.Linear(1024, 1024),
+        torch.randn(128, 1024, generator=torch.Generator().manual_seed(1)),
+    ),
+}
+
+
+def _torchvision(name: str, shape: tuple[int, ...]) -> Callable[[], tuple[torch.nn.Module, torch.Tensor]]:
+    def make() -> tuple[torch.nn.Module, torch.Tensor]:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.zoo import torchvision_cpu
+
+        torchvision_cpu.install()  # PyPI's torchvision is a CUDA build
+        import torchvision
+
+        torch.manual_seed(0)
+        builder = getattr(torchvision.models.video, name, None) or getattr(torchvision.models, name)
+        return builder(weights=None), torch.randn(shape, generator=torch.Generator().manual_seed(1))
+
+    return make
+
+
+#: whole torchvision models (seeded random weights) that hold the classes the convolution rules take
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
+    "r3d_18 (3-D), 1x3x8x112x112": _torchvision("r3d_18", (1, 3, 8, 112, 112)),
+    "mobilenet_v2 (depthwise 3x3), 1x3x224x224": _torchvision("mobilenet_v2", (1, 3, 224, 224)),
+    "convnext_tiny (depthwise 7x7), 1x3x224x224": _torchvision("convnext_tiny", (1, 3, 224, 224)),
+    "resnext50_32x4d (grouped, 32 groups), 1x3x224x224": _torchvision("resnext50_32x4d", (1, 3, 224, 224)),
+}
+
+
+def measure(make: Callable[[], Any], rounds: int, inductor: bool) -> dict[str, Any]:
+    from scale_cnn import _before
+
+    import fx_rewrites
+    from fx_rewrites import backends
+    from fx_rewrites.backends.iree import CompileCache, IreeBackend
+
+    torch.manual_seed(0)
+    model, x = make()
+    model = model.eval()
+    iree = backends.get("iree")
+    backend = IreeBackend(name=iree.name, driver="local-sync", cache=CompileCache())
+    fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(x)}
+    fired: set[str] = set()
+    with torch.no_grad():
+        expected = model(x)
+        if inductor:
+            torch._dynamo.reset()
+            ind = torch.compile(model)
+            ind(x)
+            fns["Inductor"] = lambda: ind(x)
+        for label, b in (("export route", backend), ("before", _before(backend))):
+            result = fx_rewrites.apply(torch.export.export(model, (x,)), b.rules)
+            fired |= {k for k, v in result.report.rewrites.items() if v}
+            fn = b.compile(result.program, (x,))
+            fns[label] = lambda fn=fn: fn(x)
+        diffs = {}
+        for label, fn in fns.items():
+            got = fn()
+            diffs[label] = (got - expected).abs().max().item()
+            if not torch.allclose(got, expected, rtol=RTOL, atol=ATOL):
+                print(f"  {label}: not close to eager (max |diff| {diffs[label]:.2e})")
+        times: dict[str, list[float]] = {label: [] for label in fns}
+        for _ in range(rounds):
+            for label, fn in fns.items():
+                start = time.process_time()
+                fn()
+                times[label].append((time.process_time() - start) * 1e3)
+    torch._dynamo.reset()
+    ms = {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+    return {"ms": ms, "diffs": diffs, "fired": sorted(fired)}
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    labels = list(next(iter(rows.values()))["ms"])
+    lines = [
+        "| op | " + " | ".join(f"{label} ms" for label in labels) + " | route / eager | route / before | rules |",
+        "|---|" + "---:|" * (len(labels) + 2) + "---|",
+    ]
+    for name, row in rows.items():
+        ms = row["ms"]
+        cells = " | ".join(f"{ms[k][0]:.2f} ({ms[k][1]:.2f}-{ms[k][2]:.2f})" for k in labels)
+        route, eager, before = ms["export route"][0], ms["eager"][0], ms["before"][0]
+        rules = ", ".join(f for f in row["fired"] if f in PERFORMANCE) or "-"
+        lines.append(f"| {name} | {cells} | {route / eager:.2f} | {route / before:.2f} | {rules} |")
+    return "\n".join(lines)
+
+
+PERFORMANCE: set[str] = set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scale import cpu_model
+
+    from fx_rewrites.backends.iree.rules import performance
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="", help="comma-separated substrings of the case names")
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
+    parser.add_argument("--no-inductor", dest="inductor", action="store_false")
+    args = parser.parse_args(argv)
+    PERFORMANCE.update(performance.ALL.names())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    wanted = [c for c in args.cases.split(",") if c]
+    pool = MODELS if args.models else CASES
+    chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
+    print(f"{cpu_model()}; torch {torch.__version__}; one thread each, CPU time, {args.rounds} interleaved rounds")
+    rows = {}
+    try:
+        for name, make in chosen.items():
+            rows[name] = measure(make, args.rounds, args.inductor)
+            print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
