@@ -125,6 +125,12 @@ def _window(rw: Rewriter, x: Node, dim: int, start: int, count: int, step: int) 
 # ----------------------------------------------------------------------------- 3-D as 2-D over frames
 
 
+def _frames_read(tap: int, time: int, frames: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """The first and last output frame whose `tap` reads an input frame, not the padding (first > last: none)."""
+    first = max(0, -(-(padding - tap * dilation) // stride))
+    return first, min(frames - 1, (time - 1 + padding - tap * dilation) // stride)
+
+
 def _conv3d(node: Node) -> dict[str, Any] | Miss:
     c = _conv(node)
     if isinstance(c, Miss):
@@ -134,11 +140,14 @@ def _conv3d(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    frames = _out_size(
-        _val(c["input"]).shape[2], _val(c["weight"]).shape[2], c["stride"][0], c["padding"][0], c["dilation"][0]
-    )
+    time, taps = _val(c["input"]).shape[2], _val(c["weight"]).shape[2]
+    (st, _, _), (pt, _, _), (dt, _, _) = c["stride"], c["padding"], c["dilation"]
+    frames = _out_size(time, taps, st, pt, dt)
     if frames < 1:
         return Miss("no output frame")
+    reads = [_frames_read(i, time, frames, st, pt, dt) for i in range(taps)]
+    if all(first > last for first, last in reads):
+        return Miss("every tap reads the time padding only")
     return c
 
 
@@ -156,24 +165,39 @@ def _conv3d(node: Node) -> dict[str, Any] | Miss:
 )
 def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     x, w = c["input"], c["weight"]
-    _, channels, time, _, _ = _val(x).shape
+    _, channels, time, height, width = _val(x).shape
     out_channels, _, taps, _, _ = _val(w).shape
     (st, *stride), (pt, *padding), (dt, *dilation) = c["stride"], c["padding"], c["dilation"]
     frames = _out_size(time, taps, st, pt, dt)
-    if pt:
-        x = rw.call(aten.constant_pad_nd.default, x, [0, 0, 0, 0, pt, pt], 0.0)
     x = rw.call(aten.permute.default, x, [0, 2, 1, 3, 4])  # [N, T, C, H, W]: a frame is a batch row
     total = None
     for i in range(taps):
-        frame = rw.call(aten.reshape.default, _window(rw, x, 1, i * dt, frames, st), [-1, channels, *_val(x).shape[3:]])
+        # output frame t reads input frame t * st + i * dt - pt: only the frames inside the input are computed
+        # (no convolution of the time padding's zeros), the others are zeros padded onto the tap's result
+        first, last = _frames_read(i, time, frames, st, pt, dt)
+        if first > last:
+            continue
+        count = last - first + 1
+        window = _window(rw, x, 1, first * st + i * dt - pt, count, st)
         weight = rw.call(aten.select.int, w, 2, i)
-        bias = c["bias"] if i == 0 else None
         y = rw.call(
-            aten.convolution.default, frame, weight, bias, stride, padding, dilation, False, [0, 0], c["groups"]
+            aten.convolution.default,
+            rw.call(aten.reshape.default, window, [-1, channels, height, width]),
+            weight,
+            None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0, 0],
+            c["groups"],
         )
+        y = rw.call(aten.reshape.default, y, [-1, count, out_channels, *_val(y).shape[2:]])
+        if count != frames:
+            y = rw.call(aten.constant_pad_nd.default, y, [0, 0, 0, 0, 0, 0, first, frames - 1 - last], 0.0)
         total = y if total is None else rw.call(aten.add.Tensor, total, y)
-    height, width = _val(total).shape[2:]
-    total = rw.call(aten.reshape.default, total, [-1, frames, out_channels, height, width])
+    if c["bias"] is not None:
+        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, c["bias"], [out_channels, 1, 1]))
     rw.replace(node, rw.call(aten.permute.default, total, [0, 2, 1, 3, 4]))
 
 

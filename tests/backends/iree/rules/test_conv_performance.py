@@ -156,6 +156,13 @@ MORE = {
         3,
         (4, 7, 6, 9),
     ),
+    "conv3d_one_frame_pad1": (  # r3d's last stage: two of the three taps read only the time padding
+        conv3d_as_conv2d_over_frames,
+        lambda: torch.nn.Conv3d(4, 6, 3, padding=1),
+        6,
+        3,
+        (4, 1, 5, 5),
+    ),
     "conv3d_grouped": (
         conv3d_as_conv2d_over_frames,
         lambda: torch.nn.Conv3d(4, 6, (2, 3, 3), padding=(0, 1, 1), groups=2),
@@ -218,8 +225,9 @@ def test_conv_class_rules(name, dynamic):
     rt.assert_fired(result, rule, times=1)
     convs = [n for n in rt.graph_module(result).graph.nodes if n.target in CONVS]
     weights = [n.args[1].meta["val"] for n in convs]
-    if rule is conv3d_as_conv2d_over_frames:  # one 2-D convolution per kernel frame
-        assert len(convs) == module.conv.kernel_size[0] and all(w.dim() == 4 for w in weights)
+    if rule is conv3d_as_conv2d_over_frames:  # a 2-D convolution per kernel frame that reads the input
+        assert len(convs) == (1 if name == "conv3d_one_frame_pad1" else module.conv.kernel_size[0])
+        assert all(w.dim() == 4 for w in weights)
     elif rule is depthwise_conv_as_taps:  # no convolution left: multiply-adds
         assert not convs
         assert sum(n.target == aten.mul.Tensor for n in rt.graph_module(result).graph.nodes) >= 9
@@ -232,6 +240,7 @@ def test_conv_class_rules(name, dynamic):
 def test_conv_class_rules_decline():
     cases = [
         (conv3d_as_conv2d_over_frames, torch.nn.Conv2d(4, 4, 3), (1, 4, 8, 8)),
+        (conv3d_as_conv2d_over_frames, torch.nn.Conv3d(4, 4, 1, stride=2, padding=(1, 0, 0)), (1, 4, 1, 4, 4)),
         (depthwise_conv_as_taps, torch.nn.Conv2d(4, 8, 3, groups=4), (1, 4, 8, 8)),  # a channel multiplier
         (depthwise_conv_as_taps, torch.nn.Conv1d(4, 4, 3, groups=4), (1, 4, 8)),
         (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, 9, groups=4), (1, 4, 12, 12)),  # 81 taps
