@@ -25,10 +25,10 @@ def modules():
 
 def test_conv_classes_one_op(modules, capsys):
     conv_classes, _ = modules
-    assert conv_classes.main(["--cases", "depthwise", "--rounds", "1", "--no-inductor"]) == 0
+    assert conv_classes.main(["--cases", "g8", "--rounds", "1", "--no-inductor"]) == 0
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("| depthwise"))
-    assert "depthwise_conv_as_taps" in row and "not close" not in out, out
+    row = next(line for line in out.splitlines() if line.startswith("| grouped"))
+    assert "grouped_conv_as_convs" in row and "not close" not in out, out
 
 
 def test_scale_cnn_table(modules):

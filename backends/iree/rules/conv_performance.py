@@ -11,7 +11,8 @@
   3-D convolution: 9x eager; its 2-D ones run at eager's speed).
 - `depthwise_conv_as_taps`: a depthwise 2-D convolution as a sum of
   shifted windows times per-channel weights, one fused element-wise
-  dispatch (IREE's depthwise convolution: 3.6x eager).
+  dispatch (IREE's depthwise convolution: 3.6x eager). Not on by default:
+  faster alone, slower in MobileNetV2 (33.5 ms against 23.7).
 - `grouped_conv_as_convs`: a grouped convolution as one convolution per
   group, concatenated (IREE's grouped convolution: 12x eager).
 
@@ -303,7 +304,9 @@ def grouped_conv_as_convs(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     rw.replace(node, rw.call(aten.cat.default, outs, 1))
 
 
-#: the rules of this module, in the llvm-cpu performance phase (performance.ALL)
-RULES = (strided_pointwise_conv_as_slice, conv3d_as_conv2d_over_frames, depthwise_conv_as_taps, grouped_conv_as_convs)
+#: the rules of this module in the llvm-cpu performance phase (performance.ALL). Not `depthwise_conv_as_taps`:
+#: 2.5x faster on one depthwise convolution, but MobileNetV2 ran 33.5 ms with it against 23.7 without (eager 26.1;
+#: one thread, CPU time, 9 interleaved rounds), so it is not a gain on every model it touches
+RULES = (strided_pointwise_conv_as_slice, conv3d_as_conv2d_over_frames, grouped_conv_as_convs)
 #: their names (benchmarks/scale_cnn.py measures the route without them)
 NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
