@@ -162,6 +162,7 @@ class IreeBackend:
             if self.state == "module":  # mutated buffers: mutable globals in the module
                 plan, state = lift_state(program, plan)
             graph_module = program.graph_module
+            frozen: dict[str, torch.Tensor] = {}
             limit = inline_limit()
             inline = sum(nbytes(t) for t in _state_tensors(prepared) if not is_parameter(t, limit))
         elif isinstance(program, GraphModule):
@@ -169,7 +170,8 @@ class IreeBackend:
             graph_module = program
             limit = inline_limit()
             # frozen weights (get_attr tensors) of the limit or more are parameters too (`attribute_hooks`)
-            inline = sum(nbytes(t) for t in attribute_tensors(prepared).values() if not is_parameter(t, limit))
+            frozen = attribute_tensors(prepared)
+            inline = sum(nbytes(t) for t in frozen.values() if not is_parameter(t, limit))
         else:
             raise TypeError(
                 "the IREE backend compiles a torch.export.ExportedProgram or a torch.fx.GraphModule, "
@@ -209,7 +211,8 @@ class IreeBackend:
             self.target.name,
             flags,
             entries.get(UNSUPPORTED_KEY, ""),
-            parameters=dict(hooks.tensors) if hooks is not None else None,
+            # None: a graph that reads no frozen tensor takes its weights as inputs (torch.compile's unfrozen graphs)
+            parameters=None if isinstance(program, GraphModule) and not frozen else dict(hooks.tensors),
             graph_module=graph_module,
         )
 
