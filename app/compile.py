@@ -157,14 +157,19 @@ def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None 
     read: no pickle, no Python from the file. `params` is the parameter
     archive it was saved with (default: PATH with the suffix .irpa);
     `driver` overrides the IREE driver it was compiled for ("local-task"). A module from
-    `fx_rewrites.compile_lm` comes back as a `CompiledLM` (`generate`)."""
+    `fx_rewrites.compile_lm` comes back as a `CompiledLM` (`generate`), one of a size dispatch as a
+    `SizeDispatch` (the guard is data in its reflection, evaluated on each call's sizes)."""
+    from fx_rewrites.app.dispatch import is_dispatch, load_dispatch
     from fx_rewrites.app.lm import is_lm, load_lm
     from fx_rewrites.backends.iree.runtime import function_reflections
     from fx_rewrites.backends.iree.runtime import load as load_iree
 
     path = Path(path)
-    if path.is_file() and is_lm(function_reflections(path)):  # fx_rewrites.compile_lm's: prefill and decode
+    reflections = function_reflections(path) if path.is_file() else {}
+    if is_lm(reflections):  # fx_rewrites.compile_lm's: prefill and decode
         return load_lm(path, params=params, driver=driver)
+    if is_dispatch(reflections):  # a size dispatch's: when_true and when_false, the guard as data
+        return load_dispatch(path, params=params, driver=driver)
     return load_iree(path, params=params, driver=driver)
 
 

@@ -14,6 +14,7 @@ more than element-wise work; where both branches are element-wise (cheap),
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -115,41 +116,167 @@ def specialise(program: ExportedProgram, found: SizeCond, value: bool) -> Export
     return result.program
 
 
+#: the `iree.reflection` entry of a dispatch module's `when_true` function: the guard as JSON data
+DISPATCH_KEY = "fx_rewrites.size_dispatch"
+FUNCTIONS = ("when_true", "when_false")
+_RELATIONS = {
+    sympy.Eq: "eq",
+    sympy.Ne: "ne",
+    sympy.Lt: "lt",
+    sympy.Le: "le",
+    sympy.Gt: "gt",
+    sympy.Ge: "ge",
+}
+_LOGIC = {sympy.And: "and", sympy.Or: "or", sympy.Not: "not", sympy.Add: "add", sympy.Mul: "mul"}
+_OPS: dict[str, Callable[..., Any]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "and": lambda *a: all(a),
+    "or": lambda *a: any(a),
+    "not": operator.not_,
+    "add": lambda *a: sum(a),
+    "mul": lambda *a: math.prod(a),
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+}
+
+
+class GuardError(ValueError):
+    """A size predicate outside the forms a saved dispatch carries as data."""
+
+
+def guard(expr: Any, sizes: dict[Any, tuple[int, int]]) -> Any:
+    """`expr` (a sympy predicate of size symbols) as JSON data: `["size", input, dim]`, `["int", n]` or
+    `[op, *operands]` with `op` a comparison, and/or/not, add/mul, floordiv/mod (GuardError otherwise)."""
+    if isinstance(expr, sympy.Symbol) and expr in sizes:
+        return ["size", *sizes[expr]]
+    if isinstance(expr, sympy.Integer):
+        return ["int", int(expr)]
+    if expr is sympy.true or expr is sympy.false:
+        return ["int", int(bool(expr))]
+    name = _RELATIONS.get(type(expr)) or _LOGIC.get(type(expr))
+    if name is None:
+        name = {"FloorDiv": "floordiv", "PythonMod": "mod", "Mod": "mod"}.get(type(expr).__name__)
+    if name is None:
+        raise GuardError(f"{expr} holds {type(expr).__name__}, which a saved size dispatch cannot carry")
+    return [name, *(guard(a, sizes) for a in expr.args)]
+
+
+def check_guard(tree: Any, source: str = "the guard") -> Any:
+    """`tree` if it is guard data (`guard`'s form), else GuardError naming `source`."""
+    ok = isinstance(tree, list) and tree and isinstance(tree[0], str)
+    if ok and tree[0] in ("size", "int"):
+        ok = len(tree) == (3 if tree[0] == "size" else 2) and all(type(v) is int for v in tree[1:])
+        ok = ok and (tree[0] == "int" or min(tree[1:]) >= 0)
+    elif ok and tree[0] in _OPS:
+        arity = 1 if tree[0] == "not" else 2 if tree[0] not in ("and", "or", "add", "mul") else len(tree) - 1
+        ok = len(tree) - 1 == arity >= 1 and all(check_guard(a, source) is not None for a in tree[1:])
+    else:
+        ok = False
+    if not ok:
+        raise GuardError(f"{source}: {str(tree)[:200]} is not a size guard. Fix: load a module saved by fx-rewrites")
+    return tree
+
+
+def evaluate(tree: Any, shapes: list[Any]) -> Any:
+    """The value of guard data `tree` for user inputs of `shapes` (no code is evaluated: data only)."""
+    head = tree[0]
+    if head == "size":
+        return int(shapes[tree[1]][tree[2]])
+    if head == "int":
+        return tree[1]
+    return _OPS[head](*(evaluate(a, shapes) for a in tree[1:]))
+
+
+@attrs.define(eq=False)
+class DispatchModule:
+    """The IREE module of a size dispatch: both sides as functions `when_true`/`when_false` (shared weights
+    and state), its `vmfb`, the `parameters` it reads (or the `archive` it was loaded with) and `embed`
+    (compiles it self-contained: () -> vmfb)."""
+
+    vmfb: bytes = attrs.field(repr=False)
+    parameters: Any = attrs.field(default=None, repr=False)
+    embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
+    archive: Any = None
+
+
 @attrs.define(eq=False)
 class SizeDispatch:
-    """Called like the program: evaluates the predicate on the call's sizes and runs one compiled side."""
+    """Called like the program: evaluates the predicate on the call's sizes and runs one compiled side.
 
-    found: SizeCond
+    `module` is the one IREE module holding both sides (None when the backend compiled two: then
+    `save` raises); `tree` the guard as data (`guard`), None when it cannot be carried (`why`)."""
+
+    found: SizeCond | None
     in_spec: Any = attrs.field(repr=False)
     when_true: Callable[..., Any] = attrs.field(repr=False)
     when_false: Callable[..., Any] = attrs.field(repr=False)
-    results: tuple[Result, Result] = attrs.field(repr=False)
+    results: tuple[Result, Result] | None = attrs.field(default=None, repr=False)
+    module: DispatchModule | None = attrs.field(default=None, repr=False)
+    tree: Any = None
+    #: the predicate as text (`s0 <= 16`) and the cond it came from, for messages
+    description: str = ""
 
     #: the predicate as a Python function of the sizes `where` names (sympy evaluation costs ~0.1 ms a call)
     predicate: Callable[..., bool] = attrs.field(init=False, repr=False)
     where: list[tuple[int, int]] = attrs.field(init=False, repr=False)
+    why: str = attrs.field(init=False, default="", repr=False)
 
     def __attrs_post_init__(self) -> None:
-        symbols = sorted(self.found.sizes, key=str)
-        self.predicate = sympy.lambdify(symbols, self.found.expr, modules="math")
-        self.where = [self.found.sizes[s] for s in symbols]
+        if self.found is not None:
+            self.description = self.description or f"cond {self.found.node!r}: {self.found.expr}"
+            try:
+                self.tree = guard(self.found.expr, self.found.sizes)
+            except GuardError as e:
+                self.why, self.tree = str(e), None
+        if self.tree is None:  # a form the data cannot hold: sympy's own evaluation
+            symbols = sorted(self.found.sizes, key=str)
+            self.predicate = sympy.lambdify(symbols, self.found.expr, modules="math")
+            self.where = [self.found.sizes[s] for s in symbols]
 
     def taken(self, *args: Any, **kwargs: Any) -> bool:
         """The predicate's value for a call with these arguments."""
         if kwargs or len(args) != self.in_spec.num_leaves or not all(isinstance(a, torch.Tensor) for a in args):
             args = fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec)  # else the args are the flat inputs
+        if self.tree is not None:
+            return bool(evaluate(self.tree, [getattr(a, "shape", ()) for a in args]))
         return bool(self.predicate(*(args[i].shape[d] for i, d in self.where)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return (self.when_true if self.taken(*args, **kwargs) else self.when_false)(*args, **kwargs)
 
     def save(self, path: Any, *, params: Any = None) -> None:
-        from fx_rewrites.backends.iree.artifact import ArtifactError
+        """Write the one module (functions `when_true`, `when_false`; the guard in `when_true`'s reflection)
+        to `path`, as `IreeCompiled.save` does (`params`: the weights and initial state to that .irpa)."""
+        from fx_rewrites.backends.iree.artifact import ArtifactError, save
 
-        raise ArtifactError(
-            f"this program dispatches on the sizes of a call (cond {self.found.node!r}: {self.found.expr}), "
-            "compiled as two modules; saving both is not supported yet. Fix: export each side with static "
-            "sizes (or a Dim range on one side of the threshold) and save each."
+        if self.module is None:
+            raise ArtifactError(
+                f"this program dispatches on the sizes of a call ({self.description}), compiled as two modules "
+                "(a backend other than IREE, or IreeBackend(state='host')); saving both is not supported. Fix: export "
+                "each side with static sizes (or a Dim range on one side of the threshold) and save each, or compile "
+                "with backend='iree' (state in the module), whose one module saves."
+            )
+        if self.tree is None:
+            raise ArtifactError(
+                f"this program dispatches on the sizes of a call ({self.description}): {self.why}. Fix: write the "
+                "predicate with comparisons, +, *, // and % of sizes and integers, or export each side with "
+                "static sizes (or a Dim range on one side of the threshold) and save each."
+            )
+        unsupported = getattr(self.when_true, "unsupported", "") or getattr(self.when_false, "unsupported", "")
+        m = self.module
+        save(
+            m.vmfb,
+            path,
+            unsupported=unsupported,
+            params=params,
+            parameters=m.parameters,
+            embed=m.embed,
+            archive=m.archive,
         )
 
 
@@ -158,15 +285,98 @@ def _writes_state(program: ExportedProgram) -> bool:
     return any(s.kind in kinds for s in program.graph_signature.output_specs)
 
 
+def _one_module(target: Any) -> bool:
+    """Whether `target` compiles both sides into one module (an IREE backend keeping state in the module)."""
+    try:
+        from fx_rewrites.backends.iree.backend import IreeBackend
+    except ImportError:  # pragma: no cover - the IREE packages are absent
+        return False
+    return isinstance(target, IreeBackend) and target.state == "module"
+
+
+def _compile_one_module(target: Any, found: SizeCond, results: tuple[Result, Result], in_spec: Any) -> SizeDispatch:
+    """Both sides as the functions of one module: weights declared once, the state one global each."""
+    import functools
+    import json
+
+    from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
+    from fx_rewrites.backends.iree.functions import compile_functions, embedded
+    from fx_rewrites.backends.iree.runtime import IreeCompiled
+
+    dispatch = SizeDispatch(found, in_spec, None, None, results)
+    doc = {"cond": found.node, "expr": str(found.expr), "guard": dispatch.tree}
+    extra = {"when_true": {DISPATCH_KEY: json.dumps(doc)}} if dispatch.tree is not None else {}
+    functions = compile_functions(target, dict(zip(FUNCTIONS, (r.program for r in results))), extra=extra)
+    bound = target.load_module(functions.vmfb, functions.parameters)
+    for name in FUNCTIONS:
+        why = reflection(functions.plans[name], target.driver).get(UNSUPPORTED_KEY, "")
+        call = IreeCompiled(
+            functions.plans[name],
+            bound[name],
+            functions.mlir,
+            functions.vmfb,
+            functions.key,
+            functions.from_cache,
+            why,
+            parameters=functions.parameters,
+        )
+        setattr(dispatch, name, call)
+    gm = results[0].program.graph_module
+    embed = functools.partial(embedded, target, functions, gm) if functions.parameters else None
+    dispatch.module = DispatchModule(functions.vmfb, functions.parameters, embed)
+    return dispatch
+
+
 def compile_dispatch(program: ExportedProgram, found: SizeCond, target: Any, args: tuple[Any, ...]) -> SizeDispatch:
-    """Both sides of `found` through `target`'s rules and compiler."""
+    """Both sides of `found` through `target`'s rules and compiler: for IREE (state in the module) one module
+    with a function per side (`compile_functions`), else a compiled program per side."""
     results = tuple(apply(specialise(program, found, value), target.rules) for value in (True, False))
     for result in results:
         result.report.warn_unless_converged(target.name)
+    if _one_module(target):
+        return _compile_one_module(target, found, results, program.call_spec.in_spec)
     if getattr(target, "state", None) == "module" and any(_writes_state(r.program) for r in results):
         target = attrs.evolve(target, state="host")  # both sides read and write the one state: the program's
     runtimes = [target.compile(result.program, args) for result in results]
     return SizeDispatch(found, program.call_spec.in_spec, runtimes[0], runtimes[1], results)
 
 
-__all__ = ["SizeCond", "SizeDispatch", "compile_dispatch", "size_conds", "specialise"]
+def is_dispatch(reflections: dict[str, dict[str, str]]) -> bool:
+    """Whether a module's function reflections (`runtime.function_reflections`) are a size dispatch's."""
+    return DISPATCH_KEY in reflections.get("when_true", {}) and "when_false" in reflections
+
+
+def load_dispatch(path: Any, *, params: Any = None, driver: str | None = None) -> SizeDispatch:
+    """A `SizeDispatch` saved with `.save(path)` (its weights from `params`, default the .irpa beside it)."""
+    import json
+
+    from fx_rewrites.backends.iree.artifact import ArtifactError
+    from fx_rewrites.backends.iree.runtime import function_reflections, load_functions
+
+    try:
+        doc = json.loads(function_reflections(path)["when_true"][DISPATCH_KEY])
+        tree = check_guard(doc["guard"], f"{path}'s size dispatch")
+        description = f"cond {doc['cond']!r}: {doc['expr']}"
+    except (ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{path}: its size dispatch entry is malformed ({e}). Fix: save it again") from e
+    calls = load_functions(path, FUNCTIONS, params=params, driver=driver)
+    true, false = calls["when_true"], calls["when_false"]
+    module = DispatchModule(true.vmfb, archive=true.archive)
+    return SizeDispatch(None, true.plan.in_spec, true, false, None, module, tree, description)
+
+
+__all__ = [
+    "DISPATCH_KEY",
+    "DispatchModule",
+    "GuardError",
+    "SizeCond",
+    "SizeDispatch",
+    "check_guard",
+    "compile_dispatch",
+    "evaluate",
+    "guard",
+    "is_dispatch",
+    "load_dispatch",
+    "size_conds",
+    "specialise",
+]

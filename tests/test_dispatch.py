@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+
 import pytest
 import torch
 from torch.export import Dim
 
 import fx_rewrites
-from fx_rewrites.app.dispatch import SizeDispatch, size_conds
+from fx_rewrites.app.dispatch import DISPATCH_KEY, GuardError, SizeDispatch, check_guard, evaluate, size_conds
 from fx_rewrites.backends.iree.artifact import ArtifactError
+from fx_rewrites.backends.iree.backend import IreeBackend
+from fx_rewrites.backends.iree.runtime import function_reflections
 
 aten = torch.ops.aten
 
@@ -96,3 +102,101 @@ def test_saving_a_dispatched_program_names_why_not():
     compiled = fx_rewrites.compile(SizeDispatched(), (_x(8),), dynamic_shapes=SEQ, backend="eager")
     with pytest.raises(ArtifactError, match=r"dispatches on the sizes of a call .* Fix: export each side"):
         compiled.save("never.vmfb")
+
+
+class RunningDispatched(torch.nn.Module):
+    """A buffer both sides read, updated on every call: the sides must share it across calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.w = torch.nn.Parameter(torch.randn(32, 32, generator=g) / 6)
+        self.register_buffer("total", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.mean((0, 1)))
+
+        def short(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ self.w + t)
+
+        def long(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            y = x
+            for _ in range(3):
+                y = torch.tanh(y @ self.w) + y + t
+            return y
+
+        return torch.cond(x.shape[1] <= 16, short, long, (x, self.total))
+
+
+ALTERNATING = ((4, True), (30, False), (16, True), (17, False), (2, True), (64, False))
+
+
+def _same_sequence_as_eager(run, eager: torch.nn.Module) -> None:
+    for n, side in ALTERNATING:
+        x = _x(n, seed=100 + n) + 1  # a mean far from 0: the state moves the result
+        assert run.taken(x) is side, n
+        torch.testing.assert_close(run(x), eager(x), rtol=1e-5, atol=1e-5)
+
+
+def test_both_sides_are_two_functions_of_one_module_sharing_the_state():
+    model = RunningDispatched()
+    eager = copy.deepcopy(model)
+    runtime = fx_rewrites.compile(model, (_x(8),), dynamic_shapes=SEQ).runtime
+    assert isinstance(runtime, SizeDispatch) and runtime.module is not None
+    assert runtime.when_true.vmfb is runtime.when_false.vmfb  # one module
+    mlir = runtime.when_true.mlir
+    assert "func.func @when_true(" in mlir and "func.func @when_false(" in mlir
+    assert len(re.findall(r"util\.global private mutable @__state_total\b", mlir)) == 1  # one global, both read it
+    assert runtime.tree == ["le", ["size", 0, 1], ["int", 16]]
+    _same_sequence_as_eager(runtime, eager)
+    torch.testing.assert_close(model.total, torch.zeros(32))  # the compiled module keeps its own state
+
+
+@pytest.mark.parametrize("params", [True, False], ids=["irpa", "self-contained"])
+def test_a_dispatch_saves_and_loads_with_its_guard(tmp_path, params):
+    model = RunningDispatched()
+    eager = copy.deepcopy(model)
+    compiled = fx_rewrites.compile(model, (_x(8),), dynamic_shapes=SEQ)
+    compiled(_x(20))  # a run moves the module's state; the file holds the initial one
+    path = tmp_path / "dispatch.vmfb"
+    compiled.save(path, params=tmp_path / "w.irpa" if params else None)
+    reflections = function_reflections(path)
+    assert {"when_true", "when_false"} <= reflections.keys() and "main" not in reflections
+    assert json.loads(reflections["when_true"][DISPATCH_KEY])["guard"] == ["le", ["size", 0, 1], ["int", 16]]
+    loaded = fx_rewrites.load(path, params=tmp_path / "w.irpa" if params else None)
+    assert isinstance(loaded, SizeDispatch) and loaded.found is None
+    _same_sequence_as_eager(loaded, eager)
+
+
+def test_guard_data_is_checked_and_evaluated_without_code():
+    assert evaluate(
+        ["and", ["le", ["size", 0, 1], ["int", 16]], ["eq", ["mod", ["size", 1, 0], ["int", 2]], ["int", 0]]],
+        [(2, 16), (4,)],
+    )
+    assert not evaluate(["le", ["add", ["size", 0, 1], ["int", 1]], ["int", 16]], [(2, 16)])
+    for bad in (["call", "os.system"], ["size", 0], ["int", "1"], "x <= 16", ["le", ["size", 0, 1]], ["size", -1, 0]):
+        with pytest.raises(GuardError, match="is not a size guard"):
+            check_guard(bad)
+
+
+class MaxDispatched(SizeDispatched):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(
+            max(x.shape[0], x.shape[1]) <= 16, lambda x: torch.relu(x @ self.w), lambda x: torch.tanh(x @ self.w), (x,)
+        )
+
+
+def test_a_guard_the_data_cannot_hold_still_runs_and_names_why_it_cannot_be_saved(tmp_path):
+    model = MaxDispatched()
+    shapes = ({0: Dim("b", min=2, max=64), 1: Dim("n", min=2, max=64)},)
+    compiled = fx_rewrites.compile(model, (_x(8),), dynamic_shapes=shapes)
+    assert compiled.runtime.tree is None
+    for n in (4, 40):
+        torch.testing.assert_close(compiled(_x(n)), model(_x(n)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(
+        ArtifactError, match=r"Max, which a saved size dispatch cannot carry\. Fix: write the predicate"
+    ):
+        compiled.save(tmp_path / "never.vmfb")
+    host = fx_rewrites.compile(SizeDispatched(), (_x(8),), dynamic_shapes=SEQ, backend=IreeBackend(state="host"))
+    with pytest.raises(ArtifactError, match=r"compiled as two modules .*IreeBackend\(state='host'\)"):
+        host.save(tmp_path / "never.vmfb")

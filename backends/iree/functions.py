@@ -23,12 +23,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from fx_rewrites.backends.convention import Plan
-from fx_rewrites.backends.iree import wrong_forms
-from fx_rewrites.backends.iree.artifact import reflection
+from fx_rewrites.backends.iree import memory, wrong_forms
+from fx_rewrites.backends.iree.artifact import CALL_KEY, reflection
 from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
-from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
+from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
 
 _STATE_OUT = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
@@ -154,4 +154,27 @@ def compile_functions(
     return IreeFunctions(plans, mlir, vmfb, key, cached, dict(hooks.tensors), keys)
 
 
-__all__ = ["IreeFunctions", "IreeUnsupportedError", "compile_functions", "import_functions"]
+def embedded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> bytes:
+    """`functions`' module compiled again by `backend` with its parameters inline, each function's call
+    convention saying it reads none: a self-contained .vmfb (a save without `params=`). `graph_module`
+    names nodes in a compile error."""
+    weights = sum(nbytes(t) for t in functions.parameters.values())
+    memory.check(
+        "iree-compile",
+        f"a self-contained .vmfb with {weights / 1e6:.0f} MB of weights inside",
+        memory.compile_estimate(weights),
+        "save the weights beside it: save('model.vmfb', params='model.irpa')",
+    )
+    iree = iree_modules()
+    context = iree.compiler.ir.Context()
+    mlir = functions.mlir
+    for plan in functions.plans.values():  # one replacement each: equal conventions are replaced in turn
+        before = reflection(plan, backend.driver, parameters=True)
+        if CALL_KEY in before:
+            after = reflection(plan, backend.driver, parameters=False)
+            old, new = (str(iree.compiler.ir.StringAttr.get(e[CALL_KEY], context=context)) for e in (before, after))
+            mlir = mlir.replace(old, new, 1)
+    return backend._compile_mlir(iree, embed_parameters(mlir, functions.parameters), graph_module)
+
+
+__all__ = ["IreeFunctions", "IreeUnsupportedError", "compile_functions", "embedded", "import_functions"]
