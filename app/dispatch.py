@@ -10,6 +10,12 @@ recorded (`Eq(s0, 3)`, `s0 <= 512`), evaluated on the sizes of the call.
 Used when a cond's predicate is a function of sizes alone and a branch does
 more than element-wise work; where both branches are element-wise (cheap),
 `cond_to_where` stays. One such cond per program (two compiled sides).
+
+For IREE (state in the module) the two sides are the functions `when_true` and `when_false` of one
+module (`backends/iree/functions.py`): weights and the state the program updates are shared inside it.
+The predicate is also kept as data (`guard`: sizes, integers, comparisons, +, *, //, %), carried in the
+module's reflection, so `save` writes the one module and `fx_rewrites.load` dispatches again without
+evaluating code from the file. docs/deploy.md.
 """
 
 from __future__ import annotations

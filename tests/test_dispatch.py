@@ -11,7 +11,15 @@ import torch
 from torch.export import Dim
 
 import fx_rewrites
-from fx_rewrites.app.dispatch import DISPATCH_KEY, GuardError, SizeDispatch, check_guard, evaluate, size_conds
+from fx_rewrites.app.dispatch import (
+    DISPATCH_KEY,
+    GuardError,
+    SizeDispatch,
+    check_guard,
+    evaluate,
+    guard,
+    size_conds,
+)
 from fx_rewrites.backends.iree.artifact import ArtifactError
 from fx_rewrites.backends.iree.backend import IreeBackend
 from fx_rewrites.backends.iree.runtime import function_reflections
@@ -200,3 +208,17 @@ def test_a_guard_the_data_cannot_hold_still_runs_and_names_why_it_cannot_be_save
     host = fx_rewrites.compile(SizeDispatched(), (_x(8),), dynamic_shapes=SEQ, backend=IreeBackend(state="host"))
     with pytest.raises(ArtifactError, match=r"compiled as two modules .*IreeBackend\(state='host'\)"):
         host.save(tmp_path / "never.vmfb")
+
+
+class FloorModDispatched(SizeDispatched):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        short, long = (lambda x: torch.relu(x @ self.w)), (lambda x: torch.tanh(x @ self.w))
+        return torch.cond((x.shape[1] // 3) % 2 == 0, short, long, (x,))
+
+
+def test_a_guard_of_torchs_floordiv_and_mod_is_data_that_agrees_with_python():
+    (found,) = size_conds(torch.export.export(FloorModDispatched(), (_x(8),), dynamic_shapes=SEQ))
+    tree = guard(found.expr, found.sizes)
+    assert tree == ["eq", ["mod", ["floordiv", ["size", 0, 1], ["int", 3]], ["int", 2]], ["int", 0]]
+    for n in range(2, 65):
+        assert bool(evaluate(tree, [(2, n, 32)])) is ((n // 3) % 2 == 0), n
