@@ -155,6 +155,7 @@ def test_both_sides_are_two_functions_of_one_module_sharing_the_state():
     mlir = runtime.when_true.mlir
     assert "func.func @when_true(" in mlir and "func.func @when_false(" in mlir
     assert len(re.findall(r"util\.global private mutable @__state_total\b", mlir)) == 1  # one global, both read it
+    assert mlir.count('#stream.parameter.named<"model"::"total">') == 1  # its initial value: one parameter
     assert runtime.tree == ["le", ["size", 0, 1], ["int", 16]]
     _same_sequence_as_eager(runtime, eager)
     torch.testing.assert_close(model.total, torch.zeros(32))  # the compiled module keeps its own state
