@@ -113,8 +113,8 @@ class IreeBackend:
     compile_timeout_s: float | None = attrs.field(factory=default_timeout, validator=_check_timeout)
     #: where an ExportedProgram's mutated buffers live between calls: "module" (mutable IREE globals, initialised
     #: from the program's values when compiled; the program's tensors are not written) or "host" (arguments of
-    #: each call, read from and written back to the program's tensors: several modules sharing one state, as the
-    #: size dispatch's two sides do; such a module cannot be saved)
+    #: each call, read from and written back to the program's tensors: several modules sharing one state; such
+    #: a module cannot be saved. The size dispatch's two sides are two functions of one module, sharing its state)
     state: str = attrs.field(default="module", validator=attrs.validators.in_(("module", "host")))
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> IreeCompiled:
