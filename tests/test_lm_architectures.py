@@ -78,10 +78,39 @@ def _expected(name: str) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
     return model, ids, expected[0].tolist()
 
 
+def _padded_pair(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded by 3, and HF's greedy sequences for them (no step near a tie)."""
+    ids = torch.cat([lm_models.prompt(seed=1), lm_models.prompt(seed=2)])
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=lm_models.NEW,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    for step, scores in enumerate(out.scores):
+        top = scores.topk(2, dim=-1).values
+        assert (top[:, 0] - top[:, 1]).min() > 1e-3, f"step {step}: a greedy choice within 1e-3 of a tie"
+    return ids, mask, out.sequences
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_greedy_tokens_match_generate(name):
+def test_greedy_tokens_match_generate(name, tmp_path):
+    """One module for 2 sequences: a batch of 2 left-padded, a batch of 1 (the filler row finished), and both
+    again after save + load, each token for token as `model.generate`."""
     model, ids, expected = _expected(name)
-    assert GENERATE(model, ids, lm_models.NEW) == expected
+    lm = fx_rewrites.compile_lm(model, max_cache_len=MAX_CACHE, batch_size=2)
+    assert lm.generate(ids, max_new_tokens=lm_models.NEW)[0, ids.shape[1] :].tolist() == expected
+    pair, mask, sequences = _padded_pair(model)
+    assert torch.equal(lm.generate(pair, attention_mask=mask, max_new_tokens=lm_models.NEW), sequences)
+    lm.save(tmp_path / "lm.vmfb")
+    loaded = fx_rewrites.load(tmp_path / "lm.vmfb")
+    assert torch.equal(loaded.generate(pair, attention_mask=mask, max_new_tokens=lm_models.NEW), sequences)
+    assert loaded.generate(ids, max_new_tokens=lm_models.NEW)[0, ids.shape[1] :].tolist() == expected
 
 
 def test_non_strict_export_matches_generate():
