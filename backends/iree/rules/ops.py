@@ -18,7 +18,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import arguments, empty, lowerings, moe, scatters
+from fx_rewrites.backends.iree.rules import arguments, empty, lowerings, moe, scatters, topk
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
@@ -281,6 +281,7 @@ RULES = RuleSet(
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,
+        *topk.RULES,
         *attention.GUARDS,
     ],
     name="iree",
