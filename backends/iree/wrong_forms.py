@@ -31,6 +31,11 @@ from fx_rewrites.backends.iree.rules.guards import (
 )
 from fx_rewrites.backends.iree.rules.lowerings import logcumsumexp_to_masked_logsumexp_for_iree
 from fx_rewrites.backends.iree.rules.pooling import POOLS_BY_RANK, one_window_dims, pool_single_window_for_iree
+from fx_rewrites.backends.iree.rules.topk import (
+    shares_an_iota,
+    sort_as_ranks_for_iree,
+    topk_as_ranks_for_iree,
+)
 from fx_rewrites.backends.iree.rules.views import (
     diagonal_as_gather_for_iree,
     index_put_of_itself_for_iree,
@@ -189,6 +194,25 @@ def _conv_one_window(node: Node) -> str:
     return f"{what}; no rule rewrites this form ({missed.reason}); fix: export those dims static"
 
 
+def _shared_iota(node: Node) -> str:
+    other = shares_an_iota(node)
+    if other is None:
+        return ""
+    what = (
+        f"it sorts an iota of indices in place, and {other.name!r} ({schema.op_name(other.target)}) of the same "
+        "shape shares that iota: the second's indices come back wrong (an MoE router per layer; "
+        "docs/iree-3.13-findings.md, section 21)"
+    )
+    guard = topk_as_ranks_for_iree if node.target is aten.topk.default else sort_as_ranks_for_iree
+    missed = guard.when(node, schema.arguments(node))
+    if not isinstance(missed, Miss):
+        return f"{what}; fix: {APPLY}, which write it as ranks"
+    return (
+        f"{what}; no rule rewrites this form ({missed.reason}); fix: sort tensors of different shapes, or "
+        "compile the sorts as separate programs"
+    )
+
+
 #: (a guard, what is wrong with a node of its roots in the form it rewrites): the refusal's ops are the guard's own
 #: roots, so the two cannot drift apart
 _GUARDED: tuple[tuple[Any, Callable[[Node], str]], ...] = (
@@ -201,6 +225,8 @@ _GUARDED: tuple[tuple[Any, Callable[[Node], str]], ...] = (
     (diagonal_as_gather_for_iree, _diagonal_of_a_read_tensor),
     (slice_scatter_of_itself_for_iree, _into_itself),
     (index_put_of_itself_for_iree, _into_itself),
+    (topk_as_ranks_for_iree, _shared_iota),
+    (sort_as_ranks_for_iree, _shared_iota),
     *((guard, _into_itself) for guard in live_scatters.RULES),
 )
 

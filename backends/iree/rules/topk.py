@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
@@ -47,8 +48,6 @@ def _short_last_dim(node: Node, args: Mapping[str, Any]) -> bool | Miss:
         return Miss("a symbolic width or k")
     if width > MAX_WIDTH:
         return Miss(f"width {width} > {MAX_WIDTH} (width^2 comparisons a row)")
-    if not args.get("largest", True):
-        return Miss("largest=False")
     if x.dtype.is_complex or x.dtype == torch.bool:
         return Miss(f"dtype {x.dtype}")
     return True
@@ -59,16 +58,16 @@ def _short_last_dim(node: Node, args: Mapping[str, Any]) -> bool | Miss:
     when=_short_last_dim,
     tags={"iree"},
     doc=(
-        "torch.topk(x, k) over a last dim of at most 256 (MoE routers) becomes ranks: each element's rank is "
-        "the number of elements before it (greater, or equal at a lower index, NaN highest), slot r takes the "
-        "index of rank r and its value gathered. IREE 3.13 shares one in-place sorted iota between two topks "
-        "of the same shape (a router per layer): the second's indices come back wrong, silently "
-        "(docs/iree-3.13-findings.md, section 21)."
+        "torch.topk(x, k) over a last dim of at most 256 (MoE routers; largest or smallest) becomes ranks: "
+        "each element's rank is the number of elements before it (greater, or equal at a lower index, NaN "
+        "highest), slot r takes the index of rank r and its value gathered. IREE 3.13 shares one in-place "
+        "sorted iota between two topks of the same shape (a router per layer): the second's indices come "
+        "back wrong, silently (docs/iree-3.13-findings.md, section 21)."
     ),
 )
 def topk_as_ranks_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
     x, k = args["self"], args["k"]
-    rank, positions = _ranks(rw, x, descending=True)
+    rank, positions = _ranks(rw, x, descending=bool(args.get("largest", True)))
     slots = rw.call(aten.arange.default, k, dtype=torch.int64, device=x.meta["val"].device)
     chosen = rw.call(aten.eq.Tensor, rw.call(aten.unsqueeze.default, rank, -1), slots)  # [..., n, k]
     weighted = rw.call(
@@ -112,7 +111,25 @@ def _replace_pair(node: Node, rw: Rewriter, values: Node, indices: Node) -> None
 
 
 #: sort-like ops IREE 3.13 lowers to an in-place sort of a shared iota
-_SORTS = (aten.sort.default, aten.topk.default)
+SORTS = (aten.sort.default, aten.topk.default)
+
+
+def iota_key(node: Node) -> tuple[str, int] | None:
+    """What makes two sort-like nodes' iotas one in IREE 3.13: the input's shape and the sorted dim."""
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    dim = (schema.arguments(node).get("dim", -1)) % x.dim()
+    return str(tuple(x.shape)), dim
+
+
+def shares_an_iota(node: Node) -> Node | None:
+    """Another sort-like node of `node`'s graph whose iota IREE 3.13 makes one with `node`'s, or None."""
+    key = iota_key(node)
+    for other in node.graph.nodes:
+        if other is not node and other.op == "call_function" and other.target in SORTS and iota_key(other) == key:
+            return other
+    return None
 
 
 def _another_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
@@ -126,7 +143,7 @@ def _another_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
     width = x.shape[-1]
     if isinstance(width, int) and width > MAX_SORT:
         return Miss(f"width {width} > {MAX_SORT} (width^2 comparisons a row)")
-    others = [n for n in node.graph.nodes if n is not node and n.op == "call_function" and n.target in _SORTS]
+    others = [n for n in node.graph.nodes if n is not node and n.op == "call_function" and n.target in SORTS]
     return bool(others) or Miss("the only sort in the graph (nothing to share its iota with)")
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 from torch.export import Dim
 
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.rules.topk import RULES, sort_as_ranks_for_iree, topk_as_ranks_for_iree
 
 aten = torch.ops.aten
@@ -132,11 +134,42 @@ def test_a_wide_topk_and_a_lone_sort_are_left():
     rt.assert_not_fired(rt.apply_rules(rt.export(Lone(), torch.randn(2, 8)), RULES), sort_as_ranks_for_iree)
 
 
-@pytest.mark.xfail(strict=True, reason="IREE 3.13 shares the sorted iota of two topks (findings section 21)")
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="IREE 3.13 shares the sorted iota of two topks (findings section 21)"
+)
 def test_iree_itself_computes_two_topks_wrong():
     """The bug the rules work around, compiled as exported: when IREE fixes it, this passes (strict xfail
     fails) and the rules can go."""
     args = _routers(7, 0)
-    compiled = backends.get("iree").compile(rt.export(TwoRouters(), *args), args)
+    iree = attrs.evolve(backends.get("iree"), refuse_wrong_forms=False)
+    compiled = iree.compile(rt.export(TwoRouters(), *args), args)
     for got, expected in zip(compiled(*args), TwoRouters()(*args), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_two_smallest_topks_become_ranks():
+    """largest=False (kthvalue's rewrite): NaN last, as torch places it."""
+
+    def smallest(x, y):
+        return torch.topk(x, 3, largest=False), torch.topk(y, 3, largest=False)
+
+    x, y = _routers(6, 3)
+    x[0, 2] = float("nan")
+    ep = rt.export(smallest, x, y, dynamic_shapes=_shapes(True, 0))
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_fired(result, topk_as_ranks_for_iree, times=2)
+    rt.assert_matches_eager(result, smallest, [(x, y), _routers(9, 4)], rtol=0, atol=0)
+
+
+def test_two_sorts_sharing_an_iota_are_refused():
+    """As exported (no rules): refused, the fix named. Two topks too wide for the ranks (300 > 256), after the
+    rules: refused, no rule to apply."""
+    iree = backends.get("iree")
+    args = _routers(7, 0)
+    with pytest.raises(IreeUnsupportedError, match=r"aten\.topk.*shares that iota.*apply the backend's rules"):
+        iree.compile(rt.export(TwoRouters(), *args), args)
+    wide = (torch.randn(3, 300), torch.randn(3, 300))
+    result = rt.apply_rules(rt.export(TwoRouters(), *wide), iree.rules)
+    rt.assert_not_fired(result, topk_as_ranks_for_iree)
+    with pytest.raises(IreeUnsupportedError, match=r"aten\.topk.*no rule rewrites this form \(width 300 > 256"):
+        iree.compile(result.program, wide)
