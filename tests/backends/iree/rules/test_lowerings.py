@@ -145,7 +145,8 @@ def test_kthvalue_as_topk(iree, dynamic):
     rt.assert_ops(result, present=[aten.topk.default], absent=[aten.kthvalue.default])
     rt.assert_matches_eager(result, KthSmallest(), inputs)
     rt.assert_idempotent(result, kthvalue_to_topk_for_iree)
-    _fails_then_matches(iree, ep, result.program, KthSmallest(), inputs, "topk")
+    # the two topks of one input share IREE 3.13's sorted iota (rules/topk.py): compiled after every rule
+    _fails_then_matches(iree, ep, rt.apply_rules(ep, iree.rules).program, KthSmallest(), inputs, "topk")
 
 
 # -- logcumsumexp -------------------------------------------------------------------------------
