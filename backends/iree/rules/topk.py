@@ -143,8 +143,7 @@ def _another_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
     width = x.shape[-1]
     if isinstance(width, int) and width > MAX_SORT:
         return Miss(f"width {width} > {MAX_SORT} (width^2 comparisons a row)")
-    others = [n for n in node.graph.nodes if n is not node and n.op == "call_function" and n.target in SORTS]
-    return bool(others) or Miss("the only sort in the graph (nothing to share its iota with)")
+    return shares_an_iota(node) is not None or Miss("no other sort or topk of its shape (no iota to share)")
 
 
 @rule(
@@ -152,9 +151,9 @@ def _another_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
     when=_another_sort,
     tags={"iree"},
     doc=(
-        "torch.sort(x) along the last dim, in a graph with another sort or topk (transformers' grouped-mm "
-        "experts sort each layer's expert ids), becomes ranks: each element's place is the number of elements "
-        "before it (stable; NaN last, or first descending), the indices scattered to their places and the "
+        "torch.sort(x) along the last dim, in a graph with another sort or topk of its shape (transformers' "
+        "grouped-mm experts sort each layer's expert ids), becomes ranks: each element's place is the number "
+        "of elements before it (stable; NaN last, or first descending), the indices scattered to their places and the "
         "values gathered. IREE 3.13 shares one in-place sorted iota between two sorts of the same shape: the "
         "second's indices come back wrong (MoE gathers then read out of range: a segfault; "
         "docs/iree-3.13-findings.md, section 21). Cost: n^2 comparisons a row."
