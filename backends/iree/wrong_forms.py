@@ -201,7 +201,7 @@ def _shared_iota(node: Node) -> str:
     what = (
         f"it sorts an iota of indices in place, and {other.name!r} ({schema.op_name(other.target)}) of the same "
         "shape shares that iota: the second's indices come back wrong (an MoE router per layer; "
-        "docs/iree-3.13-findings.md, section 21)"
+        "docs/iree-3.13-findings.md, section 22)"
     )
     guard = topk_as_ranks_for_iree if node.target is aten.topk.default else sort_as_ranks_for_iree
     missed = guard.when(node, schema.arguments(node))

@@ -4,7 +4,7 @@ IREE 3.13 lowers `aten.topk` to an in-place `iree_linalg_ext.sort` of the values
 indices. Two topks of the same shape (a router in each layer of an MoE model) share that iota: the compiler
 CSEs the two operand-less iota dispatches after its copy-on-write pass has separated them, and both sorts then
 permute one buffer in place (the second runs on the first's output, concurrently with its readers): the
-second topk's indices come back wrong while its values are right (docs/iree-3.13-findings.md, section 21).
+second topk's indices come back wrong while its values are right (docs/iree-3.13-findings.md, section 22).
 Found on a tiny Qwen3-MoE exported with a Dim on the sequence: the second layer's experts read other experts'
 weights (14 off), and the grouped-mm path's gathers from indices out of range crash the runtime.
 
@@ -62,7 +62,7 @@ def _short_last_dim(node: Node, args: Mapping[str, Any]) -> bool | Miss:
         "each element's rank is the number of elements before it (greater, or equal at a lower index, NaN "
         "highest), slot r takes the index of rank r and its value gathered. IREE 3.13 shares one in-place "
         "sorted iota between two topks of the same shape (a router per layer): the second's indices come "
-        "back wrong, silently (docs/iree-3.13-findings.md, section 21)."
+        "back wrong, silently (docs/iree-3.13-findings.md, section 22)."
     ),
 )
 def topk_as_ranks_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
@@ -156,7 +156,7 @@ def _another_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
         "of elements before it (stable; NaN last, or first descending), the indices scattered to their places and the "
         "values gathered. IREE 3.13 shares one in-place sorted iota between two sorts of the same shape: the "
         "second's indices come back wrong (MoE gathers then read out of range: a segfault; "
-        "docs/iree-3.13-findings.md, section 21). Cost: n^2 comparisons a row."
+        "docs/iree-3.13-findings.md, section 22). Cost: n^2 comparisons a row."
     ),
 )
 def sort_as_ranks_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:

@@ -1,6 +1,6 @@
 """topk and sort as ranks on IREE (backends/iree/rules/topk.py): IREE 3.13 shares one in-place sorted iota
 between two sort-like ops of the same shape (an MoE router per layer), and the second's indices come back
-wrong (docs/iree-3.13-findings.md, section 21)."""
+wrong (docs/iree-3.13-findings.md, section 22)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_a_wide_topk_and_a_lone_sort_are_left():
 
 
 @pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="IREE 3.13 shares the sorted iota of two topks (findings section 21)"
+    strict=True, raises=AssertionError, reason="IREE 3.13 shares the sorted iota of two topks (findings section 22)"
 )
 def test_iree_itself_computes_two_topks_wrong():
     """The bug the rules work around, compiled as exported: when IREE fixes it, this passes (strict xfail
