@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -141,6 +142,23 @@ def test_save_and_load(llama, lm2, saved):
     assert isinstance(loaded, fx_rewrites.CompiledLM)
     ids, mask = prompts(2)
     assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW), reference(llama, ids, mask))
+
+
+def test_load_in_a_fresh_process(llama, saved, tmp_path):
+    """`fx_rewrites.load` in a new Python process (nothing of this one's state): the same tokens."""
+    ids, mask = prompts(2)
+    torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch, fx_rewrites\n"
+        "inputs = torch.load(sys.argv[2])\n"
+        "out = fx_rewrites.load(sys.argv[1]).generate(inputs['ids'], attention_mask=inputs['mask'], "
+        f"max_new_tokens={NEW})\n"
+        "torch.save(out, sys.argv[3])\n"
+    )
+    argv = [sys.executable, "-c", script, str(saved), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), reference(llama, ids, mask))
 
 
 def test_weights_are_parameters_declared_once(lm2):
