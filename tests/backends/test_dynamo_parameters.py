@@ -16,6 +16,7 @@ from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
 from fx_rewrites.backends.iree import IreeBackend, memory
 from fx_rewrites.backends.iree.cache import CompileCache
 from fx_rewrites.backends.iree.parameters import INLINE_ENV
+from tests.backends.models import WeightSizes
 
 
 @pytest.fixture(autouse=True)
@@ -25,21 +26,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-class Mlp(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.big = torch.nn.Linear(256, 256)  # 256 KiB weight: a parameter
-        self.small = torch.nn.Linear(256, 4)  # 4 KiB: inline
-        self.register_buffer("scale", torch.full((256,), 0.5))  # 1 KiB buffer: inline
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.small(torch.relu(self.big(x)) * self.scale)
-
-
-def _run(shapes: list[tuple[int, ...]], dynamic: bool = False) -> tuple[Mlp, list[CompiledGraph]]:
+def _run(shapes: list[tuple[int, ...]], dynamic: bool = False) -> tuple[WeightSizes, list[CompiledGraph]]:
     graphs: list[CompiledGraph] = []
     torch.manual_seed(0)
-    model = Mlp().eval()
+    model = WeightSizes().eval()
     backend = dynamo_backend(IreeBackend(cache=CompileCache()), on_graph=graphs.append, strict=True)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     with torch.no_grad():
@@ -93,7 +83,7 @@ def test_a_changed_parameter_weight_compiles_again():
     compiles again and matches (the compiled module is the same, from the cache; the parameter is the new value)."""
     graphs: list[CompiledGraph] = []
     torch.manual_seed(0)
-    model = Mlp().eval()
+    model = WeightSizes().eval()
     compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(), on_graph=graphs.append, strict=True))
     x = torch.randn(3, 256)
     with torch.no_grad():

@@ -8,22 +8,12 @@ import torch
 from fx_rewrites.backends.iree import CompileCache, IreeBackend, IreeCompileError, IreeMemoryError, memory
 from fx_rewrites.backends.iree.importing import iree_modules
 from fx_rewrites.backends.iree.parameters import INLINE_ENV
-
-
-class Mlp(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.big = torch.nn.Linear(256, 256)  # 256 KiB weight: a parameter
-        self.small = torch.nn.Linear(256, 4)  # 4 KiB: inline
-        self.register_buffer("scale", torch.full((256,), 0.5))  # 1 KiB buffer: inline
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.small(torch.relu(self.big(x)) * self.scale)
+from tests.backends.models import WeightSizes
 
 
 def _compile():
     torch.manual_seed(0)
-    model, x = Mlp().eval(), torch.randn(3, 256)
+    model, x = WeightSizes().eval(), torch.randn(3, 256)
     return model, x, IreeBackend(cache=CompileCache()).compile(torch.export.export(model, (x,)), (x,))
 
 
