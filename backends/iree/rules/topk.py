@@ -123,8 +123,17 @@ def iota_key(node: Node) -> tuple[str, int] | None:
     return str(tuple(x.shape)), dim
 
 
+def reads_indices(node: Node) -> bool:
+    """Whether the graph reads the indices (output 1) of the sort-like `node`: the output the shared iota makes
+    wrong (its values come back right)."""
+    return any(u.target is operator.getitem and u.args[1] == 1 for u in node.users)
+
+
 def shares_an_iota(node: Node) -> Node | None:
-    """Another sort-like node of `node`'s graph whose iota IREE 3.13 makes one with `node`'s, or None."""
+    """Another sort-like node of `node`'s graph whose iota IREE 3.13 makes one with `node`'s, or None (also
+    when `node`'s indices are not read: its values are right whatever the other does)."""
+    if not reads_indices(node):
+        return None
     key = iota_key(node)
     for other in node.graph.nodes:
         if other is not node and other.op == "call_function" and other.target in SORTS and iota_key(other) == key:
