@@ -105,7 +105,11 @@ def test_batch_of_one_matches_eager(case, dynamic):
         if node.target in ROOTS:
             assert node.args[0].meta["val"].dim() == nsp + 2, node.format_node()
     sizes = [6, 7, 9] if dynamic else [6]
-    rt.assert_matches_eager(result, module, [_x(nsp, sizes[-1], seed=1), _x(nsp, 6, seed=2)])
+    # conv3d: the performance phase sums it as 2-D convolutions over frames, in another order than torch's
+    # kernel: 3.7e-6 from eager, where eager itself is 1.0e-5 and 1.2e-5 from float64 on these inputs
+    # (the rewritten program 5.2e-6 and 6.6e-6): a tolerance of 1e-5, under torch's own float32 error
+    atol = 1e-5 if case == "conv3d" else 1e-6
+    rt.assert_matches_eager(result, module, [_x(nsp, sizes[-1], seed=1), _x(nsp, 6, seed=2)], atol=atol)
     fn = IREE.compile(result.program, _x(nsp, 6))
     _assert_iree_matches(fn, module, [_x(nsp, s, seed=s) for s in sizes])
 
