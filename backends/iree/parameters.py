@@ -67,15 +67,6 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def state_names(program: ExportedProgram) -> dict[int, str]:
-    """id(tensor) -> its name, for the program's parameters, buffers and lifted constants."""
-    names: dict[int, str] = {}
-    for name, tensor in (*program.state_dict.items(), *program.constants.items()):
-        if isinstance(tensor, torch.Tensor) and _KEY.fullmatch(name):
-            names.setdefault(id(tensor), name)
-    return names
-
-
 def is_parameter(tensor: torch.Tensor, limit: int) -> bool:
     """Whether a state tensor of this size becomes a parameter (else it is imported inline)."""
     return tensor.numel() > 1 and tensor.dtype != torch.bool and nbytes(tensor) >= limit
