@@ -35,6 +35,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
+from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.state import BODY, StateGlobals, state_tensor, wrap_state
 from fx_rewrites.program import copy_graph_module, rebuild_program
@@ -163,6 +164,7 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
             writes.append(state_tensor(program, spec.target) if spec.kind in _STATE_OUT else None)
     output = graph.output_node()
     outputs = _outputs(output, pytree.tree_leaves(output.args[0]), writes)
+    concrete_sizes(graph)
     graph.lint()
     copy.graph_module.recompile()
     in_spec = program.call_spec.in_spec
@@ -284,6 +286,7 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     output = graph.output_node()
     leaves, spec = pytree.tree_flatten(output.args[0])
     outputs = _outputs(output, leaves, [None] * len(leaves))
+    concrete_sizes(graph)
     graph.lint()
     copy.recompile()
     return copy, Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs))

@@ -21,16 +21,24 @@ the SymInt in slot 0.
 IREE lowers a non-constant exponent through exp(n * log(x)), which is NaN
 for every negative x.
 
+`sym_arithmetic_constant` folds arithmetic on sizes that the exporter
+proved constant: `(16 - L % 16) % 16` with `L = 16 * chunks` (Mamba2's chunk
+padding under a derived Dim) exports as `operator.mod` nodes whose value is
+the int 0; a backend that imports them needs a lowering for each (IREE has
+none for `aten.fmod.int`).
+
 `sym_in_tensor_slots(graph)` lists what is left, for backends to check.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
@@ -292,4 +300,53 @@ def pow_sym_exponent_sign_safe(node: Node, rw: Rewriter) -> Any:
     return None
 
 
-RULES = RuleSet([sym_scalar_in_tensor_slot, pow_sym_exponent_sign_safe], name="symbolic")
+# -- sym_arithmetic_constant --------------------------------------------------------
+
+#: Python arithmetic and comparisons on SymInt/SymFloat/SymBool values, as torch.export records them
+SYM_ARITHMETIC = (
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod, operator.pow,
+    operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+    torch.sym_max, torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not,
+)  # fmt: skip
+
+
+def _constant(val: Any) -> int | float | bool | None:
+    """`val` as a Python number where it is one: a plain number, or a Sym value whose expression is a number
+    (`16*s % 16` is `0`: sympy folds it), else None."""
+    if isinstance(val, SYM_TYPES):
+        expr = val.node.expr
+        if not getattr(expr, "is_number", False):
+            return None
+        kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(val)]
+        return kind(expr)
+    return val if isinstance(val, (int, float, bool)) else None
+
+
+def _constant_match(node: Node) -> Any:
+    if _constant(node.meta.get("val")) is None:
+        return Miss("the value is symbolic (or unknown): it depends on the input's sizes")
+    if any(user.op != "call_function" for user in node.users):
+        return Miss("the value is a graph output")
+    return True
+
+
+@rule(
+    roots=SYM_ARITHMETIC,
+    when=_constant_match,
+    doc=(
+        "Arithmetic on sizes that torch.export proved constant (`operator.mod(16 * s, 16)` is the int 0, "
+        "Mamba2's chunk padding under a Dim that is a multiple of the chunk): its users read the constant. "
+        "IREE: \"failed to legalize operation 'torch.operator'\" on `aten.fmod.int`."
+    ),
+    tags={"symbolic", "dynamic"},
+)
+def sym_arithmetic_constant(node: Node, rw: Rewriter) -> Any:
+    value = _constant(node.meta["val"])
+    for user in list(node.users):
+        args = map_arg(user.args, lambda n: value if n is node else n)
+        kwargs = map_arg(user.kwargs, lambda n: value if n is node else n)
+        rw.modify(user, args, kwargs)  # `node`, then unused, is swept at commit
+    return None
+
+
+RULES = RuleSet([sym_scalar_in_tensor_slot, pow_sym_exponent_sign_safe, sym_arithmetic_constant], name="symbolic")

@@ -4,6 +4,7 @@ from real torch.export (R1), run_decompositions (R2) and aot_autograd (R3) graph
 from __future__ import annotations
 
 import io
+import operator
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from fx_rewrites import testing as rt
 from fx_rewrites.rules.symbolic import (
     RULES,
     pow_sym_exponent_sign_safe,
+    sym_arithmetic_constant,
     sym_in_tensor_slots,
     sym_placeholder_sources,
     sym_scalar_in_tensor_slot,
@@ -286,3 +288,58 @@ def test_iree_end_to_end():
     for (x,), k in zip(_negative_rows(2, 3, 4, 5), (0, 1, 2, 3)):  # IREE gave NaN for x < 0 before
         for got, expected in zip(compiled(x, torch.tensor(k)), fn(x, torch.tensor(k)), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+class _ChunkPad(torch.nn.Module):
+    """Mamba2's chunked scan (transformers `mamba2_chunk_scan`): pad the sequence to a multiple of the chunk
+    with `(chunk - L % chunk) % chunk` zeros, sum each chunk, cut the padding off again."""
+
+    def forward(self, x):
+        pad = (4 - x.shape[1] % 4) % 4
+        chunks = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(x.shape[0], -1, 4, x.shape[2])
+        out = chunks.cumsum(2).reshape(x.shape[0], -1, x.shape[2])
+        return out[:, : x.shape[1]] if pad > 0 else out
+
+
+def _chunk_program():
+    chunks = Dim("chunks", min=1, max=8)
+    return rt.export(_ChunkPad(), torch.randn(2, 8, 3), dynamic_shapes=({1: 4 * chunks},))
+
+
+def test_sym_arithmetic_constant_folds_the_chunk_padding():
+    ep = _chunk_program()
+    mods = [n for n in ep.graph.nodes if n.target is operator.mod]
+    assert mods and all(n.meta["val"] == 0 for n in mods), f"the export should hold constant mods:\n{ep.graph}"
+
+    result = rt.apply_rules(ep, RULES)
+
+    rt.assert_fired(result, sym_arithmetic_constant)
+    assert not [n for n in result.graph_module.graph.nodes if n.target in (operator.mod, operator.sub)]
+    inputs = [(torch.randn(2, 8, 3),), (torch.randn(2, 12, 3),), (torch.randn(2, 32, 3),)]
+    rt.assert_matches_eager(result, _ChunkPad(), inputs)
+    rt.assert_idempotent(result, RULES)
+
+
+def test_sym_arithmetic_constant_leaves_symbolic_values():
+    """`L % 4` with L any size stays: its value depends on the input."""
+
+    def fn(x):
+        return torch.nn.functional.pad(x, (0, (4 - x.shape[0] % 4) % 4))
+
+    ep = rt.export(fn, torch.randn(6), dynamic_shapes=({0: Dim("L", min=2, max=64)},))
+    result = rt.apply_rules(ep, RULES)
+    rt.assert_not_fired(result, sym_arithmetic_constant)
+    assert [n for n in result.graph_module.graph.nodes if n.target is operator.mod]
+    rt.assert_matches_eager(result, fn, [(torch.randn(6),), (torch.randn(9),)])
+
+
+def test_chunk_padding_through_iree():
+    """IREE failed on the constant mods ("failed to legalize ... aten.fmod.int") before the rule."""
+    from fx_rewrites import backends
+
+    iree = backends.get("iree")
+    result = fx_rewrites.apply(_chunk_program(), iree.rules)
+    compiled = iree.compile(result.program, (torch.randn(2, 8, 3),))
+    for length in (4, 8, 20):
+        x = torch.randn(2, length, 3, dtype=torch.float64).float()
+        torch.testing.assert_close(compiled(x), _ChunkPad()(x), rtol=1e-6, atol=1e-6)
