@@ -5,11 +5,12 @@
     lm.save("lm.vmfb")                                                     # and lm.irpa: the weights
     fx_rewrites.load("lm.vmfb").generate(input_ids, ...)
 
-The model is wrapped with a static KV cache held as buffers (`export.CachedLM`), exported twice over the
-same instance (prefill with the prompt length dynamic, decode with one token), the backend's rules are
-applied to each, and both are compiled into one module (`backends.iree.functions`): the weights are
-parameters declared once, the cache is mutable globals both functions update, so it stays in the module
-between calls.
+The model is wrapped with a static KV cache held as buffers (`export.CachedLM`), or, for a model whose
+cache is a recurrent state (Mamba2), with that state held as buffers (`recurrent.RecurrentLM`); the wrapper
+is exported twice over the same instance (prefill with the prompt length dynamic, decode with one token), the
+backend's rules are applied to each, and both are compiled into one module (`backends.iree.functions`): the
+weights are parameters declared once, the cache is mutable globals both functions update, so it stays in
+the module between calls.
 """
 
 from __future__ import annotations
@@ -23,15 +24,38 @@ import torch
 
 from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
+from fx_rewrites.app.lm.recurrent import RecurrentLM, cache_kind, export_recurrent, prompt_multiple
 
 
-def _info(model: Any, max_cache_len: int, batch_size: int) -> LMInfo:
+def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool) -> LMInfo:
     config = getattr(model, "generation_config", None)
     pad = getattr(config, "pad_token_id", None)
     if pad is None:
         pad = getattr(model.config, "pad_token_id", None)
     eos = _ids(getattr(config, "eos_token_id", None))
-    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos)
+    multiple = prompt_multiple(model) if recurrent else 1
+    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos, recurrent, multiple)
+
+
+def _wrap(model: Any, max_cache_len: int, batch_size: int, strict: bool) -> tuple[dict[str, Any], bool]:
+    """The exported prefill and decode of `model` with its cache as buffers, and whether it is recurrent."""
+    kind = cache_kind(model)
+    if kind == "hybrid":
+        raise NotImplementedError(
+            f"{type(model).__name__} has both key/value cache layers and recurrent (linear attention) ones; "
+            "compile_lm takes one kind or the other so far (Llama, Qwen3, ... or Mamba2). Fix: fx_rewrites.compile "
+            "on an exported step of the model"
+        )
+    if kind == "attention":
+        return export_lm(CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size), strict=strict), False
+    if getattr(model.config.get_text_config(), "use_bias", False):
+        raise NotImplementedError(
+            f"{type(model).__name__} has a bias in its input projection (config.use_bias=True): the prefill pads "
+            "the prompt to a multiple of the scan's chunk, and with the bias padding would change the "
+            "convolution's first outputs. Fix: fx_rewrites.compile on an exported step of the model"
+        )
+    wrapper = RecurrentLM(model, max_cache_len=max_cache_len, batch_size=batch_size)
+    return export_recurrent(wrapper, strict=strict), True
 
 
 def compile_lm(
@@ -45,8 +69,10 @@ def compile_lm(
 ) -> CompiledLM:
     """Compile a transformers causal LM (`LlamaForCausalLM`, ...) with a static KV cache of `max_cache_len`
     positions for `batch_size` sequences into one module with `prefill` and `decode` functions sharing the
-    weights and the cache. `dtype`: compile a copy of the model in that dtype (the model is left as is);
-    `strict`: torch.export's strict mode (both work). Returns a `CompiledLM` (`generate`, `save`)."""
+    weights and the cache. A model whose cache is a recurrent state (`Mamba2ForCausalLM`) keeps that state
+    instead: `max_cache_len` then bounds the prompt only (padded to a multiple of the model's chunk, at least
+    two), and generation is unbounded. `dtype`: compile a copy of the model in that dtype (the model is left
+    as is); `strict`: torch.export's strict mode (both work). Returns a `CompiledLM` (`generate`, `save`)."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.backends.iree.backend import IreeBackend
@@ -69,10 +95,9 @@ def compile_lm(
         raise ValueError(f"max_cache_len={max_cache_len}, batch_size={batch_size}: expected >= 2 and >= 1")
     if dtype is not None and dtype != model.dtype:
         model = copy.deepcopy(model).to(dtype)
-    wrapper = CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size)
-    info = _info(model, max_cache_len, batch_size)
     with quiet_torch_pytree():
-        exported = export_lm(wrapper, strict=strict)
+        exported, recurrent = _wrap(model, max_cache_len, batch_size, strict)
+        info = _info(model, max_cache_len, batch_size, recurrent)
         results = {name: apply(program, target.rules) for name, program in exported.items()}
         for result in results.values():
             result.report.warn_unless_converged(target.name)
@@ -121,4 +146,14 @@ def load_lm(
     return CompiledLM(info, prefill, decode, prefill.vmfb, archive=prefill.archive)
 
 
-__all__ = ["CachedLM", "CompiledLM", "LMInfo", "compile_lm", "export_lm", "is_lm", "load_lm"]
+__all__ = [
+    "CachedLM",
+    "CompiledLM",
+    "LMInfo",
+    "RecurrentLM",
+    "compile_lm",
+    "export_lm",
+    "export_recurrent",
+    "is_lm",
+    "load_lm",
+]

@@ -31,6 +31,10 @@ class LMInfo:
     batch_size: int
     pad_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    #: the cache is a recurrent state (`recurrent.RecurrentLM`): `max_cache_len` bounds the (padded) prompt
+    #: only, and every prompt is left-padded to a multiple of `prompt_multiple` tokens, at least two
+    recurrent: bool = False
+    prompt_multiple: int = 1
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), separators=(",", ":"))
@@ -38,7 +42,22 @@ class LMInfo:
     @classmethod
     def from_json(cls, text: str) -> LMInfo:
         doc = json.loads(text)
-        return cls(doc["max_cache_len"], doc["batch_size"], doc["pad_token_id"], tuple(doc["eos_token_id"]))
+        return cls(
+            doc["max_cache_len"],
+            doc["batch_size"],
+            doc["pad_token_id"],
+            tuple(doc["eos_token_id"]),
+            doc.get("recurrent", False),
+            doc.get("prompt_multiple", 1),
+        )
+
+    def prefill_length(self, length: int) -> int:
+        """The length a prompt of `length` tokens is prefilled at: itself, or for a recurrent state the
+        multiple of `prompt_multiple` at or above it, two multiples at least (the prefill's export)."""
+        if not self.recurrent:
+            return length
+        m = self.prompt_multiple
+        return max(2 * m, -(-length // m) * m)
 
 
 def _ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
@@ -134,7 +153,14 @@ class CompiledLM:
             )
         if length < 1 or max_new_tokens < 1:
             return ids.clone()
-        if length + max_new_tokens - 1 > info.max_cache_len:
+        padded = info.prefill_length(length)
+        if info.recurrent and padded > info.max_cache_len:
+            raise ValueError(
+                f"a prompt of {length} tokens is prefilled as {padded} (a multiple of {info.prompt_multiple}, the "
+                f"model's chunk); the module takes prompts of up to {info.max_cache_len}. Fix: a shorter prompt, "
+                f"or compile_lm(model, max_cache_len={padded})"
+            )
+        if not info.recurrent and length + max_new_tokens - 1 > info.max_cache_len:
             raise ValueError(
                 f"a prompt of {length} tokens and {max_new_tokens} new ones need {length + max_new_tokens - 1} "
                 f"cache positions; the module holds {info.max_cache_len}. Fix: fewer new tokens, or "
@@ -144,7 +170,10 @@ class CompiledLM:
             extra = info.batch_size - rows
             ids = torch.cat([ids, ids.new_zeros(extra, length)])
             mask = torch.cat([mask, torch.ones(extra, length, dtype=torch.long)])
-        return self._greedy(ids, mask, max_new_tokens, eos, pad, rows)[:rows]
+        if padded > length:  # left padding, masked: the prefill's length for a recurrent state
+            ids = torch.cat([ids.new_full((ids.shape[0], padded - length), pad or 0), ids], dim=1)
+            mask = torch.cat([mask.new_zeros(mask.shape[0], padded - length), mask], dim=1)
+        return self._greedy(ids, mask, max_new_tokens, eos, pad, rows)[:rows, padded - length :]
 
     def _greedy(
         self,
