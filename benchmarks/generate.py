@@ -4,6 +4,9 @@
     flock /tmp/fx-bigmem.lock python benchmarks/generate.py --sizes 1b --new 16 --no-int8   # ~1.1B (~10 GB)
     python benchmarks/generate.py --sizes tiny --prompt 8 --new 4 --rounds 1 --threads 1   # the smoke test's run
 
+`--sizes mamba2-130m`: a `Mamba2ForCausalLM` of state-spaces/mamba2-130m's shape (24 layers, hidden 768, SSM state
+128, chunk 256), its cache a recurrent state: compile_lm prefills the prompt padded to 512 (two chunks).
+
 Models: `LlamaForCausalLM` from a config (0.1B: hidden 768, 12 layers, 12 heads / 4 KV heads, MLP 2048, vocab
 32000, ~125M parameters; 1b: TinyLlama-1.1B's shape, hidden 2048, 22 layers, 32 / 4 heads, MLP 5632), seeded
 random weights (randn x 0.05, so greedy argmax does not tie), eos off (every route generates all tokens). The
@@ -51,6 +54,9 @@ SIZES: dict[str, dict[str, int]] = {
                  num_key_value_heads=4, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    # a recurrent state instead of a KV cache: state-spaces/mamba2-130m's shape (Mamba2Config)
+    "mamba2-130m": dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, expand=2, state_size=128,
+                        n_groups=1, conv_kernel=4, chunk_size=256, vocab_size=50288),
 }  # fmt: skip
 STRICT = True  # non-strict export lifts the cache as constants written in place (issue 26)
 Generate = Callable[[torch.Tensor, int], torch.Tensor]  # (prompt ids, new tokens) -> the new tokens
@@ -64,11 +70,14 @@ def transformers_module() -> Any:
 
 
 def build(size: str, max_len: int) -> torch.nn.Module:
-    """The seeded random Llama of `size` (eval, float32)."""
+    """The seeded random Llama (or Mamba2, for a `mamba2-*` size) of `size` (eval, float32)."""
     tf = transformers_module()
-    config = tf.LlamaConfig(**SIZES[size], max_position_embeddings=max(max_len, 256), tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).eval()
+    if size.startswith("mamba2"):
+        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(**SIZES[size], tie_word_embeddings=False)).eval()
+    else:
+        config = tf.LlamaConfig(**SIZES[size], max_position_embeddings=max(max_len, 256), tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -164,7 +173,9 @@ def iree_loop_generate(model: torch.nn.Module, max_len: int, threads: str, promp
 def compile_lm_generate(model: torch.nn.Module, max_len: int, threads: str) -> Generate | str:
     import fx_rewrites
 
-    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(threads))
+    # a recurrent state's prefill takes the prompt padded to a multiple of the scan's chunk, two at least
+    chunk = getattr(model.config, "chunk_size", 0) if "Mamba" in type(model).__name__ else 0
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max(max_len, 2 * chunk), backend=iree_backend(threads))
     return lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
 
 

@@ -151,3 +151,8 @@ def test_models_compile_lm_cannot_take_are_refused_by_name():
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match="key/value cache layers and recurrent"):
         fx_rewrites.compile_lm(transformers.BambaForCausalLM(hybrid), max_cache_len=32)
+    mamba1 = transformers.MambaConfig(
+        vocab_size=lm_models.VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4, pad_token_id=0
+    )  # its scan loops over the sequence: no dynamic prompt length
+    with pytest.raises(NotImplementedError, match="MambaForCausalLM's prefill does not export with the prompt length"):
+        fx_rewrites.compile_lm(transformers.MambaForCausalLM(mamba1).eval(), max_cache_len=48)

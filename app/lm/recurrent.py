@@ -132,6 +132,18 @@ def export_recurrent(wrapper: RecurrentLM, *, strict: bool = False) -> dict[str,
         length = Dim("prompt", min=2, max=n) if m == 1 else m * Dim("chunks", min=2, max=n // m)
         shapes = {"input_ids": {1: length}, "attention_mask": None, "position_ids": {1: length}, "cache_position": None}
     with torch.no_grad():
-        prefill = torch.export.export(wrapper, example_inputs(b, 2 * m, n), dynamic_shapes=shapes, strict=strict)
+        try:
+            prefill = torch.export.export(wrapper, example_inputs(b, 2 * m, n), dynamic_shapes=shapes, strict=strict)
+        except torch._dynamo.exc.UserError as e:
+            if shapes is None:
+                raise
+            name = type(wrapper.model).__name__
+            raise NotImplementedError(
+                f"{name}'s prefill does not export with the prompt length dynamic ({m} * chunks, here 2..{n // m}): "
+                f"torch says {' '.join(str(e).split())[:200]!r}. A scan that loops over the sequence in Python "
+                "(transformers' Mamba1 `mamba_selective_scan`) fixes the length; compile_lm takes recurrent models "
+                "whose prefill is a chunked scan (Mamba2). Fix: fx_rewrites.compile on an export of one step of a "
+                "fixed length"
+            ) from e
         decode = torch.export.export(wrapper, example_inputs(b, 1, n, start=2 * m), strict=strict)
     return {"prefill": prefill, "decode": decode}
