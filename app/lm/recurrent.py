@@ -41,7 +41,8 @@ def _states(cache: Any) -> list[tuple[int, str, int]]:
 
 
 def cache_kind(model: Any) -> str:
-    """ "attention" (key/value cache layers only), "recurrent" (linear attention layers only) or "hybrid"."""
+    """The kind of `model`'s cache: "attention" (key/value layers only), "recurrent" (linear attention layers
+    only) or "hybrid" (both)."""
     from transformers import cache_utils
 
     mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
