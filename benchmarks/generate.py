@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import platform
 import statistics
@@ -102,7 +103,9 @@ def hf_generate(model: torch.nn.Module, *, static: bool, max_len: int) -> Genera
     def run(ids: torch.Tensor, n: int) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
         if static:  # a fresh cache of a fixed length: the same shapes whatever n is
-            kwargs["past_key_values"] = tf.StaticCache(config=model.config, max_cache_len=max_len)
+            accepted = inspect.signature(model.forward).parameters
+            name = "cache_params" if "cache_params" in accepted else "past_key_values"  # Mamba2: cache_params
+            kwargs[name] = tf.StaticCache(config=model.config, max_cache_len=max_len)
         with torch.no_grad():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
