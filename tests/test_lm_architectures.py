@@ -127,14 +127,22 @@ def test_non_strict_export_matches_generate():
     assert single_program(model, ids, lm_models.NEW, strict=False) == expected
 
 
-def test_recurrent_prompt_longer_than_the_module_takes_is_refused():
-    """A recurrent state's prefill takes prompts padded to a multiple of the chunk (16 here), two at least."""
+def test_recurrent_prompts_of_each_prefill_length():
+    """A recurrent state's prompt is prefilled padded to a multiple of the chunk (16 here): one chunk by its own
+    function (the prompt of 7 in the test above), two and more by the prefill with a Dim, past `max_cache_len`
+    refused; generation itself is unbounded (no cache positions to run out of)."""
     model, _ = lm_models.build("mamba2")
-    lm = fx_rewrites.compile_lm(model, max_cache_len=32)
-    assert (lm.info.recurrent, lm.info.prompt_multiple) == (True, 16)
-    lm.generate(lm_models.prompt(32), max_new_tokens=40)  # unbounded generation: no cache positions to run out of
-    with pytest.raises(ValueError, match=r"prefilled as 48 .* compile_lm\(model, max_cache_len=48\)"):
-        lm.generate(lm_models.prompt(33), max_new_tokens=2)
+    lm = fx_rewrites.compile_lm(model, max_cache_len=48)
+    assert (lm.info.recurrent, lm.info.prompt_multiple, lm.info.short_prefill) == (True, 16, True)
+    assert [lm.info.prefill_length(n) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 48]
+    for length, seed in ((20, 1), (40, 2)):  # prefilled at 32 and 48
+        ids = lm_models.prompt(length, seed=seed)
+        expected = lm_models.reference(model, ids, 56)
+        assert lm_models.top2_margin(model, torch.cat([ids, expected], dim=1), length - 1) > 1e-3
+        got = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=56)  # a 0 in it is no padding
+        assert torch.equal(got[:, length:], expected)
+    with pytest.raises(ValueError, match=r"prefilled as 64 .* compile_lm\(model, max_cache_len=64\)"):
+        lm.generate(lm_models.prompt(49), max_new_tokens=2)
 
 
 def test_models_compile_lm_cannot_take_are_refused_by_name():

@@ -24,17 +24,17 @@ import torch
 
 from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
-from fx_rewrites.app.lm.recurrent import RecurrentLM, cache_kind, export_recurrent, prompt_multiple
+from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
 
 
-def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool) -> LMInfo:
+def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool, short: bool) -> LMInfo:
     config = getattr(model, "generation_config", None)
     pad = getattr(config, "pad_token_id", None)
     if pad is None:
         pad = getattr(model.config, "pad_token_id", None)
     eos = _ids(getattr(config, "eos_token_id", None))
     multiple = prompt_multiple(model) if recurrent else 1
-    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos, recurrent, multiple)
+    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos, recurrent, multiple, short)
 
 
 def _wrap(model: Any, max_cache_len: int, batch_size: int, strict: bool) -> tuple[dict[str, Any], bool]:
@@ -97,7 +97,7 @@ def compile_lm(
         model = copy.deepcopy(model).to(dtype)
     with quiet_torch_pytree():
         exported, recurrent = _wrap(model, max_cache_len, batch_size, strict)
-        info = _info(model, max_cache_len, batch_size, recurrent)
+        info = _info(model, max_cache_len, batch_size, recurrent, SHORT_PREFILL in exported)
         results = {name: apply(program, target.rules) for name, program in exported.items()}
         for result in results.values():
             result.report.warn_unless_converged(target.name)
@@ -114,7 +114,7 @@ def compile_lm(
     bound = target.load_module(functions.vmfb, functions.parameters)
     calls = {
         name: IreeCompiled(functions.plans[name], bound[name], functions.mlir, functions.vmfb, functions.key)
-        for name in FUNCTIONS
+        for name in programs
     }
     return CompiledLM(
         info,
@@ -125,6 +125,7 @@ def compile_lm(
         parameters=functions.parameters,
         programs=programs,
         reports={name: result.report for name, result in results.items()},
+        prefill_chunk=calls.get(SHORT_PREFILL),
     )
 
 
@@ -141,9 +142,12 @@ def load_lm(
 
     path = Path(path)
     info = LMInfo.from_json(function_reflections(path)["prefill"][LM_KEY])
-    calls = load_functions(path, FUNCTIONS, params=params, driver=driver)
+    names = (*FUNCTIONS, SHORT_PREFILL) if info.short_prefill else FUNCTIONS
+    calls = load_functions(path, names, params=params, driver=driver)
     prefill, decode = calls["prefill"], calls["decode"]
-    return CompiledLM(info, prefill, decode, prefill.vmfb, archive=prefill.archive)
+    return CompiledLM(
+        info, prefill, decode, prefill.vmfb, archive=prefill.archive, prefill_chunk=calls.get(SHORT_PREFILL)
+    )
 
 
 __all__ = [

@@ -35,6 +35,8 @@ class LMInfo:
     #: only, and every prompt is left-padded to a multiple of `prompt_multiple` tokens, at least two
     recurrent: bool = False
     prompt_multiple: int = 1
+    #: the module has a function for a prompt of one `prompt_multiple` (`recurrent.SHORT_PREFILL`)
+    short_prefill: bool = False
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), separators=(",", ":"))
@@ -49,15 +51,16 @@ class LMInfo:
             tuple(doc["eos_token_id"]),
             doc.get("recurrent", False),
             doc.get("prompt_multiple", 1),
+            doc.get("short_prefill", False),
         )
 
     def prefill_length(self, length: int) -> int:
         """The length a prompt of `length` tokens is prefilled at: itself, or for a recurrent state the
-        multiple of `prompt_multiple` at or above it, two multiples at least (the prefill's export)."""
+        multiple of `prompt_multiple` at or above it: one with the short prefill function, else two at least."""
         if not self.recurrent:
             return length
         m = self.prompt_multiple
-        return max(2 * m, -(-length // m) * m)
+        return max(m if self.short_prefill else 2 * m, -(-length // m) * m)
 
 
 def _ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
@@ -110,6 +113,8 @@ class CompiledLM:
     #: the rewritten programs (function -> ExportedProgram) and what the rules did; None once loaded
     programs: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     reports: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    #: a recurrent model's prefill of exactly one chunk (`recurrent.SHORT_PREFILL`), if the module has one
+    prefill_chunk: Any = attrs.field(default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa)."""
@@ -190,7 +195,10 @@ class CompiledLM:
         cache_mask[:, :length] = mask
         positions = mask.cumsum(-1) - 1
         positions = positions.masked_fill(mask == 0, 1)
-        step = prefill if length > 1 else decode
+        if self.prefill_chunk is not None and length == self.info.prompt_multiple:
+            step = _direct(self.prefill_chunk)
+        else:
+            step = prefill if length > 1 else decode
         logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
         unfinished = torch.arange(batch) < rows  # filler rows never hold the batch back
         eos_tensor = torch.tensor(eos, dtype=torch.long)

@@ -10,8 +10,9 @@ branch, and a prefill always starts the state afresh.
 
 The chunked scan pads the sequence to a multiple of its chunk with `(chunk - L % chunk) % chunk`: under a
 Dim on L that guard specializes the export to the example's length. The prefill's length is therefore a
-multiple of the chunk (`Dim("chunks") * chunk`, at least two chunks: torch specializes a size of one), and
-`generate` left-pads a prompt to it with masked positions. That changes no number of the model: its mixers
+multiple of the chunk (`Dim("chunks") * chunk`, at least two chunks: the scan's own code guards a count of
+one), with a third function for a prompt of one chunk (`SHORT_PREFILL`, static), and `generate` left-pads a
+prompt to the next of those lengths with masked positions. That changes no number of the model: its mixers
 zero the padded positions' inputs (`apply_mask_to_padding_states`, before the input projection and after the
 convolution), so a zero state stays zero through them, and the convolution sees zeros before the first token
 as it does at the start of a sequence; this holds where the input projection has no bias (Mamba2's
@@ -27,6 +28,10 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from fx_rewrites.app.lm.export import example_inputs
+
+#: the module function that prefills a prompt of one chunk (or less, padded): the chunked scan's export with a
+#: Dim starts at two chunks (torch specializes a count of one)
+SHORT_PREFILL = "prefill_chunk"
 
 
 def _states(cache: Any) -> list[tuple[int, str, int]]:
@@ -120,8 +125,9 @@ class RecurrentLM(torch.nn.Module):
 
 
 def export_recurrent(wrapper: RecurrentLM, *, strict: bool = False) -> dict[str, ExportedProgram]:
-    """`prefill` (the prompt length a multiple of the chunk, 2 chunks .. max_cache_len) and `decode` (one
-    token) of `wrapper`, exported over the same instance: both read and write its state buffers."""
+    """`prefill` (the prompt length a multiple of the chunk, 2 chunks .. max_cache_len), `decode` (one token)
+    and, for a chunked scan, `SHORT_PREFILL` (exactly one chunk) of `wrapper`, exported over the same
+    instance: all read and write its state buffers."""
     n, b, m = wrapper.max_cache_len, wrapper.batch_size, wrapper.multiple
     if n < 2 * m:
         raise ValueError(
@@ -147,4 +153,7 @@ def export_recurrent(wrapper: RecurrentLM, *, strict: bool = False) -> dict[str,
                 "fixed length"
             ) from e
         decode = torch.export.export(wrapper, example_inputs(b, 1, n, start=2 * m), strict=strict)
-    return {"prefill": prefill, "decode": decode}
+        programs = {"prefill": prefill, "decode": decode}
+        if m > 1:  # a prompt of one chunk or less: its own program (the chunked one's shortest is two)
+            programs[SHORT_PREFILL] = torch.export.export(wrapper, example_inputs(b, m, n), strict=strict)
+    return programs
