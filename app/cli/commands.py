@@ -326,7 +326,11 @@ def roots_summary(roots: Sequence[Any], width: int = ROOTS_WIDTH) -> str:
                 break
             listed = more
         shown.append(listed)
-    shown += others
+    for other in others:  # Python callables (operator.add, torch.sym_max): as many as fit
+        if len(", ".join([*shown, other])) + len(tail) + 5 > width:
+            shown.append("...")
+            break
+        shown.append(other)
     return ", ".join(shown) + tail
 
 
