@@ -8,6 +8,8 @@ The program runs on torch with every intermediate recorded; pieces of its graph 
 down to one node) are rebuilt as GraphModules whose inputs are the recorded values (`pieces`) and
 compiled on the backend; a piece is wrong when an output's error against the op run in float64 is well above
 torch's own float32 error (`compare.judge`). The first node in graph order wrong alone is reported.
+Where that static search finds nothing and the program has dynamic dims, the same search runs again on
+pieces that keep the program's symbolic shapes (`dynamic`): a fault the backend shows only with dynamic dims.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.app.localize.compare import Judgement, float64_reference, judge
+from fx_rewrites.app.localize.dynamic import describe, has_symbolic_shapes
 from fx_rewrites.app.localize.pieces import build_piece, flat_inputs, record, units
 from fx_rewrites.schema import op_name
 
@@ -47,6 +50,8 @@ class Finding:
     piece: GraphModule | None = None
     #: a reason the backend refuses this form by default (IREE's known wrong forms), else ""
     refused: str = ""
+    #: found by the dynamic pass (wrong only with dynamic shapes): the piece's symbolic shapes; "" when static
+    symbolic: str = ""
 
     @property
     def node(self) -> Node:
@@ -78,6 +83,8 @@ class Localization:
     registered: str = ""
     #: what the result cannot say (ttnn's host emulation), "" if nothing
     note: str = ""
+    #: whether the pieces were also searched with the program's symbolic shapes (the static search found nothing)
+    dynamic: bool = False
 
     def text(self) -> str:
         from fx_rewrites.app.localize.files import report
@@ -107,6 +114,8 @@ class _Search:
     backend: Any
     values: Mapping[str, Any]
     tolerance: tuple[float, float]
+    #: pieces keep the program's symbolic shapes (the dynamic pass) rather than the recorded sizes
+    symbolic: bool = False
     compiles: int = 0
     #: nodes torch could not rebuild as a piece of their own (not checked), with why
     skipped: list[tuple[Node, str]] = attrs.field(factory=list)
@@ -119,21 +128,28 @@ class _Search:
 
     def try_piece(self, nodes: Sequence[Node]) -> Finding | None:
         """Compile and run `nodes` on the backend; a Finding when it fails or an output is judged wrong."""
+        found = self._try_piece(nodes)
+        if found is not None and self.symbolic and found.piece is not None:
+            found.symbolic = describe(found.piece)
+        return found
+
+    def _try_piece(self, nodes: Sequence[Node]) -> Finding | None:
         try:
-            gm, inputs, outputs = build_piece(nodes, self.values)
+            gm, inputs, outputs = build_piece(nodes, self.values, symbolic=self.symbolic)
         except Exception as e:  # torch cannot rebuild the piece: not the backend's fault; halves may do
             if len(nodes) == 1:
-                self.skipped.append((nodes[0], _describe(e)))
+                if not self.symbolic:  # the static pass has said so already
+                    self.skipped.append((nodes[0], _describe(e)))
                 return None
             return Finding("rebuild failure", list(nodes), error=_describe(e))
         self.compiles += 1
         try:
-            fn = self.backend.compile(gm, [i.clone() for i in inputs])
+            fn = self.backend.compile(gm, _fresh(inputs))
         except Exception as e:
             return Finding("compile failure", list(nodes), error=_describe(e), inputs=inputs, piece=gm)
         try:
             with torch.no_grad():
-                got = _leaves(fn(*[i.clone() for i in inputs]))
+                got = _leaves(fn(*_fresh(inputs)))
         except Exception as e:
             return Finding("run failure", list(nodes), error=_describe(e), inputs=inputs, piece=gm)
         if len(got) != len(outputs):
@@ -182,6 +198,11 @@ _UNINITIALIZED = {
     torch.ops.aten.new_empty.default,
     torch.ops.aten.new_empty_strided.default,
 }
+
+
+def _fresh(inputs: Sequence[Any]) -> list[Any]:
+    """A piece's inputs to hand a backend: tensors cloned (a backend may write into them), numbers as they are."""
+    return [i.clone() if isinstance(i, torch.Tensor) else i for i in inputs]
 
 
 def _random(node: Node) -> bool:
@@ -271,6 +292,10 @@ def localize(
     tolerance = (getattr(target, "rtol", 0.0), getattr(target, "atol", 0.0))
     search = _Search(measuring(target), values, tolerance)
     finding = (search.bisect(todo) if bisect else search.each(todo)) if todo else None
+    dynamic = finding is None and bool(todo) and has_symbolic_shapes(program.graph_module)
+    if dynamic:  # right with the recorded sizes: the same search with the program's symbolic shapes
+        search.symbolic = True
+        finding = search.bisect(todo) if bisect else search.each(todo)
     if finding is not None:
         finding.refused = _refused(target, finding)
     name = getattr(target, "name", str(backend))
@@ -294,4 +319,5 @@ def localize(
         skipped=search.skipped,
         registered=registered,
         note=note,
+        dynamic=dynamic,
     )

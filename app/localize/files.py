@@ -62,17 +62,26 @@ def report(loc: Any) -> str:
         out += [f"  {n.name} ({op_name(n.target)}): {textwrap.shorten(why, 200)}" for n, why in loc.skipped[:5]]
     if f is None:
         every = "every node" if not loc.skipped else "every node checked"
-        out.append(f"PASS: {loc.backend} matches eager on {every} (each output within its dtype's tolerance)")
+        both = ", with the recorded sizes and with the program's symbolic shapes" if loc.dynamic else ""
+        out.append(f"PASS: {loc.backend} matches eager on {every}{both} (each output within its dtype's tolerance)")
         return "\n".join(out)
     node = f.node
     where = f"node {node.name} ({f.op})" if len(f.nodes) == 1 else f"{len(f.nodes)} nodes from {node.name} on"
-    out.append(f"FOUND: {where}: {f.kind} on {loc.backend}")
+    only = ", wrong only with dynamic shapes (every piece with the recorded, static sizes is right)"
+    out.append(f"FOUND: {where}: {f.kind} on {loc.backend}{only if f.symbolic else ''}")
     if len(f.nodes) > 1:
         out.append(
             "  no smaller piece fails; together: " + ", ".join(f"{n.name} ({op_name(n.target)})" for n in f.nodes)
         )
     out.append(f"  source: {source_line(node)}")
     out.append(f"  inputs: {_shapes(f.inputs)}")
+    if f.symbolic:
+        from fx_rewrites.app.localize.dynamic import dims_source
+
+        out.append(f"  symbolic shapes the backend compiled: {textwrap.shorten(f.symbolic, 600)}")
+        static = dims_source(f.piece)[1]
+        dynamic = "repro.py exports the piece with these dims as torch.export Dims"
+        out.append(f"  {STATIC_REPRO}: {static}" if static else f"  {dynamic}")
     value = node.meta.get("val")
     if value is not None:
         out.append(f"  output: {format_value(value)}")
@@ -96,6 +105,13 @@ def report(loc: Any) -> str:
     if loc.reproduced is not None:
         out.append(f"the reproduction reproduces it here: {'yes' if loc.reproduced else 'NO (see repro.py)'}")
     return "\n".join(out)
+
+
+#: what the report says of a dynamic-only finding's reproduction
+STATIC_REPRO = (
+    "the reproduction (repro.py) is static, it compiles the piece with the recorded sizes and may not reproduce "
+    "a dynamic-only fault (Finding.piece, whose values carry the symbolic shapes, does)"
+)
 
 
 # ----------------------------------------------------------------------------- Python text
@@ -130,6 +146,8 @@ def literal(v: Any) -> str:
 def _callee(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+    if target.__module__ == "_operator":  # size arithmetic (a dynamic piece's)
+        return f"operator.{target.__name__}"
     return f"{target.__module__}.{target.__qualname__}"
 
 
@@ -166,8 +184,11 @@ def _drawn(t: torch.Tensor) -> str:
     return f"torch.randint({int(low)}, {int(high) + 1}, {shape}, dtype={dtype}, generator=g)"
 
 
-def input_source(name: str, t: torch.Tensor) -> str:
-    """Lines making a tensor like `t`: with seed 0 its recorded values when small, else drawn over its range."""
+def input_source(name: str, t: torch.Tensor | int) -> str:
+    """Lines making a tensor like `t`: with seed 0 its recorded values when small, else drawn over its range
+    (a number, a size the piece reads: as recorded)."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name} = {literal(t)}"
     if t.numel() > EXACT:
         return f"{name} = {_drawn(t)}"
     values = pprint.pformat(t.tolist(), width=100, compact=True).replace("nan", 'float("nan")')
@@ -219,7 +240,10 @@ def _backend_source(backend: str) -> str:
 
 
 def repro_source(loc: Any) -> str:
+    from fx_rewrites.app.localize.dynamic import dims_source
+
     f = loc.finding
+    dims = dims_source(f.piece)[0] if f.symbolic else "def dynamic_shapes():\n    return None  # the recorded sizes"
     what = f"{f.kind} on {loc.backend}: node {f.node.name} ({f.op}), source {source_line(f.node)}"
     return f'''"""Reproduction written by `fx-rewrites localize` for {loc.label}.
 
@@ -228,6 +252,7 @@ Run: python repro.py   (exit 1: reproduced; exit 0: not)
 """
 
 import inspect
+import operator
 import sys
 
 import attrs
@@ -248,25 +273,47 @@ from fx_rewrites import backends
 {WRONG}
 
 def upcast(args):
-    return [a.double() if a.is_floating_point() else a for a in args]
+    return [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
 
 
-def main():
-    args = inputs()
+def fresh(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+{dims}
+
+
+class Program(torch.nn.Module):
+    def forward(self, *args):
+        return program(*args)
+
+
+def traced(args):
+    """The program as the backend gets it: exported with dynamic_shapes()'s dims where it has them, else a
+    GraphModule with the sizes of `args`."""
+    shapes = dynamic_shapes()
+    if shapes is not None:
+        return torch.export.export(Program(), tuple(args), dynamic_shapes=shapes)
     module = torch.fx.symbolic_trace(program)
     lines, first = inspect.getsourcelines(program)
     body = [(first + i, text.strip()) for i, text in enumerate(lines) if " = " in text]
     for n, (line, text) in zip([n for n in module.graph.nodes if n.op == "call_function"], body):
         n.meta["stack_trace"] = f'  File "{{__file__}}", line {{line}}, in program\\n    {{text}}\\n'  # for errors
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(a) for a in args]
+    fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     with mode:
         FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
     for p, fake in zip([n for n in module.graph.nodes if n.op == "placeholder"], fakes):
         p.meta["val"] = fake
+    return module
+
+
+def main():
+    args = inputs()
+    module = traced(args)
     expected, reference = program(*args), program(*upcast(args))
     try:
-        got = backend.compile(module, args)(*[a.clone() for a in args])
+        got = backend.compile(module, args)(*fresh(args))
     except Exception as e:
         text = " ".join(str(e).split())[:2000]
         print(f"REPRODUCED: {{backend.name}} fails on {f.op}: {{type(e).__name__}}: {{text}}")

@@ -111,12 +111,17 @@ def {name}(node: Node, rw: Rewriter) -> Any:
 
 
 def guard_test_source(loc: Any) -> str:
+    from fx_rewrites.app.localize.dynamic import dims_source
+
     f = loc.finding
+    dims = dims_source(f.piece)[0] if f.symbolic else "def dynamic_shapes():\n    return None  # the recorded sizes"
     name = rule_name(f.node.target, loc.backend)
     params = [n.name for n in f.piece.graph.nodes if n.op == "placeholder"]
     signature = ", ".join(params)
     return f'''"""The test of {name} (guard_rule.py), written by `fx-rewrites localize`: {loc.backend} is wrong on the
 form without the rule (it fails once {loc.backend} is fixed and the guard can go) and right with it."""
+
+import operator
 
 import attrs
 import torch
@@ -137,27 +142,35 @@ class Form(torch.nn.Module):
 
 {inputs_source(f.piece, f.inputs)}
 
+
+{dims}
+
+
+def _export(args):
+    shapes = dynamic_shapes()
+    return torch.export.export(Form(), tuple(args), dynamic_shapes=None if shapes is None else shapes[0])
+
 {WRONG}
 
 def _wrong_on(program_, args):
     try:
-        got = backend.compile(program_, args)(*[a.clone() for a in args])
+        got = backend.compile(program_, args)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     except Exception as e:
         return f"{{type(e).__name__}}: {{e}}"
     expected = program(*args)
-    reference = program(*[a.double() if a.is_floating_point() else a for a in args])
+    reference = program(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
     return "; ".join(w for w in map(wrong, got, expected, reference) if w)
 
 
 def test_the_backend_is_wrong_without_the_rule():
     args = inputs(0)
-    assert _wrong_on(torch.export.export(Form(), args), args)
+    assert _wrong_on(_export(args), args)
 
 
 def test_the_rule_fires_and_the_backend_matches():
     for seed in (0, 1):
         args = inputs(seed)
-        result = apply(torch.export.export(Form(), args), [{name}])
+        result = apply(_export(args), [{name}])
         assert result.report.rewrites.get({quoted(name)}), "the rule did not fire"
         assert not _wrong_on(result.program, args)
 '''

@@ -13,6 +13,8 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Graph, GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
+from fx_rewrites.app.localize.dynamic import is_symbolic, program_value, recompute_sizes
+
 # ----------------------------------------------------------------------------- recording
 
 
@@ -75,45 +77,56 @@ def units(gm: GraphModule, values: Mapping[str, Any]) -> list[Node]:
     ]
 
 
-def build_piece(nodes: Sequence[Node], values: Mapping[str, Any]) -> tuple[GraphModule, list[Any], list[tuple]]:
+def build_piece(
+    nodes: Sequence[Node], values: Mapping[str, Any], *, symbolic: bool = False
+) -> tuple[GraphModule, list[Any], list[tuple]]:
     """`nodes` as a GraphModule of their own: what they read from outside is a placeholder fed the recorded
     value (a tensor) or the recorded value inlined (a number, a list); every tensor they make is an output.
+    With `symbolic`, the piece keeps the program's symbolic shapes (`dynamic`): its values are the program's
+    FakeTensors with SymInts, and a dynamic size read from outside is recomputed or a placeholder.
     Returns the module, its inputs and, per output, (node, index in a tuple value or None)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     inside = {n for n in nodes}
     inside |= {u for n in nodes for u in n.users if u.target is operator.getitem}
     graph, root = Graph(), torch.nn.Module()
     env: dict[Node, Any] = {}
-    inputs: list[Any] = []
+    held: list[tuple[Node, Any]] = []  # the placeholders and their recorded values, in order
+
+    def placeholder(name: str, value: Any, source: Node, index: int | None = None) -> Node:
+        p = graph.placeholder(name)
+        if symbolic:
+            p.meta["val"] = program_value(source, index)
+        held.append((p, value))
+        return p
 
     def outside(n: Node) -> Any:
         if n in env:
             return env[n]
         value = values[n.name]
         if isinstance(value, torch.Tensor):
-            env[n] = graph.placeholder(n.name)
-            inputs.append(value)
+            env[n] = placeholder(n.name, value, n)
         elif isinstance(value, torch.nn.Module):  # a higher-order op's subgraph
             setattr(root, n.name, value)
             env[n] = graph.get_attr(n.name)
         elif isinstance(value, (tuple, list)) and _has_tensor(value):
-            env[n] = [outside_leaf(n.name, i, v) for i, v in enumerate(value)]
+            env[n] = [outside_leaf(n, i, v) for i, v in enumerate(value)]
+        elif symbolic and is_symbolic(n.meta.get("val")):  # a dynamic size: recomputed below where it can be
+            env[n] = placeholder(n.name, value, n)
         else:
             env[n] = value
         return env[n]
 
-    def outside_leaf(name: str, i: int, value: Any) -> Any:
+    def outside_leaf(n: Node, i: int, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        inputs.append(value)
-        return graph.placeholder(f"{name}_{i}")
+        return placeholder(f"{n.name}_{i}", value, n, i)
 
     ordered = sorted(inside, key=_order(nodes))
+    kept = ("stack_trace", "nn_module_stack", "val") if symbolic else ("stack_trace", "nn_module_stack")
     for n in ordered:
         copy = graph.node_copy(n, lambda a: env[a] if a in inside else outside(a))
-        copy.meta = {k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack")}
+        copy.meta = {k: v for k, v in n.meta.items() if k in kept}
+        if symbolic:
+            copy.meta["val"] = program_value(n)
         env[n] = copy
     outputs: list[tuple[Node, int | None]] = []
     for n in ordered:
@@ -125,10 +138,28 @@ def build_piece(nodes: Sequence[Node], values: Mapping[str, Any]) -> tuple[Graph
             outputs += [(n, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor) and i not in taken]
     results = []
     for n, i in outputs:
-        results.append(env[n] if i is None else graph.call_function(operator.getitem, (env[n], i)))
+        result = env[n] if i is None else graph.call_function(operator.getitem, (env[n], i))
+        if symbolic and i is not None:
+            result.meta["val"] = program_value(n, i)
+        results.append(result)
     graph.output(tuple(results))
     _placeholders_first(graph)
+    if symbolic:
+        held = recompute_sizes(graph, held)
+        graph.lint()
     gm = GraphModule(root, graph)
+    inputs = [value for _, value in held]
+    if not symbolic:
+        _propagate(gm, inputs)
+    return gm, inputs, outputs
+
+
+def _propagate(gm: GraphModule, inputs: Sequence[Any]) -> None:
+    """Every node's meta["val"]: fake tensors of the recorded (static) sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    graph = gm.graph
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(v) for v in inputs]
     for p, fake in zip([p for p in graph.nodes if p.op == "placeholder"], fakes):
@@ -140,7 +171,6 @@ def build_piece(nodes: Sequence[Node], values: Mapping[str, Any]) -> tuple[Graph
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     finally:
         quiet.setLevel(level)
-    return gm, inputs, outputs
 
 
 def _order(nodes: Sequence[Node]) -> Callable[[Node], int]:
