@@ -52,7 +52,7 @@ def report(loc: Any) -> str:
     out = [
         f"fx-rewrites localize: {loc.label} on {loc.backend}, {how}",
         f"the program as a whole on {loc.backend}: {textwrap.shorten(loc.whole, 300)}",
-        f"searched {loc.nodes} nodes: {loc.compiles} compiles, {loc.seconds:.1f} s",
+        f"searched {loc.nodes} nodes{DYNAMIC if loc.dynamic else ''}: {loc.compiles} compiles, {loc.seconds:.1f} s",
     ]
     f = loc.finding
     if loc.note:
@@ -106,6 +106,9 @@ def report(loc: Any) -> str:
         out.append(f"the reproduction reproduces it here: {'yes' if loc.reproduced else 'NO (see repro.py)'}")
     return "\n".join(out)
 
+
+#: the search line's words for a search that ran its dynamic pass too
+DYNAMIC = " with the recorded sizes, then with the program's symbolic shapes"
 
 #: what the report says of a dynamic-only finding's reproduction
 STATIC_REPRO = (
