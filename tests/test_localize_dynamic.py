@@ -158,3 +158,17 @@ def test_mamba2_chunk_scan_wrong_numbers_named_at_the_reshape(unfixed):
     f = found.finding
     assert f is not None and found.dynamic and f.symbolic, found.text()
     assert f.op == "aten.reshape.default" and ", 16, 4, 8]" in f.symbolic, found.text()
+
+
+def test_dims_export_cannot_say_leave_the_reproduction_static_and_say_why():
+    class Flat(torch.nn.Module):
+        def forward(self, x):
+            return x.reshape(-1) * 2
+
+    x = torch.randn(3, 5)
+    program = torch.export.export(Flat(), (x,), dynamic_shapes=({0: Dim("a"), 1: Dim("b")},))
+    values = record(program.graph_module, flat_inputs(program, (x,), {}))
+    mul = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    gm, _, _ = build_piece([mul], values, symbolic=True)
+    source, static = dims_source(gm)
+    assert "not linear in one symbol" in static and "return None" in source, (source, static)
