@@ -28,6 +28,7 @@ from fx_rewrites.backends.iree.rules import (
 )
 from fx_rewrites.engine import Miss
 from fx_rewrites.kinds.legalize import legalize, legalize_form
+from fx_rewrites.rules.symbolic import sym_arithmetic_constant
 from fx_rewrites.ruleset import RuleSet
 
 #: the rule decomposing every illegal op torch can decompose
@@ -144,6 +145,9 @@ LEGALIZE = RuleSet(
         *float64_math.RULES,
         *float64_atan.RULES,
         *nan_guards.RULES,
+        # size arithmetic this phase's rewrites leave constant (adaptive pooling's `0 * size // 2`): folded here
+        # too, as the first phase folds the export's (IREE has no lowering for `aten.fmod.int`)
+        sym_arithmetic_constant,
     ],
     name="iree-legalize",
 )
