@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.legality import WRONG_IN_SOME_FORMS
 from fx_rewrites.backends.iree.rules import live_scatters
 from fx_rewrites.backends.iree.rules.conv import conv_one_window_dims, conv_single_window_for_iree
+from fx_rewrites.backends.iree.rules.counting_sort import counting_sort_for_iree
 from fx_rewrites.backends.iree.rules.guards import (
     empty_variance,
     empty_variance_for_iree,
@@ -203,6 +204,10 @@ def _shared_iota(node: Node) -> str:
         "shape shares that iota: the second's indices come back wrong (an MoE router per layer; "
         "docs/iree-3.13-findings.md, section 22)"
     )
+    if node.target is not aten.topk.default and not isinstance(
+        counting_sort_for_iree.when(node, schema.arguments(node)), Miss
+    ):
+        return f"{what}; fix: {APPLY}, which write it as a counting sort"
     guard = topk_as_ranks_for_iree if node.target is aten.topk.default else sort_as_ranks_for_iree
     missed = guard.when(node, schema.arguments(node))
     if not isinstance(missed, Miss):

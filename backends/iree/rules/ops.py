@@ -2,8 +2,9 @@
 
 Not part of DEFAULT: other backends may lower these ops themselves. With
 this module's rules, `RULES` holds the hand-written lowerings of ops torch
-cannot decompose (`lowerings`), the scatters that undo a view (`scatters`)
-and the MoE grouped matmul (`moe`). The legality-driven decomposition and
+cannot decompose (`lowerings`), the scatters that undo a view (`scatters`),
+the MoE grouped matmul (`moe`) and the sorts of its expert ids
+(`counting_sort`, `topk`). The legality-driven decomposition and
 the guards against IREE's silent wrong results are the backend's second
 phase (`legalize.LEGALIZE`).
 """
@@ -18,7 +19,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import arguments, empty, lowerings, moe, scatters, topk
+from fx_rewrites.backends.iree.rules import arguments, counting_sort, empty, lowerings, moe, scatters, topk
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
@@ -281,6 +282,7 @@ RULES = RuleSet(
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,
+        *counting_sort.RULES,
         *topk.RULES,
         *attention.GUARDS,
     ],

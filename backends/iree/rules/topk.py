@@ -12,6 +12,8 @@ Here topk of a width of at most `MAX_WIDTH` ranks every element instead: its ran
 that come before it (greater, or equal at a lower index; NaN above every number, as torch orders it), and
 output slot r takes the index whose rank is r, its value gathered. No sort, no iota shared between layers;
 the ranks are a permutation, so every index is in range. Cost: width^2 comparisons a row (4 experts: 16).
+A sort of values known to lie in [0, E) (the experts' sort of a topk's indices) is a counting sort instead
+(rules/counting_sort.py, n * E work, tried first); the ranks take the sorts it cannot prove that of.
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ def topk_as_ranks_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any])
         rw.call(aten._to_copy.default, chosen, dtype=torch.int64),
         rw.call(aten.unsqueeze.default, positions, -1),
     )
-    indices = rw.call(aten.sum.dim_IntList, weighted, [-2])  # [..., k]
+    # the clamp changes nothing (the ranks are a permutation) and states the range [0, width) the indices are
+    # in, which the counting sort of a later sort of them reads (`value_bound`)
+    width = x.meta["val"].shape[-1]
+    indices = rw.call(aten.clamp.default, rw.call(aten.sum.dim_IntList, weighted, [-2]), 0, width - 1)  # [..., k]
     _replace_pair(node, rw, rw.call(aten.gather.default, x, -1, indices), indices)
 
 
