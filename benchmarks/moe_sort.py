@@ -1,20 +1,24 @@
 """MoE prefill through compile_lm at real prompt lengths: what the experts' sort as ranks costs (issue: moesort).
 
     python benchmarks/moe_sort.py                                    # 16 and 64 experts, top 2 and 8, 128/512/2048
-    python benchmarks/moe_sort.py --experts 64 --top 8 --prompts 128 2048 --routes iree eager
+    python benchmarks/moe_sort.py --experts 64 --top 8 --prompts 128 512 --routes ranks counting --interleave
     python benchmarks/moe_sort.py --micro                            # the sort alone, ranks vs counting sort
 
 Model: `Qwen3MoeForCausalLM` from a config (hidden 512, 4 layers, 8 heads / 4 KV heads, every layer sparse,
 moe_intermediate 256, vocab 4096), seeded random weights (randn x 0.05), transformers' default experts path
-(`grouped_mm`: each layer sorts its tokens x top_k expert ids). Routes, one child process per (config, route):
-- `iree`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + 1)` on IREE local-sync, the prefill one
-  function with a Dim on the sequence; the time of `generate(ids, max_new_tokens=1)`;
+(`grouped_mm`: each layer sorts its tokens x top_k expert ids; `--impl batched_mm`: no sort). Routes, one child
+process per (config, route), or all of a config's in one child, interleaved (`--interleave`):
+- `counting` / `ranks`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + 1)` on IREE local-sync (the
+  prefill one function with a Dim on the sequence), the experts' sorts as counting sorts (the rules as they are)
+  or as ranks (`counting_sort_for_iree` left out); the time of `generate(ids, max_new_tokens=1)`;
 - `eager`: transformers' `model.generate(ids, max_new_tokens=1, do_sample=False)` (DynamicCache).
 One thread each (torch.set_num_threads(1), IREE local-sync), CPU time (time.process_time), prompts interleaved
-round after round, medians. Peak RSS: the process's high-water mark reset (/proc/self/clear_refs) before each
-prompt's first call and read after its last: what that prompt needs on top of nothing (the compile's peak is not
-counted). `--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of
-the flattened ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt.
+round after round, medians; round 0 warms up. Peak RSS: the process's high-water mark reset
+(/proc/self/clear_refs) before a prompt's warm-up call and read after it (the compile's peak is not counted).
+IREE prompts whose gathered expert weights (backends/iree/rules/moe.py: rows x in x out floats) pass
+`--max-gather-gb` are skipped (prompt 2048 at top 8: 17 GB for gate_up alone; it was killed for memory).
+`--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of the flattened
+ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt, ranks vs counting.
 """
 
 from __future__ import annotations
@@ -88,21 +92,9 @@ def iree_backend(sort: str) -> Any:
     return backend
 
 
-def child(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    max_len = max(args.prompts) + 1
-    model = build(args.experts[0], args.top[0], max_len, args.impl)
-    if args.routes[0] != "eager":
-        import fx_rewrites
-
-        start = time.perf_counter()
-        lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(args.routes[0]))
-        fired = {k: v for k, v in lm.reports["prefill"].rewrites.items() if "sort" in k}
-        print(json.dumps({"compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
-
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            return lm.generate(ids, max_new_tokens=1)[:, -1]
-    else:
+def _runner(route: str, model: Any, max_len: int) -> Any:
+    """(ids) -> the first new token, by `route`: eager generate, or compile_lm with the sort as `route`."""
+    if route == "eager":
 
         def run(ids: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -111,33 +103,53 @@ def child(args: argparse.Namespace) -> None:
                 )
             return out[:, -1]
 
-    peaks: dict[int, float] = {}
-    tokens: dict[int, int] = {}
+        return run
+    import fx_rewrites
+
+    start = time.perf_counter()
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route))
+    fired = {k: v for k, v in lm.reports["prefill"].rewrites.items() if "sort" in k}
+    print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
+    return lambda ids: lm.generate(ids, max_new_tokens=1)[:, -1]
+
+
+def child(args: argparse.Namespace) -> None:
+    """Every route of `args.routes` on one model, interleaved: round after round, prompt after prompt."""
+    torch.set_num_threads(1)
+    max_len = max(args.prompts) + 1
+    model = build(args.experts[0], args.top[0], max_len, args.impl)
+    runs = {route: _runner(route, model, max_len) for route in args.routes}
     config = model.config
     # the grouped matmul as IREE runs it gathers a weight per row (backends/iree/rules/moe.py): rows x in x out
     gather_gb = {
         p: p * args.top[0] * 2 * config.moe_intermediate_size * config.hidden_size * 4 / 1e9 for p in args.prompts
     }
-    prompts = [p for p in args.prompts if args.routes[0] == "eager" or gather_gb[p] <= args.max_gather_gb]
-    for p in sorted(set(args.prompts) - set(prompts)):
-        print(json.dumps({"prompt": p, "skipped": f"the gathered gate_up weights alone: {gather_gb[p]:.1f} GB"}))
-    times: dict[int, list[float]] = {p: [] for p in prompts}
+    cases = [(route, p) for p in args.prompts for route in args.routes]
+    for route, p in cases:
+        if route != "eager" and gather_gb[p] > args.max_gather_gb:
+            print(
+                json.dumps({"route": route, "prompt": p, "skipped": f"gathered gate_up weights {gather_gb[p]:.1f} GB"})
+            )
+    cases = [(route, p) for route, p in cases if route == "eager" or gather_gb[p] <= args.max_gather_gb]
+    times: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    peaks: dict[tuple[str, int], float] = {}
+    tokens: dict[tuple[str, int], int] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (and measures the peak)
-        for p in prompts:
+        for route, p in cases:
             ids = _prompt(p)
             if r == 0:
                 _hwm_reset()
             start = time.process_time()
-            token = run(ids)
+            token = runs[route](ids)
             elapsed = time.process_time() - start
             if r == 0:
-                peaks[p] = _hwm_mb()
-                tokens[p] = int(token[0])
+                peaks[route, p] = _hwm_mb()
+                tokens[route, p] = int(token[0])
             else:
-                times[p].append(elapsed)
-    for p in prompts:
-        row = {"prompt": p, "ms": round(1e3 * statistics.median(times[p]), 1), "peak_mb": round(peaks[p])}
-        print(json.dumps({**row, "token": tokens[p]}), flush=True)
+                times[route, p].append(elapsed)
+    for route, p in cases:
+        row = {"route": route, "prompt": p, "ms": round(1e3 * statistics.median(times[route, p]), 1)}
+        print(json.dumps({**row, "peak_mb": round(peaks[route, p]), "token": tokens[route, p]}), flush=True)
 
 
 class _Sorts(torch.nn.Module):
@@ -195,6 +207,7 @@ def main() -> None:
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true")
+    parser.add_argument("--interleave", action="store_true", help="all routes in one child, interleaved")
     parser.add_argument(
         "--max-gather-gb", type=float, default=8.0, help="IREE: skip prompts whose gathered weights pass this"
     )
@@ -207,17 +220,16 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.2f}")
     for experts in args.experts:
         for top in args.top:
-            for route in args.routes:
+            for routes in [args.routes] if args.interleave else [[route] for route in args.routes]:
                 command = [sys.executable, __file__, "--child", "--experts", str(experts), "--top", str(top),
-                           "--routes", route, "--impl", args.impl, "--rounds", str(args.rounds),
+                           "--routes", *routes, "--impl", args.impl, "--rounds", str(args.rounds),
                            "--max-gather-gb", str(args.max_gather_gb),
                            "--prompts", *map(str, args.prompts)]  # fmt: skip
                 out = subprocess.run(command, capture_output=True, text=True, check=False)
                 if out.returncode:
-                    print(f"# {experts} experts top {top} {route}: exit {out.returncode}\n{out.stderr[-3000:]}")
+                    print(f"# {experts} experts top {top} {routes}: exit {out.returncode}\n{out.stderr[-3000:]}")
                 for line in out.stdout.splitlines():
-                    row = {"experts": experts, "top": top, "route": route}
-                    print(json.dumps({**row, **json.loads(line)}), flush=True)
+                    print(json.dumps({"experts": experts, "top": top, **json.loads(line)}), flush=True)
     print(f"# load {os.getloadavg()[0]:.2f}")
 
 
