@@ -53,6 +53,8 @@ _KEEPS_VALUES = frozenset(
         aten.slice.Tensor,
         aten.select.int,
         aten._to_copy.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
     )
 )
 #: ops whose output 1 indexes their input along `dim`
@@ -88,6 +90,12 @@ def value_bound(node: Any, depth: int = 32) -> int | None:
     """E such that every value of the integer tensor `node` is in [0, E), proved from the graph; else None."""
     if not isinstance(node, Node) or node.op != "call_function" or depth == 0 or not _integral(node):
         return None
+    bound = _bound(node, depth)
+    # a copy to a narrower integer type wraps what it cannot hold (topk indices over 300 as int8)
+    return bound if bound is not None and bound - 1 <= torch.iinfo(node.meta["val"].dtype).max else None
+
+
+def _bound(node: Node, depth: int) -> int | None:
     target = node.target
     if target in _KEEPS_VALUES:
         return value_bound(node.args[0], depth - 1)

@@ -67,39 +67,44 @@ def test_expert_ids_sort_as_a_counting_sort_and_iree_matches_eager(dynamic, desc
 
 def test_a_lone_sort_of_argmax_and_a_stable_sort_of_topk_indices():
     """The range from an argmax (over 5) and from topk indices seen before any rule (over 300, too wide for the
-    ranks); torch.sort(stable=True) (aten.sort.stable) too."""
+    ranks, and copied to int16); torch.sort(stable=True) (aten.sort.stable) too."""
 
     def f(x, y):
         a = torch.sort(torch.argmax(x, dim=-1))
         b = torch.sort(torch.topk(y, 3).indices.flatten(), stable=True)
-        return *a, *b
+        c = torch.sort(torch.topk(y, 3).indices.to(torch.int16).flatten(), descending=True)  # int16 holds 0..299
+        return *a, *b, *c
 
     g = torch.Generator().manual_seed(0)
     inputs = [(torch.randn(2, 40, 5, generator=g), torch.randn(7, 300, generator=g)) for _ in range(2)]
     ep = rt.export(f, *inputs[0])
     result = rt.apply_rules(ep, backends.get("iree").rules)
-    rt.assert_fired(result, counting_sort_for_iree, times=2)
+    rt.assert_fired(result, counting_sort_for_iree, times=3)
 
     def reference(x, y):
         a = torch.sort(torch.argmax(x, dim=-1), stable=True)
         b = torch.sort(torch.topk(y, 3).indices.flatten(), stable=True)
-        return *a, *b
+        c = torch.sort(torch.topk(y, 3).indices.to(torch.int16).flatten(), stable=True, descending=True)
+        return *a, *b, *c
 
     rt.assert_matches_eager(result, reference, inputs, rtol=0, atol=0)
 
 
 def test_unbounded_or_wide_values_are_left():
-    """Values not proved in [0, E) (an input; a float sort; a clamp of floats) or E > MAX_BINS: no counting sort."""
+    """Values not proved in [0, E) (an input; a float sort; a clamp of floats; indices copied to a type that
+    wraps them) or E > MAX_BINS: no counting sort."""
 
-    def f(ids, v, w):
+    def f(ids, v, w, u):
         return (
             torch.sort(ids).indices,
             torch.sort(v).indices,
             torch.sort(torch.clamp(v, 0, 3)).indices,
             torch.sort(torch.argmax(w, dim=-1)).indices,
+            torch.sort(torch.topk(u, 2).indices.to(torch.int8).flatten()).indices,  # 0..299 wraps in int8
         )
 
-    ep = rt.export(f, torch.randint(0, 4, (2, 6)), torch.randn(2, 6), torch.randn(6, MAX_BINS + 1))
+    inputs = torch.randint(0, 4, (2, 6)), torch.randn(2, 6), torch.randn(6, MAX_BINS + 1), torch.randn(3, 300)
+    ep = rt.export(f, *inputs)
     result = rt.apply_rules(ep, backends.get("iree").rules)
     rt.assert_not_fired(result, counting_sort_for_iree)
     nodes = {n.name: n for n in ep.graph.nodes}
