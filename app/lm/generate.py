@@ -32,7 +32,7 @@ class LMInfo:
     pad_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     #: the cache is a recurrent state (`recurrent.RecurrentLM`): `max_cache_len` bounds the (padded) prompt
-    #: only, and every prompt is left-padded to a multiple of `prompt_multiple` tokens, at least two
+    #: only, and every prompt is left-padded to a multiple of `prompt_multiple` tokens (`prefill_length`)
     recurrent: bool = False
     prompt_multiple: int = 1
     #: the module has a function for a prompt of one `prompt_multiple` (`recurrent.SHORT_PREFILL`)

@@ -1,11 +1,11 @@
-"""A causal LM whose cache is a recurrent state (Mamba2), as two exported programs, prefill and decode.
+"""A causal LM whose cache is a recurrent state (Mamba2), as exported programs: prefills and a decode.
 
 transformers keeps such a model's state in "linear attention" cache layers: per layer a convolution window
 and an SSM state of fixed shapes, whatever the sequence length. `RecurrentLM` holds them as buffers and is
 called as `CachedLM` is, `(input_ids, attention_mask, position_ids, cache_position)`, so that one
 `CompiledLM` drives both (the positions and the cache position are not read: a recurrent state has no
 positions). The mixer branches in Python on whether the layer has a previous state (the recurrent form of one
-token, else the chunked scan from a zero state), so prefill and decode are two programs, each tracing one
+token, else the chunked scan from a zero state), so prefill and decode are separate programs, each tracing one
 branch, and a prefill always starts the state afresh.
 
 The chunked scan pads the sequence to a multiple of its chunk with `(chunk - L % chunk) % chunk`: under a
@@ -30,7 +30,7 @@ from torch.export import Dim, ExportedProgram
 from fx_rewrites.app.lm.export import example_inputs
 
 #: the module function that prefills a prompt of one chunk (or less, padded): the chunked scan's export with a
-#: Dim starts at two chunks (torch specializes a count of one)
+#: Dim starts at two chunks (the scan's code guards a count of one)
 SHORT_PREFILL = "prefill_chunk"
 
 
