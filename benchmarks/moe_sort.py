@@ -54,6 +54,7 @@ def _hwm_mb() -> float:
 
 def build(experts: int, top: int, max_len: int, impl: str = "grouped_mm") -> Any:
     sys.path.insert(0, str(ROOT))
+    from benchmarks.generate import seeded_for_greedy
     from benchmarks.runtime_models import _tf
 
     tf = _tf()
@@ -66,15 +67,7 @@ def build(experts: int, top: int, max_len: int, impl: str = "grouped_mm") -> Any
     )  # fmt: skip
     config._experts_implementation = impl
     torch.manual_seed(0)
-    model = tf.Qwen3MoeForCausalLM(config).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return seeded_for_greedy(tf.Qwen3MoeForCausalLM(config).eval())
 
 
 def _prompt(length: int) -> torch.Tensor:

@@ -170,3 +170,27 @@ def top2_margin(model: torch.nn.Module, sequence: torch.Tensor, start: int) -> f
         logits = model(sequence).logits[0, start:]
     top = logits.topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())
+
+
+class Mamba2Scan(torch.nn.Module):
+    """transformers' Mamba2 chunked scan alone (`mamba2_chunk_scan`, 4 heads of 8, one group, SSM state 16), its
+    A_log, D and dt_bias drawn from `generator`: `(x, dt, b, c)` -> (output, final state)."""
+
+    def __init__(self, chunk: int, generator: torch.Generator) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.a_log, self.d, self.dt_bias = (torch.rand(4, generator=generator) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Any:
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+        return mamba2_chunk_scan(
+            x, dt, -torch.exp(self.a_log), b, c, chunk_size=self.chunk, D=self.d, dt_bias=self.dt_bias,
+            dt_softplus=True, return_final_states=True,
+        )  # fmt: skip
+
+    @staticmethod
+    def inputs(length: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """`(x, dt, b, c)` for a sequence of `length`, drawn from `generator`."""
+        shapes = ((2, length, 4, 8), (2, length, 4), (2, length, 1, 16), (2, length, 1, 16))
+        return tuple(torch.randn(*s, generator=generator) for s in shapes)

@@ -23,6 +23,7 @@ import fx_rewrites
 from fx_rewrites.app.localize.dynamic import dims_source
 from fx_rewrites.app.localize.pieces import build_piece, flat_inputs, record
 from fx_rewrites.backends.iree import importing
+from tests.lm_models import Mamba2Scan
 
 CHUNK = 16
 
@@ -135,23 +136,12 @@ def test_a_dynamic_piece_recomputes_the_sizes_it_reads_from_its_inputs():
 def test_mamba2_chunk_scan_wrong_numbers_named_at_the_reshape(unfixed):
     """transformers' Mamba2 chunked scan: with the fix off IREE's whole program is silently wrong (logits-sized
     errors, no exception); every static piece is right; the dynamic pass names the chunking reshape."""
-    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
-
     generator = torch.Generator().manual_seed(0)
-    a_log, d, dt_bias = (torch.rand(4, generator=generator) for _ in range(3))
-
-    class Scan(torch.nn.Module):
-        def forward(self, x, dt, b, c):
-            return mamba2_chunk_scan(
-                x, dt, -torch.exp(a_log), b, c, chunk_size=CHUNK, D=d, dt_bias=dt_bias, dt_softplus=True,
-                return_final_states=True,
-            )  # fmt: skip
-
-    shapes = ((2, 32, 4, 8), (2, 32, 4), (2, 32, 1, 16), (2, 32, 1, 16))
-    args = tuple(torch.randn(*s, generator=generator) for s in shapes)
+    scan = Mamba2Scan(CHUNK, generator)
+    args = Mamba2Scan.inputs(32, generator)
     chunks = Dim("chunks", min=1, max=4)
     with torch.no_grad():
-        program = torch.export.export(Scan(), args, dynamic_shapes=tuple({1: CHUNK * chunks} for _ in args))
+        program = torch.export.export(scan, args, dynamic_shapes=tuple({1: CHUNK * chunks} for _ in args))
     found = fx_rewrites.localize(program, args, backend="iree")  # after the rules: the padding is the int 0
     diff = float(found.whole.rsplit(" ", 1)[-1])
     assert found.whole.startswith("compiles and runs") and diff > 1.0, found.whole  # 5.4 measured

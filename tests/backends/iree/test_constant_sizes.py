@@ -14,6 +14,7 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.program import copy_graph_module
+from tests.lm_models import Mamba2Scan
 
 CHUNK = 16
 
@@ -58,26 +59,16 @@ def test_chunked_reshape_through_iree():
 
 def test_mamba2_chunk_scan_through_iree():
     """transformers' Mamba2 chunked scan: IREE returned an empty output (and the model wrong logits) before."""
-    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
-
     generator = torch.Generator().manual_seed(0)
-    a_log, d, dt_bias = (torch.rand(4, generator=generator) for _ in range(3))
-
-    class Scan(torch.nn.Module):
-        def forward(self, x, dt, b, c):
-            return mamba2_chunk_scan(
-                x, dt, -torch.exp(a_log), b, c, chunk_size=CHUNK, D=d, dt_bias=dt_bias, dt_softplus=True,
-                return_final_states=True,
-            )  # fmt: skip
+    scan = Mamba2Scan(CHUNK, generator)
 
     def inputs(length: int) -> tuple[torch.Tensor, ...]:
-        shapes = ((2, length, 4, 8), (2, length, 4), (2, length, 1, 16), (2, length, 1, 16))
-        return tuple(torch.randn(*s, generator=generator) for s in shapes)
+        return Mamba2Scan.inputs(length, generator)
 
-    compiled = fx_rewrites.compile(_export(Scan(), *inputs(32)))
+    compiled = fx_rewrites.compile(_export(scan, *inputs(32)))
     for length in (32, 48):
         args = inputs(length)
-        for got, expected in zip(compiled(*args), Scan()(*args), strict=True):
+        for got, expected in zip(compiled(*args), scan(*args), strict=True):
             assert got.shape == expected.shape
             # torch's own float32 error on such inputs, against float64: 3.3e-6 to 5.7e-6 (values up to 78)
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
