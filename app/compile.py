@@ -76,7 +76,7 @@ class Compiled:
         `fx_rewrites.load(path)` reads it back."""
         save = getattr(self.runtime, "save", None)
         if save is None:
-            from fx_rewrites.backends.iree.artifact import ArtifactError
+            from fx_rewrites.backends.base import ArtifactError
 
             raise ArtifactError(
                 f"the {self.backend} backend writes no artifact. Fix: compile with backend='iree' to save a .vmfb, "
@@ -150,7 +150,13 @@ def compile(
     return Compiled(target.name, result.program, result.report, runtime)
 
 
-def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, driver: str | None = None):
+def load(
+    path: str | os.PathLike[str],
+    *,
+    params: str | os.PathLike[str] | None = None,
+    driver: str | None = None,
+    backend: str | Any = "iree",
+):
     """A compiled module saved with `compiled.save(path)`, called like the model it came from.
 
     Only the call convention (JSON inside the .vmfb) and IREE's module are
@@ -158,52 +164,20 @@ def load(path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None 
     archive it was saved with (default: PATH with the suffix .irpa);
     `driver` overrides the IREE driver it was compiled for ("local-task"). A module from
     `fx_rewrites.compile_lm` comes back as a `CompiledLM` (`generate`), one of a size dispatch as a
-    `SizeDispatch` (the guard is data in its reflection, evaluated on each call's sizes)."""
+    `SizeDispatch` (the guard is data in its metadata, evaluated on each call's sizes). `backend`: the
+    backend that reads the file (`backends.base.ModuleBackend`)."""
+    from fx_rewrites import backends
     from fx_rewrites.app.dispatch import is_dispatch, load_dispatch
     from fx_rewrites.app.lm import is_lm, load_lm
-    from fx_rewrites.backends.iree.runtime import function_reflections
-    from fx_rewrites.backends.iree.runtime import load as load_iree
 
+    target = backends.get(backend) if isinstance(backend, str) else backend
     path = Path(path)
-    reflections = function_reflections(path) if path.is_file() else {}
-    if is_lm(reflections):  # fx_rewrites.compile_lm's: prefill and decode
-        return load_lm(path, params=params, driver=driver)
-    if is_dispatch(reflections):  # a size dispatch's: when_true and when_false, the guard as data
-        return load_dispatch(path, params=params, driver=driver)
-    return load_iree(path, params=params, driver=driver)
-
-
-def example_inputs(compiled: Any) -> list[str]:
-    """`iree-run-module --input=` values for the compiled function's tensor inputs, zero-filled
-    ("2x3x8x8xf32=0"), or [] when the convention does not say."""
-    plan = getattr(getattr(compiled, "runtime", compiled), "plan", None)
-    if plan is None or not plan.inputs:
-        return []
-    out = []
-    for i in plan.args:
-        item = plan.inputs[i] if isinstance(i, int) and i < len(plan.inputs) else None
-        if item is None or item.kind != "tensor" or not all(isinstance(d, int) for d in item.shape):
-            return []
-        element = _IREE_ELEMENT.get(item.dtype)
-        if element is None:
-            return []
-        out.append("x".join([*(str(d) for d in item.shape), element]) + "=0")
-    return out
-
-
-#: torch dtype -> the element type iree-run-module's --input takes
-_IREE_ELEMENT = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "ui8",
-    torch.bool: "i1",
-}
+    metadata = target.read_metadata(path) if path.is_file() else {}
+    if is_lm(metadata):  # fx_rewrites.compile_lm's: prefill and decode
+        return load_lm(path, params=params, driver=driver, backend=target)
+    if is_dispatch(metadata):  # a size dispatch's: when_true and when_false, the guard as data
+        return load_dispatch(path, params=params, driver=driver, backend=target)
+    return target.load_file(path, ("main",), params=params, driver=driver).functions["main"]
 
 
 def flat_inputs(compiled: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
@@ -215,4 +189,4 @@ def flat_inputs(compiled: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | 
     return [flat[i] if isinstance(i, int) else i for i in runtime.plan.args]
 
 
-__all__ = ["Compiled", "ExportFailed", "compile", "example_inputs", "export_hint", "flat_inputs", "load"]
+__all__ = ["Compiled", "ExportFailed", "compile", "export_hint", "flat_inputs", "load"]

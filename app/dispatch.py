@@ -11,8 +11,9 @@ Used when a cond's predicate is a function of sizes alone and a branch does
 more than element-wise work; where both branches are element-wise (cheap),
 `cond_to_where` stays. One such cond per program (two compiled sides).
 
-For IREE (state in the module) the two sides are the functions `when_true` and `when_false` of one
-module (`backends/iree/functions.py`): weights and the state the program updates are shared inside it.
+Where the backend compiles several functions into one module (`backends.base.ModuleBackend`: IREE, state in
+the module) the two sides are its functions `when_true` and `when_false`: weights and the state the program
+updates are shared inside it.
 The predicate is also kept as data (`guard`: sizes, integers, comparisons, +, *, //, %), carried in the
 module's reflection, so `save` writes the one module and `fx_rewrites.load` dispatches again without
 evaluating code from the file. docs/deploy.md.
@@ -35,10 +36,12 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_false, statically_known_true
 from torch.utils import _pytree as pytree
 
+from fx_rewrites import backends
 from fx_rewrites.api import Result, apply
+from fx_rewrites.backends.base import ArtifactError, ModuleBackend
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule
-from fx_rewrites.rules.control_flow import subgraph, walk
+from fx_rewrites.subgraphs import subgraph, walk
 
 cond = torch.ops.higher_order.cond
 
@@ -199,30 +202,18 @@ def evaluate(tree: Any, shapes: list[Any]) -> Any:
 
 
 @attrs.define(eq=False)
-class DispatchModule:
-    """The IREE module of a size dispatch: both sides as functions `when_true`/`when_false` (shared weights
-    and state), its `vmfb`, the `parameters` it reads (or the `archive` it was loaded with) and `embed`
-    (compiles it self-contained: () -> vmfb)."""
-
-    vmfb: bytes = attrs.field(repr=False)
-    parameters: Any = attrs.field(default=None, repr=False)
-    embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
-    archive: Any = None
-
-
-@attrs.define(eq=False)
 class SizeDispatch:
     """Called like the program: evaluates the predicate on the call's sizes and runs one compiled side.
 
-    `module` is the one IREE module holding both sides (None when the backend compiled two: then
-    `save` raises); `tree` the guard as data (`guard`), None when it cannot be carried (`why`)."""
+    `module` is the one module holding both sides (`backends.base.Module`; None when the backend compiled
+    two: then `save` raises); `tree` the guard as data (`guard`), None when it cannot be carried (`why`)."""
 
     found: SizeCond | None
     in_spec: Any = attrs.field(repr=False)
     when_true: Callable[..., Any] = attrs.field(repr=False)
     when_false: Callable[..., Any] = attrs.field(repr=False)
     results: tuple[Result, Result] | None = attrs.field(default=None, repr=False)
-    module: DispatchModule | None = attrs.field(default=None, repr=False)
+    module: Any = attrs.field(default=None, repr=False)
     tree: Any = None
     #: the predicate as text (`s0 <= 16`) and the cond it came from, for messages
     description: str = ""
@@ -258,8 +249,6 @@ class SizeDispatch:
     def save(self, path: Any, *, params: Any = None) -> None:
         """Write the one module (functions `when_true`, `when_false`; the guard in `when_true`'s reflection)
         to `path`, as `IreeCompiled.save` does (`params`: the weights and initial state to that .irpa)."""
-        from fx_rewrites.backends.iree.artifact import ArtifactError, save
-
         if self.module is None:
             raise ArtifactError(
                 f"this program dispatches on the sizes of a call ({self.description}), compiled as two modules "
@@ -273,17 +262,7 @@ class SizeDispatch:
                 "predicate with comparisons, +, *, // and % of sizes and integers, or export each side with "
                 "static sizes (or a Dim range on one side of the threshold) and save each."
             )
-        unsupported = getattr(self.when_true, "unsupported", "") or getattr(self.when_false, "unsupported", "")
-        m = self.module
-        save(
-            m.vmfb,
-            path,
-            unsupported=unsupported,
-            params=params,
-            parameters=m.parameters,
-            embed=m.embed,
-            archive=m.archive,
-        )
+        self.module.save(path, params=params)
 
 
 def _writes_state(program: ExportedProgram) -> bool:
@@ -292,50 +271,26 @@ def _writes_state(program: ExportedProgram) -> bool:
 
 
 def _one_module(target: Any) -> bool:
-    """Whether `target` compiles both sides into one module (an IREE backend keeping state in the module)."""
-    try:
-        from fx_rewrites.backends.iree.backend import IreeBackend
-    except ImportError:  # pragma: no cover - the IREE packages are absent
-        return False
-    return isinstance(target, IreeBackend) and target.state == "module"
+    """Whether `target` compiles both sides into one module (IREE, keeping state in the module)."""
+    return isinstance(target, ModuleBackend) and getattr(target, "state", "module") == "module"
 
 
 def _compile_one_module(target: Any, found: SizeCond, results: tuple[Result, Result], in_spec: Any) -> SizeDispatch:
     """Both sides as the functions of one module: weights declared once, the state one global each."""
-    import functools
     import json
-
-    from fx_rewrites.backends.iree.artifact import UNSUPPORTED_KEY, reflection
-    from fx_rewrites.backends.iree.functions import compile_functions, embedded
-    from fx_rewrites.backends.iree.runtime import IreeCompiled
 
     dispatch = SizeDispatch(found, in_spec, None, None, results)
     doc = {"cond": found.node, "expr": str(found.expr), "guard": dispatch.tree}
-    extra = {"when_true": {DISPATCH_KEY: json.dumps(doc)}} if dispatch.tree is not None else {}
-    functions = compile_functions(target, dict(zip(FUNCTIONS, (r.program for r in results))), extra=extra)
-    bound = target.load_module(functions.vmfb, functions.parameters)
-    for name in FUNCTIONS:
-        why = reflection(functions.plans[name], target.driver).get(UNSUPPORTED_KEY, "")
-        call = IreeCompiled(
-            functions.plans[name],
-            bound[name],
-            functions.mlir,
-            functions.vmfb,
-            functions.key,
-            functions.from_cache,
-            why,
-            parameters=functions.parameters,
-        )
-        setattr(dispatch, name, call)
-    gm = results[0].program.graph_module
-    embed = functools.partial(embedded, target, functions, gm) if functions.parameters else None
-    dispatch.module = DispatchModule(functions.vmfb, functions.parameters, embed)
+    metadata = {"when_true": {DISPATCH_KEY: json.dumps(doc)}} if dispatch.tree is not None else {}
+    module = target.compile_module(dict(zip(FUNCTIONS, (r.program for r in results))), metadata=metadata)
+    dispatch.when_true, dispatch.when_false = (module.functions[name] for name in FUNCTIONS)
+    dispatch.module = module
     return dispatch
 
 
 def compile_dispatch(program: ExportedProgram, found: SizeCond, target: Any, args: tuple[Any, ...]) -> SizeDispatch:
-    """Both sides of `found` through `target`'s rules and compiler: for IREE (state in the module) one module
-    with a function per side (`compile_functions`), else a compiled program per side."""
+    """Both sides of `found` through `target`'s rules and compiler: one module with a function per side where
+    the backend builds such modules (`ModuleBackend.compile_module`), else a compiled program per side."""
     results = tuple(apply(specialise(program, found, value), target.rules) for value in (True, False))
     for result in results:
         result.report.warn_unless_converged(target.name)
@@ -347,33 +302,29 @@ def compile_dispatch(program: ExportedProgram, found: SizeCond, target: Any, arg
     return SizeDispatch(found, program.call_spec.in_spec, runtimes[0], runtimes[1], results)
 
 
-def is_dispatch(reflections: dict[str, dict[str, str]]) -> bool:
-    """Whether a module's function reflections (`runtime.function_reflections`) are a size dispatch's."""
-    return DISPATCH_KEY in reflections.get("when_true", {}) and "when_false" in reflections
+def is_dispatch(metadata: dict[str, dict[str, str]]) -> bool:
+    """Whether a module file's function metadata (`ModuleBackend.read_metadata`) is a size dispatch's."""
+    return DISPATCH_KEY in metadata.get("when_true", {}) and "when_false" in metadata
 
 
-def load_dispatch(path: Any, *, params: Any = None, driver: str | None = None) -> SizeDispatch:
+def load_dispatch(path: Any, *, params: Any = None, driver: str | None = None, backend: Any = "iree") -> SizeDispatch:
     """A `SizeDispatch` saved with `.save(path)` (its weights from `params`, default the .irpa beside it)."""
     import json
 
-    from fx_rewrites.backends.iree.artifact import ArtifactError
-    from fx_rewrites.backends.iree.runtime import function_reflections, load_functions
-
+    target = backends.get(backend) if isinstance(backend, str) else backend
     try:
-        doc = json.loads(function_reflections(path)["when_true"][DISPATCH_KEY])
+        doc = json.loads(target.read_metadata(path)["when_true"][DISPATCH_KEY])
         tree = check_guard(doc["guard"], f"{path}'s size dispatch")
         description = f"cond {doc['cond']!r}: {doc['expr']}"
     except (ValueError, KeyError, TypeError) as e:
         raise ArtifactError(f"{path}: its size dispatch entry is malformed ({e}). Fix: save it again") from e
-    calls = load_functions(path, FUNCTIONS, params=params, driver=driver)
-    true, false = calls["when_true"], calls["when_false"]
-    module = DispatchModule(true.vmfb, archive=true.archive)
+    module = target.load_file(path, FUNCTIONS, params=params, driver=driver)
+    true, false = (module.functions[name] for name in FUNCTIONS)
     return SizeDispatch(None, true.plan.in_spec, true, false, None, module, tree, description)
 
 
 __all__ = [
     "DISPATCH_KEY",
-    "DispatchModule",
     "GuardError",
     "SizeCond",
     "SizeDispatch",

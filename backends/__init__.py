@@ -1,4 +1,4 @@
-"""Backends: where rewritten graphs go. `backends.get("eager")`.
+"""Backends: where rewritten graphs go. `backends.get("eager")`, `backends.get("iree")`.
 
 A backend is a name, a RuleSet and `compile(program, example_args)`; see
 `backends.base.Backend`. Register your own with `backends.register(...)` or
@@ -7,34 +7,30 @@ the `fx_rewrites.backends` entry point group.
 
 from fx_rewrites.backends.base import (
     ENTRY_POINT_GROUP,
+    ArtifactError,
     Backend,
     BackendUnavailable,
+    Module,
+    ModuleBackend,
     UnknownBackend,
     get,
     names,
     register,
 )
 from fx_rewrites.backends.eager import EagerBackend
-from fx_rewrites.backends.iree import BACKEND_TARGETS, TARGETS, IreeBackend
 
+# IREE (iree, iree-cuda, iree-rocm, iree-vulkan) and ttnn are registered as third-party backends are: by the
+# `fx_rewrites.backends` entry points in pyproject.toml, loaded on first use (`get`, `names`).
 register(EagerBackend())
-for _name, _target in BACKEND_TARGETS.items():  # iree (llvm-cpu), iree-cuda, iree-rocm, iree-vulkan
-    register(IreeBackend(name=_name, target=TARGETS[_target]))
-
-
-def _ttnn_backend() -> Backend:
-    from fx_rewrites.backends.ttnn import TtnnBackend  # defines the ttnn stand-in ops on first use
-
-    return TtnnBackend()
-
-
-register(_ttnn_backend, name="ttnn")
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ArtifactError",
     "Backend",
     "BackendUnavailable",
     "EagerBackend",
+    "Module",
+    "ModuleBackend",
     "UnknownBackend",
     "get",
     "names",

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx_rewrites.engine import RewriteError
 from fx_rewrites.ruleset import Phases, RuleSet
 
-#: entry point group third-party backends register under (value: a Backend
-#: instance or a zero-argument callable returning one).
+#: entry point group backends register under (value: a Backend instance or a zero-argument callable returning
+#: one, such as the Backend class): third parties' and fx-rewrites' own (pyproject.toml).
 ENTRY_POINT_GROUP = "fx_rewrites.backends"
 
 
@@ -33,6 +35,60 @@ class Backend(Protocol):
     rules: RuleSet | Phases
 
     def compile(self, program: ExportedProgram | GraphModule, example_args: Sequence[Any]) -> Callable[..., Any]: ...
+
+
+class Module(Protocol):
+    """Several compiled programs in one module: its `functions` by name (each called like the program it
+    came from), sharing the weights and the state they update; `save` writes the whole module."""
+
+    functions: Mapping[str, Callable[..., Any]]
+
+    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None: ...
+
+
+@runtime_checkable
+class ModuleBackend(Protocol):
+    """A backend that compiles several programs into one module and reads such a module back from a file.
+
+    `fx_rewrites.compile_lm` (prefill and decode over one KV cache) and the size dispatch (a cond's two
+    sides) use it by these names; IREE (`backends/iree/`) has it.
+
+    - `compile_module(programs, metadata=, weights_as_parameters=, same_state=)`: the programs (function name ->
+      ExportedProgram, rules applied) as one loaded `Module`. A weight the programs share (the same tensor) is
+      one copy; a buffer they update under one name is one state every function reads and writes.
+      `metadata`: function -> {key: text} carried in the file and given back by `read_metadata`;
+      `weights_as_parameters`: every weight in the parameter file, none inside the module; `same_state`:
+      refuse programs that do not all update the same buffers.
+    - `read_metadata(path)`: each function of the module file at `path` -> its metadata.
+    - `load_file(path, names, params=, driver=)`: the module at `path` with functions `names`, its weights
+      from `params` (default: beside it).
+    """
+
+    name: str
+
+    def compile_module(
+        self,
+        programs: Mapping[str, ExportedProgram],
+        *,
+        metadata: Mapping[str, Mapping[str, str]] | None = None,
+        weights_as_parameters: bool = False,
+        same_state: bool = False,
+    ) -> Module: ...
+
+    def read_metadata(self, path: str | os.PathLike[str]) -> dict[str, dict[str, str]]: ...
+
+    def load_file(
+        self,
+        path: str | os.PathLike[str],
+        names: Sequence[str] = ("main",),
+        *,
+        params: str | os.PathLike[str] | None = None,
+        driver: str | None = None,
+    ) -> Module: ...
+
+
+class ArtifactError(RewriteError):
+    """A compiled program cannot be saved, or a file cannot be loaded as one."""
 
 
 class BackendUnavailable(RuntimeError):
@@ -70,11 +126,15 @@ def get(name: str) -> Backend:
     if name not in _REGISTRY:
         _load_entry_points()
     if name not in _REGISTRY:
-        raise UnknownBackend(f"no backend named {name!r}; known: {sorted(names())}")
+        raise UnknownBackend(
+            f"no backend named {name!r}; known: {sorted(names())}. fx-rewrites' own backends (iree, iree-cuda, "
+            "iree-rocm, iree-vulkan, ttnn) are registered by its package metadata: if one is missing, reinstall "
+            "the package (pip install -e .)"
+        )
     entry = _REGISTRY[name]
-    if not isinstance(entry, Backend):
+    if isinstance(entry, type) or not isinstance(entry, Backend):  # a factory (a class is one)
         entry = entry()
-        if not isinstance(entry, Backend):
+        if isinstance(entry, type) or not isinstance(entry, Backend):
             raise TypeError(f"backend factory {name!r} returned {entry!r}, which is not a Backend")
         _REGISTRY[name] = entry
     return entry

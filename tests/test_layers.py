@@ -126,3 +126,55 @@ def test_the_checks_can_fail(tmp_path):
     found = imports(bad)
     assert ("fx_rewrites", 1, False) in found and ("fx_rewrites.schema", 2, False) in found
     assert [(name, local) for name, _, local in found if layer(name) == 3] == [("fx_rewrites.app.demo", True)]
+
+
+def _generic_rule_module(module: str) -> bool:
+    """A module of the backend-neutral packs (`fx_rewrites.rules.<module>`), not their registry."""
+    return module.startswith("fx_rewrites.rules.")
+
+
+def _in_rule_folder(module: str) -> bool:
+    """A rule folder's registry or module: `fx_rewrites.rules[.*]`, `fx_rewrites.backends.<name>.rules[.*]`."""
+    parts = module.split(".")
+    return parts[:2] == ["fx_rewrites", "rules"] or (parts[1:2] == ["backends"] and parts[3:4] == ["rules"])
+
+
+def test_iree_is_imported_by_name_only_inside_its_folder():
+    """A backend is one folder: the app layer reaches IREE through the backend registry and its capabilities
+    (`backends.base.ModuleBackend`), never by importing `fx_rewrites.backends.iree`."""
+    outside = {
+        module: [
+            f"line {line}: {name}"
+            for name, line, _ in imports(MODULES[module])
+            if name.startswith("fx_rewrites.backends.iree")
+        ]
+        for module in set(MODULES) - FACE
+        if not (module == "fx_rewrites.backends.iree" or module.startswith("fx_rewrites.backends.iree."))
+    }
+    assert {m: found for m, found in outside.items() if found} == {}
+
+
+def test_no_module_outside_the_rule_folders_imports_a_generic_rule_module():
+    """Shared helpers live in modules of their own (`fx_rewrites.subgraphs`, `fx_rewrites.symbolic_sizes`);
+    outside the rule folders, the packs are reached through their registry (`fx_rewrites.rules`)."""
+    borrowed = {
+        module: [f"line {line}: {name}" for name, line, _ in imports(MODULES[module]) if _generic_rule_module(name)]
+        for module in set(MODULES) - FACE
+        if not _in_rule_folder(module)
+    }
+    assert {m: found for m, found in borrowed.items() if found} == {}
+    assert _in_rule_folder("fx_rewrites.rules") and _in_rule_folder("fx_rewrites.backends.iree.rules.moe")
+    assert _generic_rule_module("fx_rewrites.rules.symbolic") and not _generic_rule_module("fx_rewrites.rules")
+    assert not _in_rule_folder("fx_rewrites.backends.iree.backend") and not _in_rule_folder("fx_rewrites.subgraphs")
+
+
+def test_the_backend_neutral_layers_are_not_about_iree():
+    """No module of `rewrites/` or `engine/` has IREE as its subject (the first line of its docstring)."""
+    about_iree = []
+    for module, path in MODULES.items():
+        if layer(module) > 1:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if "IREE" in doc.split("\n", 1)[0]:
+            about_iree.append(module)
+    assert about_iree == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,11 @@ def _size(path: Path) -> str:
     return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
 
 
-def run_command(compiled: object, vmfb: Path, params: Path | None, driver: str = "local-task") -> str:
-    """The iree-run-module command line for the saved module (zero-filled inputs of the compiled shapes)."""
-    from fx_rewrites.app.compile import example_inputs
-
-    argv = ["iree-run-module", f"--device={driver}", f"--module={vmfb}", "--function=main"]
-    if params is not None:
-        argv.append(f"--parameters=model={params}")
-    argv += [f"--input={value}" for value in example_inputs(compiled)]
-    return " ".join(shlex.quote(a) for a in argv)
+def run_command(compiled: Any, vmfb: Path, params: Path | None, driver: str = "local-task") -> str:
+    """The command line that runs the saved module, where the backend gives one (IREE: iree-run-module with
+    zero-filled inputs of the compiled shapes), else ""."""
+    command = getattr(compiled.runtime, "run_command", None)
+    return command(vmfb, params, driver) if callable(command) else ""
 
 
 def _cross_compiled(backend: Any, program: Any) -> Any:
@@ -98,6 +93,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"note: {hint}")
     print(f"wrote {out} ({_size(out)})" + (f" and {params} ({_size(params)}, the weights)" if params else ""))
     command = run_command(compiled, out, params, getattr(backend, "driver", "local-task"))
-    print(f"in {time.perf_counter() - start:.1f} s. Run it:\n  {command}")
+    print(f"in {time.perf_counter() - start:.1f} s." + (f" Run it:\n  {command}" if command else ""))
     print(f'or from Python: fx_rewrites.load("{out}"' + (f', params="{params}")' if params else ")"))
     return EXIT_PASS if absent or outcome == "ok" else EXIT_FAIL

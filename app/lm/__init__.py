@@ -8,16 +8,15 @@
 The model is wrapped with a static KV cache held as buffers (`export.CachedLM`), or, for a model whose
 cache is a recurrent state (Mamba2), with that state held as buffers (`recurrent.RecurrentLM`); the wrapper
 is exported twice over the same instance (prefill with the prompt length dynamic, decode with one token), the
-backend's rules are applied to each, and both are compiled into one module (`backends.iree.functions`): the
-weights are parameters declared once, the cache is mutable globals both functions update, so it stays in
-the module between calls.
+backend's rules are applied to each, and the backend compiles both into one module (its `ModuleBackend`
+capability, `backends.base`; IREE's is `backends/iree/functions.py`): the weights are parameters declared
+once, the cache is mutable globals both functions update, so it stays in the module between calls.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,16 +74,14 @@ def compile_lm(
     as is); `strict`: torch.export's strict mode (both work). Returns a `CompiledLM` (`generate`, `save`)."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
-    from fx_rewrites.backends.iree.backend import IreeBackend
-    from fx_rewrites.backends.iree.functions import compile_functions
-    from fx_rewrites.backends.iree.runtime import IreeCompiled
     from fx_rewrites.program import quiet_torch_pytree
 
     target = backends.get(backend) if isinstance(backend, str) else backend
-    if not isinstance(target, IreeBackend):
+    if not isinstance(target, backends.ModuleBackend):
         raise ValueError(
-            f"compile_lm builds one IREE module with prefill and decode functions; backend {target.name!r} is not "
-            "an IREE backend. Fix: backend='iree' (or an IreeBackend)"
+            f"compile_lm builds one module with prefill and decode functions; backend {target.name!r} cannot "
+            "compile several functions into one module (backends.ModuleBackend). Fix: backend='iree' (or an "
+            "IreeBackend)"
         )
     if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
         raise TypeError(
@@ -102,52 +99,36 @@ def compile_lm(
         for result in results.values():
             result.report.warn_unless_converged(target.name)
         programs = {name: result.program for name, result in results.items()}
-        functions = compile_functions(
-            target,
+        module = target.compile_module(
             programs,
-            extra={"prefill": {LM_KEY: info.to_json()}},
-            # every weight a parameter, whatever its size: one copy, outside the module text (the cache globals
-            # start from parameters of their own names whatever the limit: `parameter_hooks.state_global`)
-            limit=0,
+            metadata={"prefill": {LM_KEY: info.to_json()}},
+            # every weight a parameter, whatever its size: one copy, outside the module text (the cache state
+            # starts from parameters of its own names whatever the limit)
+            weights_as_parameters=True,
             same_state=True,
         )
-    bound = target.load_module(functions.vmfb, functions.parameters)
-    calls = {
-        name: IreeCompiled(functions.plans[name], bound[name], functions.mlir, functions.vmfb, functions.key)
-        for name in programs
-    }
-    return CompiledLM(
-        info,
-        calls["prefill"],
-        calls["decode"],
-        functions.vmfb,
-        functions.mlir,
-        parameters=functions.parameters,
-        programs=programs,
-        reports={name: result.report for name, result in results.items()},
-        prefill_chunk=calls.get(SHORT_PREFILL),
-    )
+    return CompiledLM(info, module, programs, {name: result.report for name, result in results.items()})
 
 
 def is_lm(reflections: dict[str, dict[str, str]]) -> bool:
-    """Whether a module's function reflections (`runtime.function_reflections`) are `compile_lm`'s."""
+    """Whether a module file's function metadata (`ModuleBackend.read_metadata`) is `compile_lm`'s."""
     return LM_KEY in reflections.get("prefill", {}) and "decode" in reflections
 
 
 def load_lm(
-    path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, driver: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    params: str | os.PathLike[str] | None = None,
+    driver: str | None = None,
+    backend: str | Any = "iree",
 ) -> CompiledLM:
     """A `CompiledLM` saved with `.save(path)` (its weights from `params`, default the .irpa beside it)."""
-    from fx_rewrites.backends.iree.runtime import function_reflections, load_functions
+    from fx_rewrites import backends
 
-    path = Path(path)
-    info = LMInfo.from_json(function_reflections(path)["prefill"][LM_KEY])
+    target = backends.get(backend) if isinstance(backend, str) else backend
+    info = LMInfo.from_json(target.read_metadata(path)["prefill"][LM_KEY])
     names = (*FUNCTIONS, SHORT_PREFILL) if info.short_prefill else FUNCTIONS
-    calls = load_functions(path, names, params=params, driver=driver)
-    prefill, decode = calls["prefill"], calls["decode"]
-    return CompiledLM(
-        info, prefill, decode, prefill.vmfb, archive=prefill.archive, prefill_chunk=calls.get(SHORT_PREFILL)
-    )
+    return CompiledLM(info, target.load_file(path, names, params=params, driver=driver))
 
 
 __all__ = [

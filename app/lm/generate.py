@@ -18,6 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from fx_rewrites.app.lm.recurrent import SHORT_PREFILL
+
 #: `iree.reflection` key on `prefill`: what `generate` needs besides the two functions (JSON)
 LM_KEY = "fx_rewrites.lm"
 FUNCTIONS = ("prefill", "decode")
@@ -71,24 +73,11 @@ def _ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
-def _direct(step: Any) -> Any:
-    """`step` (an `IreeCompiled` of `(input_ids, attention_mask, position_ids, cache_position)` -> logits) as a
-    call of its module function on the tensors' memory, without the per-call checks of the call convention
-    (~0.1 ms a token on this machine): `generate` builds every input itself, of the compiled dtypes and
-    shapes. Anything else is called as is."""
-    plan, function = getattr(step, "plan", None), getattr(step, "function", None)
-    if function is None or plan is None or plan.args != (0, 1, 2, 3) or len(plan.outputs) != 1:
-        return step
-    output = plan.outputs[0]
-    if output.result != 0 or output.write is not None:
-        return step
-    from fx_rewrites.backends.iree.runtime import from_device
-
-    def call(*tensors: torch.Tensor) -> torch.Tensor:
-        result = function(*(t.contiguous().numpy() for t in tensors))
-        return from_device(result[0] if isinstance(result, (tuple, list)) else result, output.dtype)
-
-    return call
+def _unchecked(step: Any) -> Any:
+    """`step` called without the call convention's per-call checks where its backend offers that
+    (`IreeCompiled.unchecked`): `generate` builds every input itself, of the compiled dtypes and shapes."""
+    unchecked = getattr(step, "unchecked", None)
+    return unchecked() if callable(unchecked) else step
 
 
 @attrs.define(eq=False)
@@ -98,31 +87,44 @@ class CompiledLM:
     `generate(input_ids, attention_mask=None, max_new_tokens=20, eos_token_id=None)` returns what
     `model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=False)` returns;
     `save(path)` writes the .vmfb and the weights (.irpa beside it, or `params=`), which
-    `fx_rewrites.load(path)` reads back. `prefill` / `decode` are the module's functions, called as the
-    exported wrapper (`CachedLM`) is: `(input_ids, attention_mask, position_ids, cache_position)`.
+    `fx_rewrites.load(path)` reads back. `module` is the backend's module (`backends.base.Module`); its
+    functions `prefill` / `decode` are called as the exported wrapper (`CachedLM`) is:
+    `(input_ids, attention_mask, position_ids, cache_position)`.
     """
 
     info: LMInfo
-    prefill: Any = attrs.field(repr=False)
-    decode: Any = attrs.field(repr=False)
-    vmfb: bytes = attrs.field(repr=False)
-    mlir: str = attrs.field(default="", repr=False)
-    #: the weights the module reads (key -> tensor); None once loaded from a file (see `archive`)
-    parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
-    archive: Path | None = None
+    module: Any = attrs.field(repr=False)
     #: the rewritten programs (function -> ExportedProgram) and what the rules did; None once loaded
     programs: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     reports: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
-    #: a recurrent model's prefill of exactly one chunk (`recurrent.SHORT_PREFILL`), if the module has one
-    prefill_chunk: Any = attrs.field(default=None, repr=False)
+
+    @property
+    def prefill(self) -> Any:
+        return self.module.functions["prefill"]
+
+    @property
+    def decode(self) -> Any:
+        return self.module.functions["decode"]
+
+    @property
+    def prefill_chunk(self) -> Any:
+        """A recurrent model's prefill of exactly one chunk (`recurrent.SHORT_PREFILL`), if the module has one."""
+        return self.module.functions.get(SHORT_PREFILL)
+
+    @property
+    def mlir(self) -> str:
+        """The imported module text ("" once loaded)."""
+        return getattr(self.module, "mlir", "")
+
+    @property
+    def parameters(self) -> Mapping[str, torch.Tensor] | None:
+        """The weights the module reads (key -> tensor); None once loaded from a file."""
+        return getattr(self.module, "parameters", None)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa)."""
-        from fx_rewrites.backends.iree.artifact import save
-
         path = Path(path)
-        params = Path(params) if params is not None else path.with_suffix(".irpa")
-        save(self.vmfb, path, params=params, parameters=self.parameters or {}, archive=self.archive)
+        self.module.save(path, params=Path(params) if params is not None else path.with_suffix(".irpa"))
 
     def generate(
         self,
@@ -190,13 +192,13 @@ class CompiledLM:
         rows: int,
     ) -> torch.Tensor:
         batch, length = ids.shape
-        prefill, decode = _direct(self.prefill), _direct(self.decode)
+        prefill, decode = _unchecked(self.prefill), _unchecked(self.decode)
         cache_mask = torch.ones(batch, self.info.max_cache_len, dtype=torch.long)
         cache_mask[:, :length] = mask
         positions = mask.cumsum(-1) - 1
         positions = positions.masked_fill(mask == 0, 1)
         if self.prefill_chunk is not None and length == self.info.prompt_multiple:
-            step = _direct(self.prefill_chunk)
+            step = _unchecked(self.prefill_chunk)
         else:
             step = prefill if length > 1 else decode
         logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))

@@ -226,15 +226,11 @@ def measuring(backend: Any) -> Any:
 
 
 def _refused(backend: Any, finding: Finding) -> str:
-    if not getattr(backend, "refuse_wrong_forms", False) or finding.piece is None:
+    """Why `backend` refuses the finding's piece by default (`refusal`: IREE's known wrong forms), else ""."""
+    refusal = getattr(backend, "refusal", None)
+    if not callable(refusal) or finding.piece is None:
         return ""
-    from fx_rewrites.backends.iree import wrong_forms
-
-    try:
-        wrong_forms.refuse(finding.piece)
-    except Exception as e:
-        return " ".join(str(e).split())
-    return ""
+    return refusal(finding.piece)
 
 
 def _whole(backend: Any, program: ExportedProgram, args: tuple, kwargs: dict, expected: Any) -> str:

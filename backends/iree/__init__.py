@@ -54,6 +54,29 @@ from fx_rewrites.backends.iree.invoke import TIMEOUT_ENV, IreeCompileTimeout
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled
 from fx_rewrites.backends.iree.targets import BACKEND_TARGETS, TARGETS, IreeTarget
 
+
+def registered(name: str) -> IreeBackend:
+    """The backend registered as `name` (`BACKEND_TARGETS`: iree, iree-cuda, iree-rocm, iree-vulkan)."""
+    return IreeBackend(name=name, target=TARGETS[BACKEND_TARGETS[name]])
+
+
+# zero-argument factories the `fx_rewrites.backends` entry points in pyproject.toml name (`backends.get`)
+def llvm_cpu() -> IreeBackend:
+    return registered("iree")
+
+
+def cuda() -> IreeBackend:
+    return registered("iree-cuda")
+
+
+def rocm() -> IreeBackend:
+    return registered("iree-rocm")
+
+
+def vulkan() -> IreeBackend:
+    return registered("iree-vulkan")
+
+
 __all__ = [
     "BACKEND_TARGETS",
     "CACHE_ENV",
@@ -72,5 +95,6 @@ __all__ = [
     "IreeMemoryError",
     "IreeTarget",
     "IreeUnsupportedError",
+    "registered",
     "rules_for",
 ]

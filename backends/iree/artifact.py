@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fx_rewrites.backends.base import ArtifactError
 from fx_rewrites.backends.convention import Input, Output, Plan
 from fx_rewrites.backends.iree.parameters import SCOPE
-from fx_rewrites.engine import RewriteError
 
 #: `iree.reflection` keys on `main`: the convention (JSON), or why it could not be written
 CALL_KEY = "fx_rewrites.call"
@@ -33,10 +33,6 @@ UNSUPPORTED_KEY = "fx_rewrites.unsupported"
 FORMAT = "fx-rewrites.iree-call"
 VERSION = 1
 _SCALARS = (type(None), bool, int, float, str)
-
-
-class ArtifactError(RewriteError):
-    """A compiled program cannot be saved, or a file cannot be loaded as one."""
 
 
 def _dtype(dtype: torch.dtype | None) -> str | None:

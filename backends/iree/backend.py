@@ -9,6 +9,7 @@ fn = gpu.compile(program, args)                        # compile and load on the
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
+from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.parameters import (
@@ -35,7 +37,7 @@ from fx_rewrites.backends.iree.parameters import (
     parameter_hooks,
 )
 from fx_rewrites.backends.iree.rules import OWN, phases
-from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, get_device
+from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, function_reflections, get_device
 from fx_rewrites.backends.iree.state import lift_state
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.ruleset import Phases, RuleSet
@@ -270,6 +272,51 @@ class IreeBackend:
             modules.append(memory_parameters(config, parameters))
         modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
         return rt.load_vm_modules(*modules, config=config)[-1]
+
+    # -- several functions in one module (the `backends.base.ModuleBackend` capability) --------------------
+
+    def compile_module(
+        self,
+        programs: Mapping[str, ExportedProgram],
+        *,
+        metadata: Mapping[str, Mapping[str, str]] | None = None,
+        weights_as_parameters: bool = False,
+        same_state: bool = False,
+    ) -> IreeModule:
+        """`programs` (function name -> ExportedProgram, rules applied) compiled into one module
+        (`functions.compile_functions`) and loaded: one copy of the weights, one mutable global per buffer
+        they update. `metadata` goes into each function's `iree.reflection`; `weights_as_parameters`: every
+        weight a parameter, whatever its size (else from `parameters.inline_limit()` bytes)."""
+        functions = compile_functions(
+            self, programs, extra=metadata, limit=0 if weights_as_parameters else None, same_state=same_state
+        )
+        return loaded(self, functions, next(iter(programs.values())).graph_module)
+
+    def read_metadata(self, path: str | os.PathLike[str]) -> dict[str, dict[str, str]]:
+        """Each public function of the .vmfb at `path` -> its `iree.reflection` entries."""
+        return function_reflections(path)
+
+    def load_file(
+        self,
+        path: str | os.PathLike[str],
+        names: Sequence[str] = ("main",),
+        *,
+        params: str | os.PathLike[str] | None = None,
+        driver: str | None = None,
+    ) -> IreeModule:
+        """The module a `save` wrote to `path` with its functions `names` (weights from `params`, default the
+        .irpa beside it; `driver` overrides the one it was compiled for)."""
+        return from_file(path, tuple(names), params=params, driver=driver)
+
+    def refusal(self, graph_module: GraphModule) -> str:
+        """Why this backend refuses `graph_module` as a form IREE 3.13 computes wrong (`wrong_forms`), or ""."""
+        if not self.refuse_wrong_forms:
+            return ""
+        try:
+            wrong_forms.refuse(graph_module)
+        except Exception as e:
+            return " ".join(str(e).split())
+        return ""
 
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:

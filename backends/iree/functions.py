@@ -1,8 +1,12 @@
 """Several exported programs as one IREE module: a public function each, one copy of the weights and the state.
 
-    functions = compile_functions(backend, {"prefill": prefill_ep, "decode": decode_ep}, same_state=True)
-    bound = backend.load_module(functions.vmfb, functions.parameters)
-    bound["prefill"](...); bound["decode"](...)      # one VM context: the state globals are shared
+    module = backend.compile_module({"prefill": prefill_ep, "decode": decode_ep}, same_state=True)
+    module.functions["prefill"](...); module.functions["decode"](...)   # one VM context: the state is shared
+    module.save("lm.vmfb", params="lm.irpa"); backend.load_file("lm.vmfb", ("prefill", "decode"))
+
+`IreeBackend.compile_module` is `compile_functions` (import and compile, or the cache) and `loaded` (every
+function bound in one VM context): the backend's `ModuleBackend` capability (`backends.base`), which
+`compile_lm` and the size dispatch use.
 
 One FxImporter imports every program with one set of hooks (`parameters.parameter_hooks` over all of
 them): a weight the programs share (the same tensor object) is one `#stream.parameter.named` global that
@@ -14,7 +18,10 @@ copy through the host. Each function carries its own call plan in its `iree.refl
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,11 +31,12 @@ from torch.export.graph_signature import OutputKind
 
 from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import memory, wrong_forms
-from fx_rewrites.backends.iree.artifact import CALL_KEY, reflection
+from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection, save
 from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
+from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
 
 _STATE_OUT = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
@@ -177,4 +185,74 @@ def embedded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -
     return backend._compile_mlir(iree, embed_parameters(mlir, functions.parameters), graph_module)
 
 
-__all__ = ["IreeFunctions", "IreeUnsupportedError", "compile_functions", "embedded", "import_functions"]
+@attrs.define(eq=False)
+class IreeModule:
+    """One IREE module of several functions, compiled or loaded from a file (`backends.base.Module`).
+
+    `functions`: name -> `IreeCompiled`, all bound in one VM context (they share the module's globals);
+    `vmfb` the compiled bytes and `mlir` the imported text ("" once loaded); `parameters` the weights it reads
+    (key -> tensor; None once loaded: then `archive` is the .irpa it reads them from); `embed` compiles it
+    again with its parameters inside (a save without `params=`); `unsupported` why it cannot be saved."""
+
+    functions: dict[str, IreeCompiled]
+    vmfb: bytes = attrs.field(repr=False)
+    mlir: str = attrs.field(default="", repr=False)
+    parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
+    archive: Path | None = None
+    embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
+    unsupported: str = ""
+
+    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+        """Write the module to `path` (.vmfb) and, with `params`, its weights to that .irpa (else inside it)."""
+        save(
+            self.vmfb,
+            path,
+            unsupported=self.unsupported,
+            params=params,
+            parameters=self.parameters,
+            embed=self.embed,
+            archive=self.archive,
+        )
+
+
+def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> IreeModule:
+    """`functions` loaded on `backend`'s device: an `IreeCompiled` per function, in one VM context.
+    `graph_module` names nodes in the errors of a later self-contained compile (`embedded`)."""
+    bound = backend.load_module(functions.vmfb, functions.parameters)
+    calls = {}
+    for name, plan in functions.plans.items():
+        why = reflection(plan, backend.driver).get(UNSUPPORTED_KEY, "")
+        calls[name] = IreeCompiled(
+            plan,
+            bound[name],
+            functions.mlir,
+            functions.vmfb,
+            functions.key,
+            functions.from_cache,
+            why,
+            parameters=functions.parameters,
+        )
+    embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
+    unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")
+    return IreeModule(calls, functions.vmfb, functions.mlir, functions.parameters, None, embed, unsupported)
+
+
+def from_file(
+    path: str | os.PathLike[str], names: tuple[str, ...], *, params: Any = None, driver: str | None = None
+) -> IreeModule:
+    """The module a `save` wrote to `path`, with functions `names` (`runtime.load_functions`)."""
+    calls = load_functions(path, names, params=params, driver=driver)
+    first = next(iter(calls.values()))
+    return IreeModule(calls, first.vmfb, archive=first.archive)
+
+
+__all__ = [
+    "IreeFunctions",
+    "IreeModule",
+    "IreeUnsupportedError",
+    "compile_functions",
+    "embedded",
+    "from_file",
+    "import_functions",
+    "loaded",
+]

@@ -39,7 +39,7 @@ from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.state import BODY, StateGlobals, state_tensor, wrap_state
 from fx_rewrites.program import copy_graph_module, rebuild_program
-from fx_rewrites.rules.symbolic import sym_placeholder_sources
+from fx_rewrites.symbolic_sizes import sym_placeholder_sources
 
 INSTALL_HINT = "pip install -e '.[iree]'  (iree-base-compiler and iree-base-runtime)"
 

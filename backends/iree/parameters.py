@@ -37,6 +37,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx_rewrites.backends.iree.element_types import element_type
+
 #: the parameter scope the globals name (`--parameters=<scope>=file.irpa`)
 SCOPE = "model"
 
@@ -232,23 +234,9 @@ def attribute_hooks(iree: Any, gm: GraphModule, scope: str = SCOPE, limit: int =
     return parameter_hooks(iree, view, scope, limit)  # type: ignore[arg-type]
 
 
-_ELEMENT = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "i8",
-    torch.bool: "i1",
-}
-
-
 def _builtin_type(tensor: torch.Tensor) -> str:
     """The builtin (signless) tensor type holding `tensor`: `tensor<4x8xf32>`, `tensor<i64>`."""
-    element = _ELEMENT.get(tensor.dtype)
+    element = element_type(tensor.dtype, signless=True)
     if element is None:
         raise NotImplementedError(f"a mutated buffer of dtype {tensor.dtype} cannot be a module global yet")
     return f"tensor<{''.join(f'{d}x' for d in tensor.shape)}{element}>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
-from fx_rewrites.backends.iree.parameters import load_parameters
+from fx_rewrites.backends.iree.element_types import element_type
+from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
 
 #: devices by URI, made once per process (as `iree.runtime.get_device` caches them); dropped at exit, before
 #: nanobind's leak check (see `IreeCompiled.release`)
@@ -136,6 +138,34 @@ class IreeCompiled:
             archive=self.archive,
         )
 
+    def unchecked(self) -> Callable[..., Any]:
+        """This function as a call of the module function on the tensors' memory, without the call convention's
+        per-call checks (~0.1 ms a call): for a caller that builds every input itself, of the compiled dtypes
+        and shapes, in the plan's order, and reads one result (`compile_lm`'s generate loop). Any other plan
+        is called as is (self)."""
+        plan, function = self.plan, self.function
+        if function is None or plan.args != tuple(range(len(plan.args))) or len(plan.outputs) != 1:
+            return self
+        output = plan.outputs[0]
+        if output.result != 0 or output.write is not None:
+            return self
+
+        def call(*tensors: torch.Tensor) -> torch.Tensor:
+            result = function(*(t.contiguous().numpy() for t in tensors))
+            return from_device(result[0] if isinstance(result, (tuple, list)) else result, output.dtype)
+
+        return call
+
+    def run_command(
+        self, vmfb: str | os.PathLike[str], params: str | os.PathLike[str] | None = None, driver: str = "local-task"
+    ) -> str:
+        """The iree-run-module command line that runs this module saved at `vmfb` (weights in `params`) on
+        `driver`, with zero-filled inputs of the compiled shapes where the convention gives them all."""
+        argv = ["iree-run-module", f"--device={driver}", f"--module={vmfb}", "--function=main"]
+        if params is not None:
+            argv.append(f"--parameters={SCOPE}={params}")
+        return " ".join(shlex.quote(a) for a in argv + [f"--input={value}" for value in run_inputs(self.plan)])
+
     def release(self) -> None:
         """Drop the runtime objects (the function, its VM context and device); calls fail after this.
 
@@ -164,6 +194,21 @@ class IreeCompiled:
             with torch.no_grad():  # mutations land where program.module() puts them
                 (flat[out.write] if isinstance(out.write, int) else out.write).copy_(value)
         return pytree.tree_unflatten(user_outputs, plan.out_spec)
+
+
+def run_inputs(plan: Plan) -> list[str]:
+    """iree-run-module `--input=` values for `plan`'s tensor inputs, zero-filled ("2x3x8x8xf32=0"), or []
+    when the convention does not give every one a static shape and a known element type."""
+    out = []
+    for i in plan.args:
+        item = plan.inputs[i] if isinstance(i, int) and i < len(plan.inputs) else None
+        if item is None or item.kind != "tensor" or not all(isinstance(d, int) for d in item.shape):
+            return []
+        element = element_type(item.dtype)
+        if element is None:
+            return []
+        out.append("x".join([*(str(d) for d in item.shape), element]) + "=0")
+    return out
 
 
 def _looks_like_vmfb(head: bytes) -> bool:

@@ -27,8 +27,8 @@ from fx_rewrites.backends.ttnn.constants import ConstantCache, region_plans
 from fx_rewrites.backends.ttnn.coverage import coverage
 from fx_rewrites.backends.ttnn.rules import PHASES, is_device_node
 from fx_rewrites.backends.ttnn.rules.ops import is_standin
-from fx_rewrites.rules.symbolic import sym_in_tensor_slots
 from fx_rewrites.ruleset import Phases
+from fx_rewrites.symbolic_sizes import sym_in_tensor_slots
 
 #: what `fx_rewrites.apply(program, backend.rules)` runs for ttnn (`rules.PHASES`): DEFAULT, the folds, the lowering
 TTNN_PHASES = PHASES

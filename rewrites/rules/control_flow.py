@@ -26,7 +26,7 @@ into the outer graph, and the engine visits the new node.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from fx_rewrites.engine import Miss, Rewriter, values
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.subgraphs import graph_outputs, subgraph, walk
 
 aten = torch.ops.aten
 cond = torch.ops.higher_order.cond
@@ -61,22 +62,6 @@ _PASS_THROUGH = frozenset(
 
 
 # -- subgraphs ------------------------------------------------------------------
-
-
-def subgraph(node: Any) -> GraphModule | None:
-    """The GraphModule a get_attr node names, or None."""
-    obj = values.attr_of(node)
-    return obj if isinstance(obj, GraphModule) else None
-
-
-def walk(gm: GraphModule) -> Iterator[Node]:
-    """Every node of `gm` and, recursively, of the subgraphs it names."""
-    for n in gm.graph.nodes:
-        yield n
-        if n.op == "get_attr":
-            inner = subgraph(n)
-            if inner is not None:
-                yield from walk(inner)
 
 
 def side_effects(gm: GraphModule) -> list[str]:
@@ -162,12 +147,6 @@ def _cond_parts(node: Node) -> tuple[Any, GraphModule, GraphModule, tuple] | Mis
     if any(u.target is not operator.getitem for u in node.users):
         return Miss("the result is read other than through getitem")
     return pred, true_gm, false_gm, tuple(operands)
-
-
-def graph_outputs(gm: GraphModule) -> list[Any]:
-    """The output values of `gm`, flattened."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return pytree.tree_leaves(out.args[0])
 
 
 def _same_value_type(a: Any, b: Any) -> str | None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fx_rewrites import schema
@@ -45,10 +45,9 @@ from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine import values as fake_values
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.symbolic_sizes import SYM_TYPES, is_scalar_type, is_scalar_value, is_tensor_type
 
 aten = torch.ops.aten
-
-SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 #: op packets whose Tensor arguments can receive a number in eager code
 #: (`x * n`, `torch.where(m, x, n)`, ...). Every functional overload with a
@@ -63,22 +62,6 @@ PACKETS = (
 )  # fmt: skip
 
 
-def _is_tensor_type(t: Any) -> bool:
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    return isinstance(t, torch.TensorType)
-
-
-def _is_tensor_list_type(t: Any) -> bool:
-    return isinstance(t, torch.ListType) and _is_tensor_type(t.getElementType())
-
-
-def _is_scalar_type(t: Any) -> bool:
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    return isinstance(t, torch.NumberType)
-
-
 def _slot_ops() -> tuple[OpOverload, ...]:
     ops: list[OpOverload] = []
     for name in PACKETS:
@@ -88,7 +71,7 @@ def _slot_ops() -> tuple[OpOverload, ...]:
             s = op._schema
             if s.is_mutable or any(a.is_out for a in s.arguments):
                 continue
-            if any(_is_tensor_type(a.type) for a in s.arguments):
+            if any(is_tensor_type(a.type) for a in s.arguments):
                 ops.append(op)
     return tuple(ops)
 
@@ -96,74 +79,11 @@ def _slot_ops() -> tuple[OpOverload, ...]:
 SYM_SLOT_OPS = _slot_ops()
 
 
-def is_scalar_value(arg: Any) -> bool:
-    """`arg` is a graph value holding a number (SymInt/SymFloat/SymBool, or
-    a plain int/float/bool a symbolic value was specialised to)."""
-    if not isinstance(arg, Node):
-        return False
-    val = arg.meta.get("val", arg.meta.get("example_value"))
-    return isinstance(val, (*SYM_TYPES, int, float, bool))
-
-
-def sym_in_tensor_slots(graph: Graph | GraphModule) -> list[str]:
-    """Every place a number-valued node is passed where the op's schema
-    declares a Tensor (or Tensor?, Tensor[]), as readable lines. Empty when
-    the graph is clean. Backends can call this before importing a graph."""
-    graph = graph.graph if isinstance(graph, GraphModule) else graph
-    found: list[str] = []
-    for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, OpOverload):
-            continue
-        bound = schema.arguments(node)
-        for a in node.target._schema.arguments:
-            value = bound.get(a.name)
-            if _is_tensor_type(a.type):
-                items = [value]
-            elif _is_tensor_list_type(a.type) and isinstance(value, (list, tuple)):
-                items = list(value)
-            else:
-                continue
-            for item in items:
-                if is_scalar_value(item):
-                    val = item.meta.get("val", item.meta.get("example_value"))
-                    found.append(
-                        f"{node.name}: {schema.op_name(node.target)} argument {a.name!r} ({a.type}) "
-                        f"gets {type(val).__name__} {val} from {item.name!r}"
-                    )
-    return found
-
-
-def sym_placeholder_sources(graph: Graph | GraphModule) -> dict[str, tuple[str, int] | None]:
-    """For each number-valued placeholder (the SymInt inputs dynamo puts
-    first in `torch.compile(dynamic=True)` graphs), a (tensor placeholder,
-    dim) whose size it is, or None when no input dim is exactly that symbol.
-
-    Backend glue can compute these inputs from the tensors' shapes instead
-    of handing them to a compiler that expects tensors (seed 001:
-    "aten::clone() Expected a value of type 'Tensor' for argument 'self' but
-    instead found type 'SymInt'")."""
-    graph = graph.graph if isinstance(graph, GraphModule) else graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    dims: dict[Any, tuple[str, int]] = {}
-    for p in placeholders:
-        val = p.meta.get("val", p.meta.get("example_value"))
-        if isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt):
-                    dims.setdefault(size.node.expr, (p.name, d))
-    sources: dict[str, tuple[str, int] | None] = {}
-    for p in placeholders:
-        if is_scalar_value(p):
-            val = p.meta.get("val", p.meta.get("example_value"))
-            sources[p.name] = dims.get(val.node.expr) if isinstance(val, torch.SymInt) else None
-    return sources
-
-
 # -- sym_scalar_in_tensor_slot ------------------------------------------------------
 
 
 def _sym_slots(op: OpOverload, bound: dict[str, Any]) -> list[str]:
-    return [a.name for a in op._schema.arguments if _is_tensor_type(a.type) and is_scalar_value(bound.get(a.name))]
+    return [a.name for a in op._schema.arguments if is_tensor_type(a.type) and is_scalar_value(bound.get(a.name))]
 
 
 def _scalar_overload(op: OpOverload, slots: list[str], bound: dict[str, Any]) -> OpOverload | None:
@@ -187,7 +107,7 @@ def _scalar_overload(op: OpOverload, slots: list[str], bound: dict[str, Any]) ->
             if a.name != b.name:  # bound by name, so kwarg-only may differ (add.Scalar's alpha)
                 ok = False
             elif a.name in slots:
-                ok = _is_scalar_type(b.type)
+                ok = is_scalar_type(b.type)
             elif str(a.type) != str(b.type):
                 # an unused optional Tensor may become an unused optional Scalar
                 ok = bound.get(a.name) is None and isinstance(b.type, torch.OptionalType)

@@ -43,8 +43,8 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Forward, rule
-from fx_rewrites.rules.control_flow import graph_outputs, subgraph
 from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.subgraphs import graph_outputs, subgraph
 
 aten = torch.ops.aten
 wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fx_rewrites import apply
 from fx_rewrites.backends.dynamo import CompiledGraph, EagerFallbackWarning, dynamo_backend
 from fx_rewrites.backends.iree import IreeCompiled
-from fx_rewrites.rules.attention import flash_attention_for_cpu_with_logsumexp
+from fx_rewrites.backends.iree.rules.attention import flash_attention_for_cpu_with_logsumexp
 from fx_rewrites.rules.composites import batch_norm_eval_to_affine
 from fx_rewrites.ruleset import RuleSet
 

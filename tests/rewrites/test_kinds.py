@@ -227,7 +227,7 @@ def test_function_rule_body_receives_what_when_found():
         return user, user.args[1]
 
     @fx_rewrites.rule(roots=(aten.relu.default,), when=scale_of)
-    def fold_positive_scale(node, rw, found):
+    def fold_positive_scale(node, rw, *, found):
         user, scale = found
         seen.append(scale)
         rw.replace(user, rw.call(aten.relu.default, rw.call(aten.mul.Tensor, node.args[0], scale)))
@@ -240,7 +240,7 @@ def test_function_rule_body_receives_what_when_found():
 
 
 def test_function_rule_body_with_a_wrong_signature_is_refused_naming_the_rule():
-    with pytest.raises(RuleDefinitionError, match=r"'four_params'.*\(node, rw\) or \(node, rw, found\)"):
+    with pytest.raises(RuleDefinitionError, match=r"'four_params'.*\(node, rw, \*, args, found\)"):
 
         @fx_rewrites.rule(roots=(aten.relu.default,))
         def four_params(node, rw, found, extra):
@@ -255,14 +255,14 @@ class ReflectAndZeroPad(torch.nn.Module):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 def test_when_and_body_receive_the_bound_arguments(dynamic):
     """A `when` and a body that declare `args` get the node's arguments by schema name (defaults left out, as
-    given), so no rule binds them by hand; a body may take `found` and `args` together."""
+    given), so no rule binds them by hand; a body may take `args` and `found` together (keyword-only)."""
     seen = []
 
     def reflect(node, args):
         return args.get("mode", "constant") == "reflect" or Miss(f"mode {args.get('mode', 'constant')!r}")
 
     @fx_rewrites.rule(roots=(aten.pad.default,), when=reflect)
-    def reflect_pad_as_cat(node, rw, found, *, args):
+    def reflect_pad_as_cat(node, rw, *, args, found):
         seen.append((found, dict(args)))
         x, (left, right) = args["self"], args["pad"]
         edge_left = rw.call(aten.flip.default, rw.call(aten.slice.Tensor, x, -1, 1, 1 + left), [-1])

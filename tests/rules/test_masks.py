@@ -14,7 +14,7 @@ import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.rules.masks import RULES, mask_index_put_to_where, mask_index_to_gather, masked_select_to_gather
 from fx_rewrites.rules.symbolic import RULES as SYMBOLIC
-from fx_rewrites.rules.symbolic import sym_in_tensor_slots
+from fx_rewrites.symbolic_sizes import sym_in_tensor_slots
 
 aten = torch.ops.aten
 

@@ -17,11 +17,10 @@ from fx_rewrites.rules.symbolic import (
     RULES,
     pow_sym_exponent_sign_safe,
     sym_arithmetic_constant,
-    sym_in_tensor_slots,
-    sym_placeholder_sources,
     sym_scalar_in_tensor_slot,
 )
 from fx_rewrites.rules.symbolic import _scalar_overload as scalar_overload
+from fx_rewrites.symbolic_sizes import sym_in_tensor_slots, sym_placeholder_sources
 
 aten = torch.ops.aten
 B = Dim("B", min=2, max=64)

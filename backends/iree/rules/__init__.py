@@ -2,7 +2,7 @@
 
     phases(target)   # Phases(DEFAULT | OWN, LEGALIZE, the target's performance rules)
 
-- first phase, with DEFAULT: `ops` (what the importer or compiler cannot take, with
+- first phase, with DEFAULT: `ops` (what the importer or compiler cannot take, with `attention`,
   `lowerings`, `scatters`, `moe`, `counting_sort`, `topk`, `conv`, `unbatched`);
 - `legalize`: legality-driven decomposition (`fx_rewrites.kinds.legalize` over the measured
   `backends/iree/legality.py`) and the guards against IREE's silent wrong results (`guards`,

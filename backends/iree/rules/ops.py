@@ -19,14 +19,13 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import arguments, counting_sort, empty, lowerings, moe, scatters, topk
+from fx_rewrites.backends.iree.rules import arguments, attention, counting_sort, empty, lowerings, moe, scatters, topk
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import Decompose, rule
 from fx_rewrites.program import input_spec
-from fx_rewrites.rules import attention
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten

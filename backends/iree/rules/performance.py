@@ -6,7 +6,7 @@ rule's gain (the model with the target's rules, and without that one rule);
 a rule is in a target's default set only where that benchmark shows a gain
 on every model it fires on (docs/performance.md has the table).
 
-- `attention_as_matmul_softmax` (fx_rewrites.rules.attention): llvm-cpu.
+- `attention_as_matmul_softmax` (backends/iree/rules/attention.py): llvm-cpu.
   Its scores are scaled after `q @ k^T` and its softmax comes before `@ v`.
 - `attention_by_head_groups`: llvm-cpu. Attention whose scores exceed a
   core's cache is computed in groups of heads whose scores fit (Whisper).
@@ -42,9 +42,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
+from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
-from fx_rewrites.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten

@@ -10,6 +10,7 @@ GPU backend's `compile` fails with an `IreeDeviceError` that says so.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -63,6 +64,12 @@ def test_every_target_is_registered_with_the_same_rules_and_a_torch_compile_name
         assert getattr(dynamo, function).__name__ == function
         assert entry_points["torch_dynamo_backends"][function] == f"fx_rewrites.backends.dynamo:{function}"
     assert "--iree-cuda-target=sm_80" in backends.get("iree-cuda").flags  # IREE 3.13 refuses sm_90
+    # registered as a third party's backend is: by the entry points pyproject.toml declares, as installed
+    declared = entry_points[backends.ENTRY_POINT_GROUP]
+    assert set(declared) == {"iree", *GPU_BACKENDS, "ttnn"}
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=backends.ENTRY_POINT_GROUP)}
+    assert {name: installed.get(name) for name in declared} == declared, "stale metadata: pip install -e ."
+    assert backends.get("ttnn").name == "ttnn"  # the entry point names the class: a factory
 
 
 #: what IREE 3.13's mobile Vulkan baseline (no Int64 in its SPIR-V environment) cannot compile, by gallery

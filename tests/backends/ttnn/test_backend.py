@@ -10,7 +10,7 @@ from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.ttnn import TtnnLoweringError, TtnnUnavailable, lower, runtime
 from fx_rewrites.backends.ttnn.rules import ops
-from fx_rewrites.rules.symbolic import sym_in_tensor_slots
+from fx_rewrites.symbolic_sizes import sym_in_tensor_slots
 from tests.backends.ttnn import reference_ttnn
 from tests.backends.ttnn.conftest import assert_close_bf16
 from tests.backends.ttnn.models import CASES

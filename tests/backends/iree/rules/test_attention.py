@@ -1,4 +1,4 @@
-"""Attention on IREE (rewrites/rules/attention.py): one form, the fully-masked-row guard, attention written out.
+"""Attention on IREE (backends/iree/rules/attention.py): one form, the fully-masked-row guard, attention written out.
 
 The guard's tests check both halves of the claim: IREE 3.13's own attention
 lowering gives NaN for a row that masks every key (a test that fails once
@@ -19,7 +19,7 @@ from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.dynamo import dynamo_backend
 from fx_rewrites.backends.iree import IreeBackend
-from fx_rewrites.rules.attention import (
+from fx_rewrites.backends.iree.rules.attention import (
     GUARD,
     attention_as_matmul_softmax,
     attention_fully_masked_rows_guard,
