@@ -1,7 +1,7 @@
 """`fx_rewrites.compile_lm`: a transformers causal LM to one IREE module that generates.
 
     lm = fx_rewrites.compile_lm(model, max_cache_len=256, batch_size=2)
-    out = lm.generate(input_ids, attention_mask=mask, max_new_tokens=32)   # == model.generate(..., do_sample=False)
+    out = lm.generate(input_ids, attention_mask=mask, max_new_tokens=32)   # == model.generate(same arguments)
     lm.save("lm.vmfb")                                                     # and lm.irpa: the weights
     fx_rewrites.load("lm.vmfb").generate(input_ids, ...)
 
@@ -24,6 +24,7 @@ import torch
 from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
+from fx_rewrites.app.lm.sampling import generation_config_json
 
 
 def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool, short: bool) -> LMInfo:
@@ -33,7 +34,20 @@ def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool, shor
         pad = getattr(model.config, "pad_token_id", None)
     eos = _ids(getattr(config, "eos_token_id", None))
     multiple = prompt_multiple(model) if recurrent else 1
-    return LMInfo(max_cache_len, batch_size, None if pad is None else int(pad), eos, recurrent, multiple, short)
+    positions = getattr(model.config, "max_position_embeddings", None)  # as model.generate reads it
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    return LMInfo(
+        max_cache_len,
+        batch_size,
+        None if pad is None else int(pad),
+        eos,
+        recurrent,
+        multiple,
+        short,
+        generation_config_json(model),
+        None if positions is None else int(positions),
+        None if vocab is None else int(vocab),
+    )
 
 
 def _wrap(model: Any, max_cache_len: int, batch_size: int, strict: bool) -> tuple[dict[str, Any], bool]:

@@ -1,10 +1,11 @@
-"""`CompiledLM`: prefill and decode of one module, and the greedy loop `generate` that HF's would run.
+"""`CompiledLM`: prefill and decode of one module, and the loop `generate` that `model.generate` would run.
 
-The loop mirrors `transformers`' greedy search (`model.generate(..., do_sample=False)`): left-padded
-prompts, positions from the attention mask's running count, each row stopping at its end-of-sequence
-token and padded with `pad_token_id` after it, the whole batch stopping once every row has ended.
-The cache stays in the module: each call passes only the new tokens, their positions, the mask over the
-cache and the cache position of the first new token (which also restarts the cache for a new prompt).
+The loop is transformers' `_sample` (greedy search or sampling) over the module's logits: left-padded
+prompts, positions from the attention mask's running count, each step's tokens chosen on the host by
+transformers' own logits processors and stopping criteria (`sampling.py`), rows that ended padded with the
+pad token, the whole batch stopping once every row has ended. The cache stays in the module: each call
+passes only the new tokens, their positions, the mask over the cache and the cache position of the first
+new token (which also restarts the cache for a new prompt).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 import attrs
 import torch
 
+from fx_rewrites.app.lm import sampling
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL
+from fx_rewrites.app.lm.sampling import UNSET
 
 #: `iree.reflection` key on `prefill`: what `generate` needs besides the two functions (JSON)
 LM_KEY = "fx_rewrites.lm"
@@ -39,13 +42,21 @@ class LMInfo:
     prompt_multiple: int = 1
     #: the module has a function for a prompt of one `prompt_multiple` (`recurrent.SHORT_PREFILL`)
     short_prefill: bool = False
+    #: the model's generation config (`sampling.generation_config_json`; "" in files saved before it was kept:
+    #: then `pad_token_id` and `eos_token_id` are what it had), and the sizes `model.generate` reads from its config
+    generation_config: str = ""
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps(attrs.asdict(self), separators=(",", ":"))
+        doc = attrs.asdict(self)
+        doc["generation_config"] = json.loads(self.generation_config) if self.generation_config else None
+        return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> LMInfo:
         doc = json.loads(text)
+        generation = doc.get("generation_config")
         return cls(
             doc["max_cache_len"],
             doc["batch_size"],
@@ -54,6 +65,9 @@ class LMInfo:
             doc.get("recurrent", False),
             doc.get("prompt_multiple", 1),
             doc.get("short_prefill", False),
+            "" if generation is None else json.dumps(generation, sort_keys=True),
+            doc.get("max_position_embeddings"),
+            doc.get("vocab_size"),
         )
 
     def prefill_length(self, length: int) -> int:
@@ -73,6 +87,15 @@ def _ids(value: int | Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+def _token_ids(value: Any) -> Any:
+    """An `eos_token_id` as `GenerationConfig` takes it (an int or a list; a tensor becomes a list)."""
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [int(v) for v in value]
+    return value
+
+
 def _unchecked(step: Any) -> Any:
     """`step` called without the call convention's per-call checks where its backend offers that
     (`IreeCompiled.unchecked`): `generate` builds every input itself, of the compiled dtypes and shapes."""
@@ -84,8 +107,8 @@ def _unchecked(step: Any) -> Any:
 class CompiledLM:
     """A causal LM compiled to one module with `prefill` and `decode` functions sharing weights and cache.
 
-    `generate(input_ids, attention_mask=None, max_new_tokens=20, eos_token_id=None)` returns what
-    `model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=False)` returns;
+    `generate(input_ids, attention_mask=None, **generation options)` returns what `model.generate` returns
+    for the same call (greedy search or sampling; docs/generation.md);
     `save(path)` writes the .vmfb and the weights (.irpa beside it, or `params=`), which
     `fx_rewrites.load(path)` reads back. `module` is the backend's module (`backends.base.Module`); its
     functions `prefill` / `decode` are called as the exported wrapper (`CachedLM`) is:
@@ -97,6 +120,8 @@ class CompiledLM:
     #: the rewritten programs (function -> ExportedProgram) and what the rules did; None once loaded
     programs: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     reports: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    #: transformers' generation preparation over the model's configs (`sampling.generation_host`), made once
+    _generation_host: Any = attrs.field(default=None, init=False, repr=False)
 
     @property
     def prefill(self) -> Any:
@@ -130,36 +155,72 @@ class CompiledLM:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 20,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-    ) -> torch.Tensor:
-        """Greedy generation, as `model.generate(..., do_sample=False)`: (batch, prompt + generated) ids.
-        `eos_token_id` / `pad_token_id` default to the model's generation config's."""
+        *,
+        generation_config: Any = None,
+        max_new_tokens: int | None = UNSET,
+        min_new_tokens: int | None = UNSET,
+        do_sample: bool | None = UNSET,
+        temperature: float | None = UNSET,
+        top_k: int | None = UNSET,
+        top_p: float | None = UNSET,
+        repetition_penalty: float | None = UNSET,
+        eos_token_id: int | Sequence[int] | torch.Tensor | None = UNSET,
+        pad_token_id: int | None = UNSET,
+        stop_strings: str | Sequence[str] | None = UNSET,
+        tokenizer: Any = None,
+        streamer: Any = None,
+        logits_processor: Any = None,
+        stopping_criteria: Any = None,
+        **options: Any,
+    ) -> Any:
+        """`model.generate(input_ids, attention_mask=..., ...)` on the compiled module: (rows, prompt + new) ids.
+
+        Every keyword means what it means to transformers' `generate` (`app/lm/sampling.py` runs transformers'
+        own preparation, logits processors and stopping criteria on the host): a keyword left out takes the
+        model's generation config (saved with the module), `generation_config` is the call's own (its unset fields take
+        the model's), and any other
+        `GenerationConfig` field may be passed (`no_repeat_ngram_size=`, `min_p=`, `num_return_sequences=`,
+        `return_dict_in_generate=` with `output_scores` / `output_logits`, ...). `do_sample=True` draws with
+        `torch.multinomial` as `model.generate` does: with the same `torch.manual_seed`, the same tokens.
+        `eos_token_id=None` turns the stop at eos off (`max_new_tokens` tokens whatever they are);
+        `stop_strings` needs `tokenizer=`; `streamer` (`TextStreamer`, any `BaseStreamer`) gets the prompt, then
+        each step's tokens as they are chosen. Greedy search and sampling only (no beams)."""
+        given = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": min_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "repetition_penalty": repetition_penalty,
+            "eos_token_id": _token_ids(eos_token_id),
+            "pad_token_id": pad_token_id,
+            "stop_strings": stop_strings,
+        }
+        given = {key: value for key, value in given.items() if value is not UNSET} | options
         info = self.info
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected (batch, prompt length)")
+        decoding = sampling.prepare(
+            self._host(),
+            ids,
+            attention_mask,
+            generation_config,
+            given,
+            tokenizer=tokenizer,
+            streamer=streamer,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+        )
+        ids, mask = decoding.ids, decoding.mask
         rows, length = ids.shape
-        eos = _ids(eos_token_id) or info.eos_token_id
-        pad = pad_token_id if pad_token_id is not None else info.pad_token_id
-        if pad is None and eos:
-            pad = eos[0]  # as transformers does (with a warning)
-        if attention_mask is not None:
-            mask = torch.as_tensor(attention_mask, dtype=torch.long)
-        elif pad is not None and pad not in eos and bool((ids == pad).any()):
-            mask = (ids != pad).long()  # transformers infers the padding from the pad token, where it can
-        else:
-            mask = torch.ones_like(ids)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected {tuple(ids.shape)} as input_ids")
         if rows > info.batch_size:
             raise ValueError(
-                f"{rows} prompts, and the module was compiled for a batch of {info.batch_size}. Fix: "
-                f"fx_rewrites.compile_lm(model, max_cache_len=..., batch_size={rows}), or split the prompts"
+                f"{rows} prompts (num_return_sequences included), and the module was compiled for a batch of "
+                f"{info.batch_size}. Fix: fx_rewrites.compile_lm(model, max_cache_len=..., batch_size={rows}), or "
+                "split the prompts"
             )
-        if length < 1 or max_new_tokens < 1:
-            return ids.clone()
         padded = info.prefill_length(length)
         if info.recurrent and padded > info.max_cache_len:
             raise ValueError(
@@ -167,30 +228,34 @@ class CompiledLM:
                 f"model's chunk); the module takes prompts of up to {info.max_cache_len}. Fix: a shorter prompt, "
                 f"or compile_lm(model, max_cache_len={padded})"
             )
-        if not info.recurrent and length + max_new_tokens - 1 > info.max_cache_len:
+        new = decoding.new_tokens
+        if not info.recurrent and length + new - 1 > info.max_cache_len:
             raise ValueError(
-                f"a prompt of {length} tokens and {max_new_tokens} new ones need {length + max_new_tokens - 1} "
-                f"cache positions; the module holds {info.max_cache_len}. Fix: fewer new tokens, or "
-                f"compile_lm(model, max_cache_len={length + max_new_tokens - 1})"
+                f"a prompt of {length} tokens and {new} new ones need {length + new - 1} cache positions; the module "
+                f"holds {info.max_cache_len}. Fix: fewer new tokens (max_new_tokens=), or "
+                f"compile_lm(model, max_cache_len={length + new - 1})"
             )
-        if rows < info.batch_size:  # filler rows (every token real), finished from the start, dropped at the end
+        filler = decoding.pad or 0
+        if rows < info.batch_size:  # filler rows (every token real), never read, dropped at the end
             extra = info.batch_size - rows
-            ids = torch.cat([ids, ids.new_zeros(extra, length)])
+            ids = torch.cat([ids, ids.new_full((extra, length), filler)])
             mask = torch.cat([mask, torch.ones(extra, length, dtype=torch.long)])
         if padded > length:  # left padding, masked: the prefill's length for a recurrent state
-            ids = torch.cat([ids.new_full((ids.shape[0], padded - length), pad or 0), ids], dim=1)
+            ids = torch.cat([ids.new_full((ids.shape[0], padded - length), filler), ids], dim=1)
             mask = torch.cat([mask.new_zeros(mask.shape[0], padded - length), mask], dim=1)
-        return self._greedy(ids, mask, max_new_tokens, eos, pad, rows)[:rows, padded - length :]
+        decoding.begin()
+        return decoding.result(self._decode(decoding, ids, mask, rows))
 
-    def _greedy(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        max_new_tokens: int,
-        eos: tuple[int, ...],
-        pad: int | None,
-        rows: int,
-    ) -> torch.Tensor:
+    def _host(self) -> Any:
+        if self._generation_host is None:
+            info = self.info
+            config = sampling.model_generation_config(info.generation_config, info.pad_token_id, info.eos_token_id)
+            self._generation_host = sampling.generation_host(config, info.max_position_embeddings, info.vocab_size)
+        return self._generation_host
+
+    def _decode(self, decoding: sampling.Decoding, ids: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
+        """The prefill of `ids` (the module's batch and prompt length), then a decode per token `decoding`
+        chooses for the first `rows` rows: their sequences."""
         batch, length = ids.shape
         prefill, decode = _unchecked(self.prefill), _unchecked(self.decode)
         cache_mask = torch.ones(batch, self.info.max_cache_len, dtype=torch.long)
@@ -202,18 +267,14 @@ class CompiledLM:
         else:
             step = prefill if length > 1 else decode
         logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
-        unfinished = torch.arange(batch) < rows  # filler rows never hold the batch back
-        eos_tensor = torch.tensor(eos, dtype=torch.long)
-        out = [ids]
+        sequences = decoding.ids
         position = positions[:, -1:]
-        for i in range(max_new_tokens):
-            token = logits[:, -1, :].argmax(-1)
-            if eos:
-                token = torch.where(unfinished, token, torch.full_like(token, pad))
-                unfinished &= ~torch.isin(token, eos_tensor)
-            out.append(token[:, None])
-            if i == max_new_tokens - 1 or (eos and not bool(unfinished.any())):
+        fill = ids.new_zeros(batch - rows)
+        for i in range(decoding.new_tokens):
+            tokens, sequences, done = decoding.next_tokens(sequences, logits[:rows, -1, :])
+            if done or i == decoding.new_tokens - 1:
                 break
             position = position + 1
-            logits = decode(token[:, None], cache_mask, position, torch.tensor([length + i], dtype=torch.long))
-        return torch.cat(out, dim=1)
+            step_ids = torch.cat([tokens, fill])[:, None]
+            logits = decode(step_ids, cache_mask, position, torch.tensor([length + i], dtype=torch.long))
+        return sequences
