@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py                  # the decoder at 0.1B and 0.3B
     python benchmarks/scale.py --sizes 0.3b,1b  # and the 1B of issue 25 (about 9 GB of memory)
+    flock /tmp/fxr-heavy.lock python benchmarks/scale.py --sizes tinyllama   # TinyLlama's shape, 4.4 GB (issue 34)
     python benchmarks/scale.py --cnn            # the CNN row: ResNet-50 (benchmarks/scale_cnn.py)
 
 Each size runs in a child process of its own (one at a time), so its peak
@@ -15,9 +16,14 @@ import (torch -> MLIR, with the weights as parameters), iree-compile, load
 (the runtime's packed copy of the weights), first call, eager (one call of
 the model), second call and eager again (one more call of each; wall clock
 and default threads, not yet the interleaved one-thread rounds issue 25
-asks for), save (`compiled.save(vmfb, params=irpa)`: the archive, no second
-compile); then `fx_rewrites.load` of the saved files and
-its first call in a fresh process, as where they are deployed (its own peak).
+asks for), save (`compiled.save(vmfb, params=irpa)`: on llvm-cpu the module
+compiled again with the weights' packing split out and IREE's parameter encoder
+run, the archive holding the weights as the kernels read them,
+`backends/iree/encoding.py`), load here and call loaded (`fx_rewrites.load` of the
+saved files and a call, in this process: compile + save + load in one process,
+its peak); then `fx_rewrites.load` of the saved files and its first call in a
+fresh process, as where they are deployed (its own peak, and how much of its
+RSS after the call is the archive's mapped pages).
 The compiled logits are compared with eager's (rtol 1e-3, atol 1e-3), before
 and after the reload. Not yet here (issue 25 item 3): the CNN row,
 steady-state calls against eager and Inductor, the torch.compile route.
@@ -43,6 +49,14 @@ DECODERS: dict[str, dict[str, int]] = {
     "0.1b": {"hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12, "intermediate_size": 2048},
     "0.3b": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "intermediate_size": 3584},
     "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "intermediate_size": 5632},
+    # TinyLlama-1.1B's shape (22 layers, 32 heads, 4 key/value heads): 1.1B parameters, 4.4 GB in float32
+    "tinyllama": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 5632,
+    },
 }
 TOKENS = 128
 
@@ -110,6 +124,12 @@ class TreePeak:
         return self.tree / 1e9, self.children / 1e9
 
 
+def _status_gb(field: str) -> float:
+    """A field of /proc/self/status in GB (VmHWM, RssFile, RssAnon)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) * 1024 / 1e9
+
+
 def _rss_gb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
@@ -153,9 +173,8 @@ def child(size: str, out: Path, workdir: Path) -> None:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=32000, num_key_value_heads=DECODERS[size]["num_attention_heads"], **DECODERS[size]
-        )
+        fields = {"num_key_value_heads": DECODERS[size]["num_attention_heads"], **DECODERS[size]}
+        config = transformers.LlamaConfig(vocab_size=32000, **fields)
         return transformers.LlamaForCausalLM(config).eval()
 
     model = timed("build", build)
@@ -179,9 +198,17 @@ def child(size: str, out: Path, workdir: Path) -> None:
         row["mlir_mb"] = len(runtime.mlir) / 1e6
         row["parameters_bound"] = len(runtime.parameters)
         vmfb, irpa = workdir / "model.vmfb", workdir / "model.irpa"
+        row["peak_before_save_gb"] = _peak_gb()
         timed("save", compiled.save, vmfb, params=irpa)
+        row["save_peak_gb"] = _peak_gb()
         row["vmfb_mb"], row["irpa_gb"] = vmfb.stat().st_size / 1e6, irpa.stat().st_size / 1e9
         torch.save({"ids": ids, "expected": expected}, workdir / "expected.pt")
+        # the saved files loaded and called in this process too: compile + save + load in one process
+        loaded = timed("load here", fx_rewrites.load, vmfb)
+        again = timed("call loaded", loaded, ids, **kwargs).logits
+        row["loaded_here_matches_eager"] = bool(torch.allclose(again, expected, rtol=1e-3, atol=1e-3))
+        row["one_process_peak_gb"] = _peak_gb()
+        del loaded, again
     row["steps_s"] = steps
     row["rss_after_gb"] = {k: round(v[0], 2) for k, v in memory.items()}
     row["peak_after_gb"] = {k: round(v[1], 2) for k, v in memory.items()}
@@ -206,6 +233,7 @@ def reload(workdir: Path) -> None:
     import fx_rewrites
 
     saved = torch.load(workdir / "expected.pt")
+    baseline = _peak_gb()  # torch, transformers and IREE imported, nothing loaded
     start = time.perf_counter()
     loaded = fx_rewrites.load(workdir / "model.vmfb")
     load_s = time.perf_counter() - start
@@ -220,13 +248,17 @@ def reload(workdir: Path) -> None:
                 "reloaded_first_call_s": call_s,
                 "reloaded_matches_eager": bool(torch.allclose(got, saved["expected"], rtol=1e-3, atol=1e-3)),
                 "reload_peak_gb": _peak_gb(),
+                "reload_baseline_gb": baseline,
+                # after the call: what of it is the archive's mapped pages (file) and what the process's own
+                "reload_rss_file_gb": _status_gb("RssFile"),
+                "reload_rss_anon_gb": _status_gb("RssAnon"),
             }
         )
     )
 
 
 STEPS = ("build", "export", "rules", "import", "iree-compile", "load", "first call", "second call")
-STEPS += ("eager", "eager again", "save")
+STEPS += ("eager", "eager again", "save", "load here", "call loaded")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -236,8 +268,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "",
         "| size | parameters | weights | python peak | iree-compile peak | tree peak | peak / weights | MLIR | "
         + " | ".join(f"{s} s" for s in STEPS)
-        + " | load in a new process: s, first call s, peak | logits vs eager (rtol 1e-3) |",
-        "|---|" + "---|" * (9 + len(STEPS)),
+        + " | compile + save + load in one process: peak, / weights | load in a new process: s, first call s, "
+        "peak, / weights (of which mapped file) | logits vs eager (rtol 1e-3) |",
+        "|---|" + "---|" * (10 + len(STEPS)),
     ]
     for r in rows:
         if "error" in r:
@@ -245,13 +278,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         steps = r["steps_s"]
         ok = "ok" if r["matches_eager"] and r.get("reloaded_matches_eager") else f"differs ({r['max_abs_diff']:.2g})"
+        weights, one, re = r["weights_gb"], r.get("one_process_peak_gb", float("nan")), r.get("reload_peak_gb", 0.0)
         lines.append(
             f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | {r['weights_gb']:.2f} GB | "
             f"{r['python_peak_gb']:.2f} GB | {r['compiler_peak_gb']:.2f} GB | {r['tree_peak_gb']:.2f} GB | "
             f"{max(r['python_peak_gb'], r['tree_peak_gb']) / r['weights_gb']:.2f}x | {r['mlir_mb']:.2f} MB | "
             + " | ".join(f"{steps.get(s, float('nan')):.1f}" for s in STEPS)
+            + f" | {one:.2f} GB, {one / weights:.2f}x"
             + f" | {r.get('reload_s', float('nan')):.1f}, {r.get('reloaded_first_call_s', float('nan')):.1f}, "
-            + f"{r.get('reload_peak_gb', float('nan')):.2f} GB | {ok} |"
+            + f"{re:.2f} GB, {re / weights:.2f}x ({r.get('reload_rss_file_gb', float('nan')):.2f} GB) | {ok} |"
         )
     return "\n".join(lines)
 

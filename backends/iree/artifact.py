@@ -162,11 +162,14 @@ def save(
     parameters: Mapping[str, torch.Tensor] | None = None,
     embed: Callable[[], bytes] | None = None,
     archive: Path | None = None,
+    pack: Callable[[Path], bytes | None] | None = None,
 ) -> None:
     """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor; None for a module that
     takes its weights as inputs or was loaded from a self-contained file): with `params`, they go to that
-    .irpa (written even when empty, so the documented `--parameters=` command runs); without, `embed`
-    compiles the self-contained module written instead. A module loaded with its archive copies that."""
+    .irpa (written even when empty, so the documented `--parameters=` command runs); `pack(params)`, where
+    given, writes them there as the module reads them (packed, `encoding.py`) and returns that module (None:
+    it could not, the plain archive is written); without `params`, `embed` compiles the self-contained module
+    written instead. A module loaded with its archive copies that."""
     from fx_rewrites.backends.iree.parameters import write_archive
 
     if unsupported:
@@ -188,8 +191,10 @@ def save(
                 "ExportedProgram) can put its weights in a parameter archive; this one takes them as inputs or "
                 "holds them itself. Fix: save without params="
             )
-        write_archive(parameters, params)
-        path.write_bytes(vmfb)
+        packed = pack(Path(params)) if pack is not None and parameters else None
+        if packed is None:
+            write_archive(parameters, params)
+        path.write_bytes(vmfb if packed is None else packed)
         return
     if parameters:
         if embed is None:

@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
+from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
@@ -140,6 +141,7 @@ class IreeBackend:
         calling it raises. `compile` is this and `load`."""
         artifact = self.artifact(program)
         embed = functools.partial(self._embedded, artifact) if artifact.parameters else None
+        pack = packer(self, artifact.mlir, artifact.parameters, artifact.graph_module)
         return IreeCompiled(
             artifact.plan,
             None,
@@ -150,6 +152,7 @@ class IreeBackend:
             artifact.unsupported,
             parameters=artifact.parameters,
             embed=embed,
+            pack=pack,
         )
 
     def artifact(self, program: ExportedProgram | GraphModule) -> IreeArtifact:

@@ -33,6 +33,7 @@ from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection, save
 from fx_rewrites.backends.iree.cache import cache_key
+from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
@@ -201,6 +202,8 @@ class IreeModule:
     archive: Path | None = None
     embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
     unsupported: str = ""
+    #: writes the parameters packed as the module reads them and returns that module (`encoding.pack`)
+    pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (.vmfb) and, with `params`, its weights to that .irpa (else inside it)."""
@@ -212,6 +215,7 @@ class IreeModule:
             parameters=self.parameters,
             embed=self.embed,
             archive=self.archive,
+            pack=self.pack,
         )
 
 
@@ -234,7 +238,8 @@ def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> 
         )
     embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
     unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")
-    return IreeModule(calls, functions.vmfb, functions.mlir, functions.parameters, None, embed, unsupported)
+    pack = packer(backend, functions.mlir, functions.parameters, graph_module)
+    return IreeModule(calls, functions.vmfb, functions.mlir, functions.parameters, None, embed, unsupported, pack)
 
 
 def from_file(

@@ -37,6 +37,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx_rewrites.backends.iree import archive
 from fx_rewrites.backends.iree.element_types import element_type
 
 #: the parameter scope the globals name (`--parameters=<scope>=file.irpa`)
@@ -267,21 +268,19 @@ def memory_parameters(config: Any, tensors: Mapping[str, torch.Tensor], scope: s
 
 
 def write_archive(tensors: Mapping[str, torch.Tensor], path: str | Path) -> None:
-    """An .irpa holding `tensors` (raw bytes, any dtype) under their keys."""
-    import iree.runtime
-
-    index = iree.runtime.ParameterIndex()
-    for key, tensor in tensors.items():
-        index.add_buffer(key, _bytes(tensor))
-    index.create_archive_file(str(path))
+    """An .irpa holding `tensors` (raw bytes, any dtype) under their keys, as IREE's `create_archive_file`
+    writes it, each tensor written from its own memory (`archive.write`: no copy in the process)."""
+    archive.write({key: _bytes(tensor) for key, tensor in tensors.items()}, path)
 
 
 def load_parameters(config: Any, path: str | Path, scope: str = SCOPE) -> Any:
-    """The `io_parameters` VM module that serves `path`'s parameters under `scope`."""
+    """The `io_parameters` VM module that serves `path`'s parameters under `scope`, from a read-only mapping
+    of the file: its pages are read when the module reads them, shared with the page cache, never copied
+    into the process (a module that reads its weights in place, `encoding.py`, costs their size once)."""
     import iree.runtime
 
     index = iree.runtime.ParameterIndex()
-    index.load(str(path))
+    index.load(str(path), mmap=True)
     return iree.runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=scope))
 
 

@@ -121,12 +121,17 @@ class IreeCompiled:
     embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
     #: the parameter archive a loaded module reads its weights from
     archive: Path | None = None
+    #: writes the parameters to an .irpa packed as the module reads them and returns that module
+    #: (`encoding.pack`; None: the module packs nothing when it loads)
+    pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
         with its call convention); with `params`, the parameters go to that IREE parameter archive (.irpa)
         and the .vmfb is the one already compiled. Without, the .vmfb holds every weight (a module that
-        reads parameters is compiled again with them inside: use `params=` for large models). Buffers the
+        reads parameters is compiled again with them inside: use `params=` for large models). On llvm-cpu the
+        archive holds the weights packed as the module's kernels read them (`encoding.py`: the saved module
+        reads them in place from the mapped file, with no copy at load). Buffers the
         program updates are saved with the values they had when it was compiled (its initial state)."""
         save(
             self.vmfb,
@@ -136,6 +141,7 @@ class IreeCompiled:
             parameters=self.parameters,
             embed=self.embed,
             archive=self.archive,
+            pack=self.pack,
         )
 
     def unchecked(self) -> Callable[..., Any]:

@@ -1,0 +1,183 @@
+"""Weights saved as the module reads them: IREE's parameter encoder, run when a module is saved with `params=`.
+
+With data tiling (llvm-cpu's performance flags, `targets.py`) a module packs each matmul weight into the tiles
+its kernels read when it starts. Loaded from an .irpa that is a second copy of the weights beside the archive's
+mapped pages: a 1B Llama of 3.81 GB loaded at 7.61 GB. `iree-compile --iree-parameter-encoder-output-file`
+splits that packing out into an encoder module, and the module then reads every weight, packed or not, as it
+is (`consolidate` mode: the encoder writes them all, as `parameter<N>` entries of scope `model`). `pack`
+compiles both (the compile cache keeps them), runs the
+encoder over the module's own tensors (served from their memory) and has it write its output into the .irpa
+through a file descriptor (`archive.reserve` lays the file out, the encoder fills the entries with pwrite):
+neither the packed weights nor the archive pass through the process's memory. `fx_rewrites.load` maps the
+archive and the module reads it in place: its pages count once, as they are read (docs/deploy.md).
+
+`run_encoder` is IREE's `iree-encode-parameters` tool (not in the 3.13 wheels, `tools/iree-encode-parameters-main.c`)
+over the runtime's Python API: the encoder's `indices` function lists the output parameters, `steps` the work,
+and `encode(steps, wait fence, signal fence)` does it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fx_rewrites.backends.iree import archive
+from fx_rewrites.backends.iree.cache import cache_key
+from fx_rewrites.backends.iree.errors import IreeCompileError
+from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, run_iree_compile
+from fx_rewrites.backends.iree.parameters import SCOPE, _bytes
+
+DATA_TILING = "--iree-global-opt-data-tiling"
+#: the encoder writes every weight the module reads (packed or not) into the scope it reads them from, so a
+#: packed .irpa is run as any other (`--parameters=model=model.irpa`)
+_INITIAL = re.compile(r'__initial = #stream\.parameter\.named<"model"::"([^"]*)">')
+_SPLIT = ("--iree-parameter-encoder-mode=consolidate", f"--iree-parameter-encoder-output-scope={SCOPE}")
+
+
+def packer(
+    backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor] | None, gm: Any = None
+) -> Callable[[Path], bytes | None] | None:
+    """`artifact.save`'s `pack` for a module compiled by `backend` from `mlir`, reading `parameters`: None
+    where the module packs nothing when it loads (no data tiling)."""
+    if not parameters or backend.target.name != "llvm-cpu" or DATA_TILING not in backend.perf_flags:
+        return None
+    return functools.partial(pack, backend, mlir, parameters, gm)
+
+
+def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: Any, path: Path) -> bytes | None:
+    """Write `parameters` to the .irpa at `path` as the module reads them and return that module; None, with
+    a warning, where IREE cannot split the packing out."""
+    from fx_rewrites.backends.iree.importing import iree_modules
+
+    iree = iree_modules()
+    # the initial values of the state a module updates (a KV cache) stay parameters of their own keys: the
+    # module copies them into its mutable globals when it starts (`parameters._copied_from_parameter`)
+    state = {key: parameters[key] for key in _INITIAL.findall(mlir) if key in parameters}
+    try:
+        main, encoder = compile_split(backend, iree, mlir, gm)
+        run_encoder(backend, encoder, parameters, path, state)
+    except (IreeCompileError, IreeCompilerFailed, NotImplementedError) as e:
+        warnings.warn(
+            f"the weights are saved as they are, not packed for the module's kernels ({type(e).__name__}: "
+            f"{str(e)[:300]}): the loaded module packs them when it starts, a second copy of their size in memory",
+            stacklevel=3,
+        )
+        return None
+    return main
+
+
+def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None) -> tuple[bytes, bytes]:
+    """`mlir` compiled by `backend` with its weights' packing split out: the module (reading the packed
+    weights) and the encoder module, each kept in the backend's compile cache."""
+    flags = (*backend.flags, *backend.perf_flags)
+    key = cache_key(mlir, (backend.target.name, *flags, *_SPLIT))
+    made: dict[str, bytes] = {}
+
+    def both() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="fx-rewrites-encoder-") as tmp:
+            text = Path(tmp) / "encoder.mlir"
+            split = (*flags, *_SPLIT, f"--iree-parameter-encoder-output-file={text}")
+            main = backend._run_compiler(iree, mlir, gm, split)
+            made["encoder"] = run_iree_compile(
+                iree, text.read_text(), backend.target.name, flags, backend.compile_timeout_s
+            )
+        return main
+
+    main, _ = backend.cache.get_or_compile(key, both)
+    encoder, _ = backend.cache.get_or_compile(key + "-encoder", lambda: made.get("encoder") or _encoder_of(both, made))
+    return main, encoder
+
+
+def _encoder_of(both: Callable[[], bytes], made: dict[str, bytes]) -> bytes:
+    both()  # the module was cached and its encoder was not: compile both again
+    return made["encoder"]
+
+
+def _text(ref: Any, rt: Any) -> str:
+    return bytes(memoryview(ref.deref(rt.VmBuffer))).decode()
+
+
+def _call(rt: Any, context: Any, function: Any) -> Any:
+    results = rt.VmVariantList(1)
+    context.invoke(function, rt.VmVariantList(0), results)
+    return results.get_as_list(0)
+
+
+def run_encoder(
+    backend: Any,
+    encoder_vmfb: bytes,
+    parameters: Mapping[str, torch.Tensor],
+    path: Path,
+    also: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Run the encoder module over `parameters` (scope `model`, served from the tensors' memory) on
+    `backend`'s device; its output parameters (`parameter<N>` of the same scope) are written into a new .irpa
+    at `path`, with `also` (key -> tensor) as they are. Inputs and outputs are entries of one index (IREE looks
+    a key up in the first provider of its scope only)."""
+    from fx_rewrites.backends.iree.importing import iree_modules
+    from fx_rewrites.backends.iree.runtime import get_device
+
+    rt = iree_modules().runtime
+    device = get_device(rt, backend.device or backend.driver)
+    instance = rt.Config(device=device).vm_instance
+    encoder = rt.VmModule.copy_buffer(instance, encoder_vmfb)
+    targets: dict[str, dict[str, Any]] = {}
+    for name in encoder.function_names:
+        function = encoder.lookup_function(name)
+        attributes = dict(function.reflection)
+        if "iree.encode.target" in attributes:
+            targets.setdefault(attributes["iree.encode.target"], {})[attributes["iree.encode.function"]] = function
+    functions = next(iter(targets.values()), {})  # the first target, as the tool picks without --target
+    if not {"indices", "steps", "encode"} <= functions.keys():
+        raise NotImplementedError(f"the encoder module has functions {sorted(functions)} for its first target")
+    inputs = rt.ParameterIndex()
+    for key, tensor in parameters.items():
+        inputs.add_buffer(key, _bytes(tensor))
+    hal = rt.create_hal_module(instance, device)
+
+    def context() -> Any:
+        io = rt.create_io_parameters_module(instance, inputs.create_provider(scope=SCOPE))
+        return rt.VmContext(instance, modules=[hal, io, encoder])
+
+    entries = []  # each scope: [name, [entry: [type, key, metadata, length, alignment (data) | pattern...]]]
+    scopes = _call(rt, context(), functions["indices"])
+    for i in range(scopes.size):
+        scope = scopes.get_as_list(i)
+        name, listed = _text(scope.get_variant(0), rt), scope.get_as_list(1)
+        for j in range(listed.size):
+            entry = listed.get_as_list(j)
+            kind, key = entry.get_variant(0), _text(entry.get_variant(1), rt)
+            if name != SCOPE or kind != 1 or key in parameters:
+                raise NotImplementedError(f"encoder output {name}::{key} of kind {kind} (expected new data in {SCOPE})")
+            entries.append((key, int(entry.get_variant(3)), int(entry.get_variant(4))))
+    kept = {key: _bytes(tensor) for key, tensor in (also or {}).items()}
+    layout = [*entries, *((key, array.nbytes, archive.DATA_ALIGNMENT) for key, array in kept.items())]
+    offsets = archive.reserve(layout, path)
+    fd = os.open(path, os.O_RDWR)
+    running = handle = None
+    try:
+        for array, offset in zip(kept.values(), offsets[len(entries) :], strict=True):
+            os.pwrite(fd, memoryview(array), offset)
+        handle = rt.FileHandle.wrap_fd(fd, readable=True, writable=True)
+        for (key, length, _), offset in zip(entries, offsets[: len(entries)], strict=True):
+            inputs.add_from_file_handle(key, handle, length, offset)
+        running = context()
+        arguments = rt.VmVariantList(3)
+        arguments.push_list(_call(rt, running, functions["steps"]))
+        semaphore = device.create_semaphore(0)
+        done = rt.HalFence.create_at(semaphore, 1)
+        arguments.push_ref(rt.HalFence.create_at(semaphore, 0))
+        arguments.push_ref(done)
+        running.invoke(functions["encode"], arguments, rt.VmVariantList(0))
+        done.wait()
+    finally:
+        running = handle = inputs = None  # the runtime's references to the file first
+        os.close(fd)

@@ -1,0 +1,134 @@
+"""A module saved with `params=` reads its weights from the mapped .irpa as they are (issue 34 part 2).
+
+`backends/iree/encoding.py`: on llvm-cpu with data tiling, `save(path, params=)` compiles the module with the
+weights' packing split out and runs IREE's parameter encoder, so the archive holds the weights packed; the
+loaded module maps the archive and packs nothing when it starts.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_rewrites
+from fx_rewrites.backends.iree import encoding
+from fx_rewrites.backends.iree.backend import IreeBackend
+
+iree_runtime = pytest.importorskip("iree.runtime")
+
+
+class Stack(torch.nn.Module):
+    """`layers` Linear(width, width) with a ReLU between: every weight a matmul operand IREE packs."""
+
+    def __init__(self, width: int = 256, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def keys(path: Path) -> list[str]:
+    index = iree_runtime.ParameterIndex()
+    index.load(str(path))
+    return sorted(index[i].key for i in range(len(index)))
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Stack().eval(), torch.randn(8, 256)
+
+
+def test_the_archive_holds_the_weights_packed_and_loads_mapped(model, tmp_path, monkeypatch):
+    net, x = model
+    compiled = fx_rewrites.compile(net, (x,))
+    compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    # the encoder's output (every weight, packed or not, as the module reads it), not the state-dict tensors
+    assert all(key.startswith("parameter") for key in keys(tmp_path / "net.irpa"))
+    assert not set(keys(tmp_path / "net.irpa")) & set(compiled.runtime.parameters)
+
+    real_open = builtins.open
+
+    def no_archive_reads(file, *args, **kwargs):
+        assert not str(file).endswith(".irpa"), f"the archive was read into memory by Python: {file}"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_archive_reads)
+    monkeypatch.setattr(Path, "read_bytes", lambda p: real_open(p, "rb").read() if p.suffix != ".irpa" else 1 / 0)
+    loaded = fx_rewrites.load(tmp_path / "net.vmfb")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), net(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(x + 1), net(x + 1), rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    mapped = [line for line in maps if line.endswith(str(tmp_path / "net.irpa"))]
+    assert mapped and all(line.split()[1].startswith("r-") for line in mapped), "the archive is not mapped read-only"
+    # the documented command line runs the packed archive as any other (scope model)
+    call = json.loads(
+        iree_runtime.VmModule.mmap(iree_runtime.VmInstance(), str(tmp_path / "net.vmfb"))
+        .lookup_function("main")
+        .reflection["fx_rewrites.call"]
+    )
+    assert call["parameters"] == {"scope": "model"}
+
+
+def test_without_data_tiling_the_weights_are_saved_as_they_are(model, tmp_path):
+    net, x = model
+    compiled = fx_rewrites.compile(net, (x,), backend=IreeBackend(perf_flags=()))
+    assert compiled.runtime.pack is None
+    compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    assert keys(tmp_path / "net.irpa") == sorted(compiled.runtime.parameters)
+    with torch.no_grad():
+        torch.testing.assert_close(fx_rewrites.load(tmp_path / "net.vmfb")(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_iree_cannot_split_is_saved_unpacked_with_a_warning(model, tmp_path, monkeypatch):
+    net, x = model
+    compiled = fx_rewrites.compile(net, (x,))
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no encoder here")
+
+    monkeypatch.setattr(encoding, "compile_split", refuse)
+    with pytest.warns(UserWarning, match="packs them when it starts"):
+        compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    assert keys(tmp_path / "net.irpa") == sorted(compiled.runtime.parameters)
+    with torch.no_grad():
+        torch.testing.assert_close(fx_rewrites.load(tmp_path / "net.vmfb")(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+_CHILD = """
+import sys, torch, fx_rewrites
+def status(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":")) * 1024
+x = torch.load(sys.argv[2])
+anon, file = status("RssAnon"), status("RssFile")
+out = fx_rewrites.load(sys.argv[1])(x)
+print(status("RssAnon") - anon, status("RssFile") - file)
+"""
+
+
+def test_loading_costs_the_mapped_pages_not_a_copy(tmp_path):
+    """In a fresh process: loading and calling a module of 128 MB of weights adds the archive's mapped pages
+    (about the weights) and no copy of them in the process's own memory (the packing the module did at load,
+    before: +128 MB of anonymous memory, docs/performance.md)."""
+    torch.manual_seed(0)
+    net, x = Stack(2048, 8).eval(), torch.randn(4, 2048)
+    weights = sum(layer.weight.numel() * 4 for layer in net.layers)
+    fx_rewrites.compile(net, (x,)).save(tmp_path / "big.vmfb", params=tmp_path / "big.irpa")
+    torch.save(x, tmp_path / "x.pt")
+    argv = [sys.executable, "-c", _CHILD, str(tmp_path / "big.vmfb"), str(tmp_path / "x.pt")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    anon, file = (int(v) for v in proc.stdout.split()[-2:])
+    assert file > 0.9 * weights, f"only {file / 1e6:.0f} MB of the {weights / 1e6:.0f} MB archive mapped"
+    assert anon < 0.25 * weights, f"{anon / 1e6:.0f} MB of the process's own memory for {weights / 1e6:.0f} MB"
