@@ -64,6 +64,8 @@ def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: An
     try:
         main, encoder = compile_split(backend, iree, mlir, gm)
         run_encoder(backend, encoder, parameters, path, state)
+    except NothingToPack:
+        return None
     except (IreeCompileError, IreeCompilerFailed, NotImplementedError) as e:
         warnings.warn(
             f"the weights are saved as they are, not packed for the module's kernels ({type(e).__name__}: "
@@ -72,6 +74,10 @@ def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: An
         )
         return None
     return main
+
+
+class NothingToPack(Exception):
+    """The module packs no weight when it starts: the archive is written as it is."""
 
 
 def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None) -> tuple[bytes, bytes]:
@@ -86,6 +92,8 @@ def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None) -> tuple[b
             text = Path(tmp) / "encoder.mlir"
             split = (*flags, *_SPLIT, f"--iree-parameter-encoder-output-file={text}")
             main = backend._run_compiler(iree, mlir, gm, split)
+            if not text.exists():  # IREE found nothing to pack (no matmul weights): no encoder
+                raise NothingToPack
             made["encoder"] = run_iree_compile(
                 iree, text.read_text(), backend.target.name, flags, backend.compile_timeout_s
             )
