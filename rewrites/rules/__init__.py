@@ -13,6 +13,7 @@ from fx_rewrites.rules import (
     inplace,
     masks,
     pooling,
+    quantized,
     symbolic,
     view_or_copy,
     vmap,
@@ -31,6 +32,7 @@ PACKS: dict[str, RuleSet] = {
     "inplace": inplace.RULES,
     "symbolic": symbolic.RULES,
     "masks": masks.RULES,
+    "quantized": quantized.RULES,
 }
 
 DEFAULT = RuleSet([rule for pack in PACKS.values() for rule in pack], name="default")

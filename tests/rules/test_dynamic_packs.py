@@ -74,6 +74,18 @@ class Mask(torch.nn.Module):
         return x + x[x > 0].sum()
 
 
+class FakeQuantized(torch.nn.Module):
+    """torchao's dynamic int8 activation steps (W8A8's): per-row scales, quantize, dequantize."""
+
+    def forward(self, x):
+        import torchao.quantization.quant_primitives  # noqa: F401  (registers the torchao ops)
+
+        ops, block = torch.ops.torchao, [1, x.shape[1]]
+        scale, zero = ops.choose_qparams_affine(x, "SYMMETRIC", block, torch.int8, -128, 127, 1e-7, None, None)
+        q = ops.quantize_affine(x, block, scale, zero, torch.int8, -128, 127)
+        return ops.dequantize_affine(q, block, scale, zero, torch.int8, -128, 127) * 2
+
+
 #: pack -> (module, example input shape, dynamic dims, other input shape)
 CASES = {
     "pooling": (Pool, (2, 3, 8, 6), {0: Dim("b"), 2: Dim("h", min=4), 3: Dim("w", min=4)}, (3, 3, 7, 9)),
@@ -86,6 +98,7 @@ CASES = {
     "inplace": (InPlace, (3, 4), {0: Dim("b"), 1: Dim("n")}, (5, 7)),
     "symbolic": (SymScalar, (3, 4), {0: Dim("b"), 1: Dim("n")}, (5, 7)),
     "masks": (Mask, (3, 4), {0: Dim("b"), 1: Dim("n")}, (5, 7)),
+    "quantized": (FakeQuantized, (3, 4), {0: Dim("b")}, (5, 4)),
 }
 
 
