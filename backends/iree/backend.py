@@ -41,6 +41,7 @@ from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, function_reflections, get_device
 from fx_rewrites.backends.iree.state import lift_state
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
+from fx_rewrites.backends.iree.weight_layout import extra_flags
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE-specific first-phase rules (`backends/iree/rules/`), unioned with DEFAULT in `IreeBackend.rules`
@@ -335,6 +336,7 @@ class IreeBackend:
             return self._run_compiler(iree, mlir, gm, self.flags)
 
     def _run_compiler(self, iree: Any, mlir: str, gm: GraphModule, flags: Sequence[str]) -> bytes:
+        flags = (*flags, *extra_flags(mlir))  # re-laid quantized weights: the fusion that reads them
         try:
             return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s)
         except IreeCompilerFailed as e:

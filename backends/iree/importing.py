@@ -38,6 +38,7 @@ from fx_rewrites.backends.convention import Output, Plan, program_inputs, progra
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.state import BODY, StateGlobals, state_tensor, wrap_state
+from fx_rewrites.backends.iree.weight_layout import fold_blocked_rows
 from fx_rewrites.program import copy_graph_module, rebuild_program
 from fx_rewrites.symbolic_sizes import sym_placeholder_sources
 
@@ -130,7 +131,7 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
     """
     _check_signature(program)
     sig = program.graph_signature
-    copy = rebuild_program(program, copy_tree(program.graph_module))
+    copy = fold_blocked_rows(rebuild_program(program, copy_tree(program.graph_module)))  # quantized weights
     mutated = {s.target for s in sig.output_specs if s.kind in _STATE_OUT} | set(state)
     # the importer freezes what the signature calls state; mutated state must stay an argument
     copy_specs = copy.graph_signature.input_specs

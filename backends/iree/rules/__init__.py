@@ -3,7 +3,8 @@
     phases(target)   # Phases(DEFAULT | OWN, LEGALIZE, the target's performance rules)
 
 - first phase, with DEFAULT: `ops` (what the importer or compiler cannot take, with `attention`,
-  `lowerings`, `scatters`, `moe`, `counting_sort`, `topk`, `conv`, `unbatched`);
+  `lowerings`, `scatters`, `moe`, `counting_sort`, `topk`, `conv`, `unbatched`), and `quantized_matmul`
+  (quantized weights read in blocks, `weight_layout`);
 - `legalize`: legality-driven decomposition (`fx_rewrites.kinds.legalize` over the measured
   `backends/iree/legality.py`) and the guards against IREE's silent wrong results (`guards`,
   `compare_guards`, `activations`, `index_guards`, `views`, `live_scatters`, `steps`, `pooling`);
@@ -14,12 +15,12 @@ Rule names keep their `_for_iree` suffix: they are what `explain --rule` and rep
 
 from __future__ import annotations
 
-from fx_rewrites.backends.iree.rules import legalize, ops, performance
+from fx_rewrites.backends.iree.rules import legalize, ops, performance, quantized_matmul
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE's own first-phase rules, unioned with DEFAULT
-OWN: RuleSet = ops.RULES
+OWN: RuleSet = ops.RULES | quantized_matmul.RULES
 #: the second phase: decompose what IREE cannot lower, guard what it computes wrong
 LEGALIZE: RuleSet = legalize.LEGALIZE
 

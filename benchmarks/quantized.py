@@ -1,0 +1,234 @@
+"""Quantized LLM decoding (issue 33): float32, torchao int8 weight-only, W8A8 and int4 g32, eager against
+`fx_rewrites.compile_lm` on IREE, with llama.cpp's Q8_0 / Q4_0 of the same weights beside them.
+
+    python benchmarks/quantized.py                                    # the 160M shape, one thread, CPU time
+    python benchmarks/quantized.py --size tiny --prompt 8 --new 4 --rounds 1 --schemes float32,int8_wo  # smoke
+    LLAMA_CPP_DIR=/path/to/llama.cpp-build python benchmarks/quantized.py --llama-cpp   # + llama.cpp columns
+
+Model: a seeded random `LlamaForCausalLM` (benchmarks/generate.py's `seeded_for_greedy`: randn x 0.05, eos off);
+`160m`: hidden 1024, 8 layers, 16 / 8 heads, MLP 2816, vocab 32000 (the issue's shape); `1b`: TinyLlama's.
+Schemes (torchao 0.18 `quantize_` on a copy): `int8_wo` Int8WeightOnlyConfig, `w8a8`
+Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, PerGroup(32)).
+Routes: `eager` (transformers' generate, DynamicCache) and `compile_lm` (IREE local-sync). Prefill = a generate
+of 1 new token; decode tokens/s = (N - 1) / (time(N) - time(1)); one thread, CPU time of this process
+(`time.process_time`), routes interleaved round by round, medians. `match`: the tokens equal the same scheme's
+eager tokens. `irpa MB`: the size of the module's saved weights (`save(..., params=)`).
+
+llama.cpp (`--llama-cpp`, `LLAMA_CPP_DIR` or `--llama-cpp-dir`: a build with `bin/llama-bench` and
+`bin/llama-quantize`, and the source tree's `convert_hf_to_gguf.py` found from `--llama-cpp-src` or beside it):
+the same checkpoint saved with `save_pretrained`, converted to F32 GGUF (a synthetic vocabulary of the model's
+size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT -n NEW` (its tokens/s are
+wall time). Without a build the column says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import generate as gen  # benchmarks/generate.py: model building, timing helpers
+
+SIZES = {
+    "tiny": gen.SIZES["tiny"],
+    "160m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=32000),
+    "1b": gen.SIZES["1b"],
+}  # fmt: skip
+SCHEMES = ("float32", "int8_wo", "w8a8", "int4_g32")
+
+
+def build(size: str, max_len: int) -> torch.nn.Module:
+    tf = gen.transformers_module()
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**SIZES[size], max_position_embeddings=max(max_len, 256), tie_word_embeddings=False)
+    return gen.seeded_for_greedy(tf.LlamaForCausalLM(config).eval())
+
+
+def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    if scheme == "float32":
+        return model
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        quantize_,
+    )
+    from torchao.quantization.granularity import PerGroup
+
+    configs = {
+        "int8_wo": Int8WeightOnlyConfig,
+        "w8a8": Int8DynamicActivationInt8WeightConfig,
+        "int4_g32": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+    }
+    out = copy.deepcopy(model)
+    quantize_(out, configs[scheme]())
+    return out
+
+
+def routes(model: torch.nn.Module, max_len: int) -> tuple[dict[str, Any], float | None]:
+    """eager and compile_lm generators for `model`; the compile_lm module's .irpa size in MB."""
+    import fx_rewrites
+
+    out: dict[str, Any] = {"eager": gen.hf_generate(model, static=False, max_len=max_len)}
+    irpa = None
+    try:
+        lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=gen.iree_backend("1"))
+        out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
+        with tempfile.TemporaryDirectory() as tmp:
+            lm.save(Path(tmp) / "lm.vmfb")
+            irpa = (Path(tmp) / "lm.irpa").stat().st_size / 1e6
+    except Exception as e:  # a route that fails is a row saying why
+        out["compile_lm"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return out, irpa
+
+
+def measure(gens: dict[str, Any], prompt: torch.Tensor, new: int, rounds: int) -> dict[str, Any]:
+    tokens = {name: g(prompt, new) for name, g in gens.items() if not isinstance(g, str)}  # warm-up
+    times: dict[str, dict[int, list[float]]] = {name: {1: [], new: []} for name in tokens}
+    for _ in range(rounds):
+        for name in tokens:
+            for n in (1, new):
+                start = time.process_time()
+                gens[name](prompt, n)
+                times[name][n].append(time.process_time() - start)
+    results: dict[str, Any] = {name: g for name, g in gens.items() if isinstance(g, str)}
+    for name in tokens:
+        first, full = statistics.median(times[name][1]), statistics.median(times[name][new])
+        rate = (new - 1) / (full - first) if full > first else float("nan")
+        results[name] = (first * 1e3, rate, torch.equal(tokens[name], tokens["eager"]))
+    return results
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+def llama_cpp_paths(build_dir: str | None, src: str | None) -> tuple[Path, Path, Path] | str:
+    """(llama-bench, llama-quantize, convert_hf_to_gguf.py), or why not."""
+    if not build_dir:
+        return "no llama.cpp build (set LLAMA_CPP_DIR or --llama-cpp-dir)"
+    build = Path(build_dir)
+    bench, quant = build / "bin" / "llama-bench", build / "bin" / "llama-quantize"
+    roots = [Path(src)] if src else [build.parent, build, *build.parent.glob("*/vendor/llama.cpp")]
+    convert = next((r / "convert_hf_to_gguf.py" for r in roots if (r / "convert_hf_to_gguf.py").exists()), None)
+    if not bench.exists() or not quant.exists():
+        return f"no llama-bench / llama-quantize in {build / 'bin'}"
+    if convert is None:
+        return "no convert_hf_to_gguf.py (give --llama-cpp-src, llama.cpp's source tree)"
+    return bench, quant, convert
+
+
+#: run by `convert_hf_to_gguf.py`'s interpreter: its Llama converter with a synthetic vocabulary (no tokenizer)
+_CONVERT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, str(__import__("pathlib").Path(sys.argv[1]) / "gguf-py"))
+import convert_hf_to_gguf as c
+def vocab(self):
+    n = self.hparams["vocab_size"]
+    self.gguf_writer.add_tokenizer_model("llama")
+    self.gguf_writer.add_token_list([f"<t{i}>".encode() for i in range(n)])
+    self.gguf_writer.add_token_scores([0.0] * n)
+    self.gguf_writer.add_token_types([1] * n)
+    self.gguf_writer.add_bos_token_id(1)
+    self.gguf_writer.add_eos_token_id(2)
+c.LlamaModel.set_vocab = vocab
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
+c.main()
+"""
+
+
+def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: int, new: int) -> dict[str, Any]:
+    """llama-bench -t 1 of the model as F32, Q8_0 and Q4_0 GGUF: name -> (prefill ms, decode tokens/s, MB)."""
+    bench, quant, convert = paths
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, f32 = Path(tmp) / "hf", Path(tmp) / "f32.gguf"
+        model.save_pretrained(hf, safe_serialization=True)
+        run = subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(convert.parent), str(hf), str(f32)], capture_output=True, text=True
+        )
+        if run.returncode:
+            return {"llama.cpp": f"convert_hf_to_gguf failed: {run.stderr.strip().splitlines()[-1:]}"}
+        files = {"F32": f32}
+        for kind in ("Q8_0", "Q4_0"):
+            files[kind] = Path(tmp) / f"{kind}.gguf"
+            subprocess.run([str(quant), str(f32), str(files[kind]), kind], capture_output=True, check=True)
+        for kind, path in files.items():
+            res = subprocess.run(
+                [str(bench), "-m", str(path), "-t", "1", "-p", str(prompt), "-n", str(new), "-r", "3", "-o", "json"],
+                capture_output=True,
+                text=True,
+            )
+            if res.returncode:
+                out[kind] = f"llama-bench failed: {res.stderr.strip()[-200:]}"
+                continue
+            rows = json.loads(res.stdout)
+            pp = next(r for r in rows if r["n_prompt"] > 0)
+            tg = next(r for r in rows if r["n_gen"] > 0)
+            out[kind] = (prompt / pp["avg_ts"] * 1e3, tg["avg_ts"], path.stat().st_size / 1e6)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="160m", choices=sorted(SIZES))
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's F32 / Q8_0 / Q4_0 columns")
+    parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
+    parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    max_len = args.prompt + args.new
+    model = build(args.size, max_len)
+    prompt = torch.randint(
+        0, SIZES[args.size]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1)
+    )
+    setting = f"{args.size}, prompt {args.prompt}, {args.new} new tokens, 1 thread, CPU time"
+    print(f"# {setting}; {gen.cpu()}; load {gen.load()}")
+    print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
+    print("|---|---|---:|---:|---:|---|---:|")
+    base = None
+    for scheme in args.schemes.split(","):
+        variant = quantize(model, scheme)
+        gens, irpa = routes(variant, max_len)
+        results = measure(gens, prompt, args.new, args.rounds)
+        for name, value in results.items():
+            if isinstance(value, str):
+                print(f"| {scheme} | {name} | - | - | - | {value} | - |")
+                continue
+            if scheme == "float32" and name == "compile_lm":
+                base = value[1]
+            ratio = f"{value[1] / base:.2f}" if base else "-"
+            size = f"{irpa:.0f}" if name == "compile_lm" and irpa else "-"
+            match = "yes" if value[2] else "NO"
+            print(f"| {scheme} | {name} | {value[0]:.1f} | {value[1]:.2f} | {ratio} | {match} | {size} |", flush=True)
+    if args.llama_cpp:
+        paths = llama_cpp_paths(args.llama_cpp_dir, args.llama_cpp_src)
+        results = {"llama.cpp": paths} if isinstance(paths, str) else llama_cpp(model, paths, args.prompt, args.new)
+        for kind, value in results.items():
+            if isinstance(value, str):
+                print(f"| llama.cpp | {kind} | - | - | - | {value} | - |")
+            else:
+                ratio = f"{value[1] / base:.2f}" if base else "-"
+                cells = f"{value[0]:.1f} | {value[1]:.2f} | {ratio} | - | {value[2]:.0f}"
+                print(f"| llama.cpp {kind} | llama-bench (wall) | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Quantized matmuls in the form IREE fuses (backends/iree/rules/quantized_matmul.py, weight_layout.py).
+
+Before-graphs from `torch.export` of Linears quantized by torchao 0.18: `Int8WeightOnlyConfig` (the int8
+weight transposed, converted to float32, `mm`, the scale after) and `IntxWeightOnlyConfig` int4/int8 in groups
+of 32 (`dequantize_affine` feeding `linear`). After the rules: a reduction over the weight re-laid in blocks of
+16 rows (`fx_rewrites::blocked_rows`), no float32 weight; the program computes what the quantized eager module
+computes (the same dequantized values, the sums in another order). On IREE the blocks are an int8 parameter
+and no dispatch converts a whole weight to float32.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import DEFAULT
+
+quantization = pytest.importorskip(
+    "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
+)
+from torchao.quantization.granularity import PerGroup  # noqa: E402
+
+from fx_rewrites.backends.iree.invoke import run_iree_compile  # noqa: E402
+from fx_rewrites.backends.iree.parameters import INLINE_ENV  # noqa: E402
+from fx_rewrites.backends.iree.rules.quantized_matmul import (  # noqa: E402
+    grouped_linear_for_iree,
+    int8_weight_mm_as_blocked_reduction_for_iree,
+)
+from fx_rewrites.backends.iree.weight_layout import BLOCKED_ROWS, FUSION_FLAGS, extra_flags  # noqa: E402
+
+aten = torch.ops.aten
+
+SCHEMES = {
+    "int8_wo": (lambda: quantization.Int8WeightOnlyConfig(), int8_weight_mm_as_blocked_reduction_for_iree),
+    "int4_g32": (
+        lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+        grouped_linear_for_iree,
+    ),
+    "int8_g32": (
+        lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)),
+        grouped_linear_for_iree,
+    ),
+}
+
+
+def _linear(scheme: str, out_features: int = 48) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, out_features)).eval()
+    quantization.quantize_(model, SCHEMES[scheme][0]())
+    return model
+
+
+def _x(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_quantized_linear_becomes_a_blocked_reduction(scheme: str, dynamic: bool) -> None:
+    model, rule = _linear(scheme), SCHEMES[scheme][1]
+    shapes = {"input": {1: torch.export.Dim("rows", min=2, max=64)}} if dynamic else None
+    program = torch.export.export(model, (_x(5, 0),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, DEFAULT + rule)  # DEFAULT drops export's metadata asserts first
+    rt.assert_fired(result, rule.name, times=1)
+    rt.assert_ops(result, present=[BLOCKED_ROWS, aten.sum.dim_IntList], absent=[aten.mm.default, aten.linear.default])
+    floats = [
+        n
+        for n in result.graph_module.graph.nodes
+        if n.op == "call_function" and n.target is aten._to_copy.default and n.meta["val"].dim() == 2
+    ]
+    assert not floats, floats  # no [N, K] float32 copy of the weight: the conversion is of the blocks
+    rows = (5, 23) if dynamic else (5, 5)
+    with torch.no_grad():  # the same dequantized weights, float32 sums in another order
+        rt.assert_matches_eager(result, model, [(_x(rows[0], 1),), (_x(rows[1], 2),)], rtol=0, atol=2e-5)
+    rt.assert_idempotent(result, DEFAULT + rule)
+
+
+def test_rows_that_do_not_fill_blocks_are_left_alone() -> None:
+    model = _linear("int8_wo", out_features=40)  # 40 rows: not a multiple of 16
+    result = rt.apply_rules(
+        torch.export.export(model, (_x(5, 0),)), DEFAULT + int8_weight_mm_as_blocked_reduction_for_iree
+    )
+    rt.assert_not_fired(result, int8_weight_mm_as_blocked_reduction_for_iree)
+
+
+def test_an_int8_weight_that_is_an_input_is_left_alone() -> None:
+    class Dequantized(torch.nn.Module):  # the form of Int8WeightOnlyConfig's graph, the weight passed in
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.mm(x, w.t().to(torch.float32))
+
+    program = torch.export.export(Dequantized(), (torch.randn(2, 64), torch.zeros(32, 64, dtype=torch.int8)))
+    result = rt.apply_rules(program, DEFAULT + int8_weight_mm_as_blocked_reduction_for_iree)
+    rt.assert_not_fired(result, int8_weight_mm_as_blocked_reduction_for_iree)
+
+
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_g32"])
+def test_iree_reads_int8_blocks_and_writes_no_float_weight(scheme: str, monkeypatch) -> None:
+    monkeypatch.setenv(INLINE_ENV, "0")  # every weight a parameter, as a real model's are
+    model = _linear(scheme, out_features=96)
+    x = _x(1, 3)
+    compiled = fx_rewrites.compile(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=2e-5)
+    params = compiled.runtime.parameters
+    blocks = [v for k, v in params.items() if k.endswith(".blocked_rows") and v.dtype == torch.int8]
+    assert any(tuple(v.shape) == (96 // 16, 64, 16) for v in blocks), {k: v.shape for k, v in params.items()}
+    assert not any(v.dtype == torch.float32 and v.numel() == 96 * 64 for v in params.values())
+    mlir = compiled.runtime.mlir
+    assert extra_flags(mlir) == FUSION_FLAGS
+    from fx_rewrites.backends.iree.importing import iree_modules
+
+    backend = fx_rewrites.backends.get("iree")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = (
+            *backend.flags,
+            *backend.perf_flags,
+            *extra_flags(mlir),
+            f"--iree-hal-dump-executable-sources-to={tmp}",
+        )
+        run_iree_compile(iree_modules(), mlir, "llvm-cpu", flags, None)
+        sources = {p.name: p.read_text() for p in Path(tmp).glob("*.mlir")}
+    main = {name: text for name, text in sources.items() if "main" in name}
+    # one dispatch reads the int8 blocks and reduces: no dispatch stores a float32 tensor of the weight's size
+    assert len(main) == 1, sorted(sources)
+    stored = re.findall(r"writeonly:tensor<([0-9x]+)xf32>", next(iter(main.values())))
+    assert all(eval("*".join(s.split("x")) if "x" in s else s) < 96 * 64 for s in stored), stored
+    assert os.environ[INLINE_ENV] == "0"
