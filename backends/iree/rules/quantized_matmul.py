@@ -145,8 +145,10 @@ def _grouped_dequantize(node: Node) -> Miss | tuple[int, Node | None]:
         if other is node:
             break
         before.add(other)
-    if any(u.args[0] not in before or (len(u.args) > 2 and isinstance(u.args[2], Node) and u.args[2] not in before)
-           for u in node.users):
+    if any(
+        u.args[0] not in before or (len(u.args) > 2 and isinstance(u.args[2], Node) and u.args[2] not in before)
+        for u in node.users
+    ):
         return Miss("a linear's input is computed after the dequantize")
     return block[1], zero
 
