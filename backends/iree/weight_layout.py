@@ -45,15 +45,30 @@ def _(weight: torch.Tensor, block: int) -> torch.Tensor:
 
 BLOCKED_ROWS = torch.ops.fx_rewrites.blocked_rows.default
 
-#: source tensor -> (its version, its blocks): the same tensor re-laid once per content, and the same blocks
-#: object for every function of a module that reads it (parameters are shared by identity). A tensor written
-#: in place since (its `_version` moved) is re-laid again.
+#: source tensor -> (its version, block, its blocks): a weight re-laid once per content, and the same blocks
+#: object for every function of a module that reads it (parameters are shared by identity; torchao's flattened
+#: weights are a new tensor object per exported program, over the same memory). A tensor written in place since
+#: (its `_version` moved) is re-laid again; entries go with their source tensor.
 _BLOCKS: weakref.WeakKeyDictionary[torch.Tensor, tuple[int, int, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` read the same bytes the same way (`a` alive, so its memory cannot have been reused)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a._version == b._version
+    )
 
 
 def _blocks(tensor: torch.Tensor, block: int) -> torch.Tensor:
     held = _BLOCKS.get(tensor)
+    if held is None:
+        held = next((v for k, v in list(_BLOCKS.items()) if v[1] == block and _same_memory(k, tensor)), None)
     if held is not None and held[0] == tensor._version and held[1] == block:
+        _BLOCKS[tensor] = held
         return held[2]
     with torch.no_grad():
         out = blocked_rows(tensor.detach(), block)
