@@ -144,7 +144,11 @@ def vocab(self):
     self.gguf_writer.add_token_types([1] * n)
     self.gguf_writer.add_bos_token_id(1)
     self.gguf_writer.add_eos_token_id(2)
-c.LlamaModel.set_vocab = vocab
+try:
+    from conversion.llama import LlamaModel  # llama.cpp's converter split into modules (2026)
+except ImportError:
+    LlamaModel = c.LlamaModel
+LlamaModel.set_vocab = vocab
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
 c.main()
 """

@@ -1,0 +1,29 @@
+"""benchmarks/quantized.py on a tiny Llama (prompt 8, 4 new tokens, one round): every scheme's compile_lm row
+generates its eager tokens, and without a llama.cpp build the llama.cpp column says why (no timings are
+asserted: the machine is shared)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quantized.py"
+
+
+@pytest.mark.slow
+def test_quantized_prints_every_scheme_with_eager_tokens():
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[test]' installs it)")
+    args = ["--size", "tiny", "--prompt", "8", "--new", "4", "--rounds", "1", "--llama-cpp"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_DIR", "LLAMA_CPP_SRC")}
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    for scheme in ("float32", "int8_wo", "w8a8", "int4_g32"):
+        for route in ("eager", "compile_lm"):
+            row = next((r for r in rows if r.startswith(f"| {scheme} | {route} |")), None)
+            assert row is not None and "| yes |" in row, (scheme, route, done.stdout[-3000:])
+    assert any("no llama.cpp build (set LLAMA_CPP_DIR" in r for r in rows), rows
