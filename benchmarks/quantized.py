@@ -17,8 +17,9 @@ eager tokens. `irpa MB`: the size of the module's saved weights (`save(..., para
 llama.cpp (`--llama-cpp`, `LLAMA_CPP_DIR` or `--llama-cpp-dir`: a build with `bin/llama-bench` and
 `bin/llama-quantize`, and the source tree's `convert_hf_to_gguf.py` found from `--llama-cpp-src` or beside it):
 the same checkpoint saved with `save_pretrained`, converted to F32 GGUF (a synthetic vocabulary of the model's
-size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT -n NEW` (its tokens/s are
-wall time). Without a build the column says why.
+size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT -n NEW --repack 0` (its
+tokens/s are wall time; without repacking, as ggml's AMX kernels die on a host that reports AMX but does not grant it).
+Without a build the column says why.
 """
 
 from __future__ import annotations
@@ -172,7 +173,25 @@ def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: in
             subprocess.run([str(quant), str(f32), str(files[kind]), kind], capture_output=True, check=True)
         for kind, path in files.items():
             res = subprocess.run(
-                [str(bench), "-m", str(path), "-t", "1", "-p", str(prompt), "-n", str(new), "-r", "3", "-o", "json"],
+                # --repack 0: ggml's extra buffer types include its AMX kernels, which die here (SIGILL on
+                # `tilezero`: the VM does not grant AMX state), so the AVX-512 dot products run
+                [
+                    str(bench),
+                    "-m",
+                    str(path),
+                    "-t",
+                    "1",
+                    "-p",
+                    str(prompt),
+                    "-n",
+                    str(new),
+                    "-r",
+                    "3",
+                    "--repack",
+                    "0",
+                    "-o",
+                    "json",
+                ],
                 capture_output=True,
                 text=True,
             )
