@@ -117,3 +117,32 @@ def test_compile_lm_generates_the_quantized_eager_tokens(scheme: str) -> None:
     ours = lm.generate(prompt, max_new_tokens=32)
     assert ours.tolist() == theirs.tolist()
     assert len(set(ours[0, 5:].tolist())) > 2
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_torch_compile_route_matches_quantized_eager(scheme: str, monkeypatch) -> None:
+    monkeypatch.setenv("FX_REWRITES_STRICT", "1")  # a graph IREE cannot compile raises instead of running eager
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    quantization.quantize_(model, SCHEMES[scheme]())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fx_rewrites_iree")
+    for rows in (3, 7):  # two input sets (the second a new size: dynamo compiles again)
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-5)
+
+
+def test_a_torchao_op_no_rule_covers_gets_an_error_naming_it_and_what_is_covered() -> None:
+    from fx_rewrites.backends.iree.errors import IreeCompileError
+
+    class Float8(torch.nn.Module):  # torchao's float8 quantize, kept whole by export: no rule lowers it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = torch.ops.torchao.quantize_affine_float8_non_decomposed(x, torch.tensor(0.5), torch.float8_e4m3fn)
+            return q.to(torch.float32)
+
+    with pytest.raises(IreeCompileError) as caught:
+        fx_rewrites.compile(Float8(), (torch.randn(4, 4),))
+    text = str(caught.value)
+    assert "`torchao.quantize_affine_float8_non_decomposed` is torchao's; no rule lowers it" in text
+    assert "Int8WeightOnlyConfig" in text and "torchao.dequantize_affine" in text

@@ -9,6 +9,7 @@ from torch.fx import GraphModule, Node
 from fx_rewrites.backends.base import BackendUnavailable
 from fx_rewrites.backends.iree import legality, legality_data
 from fx_rewrites.engine import RewriteError
+from fx_rewrites.rules.quantized import unsupported_hint
 from fx_rewrites.schema import op_name
 
 SAVE_TEMPS = "set IREE_SAVE_TEMPS=/some/dir to keep iree-compile's inputs and a reproducer"
@@ -110,6 +111,9 @@ def _hint(op: str, msg: str, lowered: bool) -> str:
             f"`{op}` is in-place, and IREE takes functional graphs only; run `fx_rewrites.apply(program, "
             "backend.rules)` first so the in-place rules make it functional"
         )
+    quantized = unsupported_hint(op)
+    if quantized is not None:
+        return quantized
     if "failed to legalize operation 'torch." in msg:
         return (
             f"`{op}` has no IREE lowering; run `fx_rewrites.apply` first, and if it stays, add a rule "

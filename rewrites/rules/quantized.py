@@ -82,3 +82,33 @@ class _OnTorchaoOps:
 lower_torchao_quantization_ops = _OnTorchaoOps()
 
 RULES = RuleSet([lower_torchao_quantization_ops], name="quantized")
+
+
+#: the torchao configs whose exported ops the rules lower (torchao 0.18)
+SUPPORTED_CONFIGS = (
+    "Int8WeightOnlyConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "IntxWeightOnlyConfig (int1-int8, per group or per channel)",
+    "Int8DynamicActivationIntxWeightConfig",
+)
+
+
+def unsupported_hint(op: str) -> str | None:
+    """What to say about a torchao op that reached a backend unlowered (`op` as `torchao.name`), else None."""
+    if not op.startswith("torchao."):
+        return None
+    name = op.split(".")[1]
+    covered = name in TORCHAO_OPS
+    return (
+        f"`{op}` is torchao's; "
+        + (
+            "fx-rewrites lowers it by torchao's reference implementation (rule lower_torchao_quantization_ops), "
+            "which declined this call: `fx_rewrites.explain(program, rule='lower_torchao_quantization_ops')` "
+            "says why"
+            if covered
+            else "no rule lowers it: the torchao config that produced it is not covered"
+        )
+        + f". Covered: the configs {', '.join(SUPPORTED_CONFIGS)}, whose graphs hold torchao."
+        + ", torchao.".join(TORCHAO_OPS)
+        + "; quantize with one of them, or add a rule for this op"
+    )
