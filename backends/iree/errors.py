@@ -9,8 +9,8 @@ from torch.fx import GraphModule, Node
 from fx_rewrites.backends.base import BackendUnavailable
 from fx_rewrites.backends.iree import legality, legality_data
 from fx_rewrites.engine import RewriteError
-from fx_rewrites.rules.quantized import unsupported_hint
 from fx_rewrites.schema import op_name
+from fx_rewrites.torchao_ops import unsupported_hint
 
 SAVE_TEMPS = "set IREE_SAVE_TEMPS=/some/dir to keep iree-compile's inputs and a reproducer"
 

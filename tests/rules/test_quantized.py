@@ -17,7 +17,8 @@ quantization = pytest.importorskip(
 )
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 
-from fx_rewrites.rules.quantized import lower_torchao_quantization_ops, torchao_ops  # noqa: E402
+from fx_rewrites.rules.quantized import lower_torchao_quantization_ops  # noqa: E402
+from fx_rewrites.torchao_ops import torchao_ops  # noqa: E402
 
 torchao = torch.ops.torchao
 aten = torch.ops.aten

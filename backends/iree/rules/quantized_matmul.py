@@ -25,8 +25,8 @@ from fx_rewrites.backends.iree.weight_layout import BLOCKED_ROWS
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.program import input_spec
-from fx_rewrites.rules.quantized import torchao_ops
 from fx_rewrites.ruleset import RuleSet
+from fx_rewrites.torchao_ops import torchao_ops
 
 aten = torch.ops.aten
 
@@ -103,7 +103,7 @@ def _int8_weight_mm(node: Node) -> Miss | Node:
         "the float32 route, issue 33)."
     ),
 )
-def int8_weight_mm_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, found: Node) -> None:
+def int8_weight_mm_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: Node) -> None:
     x = node.args[0]
     n, k = _val(found).shape
     rw.replace(node, _reduce(rw, x, _blocked_float(rw, found), rw.size(x, 0), n, [k]))
@@ -213,7 +213,7 @@ def _never() -> None:
         "torchao's dequantize inside it: no float32 copy of the weight per call."
     ),
 )
-def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, found: tuple[int, Node | None]) -> None:
+def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: tuple[int, Node | None]) -> None:
     group, zero = found
     n = _val(node.args[0]).shape[0]
     for linear in list(node.users):
