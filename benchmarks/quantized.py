@@ -4,6 +4,7 @@
     python benchmarks/quantized.py                                    # the 160M shape, one thread, CPU time
     python benchmarks/quantized.py --size tiny --prompt 8 --new 4 --rounds 1 --schemes float32,int8_wo  # smoke
     LLAMA_CPP_DIR=/path/to/llama.cpp-build python benchmarks/quantized.py --llama-cpp   # + llama.cpp columns
+    python benchmarks/quantized.py --isa avx2        # IREE compiled for znver3, torch limited to AVX2
 
 Model: a seeded random `LlamaForCausalLM` (benchmarks/generate.py's `seeded_for_greedy`: randn x 0.05, eos off);
 `160m`: hidden 1024, 8 layers, 16 / 8 heads, MLP 2816, vocab 32000 (the issue's shape); `1b`: TinyLlama's.
@@ -79,14 +80,32 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     return out
 
 
-def routes(model: torch.nn.Module, max_len: int) -> tuple[dict[str, Any], float | None]:
+#: what `--isa avx2` compiles IREE's code for (an AVX2 CPU without AVX-512), as on the issue's AMD EPYC Zen 3
+AVX2_CPU = "znver3"
+#: the environment torch's kernels are limited to AVX2 by (read when torch is imported: set for a child)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def backend(isa: str) -> Any:
+    """IREE on one thread (local-sync) for this host's CPU, or for `AVX2_CPU` with `--isa avx2`."""
+    from fx_rewrites.backends.iree import IreeBackend
+
+    if isa == "host":
+        return gen.iree_backend("1")
+    flags = tuple(f for f in IreeBackend().flags if not f.startswith("--iree-llvmcpu-target-cpu="))
+    # without AMD's SSE4a, which LLVM emits for znver3 and an Intel host dies on (SIGILL)
+    cpu = (f"--iree-llvmcpu-target-cpu={AVX2_CPU}", "--iree-llvmcpu-target-cpu-features=-sse4a")
+    return IreeBackend(driver="local-sync", flags=(*cpu, *flags))
+
+
+def routes(model: torch.nn.Module, max_len: int, isa: str = "host") -> tuple[dict[str, Any], float | None]:
     """eager and compile_lm generators for `model`; the compile_lm module's .irpa size in MB."""
     import fx_rewrites
 
     out: dict[str, Any] = {"eager": gen.hf_generate(model, static=False, max_len=max_len)}
     irpa = None
     try:
-        lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=gen.iree_backend("1"))
+        lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
         out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
         with tempfile.TemporaryDirectory() as tmp:
             lm.save(Path(tmp) / "lm.vmfb")
@@ -212,24 +231,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--isa", default="host", choices=("host", "avx2"), help="avx2: IREE for znver3, torch AVX2")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's F32 / Q8_0 / Q4_0 columns")
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
     parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
     args = parser.parse_args(argv)
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        # torch reads its CPU capability when imported: run again in a child with it set
+        child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
+        raise SystemExit(subprocess.run(child, env={**os.environ, **AVX2_ENV}).returncode)
     torch.set_num_threads(1)
     max_len = args.prompt + args.new
     model = build(args.size, max_len)
     prompt = torch.randint(
         0, SIZES[args.size]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1)
     )
-    setting = f"{args.size}, prompt {args.prompt}, {args.new} new tokens, 1 thread, CPU time"
+    isa = "host ISA" if args.isa == "host" else f"AVX2 (IREE for {AVX2_CPU}, torch {AVX2_ENV})"
+    setting = f"{args.size}, prompt {args.prompt}, {args.new} new tokens, 1 thread, CPU time, {isa}"
     print(f"# {setting}; {gen.cpu()}; load {gen.load()}")
     print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
     print("|---|---|---:|---:|---:|---|---:|")
     base = None
     for scheme in args.schemes.split(","):
         variant = quantize(model, scheme)
-        gens, irpa = routes(variant, max_len)
+        gens, irpa = routes(variant, max_len, args.isa)
         results = measure(gens, prompt, args.new, args.rounds)
         for name, value in results.items():
             if isinstance(value, str):
