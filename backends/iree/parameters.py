@@ -75,19 +75,28 @@ def is_parameter(tensor: torch.Tensor, limit: int) -> bool:
     return tensor.numel() > 1 and tensor.dtype != torch.bool and nbytes(tensor) >= limit
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` read the same bytes the same way (both alive, so the memory is one)."""
+    layout = (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device)
+    return layout and a.data_ptr() == b.data_ptr()
+
+
 def shared_names(programs: Mapping[str, ExportedProgram]) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     """id(tensor) -> key and key -> tensor over the state of several programs imported into one module.
 
     A tensor several programs hold (the same weight object) has one key, its name in the first program that
     holds it; a name two programs give different tensors (each its own lifted constant `c_0`) is kept by the
-    first, and the next one's becomes `<function>/<name>`, so no function reads another's tensor."""
+    first, and the next one's becomes `<function>/<name>`, so no function reads another's tensor. One name over
+    the same memory in two programs (torchao's quantized weights: each export flattens them into new tensor
+    objects over the subclass's data) is one key too."""
     names: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     for function, program in programs.items():
         for name, tensor in (*program.state_dict.items(), *program.constants.items()):
             if not isinstance(tensor, torch.Tensor) or not _KEY.fullmatch(name) or id(tensor) in names:
                 continue
-            key = name if tensors.get(name, tensor) is tensor else f"{function}/{name}"
+            held = tensors.get(name, tensor)
+            key = name if held is tensor or _same_memory(held, tensor) else f"{function}/{name}"
             names[id(tensor)] = key
             tensors[key] = tensor
     return names, tensors
