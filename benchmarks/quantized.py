@@ -18,8 +18,9 @@ eager tokens. `irpa MB`: the size of the module's saved weights (`save(..., para
 llama.cpp (`--llama-cpp`, `LLAMA_CPP_DIR` or `--llama-cpp-dir`: a build with `bin/llama-bench` and
 `bin/llama-quantize`, and the source tree's `convert_hf_to_gguf.py` found from `--llama-cpp-src` or beside it):
 the same checkpoint saved with `save_pretrained`, converted to F32 GGUF (a synthetic vocabulary of the model's
-size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT -n NEW --repack 0` (its
-tokens/s are wall time; without repacking, as ggml's AMX kernels die on a host that reports AMX but does not grant it).
+size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT --repack 0` with `-n 1` and
+`-n NEW+1`: decode tokens/s from the difference of their CPU times (getrusage of the children; the prefill is its
+wall time); without repacking, as ggml's AMX kernels die on a host that reports AMX but does not grant it.
 Without a build the column says why.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,6 +52,8 @@ SIZES = {
     "1b": gen.SIZES["1b"],
 }  # fmt: skip
 SCHEMES = ("float32", "int8_wo", "w8a8", "int4_g32")
+#: llama-bench's repetitions per run
+REPEATS = 3
 
 
 def build(size: str, max_len: int) -> torch.nn.Module:
@@ -191,36 +195,25 @@ def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: in
             files[kind] = Path(tmp) / f"{kind}.gguf"
             subprocess.run([str(quant), str(f32), str(files[kind]), kind], capture_output=True, check=True)
         for kind, path in files.items():
-            res = subprocess.run(
-                # --repack 0: ggml's extra buffer types include its AMX kernels, which die here (SIGILL on
-                # `tilezero`: the VM does not grant AMX state), so the AVX-512 dot products run
-                [
-                    str(bench),
-                    "-m",
-                    str(path),
-                    "-t",
-                    "1",
-                    "-p",
-                    str(prompt),
-                    "-n",
-                    str(new),
-                    "-r",
-                    "3",
-                    "--repack",
-                    "0",
-                    "-o",
-                    "json",
-                ],
-                capture_output=True,
-                text=True,
-            )
+            common = [str(bench), "-m", str(path), "-t", "1", "-p", str(prompt), "-r", str(REPEATS), "--repack", "0"]
+            # --repack 0: ggml's extra buffer types include its AMX kernels, which die here (SIGILL on
+            # `tilezero`: the VM does not grant AMX state), so the AVX-512 dot products run
+            cpu, rows = {}, []
+            for n in (1, new + 1):  # decode CPU time: the difference of two runs, loading and prompt alike
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                res = subprocess.run([*common, "-n", str(n), "-o", "json"], capture_output=True, text=True)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu[n] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                if res.returncode:
+                    break
+                rows = json.loads(res.stdout)
             if res.returncode:
                 out[kind] = f"llama-bench failed: {res.stderr.strip()[-200:]}"
                 continue
-            rows = json.loads(res.stdout)
             pp = next(r for r in rows if r["n_prompt"] > 0)
             tg = next(r for r in rows if r["n_gen"] > 0)
-            out[kind] = (prompt / pp["avg_ts"] * 1e3, tg["avg_ts"], path.stat().st_size / 1e6)
+            cpu_rate = REPEATS * new / (cpu[new + 1] - cpu[1]) if cpu[new + 1] > cpu[1] else float("nan")
+            out[kind] = (prompt / pp["avg_ts"] * 1e3, cpu_rate, path.stat().st_size / 1e6, tg["avg_ts"])
     return out
 
 
@@ -236,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
     parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
     args = parser.parse_args(argv)
+    schemes = [s for s in args.schemes.split(",") if s]
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         # torch reads its CPU capability when imported: run again in a child with it set
         child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
@@ -252,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
     print("|---|---|---:|---:|---:|---|---:|")
     base = None
-    for scheme in args.schemes.split(","):
+    for scheme in schemes:
         variant = quantize(model, scheme)
         gens, irpa = routes(variant, max_len, args.isa)
         results = measure(gens, prompt, args.new, args.rounds)
@@ -275,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 ratio = f"{value[1] / base:.2f}" if base else "-"
                 cells = f"{value[0]:.1f} | {value[1]:.2f} | {ratio} | - | {value[2]:.0f}"
-                print(f"| llama.cpp {kind} | llama-bench (wall) | {cells} |")
+                print(f"| llama.cpp {kind} | llama-bench (decode: CPU time; wall {value[3]:.2f}) | {cells} |")
 
 
 if __name__ == "__main__":
