@@ -34,6 +34,7 @@ from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.errors import IreeCompileError
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, run_iree_compile
 from fx_rewrites.backends.iree.parameters import SCOPE, _bytes
+from fx_rewrites.backends.iree.weight_layout import extra_flags
 
 DATA_TILING = "--iree-global-opt-data-tiling"
 #: the encoder writes every weight the module reads (packed or not) into the scope it reads them from, so a
@@ -48,6 +49,11 @@ def packer(
     """`artifact.save`'s `pack` for a module compiled by `backend` from `mlir`, reading `parameters`: None
     where the module packs nothing when it loads (no data tiling)."""
     if not parameters or backend.target.name != "llvm-cpu" or DATA_TILING not in backend.perf_flags:
+        return None
+    if extra_flags(mlir):
+        # quantized weights re-laid as its kernels read them (`weight_layout`): IREE's encoder leaves those
+        # out of the archive it writes (the loaded module then finds no `...blocked_rows` entry), so the
+        # archive is written as it is
         return None
     return functools.partial(pack, backend, mlir, parameters, gm)
 
