@@ -7,9 +7,10 @@ its own (the program with that branch inlined, through the backend's rules)
 and a call runs the side its sizes pick. The predicate is the SymBool torch
 recorded (`Eq(s0, 3)`, `s0 <= 512`), evaluated on the sizes of the call.
 
-Used when a cond's predicate is a function of sizes alone and a branch does
-more than element-wise work; where both branches are element-wise (cheap),
-`cond_to_where` stays. One such cond per program (two compiled sides).
+Used when a cond's predicate is a function of sizes alone and the work a dispatch saves (the branch the
+sizes rule out, and the select) costs more than the dispatch itself, estimated from the branches' ops and
+sizes (`app/branch_cost.py`); where it does not, `cond_to_where` stays. One such cond per program (two
+compiled sides).
 
 Where the backend compiles several functions into one module (`backends.base.ModuleBackend`: IREE, state in
 the module) the two sides are its functions `when_true` and `when_false`: weights and the state the program
@@ -38,10 +39,11 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites import backends
 from fx_rewrites.api import Result, apply
+from fx_rewrites.app.branch_cost import dispatch_cost
 from fx_rewrites.backends.base import ArtifactError, ModuleBackend
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule
-from fx_rewrites.subgraphs import subgraph, walk
+from fx_rewrites.subgraphs import subgraph
 
 cond = torch.ops.higher_order.cond
 
@@ -72,20 +74,9 @@ def _symbol_sizes(program: ExportedProgram) -> dict[Any, tuple[int, int]]:
     return found
 
 
-def _elementwise_only(node: Node) -> bool:
-    """Whether both branches of cond `node` do element-wise work only (ATen ops tagged pointwise)."""
-    for branch in node.args[1:3]:
-        for n in walk(subgraph(branch)):
-            if n.op != "call_function" or n.target is operator.getitem:
-                continue
-            if torch.Tag.pointwise not in getattr(n.target, "tags", ()):
-                return False
-    return True
-
-
 def size_conds(program: ExportedProgram) -> list[SizeCond]:
     """The conds of `program` a size dispatch takes: predicate a SymBool of the user inputs' sizes that no
-    shape range decides, branches not element-wise only."""
+    shape range decides, and a dispatch that saves more than it costs (`branch_cost.dispatch_cost`)."""
     sizes = _symbol_sizes(program)
     found = []
     for node in program.graph.nodes:
@@ -97,7 +88,9 @@ def size_conds(program: ExportedProgram) -> list[SizeCond]:
         if not isinstance(pred, torch.SymBool) or statically_known_true(pred) or statically_known_false(pred):
             continue
         expr = pred.node.expr
-        if free_unbacked_symbols(pred) or not expr.free_symbols <= sizes.keys() or _elementwise_only(node):
+        if free_unbacked_symbols(pred) or not expr.free_symbols <= sizes.keys():
+            continue
+        if not dispatch_cost(node).worth_dispatching:  # cheaper to compute both and select (cond_to_where)
             continue
         found.append(SizeCond(node.name, expr, {s: sizes[s] for s in expr.free_symbols}))
     return found
@@ -201,6 +194,23 @@ def evaluate(tree: Any, shapes: list[Any]) -> Any:
     return _OPS[head](*(evaluate(a, shapes) for a in tree[1:]))
 
 
+def guard_function(tree: Any) -> Callable[[Any], Any]:
+    """`evaluate` of guard data `tree` as nested closures of the call's flat inputs, built once (a dispatched
+    call pays ~0.3 us for `s0 <= 16`, against ~1 us walking the tree): no code is evaluated, data only."""
+    head = tree[0]
+    if head == "size":
+        i, d = tree[1], tree[2]
+        return lambda inputs: int(inputs[i].shape[d])
+    if head == "int":
+        value = tree[1]
+        return lambda inputs: value
+    op, parts = _OPS[head], [guard_function(a) for a in tree[1:]]
+    if len(parts) == 2:
+        left, right = parts
+        return lambda inputs: op(left(inputs), right(inputs))
+    return lambda inputs: op(*(part(inputs) for part in parts))
+
+
 @attrs.define(eq=False)
 class SizeDispatch:
     """Called like the program: evaluates the predicate on the call's sizes and runs one compiled side.
@@ -218,9 +228,9 @@ class SizeDispatch:
     #: the predicate as text (`s0 <= 16`) and the cond it came from, for messages
     description: str = ""
 
-    #: the predicate as a Python function of the sizes `where` names (sympy evaluation costs ~0.1 ms a call)
-    predicate: Callable[..., bool] = attrs.field(init=False, repr=False)
-    where: list[tuple[int, int]] = attrs.field(init=False, repr=False)
+    #: the predicate as a function of the call's flat inputs (`guard_function`, or sympy's lambdify of the sizes
+    #: where the data cannot hold it: sympy's evaluation costs ~0.1 ms a call)
+    predicate: Callable[[Any], Any] = attrs.field(init=False, repr=False)
     why: str = attrs.field(init=False, default="", repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -230,18 +240,19 @@ class SizeDispatch:
                 self.tree = guard(self.found.expr, self.found.sizes)
             except GuardError as e:
                 self.why, self.tree = str(e), None
-        if self.tree is None:  # a form the data cannot hold: sympy's own evaluation
+        if self.tree is not None:
+            self.predicate = guard_function(self.tree)
+        else:  # a form the data cannot hold: sympy's own evaluation
             symbols = sorted(self.found.sizes, key=str)
-            self.predicate = sympy.lambdify(symbols, self.found.expr, modules="math")
-            self.where = [self.found.sizes[s] for s in symbols]
+            function = sympy.lambdify(symbols, self.found.expr, modules="math")
+            where = [self.found.sizes[s] for s in symbols]
+            self.predicate = lambda inputs: function(*(inputs[i].shape[d] for i, d in where))
 
     def taken(self, *args: Any, **kwargs: Any) -> bool:
         """The predicate's value for a call with these arguments."""
         if kwargs or len(args) != self.in_spec.num_leaves or not all(isinstance(a, torch.Tensor) for a in args):
             args = fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec)  # else the args are the flat inputs
-        if self.tree is not None:
-            return bool(evaluate(self.tree, [getattr(a, "shape", ()) for a in args]))
-        return bool(self.predicate(*(args[i].shape[d] for i, d in self.where)))
+        return bool(self.predicate(args))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return (self.when_true if self.taken(*args, **kwargs) else self.when_false)(*args, **kwargs)
@@ -332,6 +343,7 @@ __all__ = [
     "compile_dispatch",
     "evaluate",
     "guard",
+    "guard_function",
     "is_dispatch",
     "load_dispatch",
     "size_conds",

@@ -18,11 +18,13 @@ from fx_rewrites.app.dispatch import (
     check_guard,
     evaluate,
     guard,
+    guard_function,
     size_conds,
 )
 from fx_rewrites.backends.iree.artifact import ArtifactError
 from fx_rewrites.backends.iree.backend import IreeBackend
 from fx_rewrites.backends.iree.runtime import function_reflections
+from tests.test_branch_cost import LongElementwise
 
 aten = torch.ops.aten
 
@@ -70,7 +72,7 @@ def test_a_size_cond_is_found_with_the_input_dim_it_reads():
 @pytest.mark.parametrize(
     ("module", "shapes", "why"),
     [
-        (ElementwiseBranches(), SEQ, "element-wise branches: cond_to_where stays"),
+        (ElementwiseBranches(), SEQ, "short element-wise branches: a select costs less than a dispatch"),
         (SizeDispatched(), None, "static sizes: the predicate is decided when exported"),
         (SizeDispatched(), ({1: Dim("n", min=2, max=16)},), "the Dim range decides it"),
     ],
@@ -104,6 +106,28 @@ def test_only_the_taken_side_runs_and_both_sides_match_eager(backend):
         assert calls[-1] == side, n
     # the rewritten program itself computes both and selects, for program.module() and check
     torch.testing.assert_close(compiled.program.module()(_x(40, 1)), model(_x(40, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_elementwise_branches_whose_select_costs_more_are_dispatched_and_match_eager():
+    """Issue 36: both branches element-wise, one long: the estimate (tests/test_branch_cost.py) picks the dispatch,
+    and only the side the sizes pick runs, on IREE, with eager's numbers on both sides."""
+    model = LongElementwise()
+    shapes = ({1: Dim("n", min=2, max=1024)},)
+    gen = torch.Generator().manual_seed(3)
+    compiled = fx_rewrites.compile(model, (torch.randn(64, 64, generator=gen),), dynamic_shapes=shapes)
+    runtime = compiled.runtime
+    assert isinstance(runtime, SizeDispatch) and runtime.tree == ["le", ["size", 0, 1], ["int", 512]]
+    short, long = runtime.results
+    cos = [sum(n.target is aten.cos.default for n in r.graph_module.graph.nodes) for r in (short, long)]
+    assert cos == [0, 6]  # each side holds its own branch only
+    calls = []
+    true, false = runtime.when_true, runtime.when_false
+    runtime.when_true = lambda *a: calls.append("short") or true(*a)
+    runtime.when_false = lambda *a: calls.append("long") or false(*a)
+    for n, side in ((64, "short"), (512, "short"), (513, "long"), (640, "long")):
+        x = torch.randn(64, n, generator=gen) * 3
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        assert calls[-1] == side, n
 
 
 def test_saving_a_dispatched_program_names_why_not():
@@ -178,11 +202,13 @@ def test_a_dispatch_saves_and_loads_with_its_guard(tmp_path, params):
 
 
 def test_guard_data_is_checked_and_evaluated_without_code():
-    assert evaluate(
-        ["and", ["le", ["size", 0, 1], ["int", 16]], ["eq", ["mod", ["size", 1, 0], ["int", 2]], ["int", 0]]],
-        [(2, 16), (4,)],
-    )
-    assert not evaluate(["le", ["add", ["size", 0, 1], ["int", 1]], ["int", 16]], [(2, 16)])
+    both = ["and", ["le", ["size", 0, 1], ["int", 16]], ["eq", ["mod", ["size", 1, 0], ["int", 2]], ["int", 0]]]
+    one_more = ["le", ["add", ["size", 0, 1], ["int", 1]], ["int", 16]]
+    assert evaluate(both, [(2, 16), (4,)]) and not evaluate(one_more, [(2, 16)])
+    # the closures a dispatched call evaluates agree, on the call's tensors
+    assert guard_function(both)([torch.empty(2, 16), torch.empty(4)])
+    assert not guard_function(both)([torch.empty(2, 16), torch.empty(5)])
+    assert not guard_function(one_more)([torch.empty(2, 16)]) and guard_function(one_more)([torch.empty(2, 15)])
     for bad in (["call", "os.system"], ["size", 0], ["int", "1"], "x <= 16", ["le", ["size", 0, 1]], ["size", -1, 0]):
         with pytest.raises(GuardError, match="is not a size guard"):
             check_guard(bad)

@@ -24,8 +24,17 @@ def _run(script: str, *args: str) -> str:
 def test_size_dispatch_prints_both_sides():
     out = _run("size_dispatch.py", "--rounds", "1")
     assert "CPU: " in out
-    for side in ("n = 8 (short side): dispatched", "n = 48 (long side): dispatched"):
-        assert side in out and "cond_to_where" in out, out
+    for line in (
+        "matmul: compiled as a size dispatch",
+        "matmul, n = 8 (short side): dispatched",
+        "matmul, n = 48 (long side): dispatched",
+        "elementwise: compiled as a size dispatch",  # issue 36: both branches element-wise, one long
+        "elementwise, n = 64 (short side): dispatched",
+        "elementwise, n = 640 (long side): dispatched",
+        "elementwise: one element op",
+    ):
+        assert line in out, out
+    assert out.count("cond_to_where") == 4, out
 
 
 @pytest.mark.slow
