@@ -85,7 +85,7 @@ def test_rule_example_and_its_test_pass_with_pytest_outside_the_clone(tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_adding_a_rule_to_the_defaults_as_the_readme_says(tmp_path):

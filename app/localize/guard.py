@@ -40,7 +40,7 @@ def _root(op: torch._ops.OpOverload) -> str:
 
 
 def _conditions(node: Any) -> list[str]:
-    """`named[...] != value` for each argument that is not a tensor: a Miss unless it is as measured."""
+    """`args.get(...) != value` for each argument that is not a tensor: a Miss unless it is as measured."""
     named = bind(node.target, node.args, dict(node.kwargs))
     out = []
     for key, value in named.items():
@@ -50,7 +50,7 @@ def _conditions(node: Any) -> list[str]:
             continue
         if isinstance(value, torch.fx.Node) or (isinstance(value, (list, tuple)) and _has_node(value)):
             continue
-        out.append(f"named.get({quoted(key)}) {'is not' if value is None else '!='} {text}")
+        out.append(f"args.get({quoted(key)}) {'is not' if value is None else '!='} {text}")
     return out
 
 
@@ -81,16 +81,14 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
 
 
-def _measured_form(node: Node) -> bool | Miss:
+def _measured_form(node: Node, *, args: dict[str, Any]) -> bool | Miss:
     """The form {loc.backend} was measured wrong on; widen it once the rewrite is checked on more."""
-    named = schema.arguments(node)
 {when}
     return True
 
@@ -106,6 +104,7 @@ def _measured_form(node: Node) -> bool | Miss:
 def {name}(node: Node, rw: Rewriter) -> Any:
     # TODO: rewrite the node into ops {loc.backend} computes right, e.g.
     #   rw.replace(node, rw.call(aten.some_op.default, *node.args))
+    # (declare `*, args` to read its arguments by schema name; `*, found` for what a `when` returned)
     return Miss("not written yet: the skeleton's rewrite")
 '''
 

@@ -149,7 +149,7 @@ def _into_itself(node: Node) -> str:
 
 def _diagonal_of_a_read_tensor(node: Node) -> str:
     source = node.args[0]
-    if isinstance(diagonal_as_gather_for_iree.when(node), Miss) or not read_elsewhere(node, source):
+    if isinstance(diagonal_as_gather_for_iree.evaluate_when(node), Miss) or not read_elsewhere(node, source):
         return ""
     return (
         f"a diagonal of a tensor that is read elsewhere too ({source.name}): IREE returns that tensor wrong when "
@@ -168,7 +168,7 @@ def _one_window(node: Node) -> str:
         "`F.max_pool2d(x, 6)` on h in [6, 11]): with a user typed 1 IREE gives wrong values or indices, or a "
         "run-time shape error, for every size but the window's"
     )
-    missed = pool_single_window_for_iree.when(node)
+    missed = pool_single_window_for_iree.evaluate_when(node)
     if not isinstance(missed, Miss):
         return f"{what}; fix: {APPLY}, which cut the input to the window"
     return (
@@ -189,7 +189,7 @@ def _conv_one_window(node: Node) -> str:
         "`F.conv2d(x, w, stride=4, padding=1)` with a 5x5 kernel on h in [3, 6]): with a user typed 1 IREE gives "
         "wrong values, or a run-time shape error, for every size but the window's"
     )
-    missed = conv_single_window_for_iree.when(node)
+    missed = conv_single_window_for_iree.evaluate_when(node)
     if not isinstance(missed, Miss):
         return f"{what}; fix: {APPLY}, which cut the input to the window"
     return f"{what}; no rule rewrites this form ({missed.reason}); fix: export those dims static"
@@ -204,12 +204,10 @@ def _shared_iota(node: Node) -> str:
         "shape shares that iota: the second's indices come back wrong (an MoE router per layer; "
         "docs/iree-3.13-findings.md, section 22)"
     )
-    if node.target is not aten.topk.default and not isinstance(
-        counting_sort_for_iree.when(node, schema.arguments(node)), Miss
-    ):
+    if node.target is not aten.topk.default and not isinstance(counting_sort_for_iree.evaluate_when(node), Miss):
         return f"{what}; fix: {APPLY}, which write it as a counting sort"
     guard = topk_as_ranks_for_iree if node.target is aten.topk.default else sort_as_ranks_for_iree
-    missed = guard.when(node, schema.arguments(node))
+    missed = guard.evaluate_when(node)
     if not isinstance(missed, Miss):
         return f"{what}; fix: {APPLY}, which write it as ranks"
     return (

@@ -84,11 +84,16 @@ class RuleBase:
         """Store a field normalised in `_build` (the class is frozen)."""
         object.__setattr__(self, field, value)
 
-    def _when(self, node: Node) -> Any:
-        """What `when(node)` returned (True without a `when`), or a Miss saying why not."""
+    def evaluate_when(self, node: Node) -> Any:
+        """What `when` returns for `node`, called as the engine calls it (with the node's arguments by schema
+        name where it declares `args`); True without a `when`."""
         if self.when is None:
             return True
-        found = self.when(node, **{ARGS: arguments(node)}) if self.when_takes_args else self.when(node)
+        return self.when(node, **{ARGS: arguments(node)}) if self.when_takes_args else self.when(node)
+
+    def _when(self, node: Node) -> Any:
+        """What `when(node)` returned (True without a `when`), or a Miss saying why not."""
+        found = self.evaluate_when(node)
         if is_miss(found):
             return Miss(f"when: {miss_reason(found)}" if isinstance(found, Miss) else "when() said no")
         return found

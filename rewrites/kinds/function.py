@@ -11,7 +11,8 @@ bound by hand. A `when` that declares `args` receives them too:
     @rule(roots=(aten.pad.default,), when=reflect)
     def reflect_pad(node, rw, *, args): ...
 
-(`fn(node, rw, found)`, with `found` positional, is the older spelling of the same.)
+A body that takes `found` as a third positional parameter (the spelling before issue 36) is refused when the
+rule is built, with the fix.
 """
 
 from __future__ import annotations
@@ -27,27 +28,35 @@ from fx_rewrites import schema
 from fx_rewrites.engine import Rewriter
 from fx_rewrites.kinds.base import ARGS, RuleBase, as_tuple, takes_args
 
-Body = Callable[[Node, Rewriter], Any] | Callable[[Node, Rewriter, Any], Any]
+Body = Callable[..., Any]  # fn(node, rw, *, args, found)
 
 
 FOUND = "found"
 
 
-def _takes_found(fn: Callable[..., Any]) -> str:
-    """How `fn` takes what `when` found: "keyword" (`*, found`), "positional" (a third positional parameter)
-    or "" (not at all)."""
+def _takes_found(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes what `when` found (keyword-only `found`); TypeError for any other signature than
+    `(node, rw, *, args, found)` (each keyword optional)."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature
-        return ""
-    if any(p.kind is p.KEYWORD_ONLY and p.name == FOUND for p in params):
-        return "keyword"
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return "positional"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != ARGS]
-    if len(positional) not in (2, 3):
-        raise TypeError(f"a rule body takes (node, rw, *, args, found), not {inspect.signature(fn)}")
-    return "positional" if len(positional) == 3 else ""
+        return False
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    extra = [p for p in params if p.kind is p.VAR_POSITIONAL] + positional[2:]
+    if len(positional) < 2 or extra:
+        third = f" (its third parameter {extra[0].name!r} is positional)" if extra else ""
+        raise TypeError(
+            f"a rule body is def {getattr(fn, '__name__', 'fn')}(node, rw, *, args, found), not {sig}{third}. "
+            "Fix: take what `when` returned as the keyword-only `found` (`def body(node, rw, *, found)`) and the "
+            "node's arguments as the keyword-only `args`, each declared only when used"
+        )
+    unknown = [
+        p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in (ARGS, FOUND) and p.default is p.empty
+    ]
+    if unknown:
+        raise TypeError(f"a rule body's keyword-only parameters are args and found, not {', '.join(unknown)}")
+    return any(p.kind is p.KEYWORD_ONLY and p.name == FOUND for p in params)
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +69,7 @@ class FunctionRule(RuleBase):
 
     fn: Body = attrs.field(validator=attrs.validators.is_callable())
     ops: tuple[Any, ...] = attrs.field(converter=as_tuple)
-    takes_found: str = attrs.field(init=False, default="", repr=False)
+    takes_found: bool = attrs.field(init=False, default=False, repr=False)
     takes_args: bool = attrs.field(init=False, default=False, repr=False)
 
     def _build(self) -> tuple[Hashable, ...]:
@@ -78,10 +87,8 @@ class FunctionRule(RuleBase):
 
     def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
         extra = {ARGS: schema.arguments(node)} if self.takes_args else {}
-        if self.takes_found == "keyword":
+        if self.takes_found:
             extra[FOUND] = match
-        elif self.takes_found == "positional":
-            return self.fn(node, rw, match, **extra)  # type: ignore[call-arg]
         return self.fn(node, rw, **extra)  # type: ignore[call-arg]
 
 

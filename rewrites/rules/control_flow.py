@@ -185,7 +185,7 @@ def _is_static(node: Node) -> Any:
     ),
     tags=("control_flow", "cond"),
 )
-def cond_constant_predicate(node: Node, rw: Rewriter, found: Any) -> Any:
+def cond_constant_predicate(node: Node, rw: Rewriter, *, found: Any) -> Any:
     (pred, true_gm, false_gm, operands), value, why = found
     outs = pytree.tree_leaves(rw.inline(true_gm if value else false_gm, operands))
     miss = dtype_mismatch(node, outs)
@@ -253,7 +253,7 @@ def _predicate_tensor(rw: Rewriter, pred: Node) -> Node:
     ),
     tags=("control_flow", "cond"),
 )
-def cond_to_where(node: Node, rw: Rewriter, found: Any) -> Any:
+def cond_to_where(node: Node, rw: Rewriter, *, found: Any) -> Any:
     pred, true_gm, false_gm, operands = found
     p = _predicate_tensor(rw, pred)
     t_out = pytree.tree_leaves(rw.inline(true_gm, operands))

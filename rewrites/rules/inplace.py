@@ -297,10 +297,10 @@ def _inline_composite(node: Node, rw: Rewriter) -> Miss | None:
         "Torch's Tensor type, but got '!torch.vtensor<...>'\"."
     ),
 )
-def functionalize_inplace(node: Node, rw: Rewriter, plan: Any) -> Any:
-    if isinstance(plan, Composite):
+def functionalize_inplace(node: Node, rw: Rewriter, *, found: Any) -> Any:
+    if isinstance(found, Composite):
         return _inline_composite(node, rw)
-    return _functionalize(node, rw, plan)
+    return _functionalize(node, rw, found)
 
 
 RULES = RuleSet([functionalize_inplace], name="inplace")

@@ -242,12 +242,14 @@ def _constant(val: Any) -> int | float | bool | None:
     return val if isinstance(val, (int, float, bool)) else None
 
 
-def _constant_match(node: Node) -> Any:
-    if _constant(node.meta.get("val")) is None:
+def _constant_match(node: Node) -> tuple[int | float | bool] | Miss:
+    """(the constant,): a 1-tuple, so that a constant 0 or False is still a match."""
+    value = _constant(node.meta.get("val"))
+    if value is None:
         return Miss("the value is symbolic (or unknown): it depends on the input's sizes")
     if any(user.op != "call_function" for user in node.users):
         return Miss("the value is a graph output")
-    return True
+    return (value,)
 
 
 @rule(
@@ -260,8 +262,8 @@ def _constant_match(node: Node) -> Any:
     ),
     tags={"symbolic", "dynamic"},
 )
-def sym_arithmetic_constant(node: Node, rw: Rewriter) -> Any:
-    value = _constant(node.meta["val"])
+def sym_arithmetic_constant(node: Node, rw: Rewriter, *, found: tuple[int | float | bool]) -> Any:
+    (value,) = found
     for user in list(node.users):
         args = map_arg(user.args, lambda n: value if n is node else n)
         kwargs = map_arg(user.kwargs, lambda n: value if n is node else n)

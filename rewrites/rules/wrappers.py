@@ -199,6 +199,7 @@ _NO_VALUE_OK = frozenset({enter_autocast, exit_autocast, set_grad_enabled, aten.
 
 
 def _region_ok(node: Node) -> Any:
+    """(the enter node, the nodes inside) of an autocast region whose nodes can be retraced."""
     found = _region(node)
     if isinstance(found, Miss):
         return found
@@ -208,7 +209,7 @@ def _region_ok(node: Node) -> Any:
             return Miss(f"the region holds a {n.op} node ({n.name})")
         if n.op == "call_function" and "val" not in n.meta and n.target not in _NO_VALUE_OK:
             return Miss(f"{n.name} has no meta['val']")
-    return True
+    return found
 
 
 @rule(
@@ -223,8 +224,8 @@ def _region_ok(node: Node) -> Any:
     ),
     tags=("wrappers", "pre_dispatch", "autocast"),
 )
-def autocast_region(node: Node, rw: Rewriter) -> Any:
-    enter, inside = _region(node)  # type: ignore[misc]
+def autocast_region(node: Node, rw: Rewriter, *, found: tuple[Node, list[Node]]) -> Any:
+    enter, inside = found
     members = {n for n in inside if n.op == "call_function"} | {enter, node}
     # what the region reads: values from before it (or get_attrs inside it),
     # and the subgraphs of HOPs it holds (a cond under autocast)

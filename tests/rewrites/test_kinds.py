@@ -247,6 +247,21 @@ def test_function_rule_body_with_a_wrong_signature_is_refused_naming_the_rule():
             return None
 
 
+def test_a_positional_found_is_refused_naming_the_rule_and_the_idiom():
+    """Issue 36: one body signature. The spelling `fn(node, rw, found)` is gone, with the fix in the error."""
+    with pytest.raises(RuleDefinitionError, match=r"'old_spelling'.*third parameter 'found' is positional.*\*, found"):
+
+        @fx_rewrites.rule(roots=(aten.relu.default,), when=lambda node: node)
+        def old_spelling(node, rw, found):
+            return None
+
+    with pytest.raises(RuleDefinitionError, match=r"'extra_keyword'.*args and found, not plan"):
+
+        @fx_rewrites.rule(roots=(aten.relu.default,))
+        def extra_keyword(node, rw, *, plan):
+            return None
+
+
 class ReflectAndZeroPad(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.pad(x, (1, 2), mode="reflect") + F.pad(x, (1, 2)).sum()

@@ -10,12 +10,12 @@ float32 can be there, and below torch's own error (docs/iree-3.13-findings.md se
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 
@@ -28,11 +28,10 @@ _B = _A * 0.044715
 _SATURATED = 10.0
 
 
-def _tanh_gelu_of_float32(node: Node) -> bool | Miss:
-    named = schema.arguments(node)
-    if named.get("approximate", "none") != "tanh":
+def _tanh_gelu_of_float32(node: Node, *, args: Mapping[str, Any]) -> bool | Miss:
+    if args.get("approximate", "none") != "tanh":
         return Miss("approximate='none': IREE's erf form was not measured wrong")
-    val = named["self"].meta.get("val") if isinstance(named["self"], Node) else None
+    val = args["self"].meta.get("val") if isinstance(args["self"], Node) else None
     if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
         return Miss("not a float32 tensor (only float32 was measured)")
     return True
@@ -49,8 +48,8 @@ def _tanh_gelu_of_float32(node: Node) -> bool | Miss:
         "form 2.4e-7 on IREE. NaN, infinities and -0.0 come out as torch's."
     ),
 )
-def gelu_tanh_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def gelu_tanh_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
 
     def two_u(v: Node) -> Node:
         squared = rw.call(aten.mul.Tensor, v, v)

@@ -227,12 +227,9 @@ def _mask_from_no_input(node: Node) -> Node | Miss:
         "a select."
     ),
 )
-def attention_mask_that_masks_nothing(node: Node, rw: Rewriter, mask: Node) -> Any:
-    a = bind(node)
-    rw.replace(
-        node,
-        rw.call(SDPA, a.query, a.key, a.value, None, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=a.enable_gqa),
-    )
+def attention_mask_that_masks_nothing(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    call_args, kwargs = schema.unbind(SDPA, {**args, "attn_mask": None}, explicit=False)
+    rw.replace(node, rw.call(SDPA, *call_args, **kwargs))
 
 
 # ----------------------------------------------------------------------------- the guard
@@ -263,15 +260,16 @@ def zero_fully_masked_rows(rw: Rewriter, out: Node, mask: Node) -> Node:
     return rw.call(aten.where.self, row_has_key(rw, mask), out, zero)
 
 
-def _maskable(node: Node) -> bool | Miss:
-    mask = bind(node).mask
+def _maskable(node: Node, *, args: Mapping[str, Any]) -> Node | Miss:
+    """The mask of an SDPA whose fully masked rows want zeros."""
+    mask = args.get("attn_mask")
     if not isinstance(mask, Node):
         return Miss("no mask: no row can be fully masked (is_causal keeps the diagonal)")
     if _val(mask).dtype != torch.bool and not _val(mask).dtype.is_floating_point:
         return Miss(f"a {_val(mask).dtype} mask")
     if is_guarded(node):
         return Miss("already guarded")
-    return True
+    return mask
 
 
 @rule(
@@ -286,9 +284,9 @@ def _maskable(node: Node) -> bool | Miss:
         "(silently wrong numbers). The output becomes where(any key in the row, attention, 0)."
     ),
 )
-def attention_fully_masked_rows_guard(node: Node, rw: Rewriter) -> Any:
+def attention_fully_masked_rows_guard(node: Node, rw: Rewriter, *, found: Node) -> Any:
     again = rw.call(node.target, *node.args, **node.kwargs)
-    rw.replace(node, zero_fully_masked_rows(rw, again, bind(node).mask))
+    rw.replace(node, zero_fully_masked_rows(rw, again, found))
 
 
 # ----------------------------------------------------------------------------- written out
@@ -332,33 +330,33 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
         "attention) slower than this form (issue 13). Performance only: not in the default rules."
     ),
 )
-def attention_as_matmul_softmax(node: Node, rw: Rewriter, a: Attention) -> Any:
-    q, k, v = a.query, a.key, a.value
+def attention_as_matmul_softmax(node: Node, rw: Rewriter, *, found: Attention) -> Any:
+    q, k, v = found.query, found.key, found.value
     qv, kv = _val(q), _val(k)
     if qv.dim() >= 3 and qv.shape[-3] != kv.shape[-3]:
         k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
         v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
-    scale = a.scale if a.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
+    scale = found.scale if found.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
     # scaled after the matmul, as torch's CPU flash kernel: IREE fuses the scale into the softmax, where scaling the
     # query first is a dispatch of its own. An attention block in a model's layout, iree-benchmark-module, medians:
     # 4x4 heads x 500 tokens (Whisper) 34.4 -> 27.9 ms, 197 (ViT) 8.8 -> 7.3 ms, 128 (BERT) 1.50 -> 1.53 ms
     scores = rw.call(aten.mul.Scalar, rw.call(aten.matmul.default, q, rw.call(aten.transpose.int, k, -2, -1)), scale)
-    if a.is_causal:
+    if found.is_causal:
         rows = rw.call(aten.arange.default, rw.size(q, -2), device=qv.device)
         cols = rw.call(aten.arange.default, rw.size(k, -2), device=qv.device)
         above = rw.call(aten.lt.Tensor, rw.call(aten.unsqueeze.default, rows, -1), cols)
         scores = rw.call(aten.masked_fill.Scalar, scores, above, float("-inf"))
-    if a.mask is not None and _val(a.mask).dtype == torch.bool:
-        scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, a.mask), float("-inf"))
-    elif a.mask is not None:
-        scores = rw.call(aten.add.Tensor, scores, a.mask)
+    if found.mask is not None and _val(found.mask).dtype == torch.bool:
+        scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, found.mask), float("-inf"))
+    elif found.mask is not None:
+        scores = rw.call(aten.add.Tensor, scores, found.mask)
     # softmax, then @ value: every target's form. On llvm-cpu the performance phase normalizes after the product
     # (performance.softmax_matmul_normalized_after), a form IREE 3.13's DispatchCreation data tiling computed wrong
     # at some sizes and the llvm-cpu flags' GlobalOptimization data tiling gets right (docs/iree-3.13-findings.md,
     # sections 9 and 10)
     out = rw.call(aten.matmul.default, rw.call(aten._softmax.default, scores, -1, False), v)
-    if a.mask is not None and not is_guarded(node):
-        out = zero_fully_masked_rows(rw, out, a.mask)
+    if found.mask is not None and not is_guarded(node):
+        out = zero_fully_masked_rows(rw, out, found.mask)
     rw.replace(node, out)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
-from fx_rewrites.kinds import rule
+from fx_rewrites.kinds import Pattern, rule
 
 aten = torch.ops.aten
 
@@ -52,8 +52,8 @@ def _int_scalar_of_float_tensor(node: Node, args: Mapping[str, Any]) -> dict[str
         "the int form wrong when the tensor is a constant (`full_like(x, 3.0) > 0` all False, `== 3` False)."
     ),
 )
-def float_scalar_in_comparison_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    rw.replace(node, rw.call(node.target, m["self"], m["other"]))
+def float_scalar_in_comparison_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    rw.replace(node, rw.call(node.target, found["self"], found["other"]))
 
 
 #: ops whose result holds its operand's values (a copy or a view): IREE sees through them to one value
@@ -97,9 +97,11 @@ def _compared_with_itself(node: Node) -> Miss | bool:
     return True
 
 
-@rule(
-    roots=(aten.eq.Tensor,),
+float_self_equality_for_iree = Pattern(
+    pattern=lambda a, b: aten.eq.Tensor(a, b),
+    replacement=lambda a, b: aten.logical_not.default(aten.ne.Tensor(a, b)),
     when=_compared_with_itself,
+    name="float_self_equality_for_iree",
     tags={"iree", "guard"},
     doc=(
         "`x == x` of a floating-point tensor (also through a clone or view of x) becomes `~(x != x)`: the "
@@ -107,5 +109,3 @@ def _compared_with_itself(node: Node) -> Miss | bool:
         "ATen's isfinite, `(x == x) * (|x| != inf)`, said NaN is finite)."
     ),
 )
-def float_self_equality_for_iree(node: Node, rw: Rewriter) -> None:
-    rw.replace(node, rw.call(aten.logical_not.default, rw.call(aten.ne.Tensor, *node.args[:2])))

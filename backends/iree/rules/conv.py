@@ -108,7 +108,7 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
         "(`conv(x) * 2`) a run-time shape error (`expected 6 but have 7`) or, with padding, wrong values."
     ),
 )
-def conv_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> Any:
+def conv_single_window_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, n, padding, span = found["input"], found["n"], found["padding"], found["span"]
     lead = x.meta["val"].dim() - n
     if any(padding):

@@ -94,16 +94,27 @@ def _strided_pointwise(node: Node) -> dict[str, Any] | Miss:
         "reduction at about 2 GFLOP/s; ResNet-50's three downsampling shortcuts took most of its time."
     ),
 )
-def strided_pointwise_conv_as_slice(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x = c["input"]
-    for dim, step in enumerate(c["stride"], start=2):
+def strided_pointwise_conv_as_slice(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x = found["input"]
+    for dim, step in enumerate(found["stride"], start=2):
         if step != 1:
             x = rw.call(aten.slice.Tensor, x, dim, 0, torch.iinfo(torch.int64).max, step)
-    ones = [1] * c["spatial"]
-    zeros = [0] * c["spatial"]
+    ones = [1] * found["spatial"]
+    zeros = [0] * found["spatial"]
     rw.replace(
         node,
-        rw.call(aten.convolution.default, x, c["weight"], c["bias"], ones, zeros, ones, False, zeros, c["groups"]),
+        rw.call(
+            aten.convolution.default,
+            x,
+            found["weight"],
+            found["bias"],
+            ones,
+            zeros,
+            ones,
+            False,
+            zeros,
+            found["groups"],
+        ),
     )
 
 
@@ -164,11 +175,11 @@ def _conv3d(node: Node) -> dict[str, Any] | Miss:
         "(32->32 3x3x3 on 8x28x28: 101 ms); its 2-D convolutions run at eager's speed (4.4 ms against 11)."
     ),
 )
-def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x, w = c["input"], c["weight"]
+def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
     _, channels, time, height, width = _val(x).shape
     out_channels, _, taps, _, _ = _val(w).shape
-    (st, *stride), (pt, *padding), (dt, *dilation) = c["stride"], c["padding"], c["dilation"]
+    (st, *stride), (pt, *padding), (dt, *dilation) = found["stride"], found["padding"], found["dilation"]
     frames = _out_size(time, taps, st, pt, dt)
     x = rw.call(aten.permute.default, x, [0, 2, 1, 3, 4])  # [N, T, C, H, W]: a frame is a batch row
     total = None
@@ -191,14 +202,14 @@ def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, c: dict[str, Any]) ->
             dilation,
             False,
             [0, 0],
-            c["groups"],
+            found["groups"],
         )
         y = rw.call(aten.reshape.default, y, [-1, count, out_channels, *_val(y).shape[2:]])
         if count != frames:
             y = rw.call(aten.constant_pad_nd.default, y, [0, 0, 0, 0, 0, 0, first, frames - 1 - last], 0.0)
         total = y if total is None else rw.call(aten.add.Tensor, total, y)
-    if c["bias"] is not None:
-        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, c["bias"], [out_channels, 1, 1]))
+    if found["bias"] is not None:
+        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [out_channels, 1, 1]))
     rw.replace(node, rw.call(aten.permute.default, total, [0, 2, 1, 3, 4]))
 
 
@@ -236,11 +247,11 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
         "the convolution 3.6x slower than eager (64 channels 3x3 on 56x56: 1.95 ms), the taps 1.3x (0.71)."
     ),
 )
-def depthwise_conv_as_taps(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x, w = c["input"], c["weight"]
+def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
     channels, _, kh, kw = _val(w).shape
     height, width = _val(x).shape[2:]
-    (sh, sw), (ph, pw), (dh, dw) = c["stride"], c["padding"], c["dilation"]
+    (sh, sw), (ph, pw), (dh, dw) = found["stride"], found["padding"], found["dilation"]
     rows, cols = _out_size(height, kh, sh, ph, dh), _out_size(width, kw, sw, pw, dw)
     if ph or pw:
         x = rw.call(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0)
@@ -252,8 +263,8 @@ def depthwise_conv_as_taps(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
             tap = rw.call(aten.select.int, taps, 1, i * kw + j)  # [C, 1, 1]
             term = rw.call(aten.mul.Tensor, _window(rw, band, 3, j * dw, cols, sw), tap)
             total = term if total is None else rw.call(aten.add.Tensor, total, term)
-    if c["bias"] is not None:
-        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, c["bias"], [channels, 1, 1]))
+    if found["bias"] is not None:
+        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
     rw.replace(node, total)
 
 
@@ -290,16 +301,16 @@ def _grouped(node: Node) -> dict[str, Any] | Miss:
         "(64->64 in 8 groups, 3x3 on 56x56: 9.8 ms); one per group runs at eager's speed (0.84 ms)."
     ),
 )
-def grouped_conv_as_convs(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x, w, b, groups = c["input"], c["weight"], c["bias"], c["groups"]
+def grouped_conv_as_convs(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w, b, groups = found["input"], found["weight"], found["bias"], found["groups"]
     per_in, per_out = _val(x).shape[1] // groups, _val(w).shape[0] // groups
-    zeros = [0] * c["spatial"]
+    zeros = [0] * found["spatial"]
     outs = []
     for g in range(groups):
         xg = rw.call(aten.slice.Tensor, x, 1, g * per_in, (g + 1) * per_in)
         wg = rw.call(aten.slice.Tensor, w, 0, g * per_out, (g + 1) * per_out)
         bg = None if b is None else rw.call(aten.slice.Tensor, b, 0, g * per_out, (g + 1) * per_out)
-        args = (xg, wg, bg, c["stride"], c["padding"], c["dilation"], False, zeros, 1)
+        args = (xg, wg, bg, found["stride"], found["padding"], found["dilation"], False, zeros, 1)
         outs.append(rw.call(aten.convolution.default, *args))
     rw.replace(node, rw.call(aten.cat.default, outs, 1))
 

@@ -114,7 +114,7 @@ def _bound(node: Node, depth: int) -> int | None:
     return None
 
 
-def _bounded_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+def _bounded_sort(node: Node, args: Mapping[str, Any]) -> tuple[int] | Miss:
     x = args["self"]
     val = x.meta.get("val") if isinstance(x, Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
@@ -126,7 +126,7 @@ def _bounded_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
         return Miss("values not known to be small non-negative integers (a topk's or argmax's indices)")
     if bins > MAX_BINS:
         return Miss(f"values in [0, {bins}), more than {MAX_BINS} (an n x {bins} one-hot)")
-    return True
+    return (bins,)  # a 1-tuple: the bound
 
 
 @rule(
@@ -144,11 +144,11 @@ def _bounded_sort(node: Node, args: Mapping[str, Any]) -> bool | Miss:
         "section 22)."
     ),
 )
-def counting_sort_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
-    x = args["self"]
+def counting_sort_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any], found: tuple[int]) -> Any:
+    x, (bound,) = args["self"], found
     val = x.meta["val"]
     last = val.dim() - 1  # positive dims: IREE 3.13 crashes on a scatter along a negative one
-    bins = rw.call(aten.arange.default, value_bound(x), dtype=val.dtype, device=val.device)
+    bins = rw.call(aten.arange.default, bound, dtype=val.dtype, device=val.device)
     one_hot = rw.call(
         aten._to_copy.default, rw.call(aten.eq.Tensor, rw.call(aten.unsqueeze.default, x, -1), bins), dtype=torch.int64
     )  # [..., n, E]

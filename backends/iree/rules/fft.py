@@ -196,13 +196,14 @@ def _real_of(node: Node) -> Node | Miss:
     return Miss("not the real part of a complex value")
 
 
-def _real_of_fft(node: Node) -> bool | Miss:
+def _real_of_fft(node: Node) -> Node | Miss:
+    """The complex value whose real part `node` takes: an FFT, or conj, +, -, * of one."""
     z = _real_of(node)
     if isinstance(z, Miss):
         return z
     if not isinstance(z, Node) or z.op != "call_function" or z.target not in (*_FFTS, *_CONJ, *_ARITHMETIC):
         return Miss("the complex value is not an FFT, or conj, +, -, * of one")
-    return True
+    return z
 
 
 @rule(
@@ -218,8 +219,8 @@ def _real_of_fft(node: Node) -> bool | Miss:
         "/ aten._fft_c2c)."
     ),
 )
-def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter) -> Any:
-    parts = complex_parts(_real_of(node), rw)
+def real_fft_to_matmul_for_iree(node: Node, rw: Rewriter, *, found: Node) -> Any:
+    parts = complex_parts(found, rw)
     if isinstance(parts, Miss):
         return parts
     rw.replace(node, parts[0])
@@ -247,14 +248,15 @@ def _inverse_plan(node: Node, args: Mapping[str, Any]) -> tuple[Node, int, int, 
     return x, dim, n, code
 
 
-def _transforms_a_tracked_value(node: Node, args: Mapping[str, Any]) -> bool | Miss:
+def _transforms_a_tracked_value(node: Node, args: Mapping[str, Any]) -> tuple[Node, int, int, int] | Miss:
+    """`_inverse_plan`'s plan where the input is an FFT, or conj, +, -, * of one."""
     plan = _inverse_plan(node, args)
     if isinstance(plan, Miss):
         return plan
     x = plan[0]
     if x.op != "call_function" or x.target not in (*_FFTS, *_CONJ, *_ARITHMETIC, *_PASS):
         return Miss("its input is not an FFT, or conj, +, -, * of one")
-    return True
+    return plan
 
 
 @rule(
@@ -269,8 +271,8 @@ def _transforms_a_tracked_value(node: Node, args: Mapping[str, Any]) -> bool | M
         "\"failed to legalize operation 'torch.operator'\" (aten.fft_irfft)."
     ),
 )
-def inverse_real_fft_to_matmul_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
-    x, dim, n, code = _inverse_plan(node, args)  # type: ignore[misc]
+def inverse_real_fft_to_matmul_for_iree(node: Node, rw: Rewriter, *, found: tuple[Node, int, int, int]) -> Any:
+    x, dim, n, code = found
     parts = complex_parts(x, rw)
     if isinstance(parts, Miss):
         return parts

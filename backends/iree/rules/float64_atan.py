@@ -9,12 +9,12 @@ with fdlibm's quadrants and special cases; asin(x) = atan2(x, sqrt((1-x)(1+x))),
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.float64_math import _horner, _of_float64
 from fx_rewrites.engine import Rewriter
 from fx_rewrites.kinds import rule
@@ -109,8 +109,8 @@ _DOC = (
 
 
 @rule(roots=(aten.atan.default,), when=_of_float64, tags={"iree"}, doc=_DOC.format(sym="atan", how="fdlibm's atan"))
-def float64_atan_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_atan_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     rw.replace(node, rw.call(aten.copysign.Tensor, _atan_of_magnitude(rw, rw.call(aten.abs.default, x)), x))
 
 
@@ -120,9 +120,8 @@ def float64_atan_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
     tags={"iree"},
     doc=_DOC.format(sym="atan2", how="atan(|y/x|) in fdlibm's quadrants"),
 )
-def float64_atan2_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.arguments(node)
-    rw.replace(node, _atan2(rw, named["self"], named["other"]))
+def float64_atan2_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    rw.replace(node, _atan2(rw, args["self"], args["other"]))
 
 
 def _cosine_of_arcsine(rw: Rewriter, x: Node) -> Node:
@@ -139,8 +138,8 @@ def _cosine_of_arcsine(rw: Rewriter, x: Node) -> Node:
     tags={"iree"},
     doc=_DOC.format(sym="asin", how="atan2(x, sqrt((1 - x)(1 + x)))"),
 )
-def float64_asin_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_asin_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     rw.replace(node, _atan2(rw, x, _cosine_of_arcsine(rw, x)))
 
 
@@ -150,8 +149,8 @@ def float64_asin_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
     tags={"iree"},
     doc=_DOC.format(sym="acos", how="atan2(sqrt((1 - x)(1 + x)), x)"),
 )
-def float64_acos_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_acos_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     rw.replace(node, _atan2(rw, _cosine_of_arcsine(rw, x), x))
 
 

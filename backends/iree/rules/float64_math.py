@@ -20,6 +20,7 @@ Measured against torch's float64 (tests/backends/iree/rules/test_float64_math.py
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
-from fx_rewrites.kinds import rule
+from fx_rewrites.kinds import Pattern, rule
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -124,23 +125,23 @@ _DOC = (
 
 
 @rule(roots=(aten.sin.default,), when=_of_float64, tags={"iree"}, doc=_DOC.format(sym="sin"))
-def float64_sin_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_sin_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     s, c, quadrant, outside = _kernels(rw, x)
     neg_s, neg_c = rw.call(aten.neg.default, s), rw.call(aten.neg.default, c)
     rw.replace(node, _keep_signed_zero(rw, x, _pick(rw, quadrant, outside, (s, c, neg_s, neg_c))))
 
 
 @rule(roots=(aten.cos.default,), when=_of_float64, tags={"iree"}, doc=_DOC.format(sym="cos"))
-def float64_cos_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    s, c, quadrant, outside = _kernels(rw, schema.arguments(node)["self"])
+def float64_cos_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    s, c, quadrant, outside = _kernels(rw, args["self"])
     neg_s, neg_c = rw.call(aten.neg.default, s), rw.call(aten.neg.default, c)
     rw.replace(node, _pick(rw, quadrant, outside, (c, neg_s, neg_c, s)))
 
 
 @rule(roots=(aten.tan.default,), when=_of_float64, tags={"iree"}, doc=_DOC.format(sym="tan"))
-def float64_tan_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_tan_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     s, c, quadrant, outside = _kernels(rw, x)
     even = rw.call(aten.div.Tensor, s, c)
     odd = rw.call(aten.neg.default, rw.call(aten.div.Tensor, c, s))
@@ -162,8 +163,8 @@ _TANH_Q = (4.84406305325125486048e3, 2.23548839060100448583e3, 1.128116784916329
         "exp compiles; IREE's float64 expm1 is not accurate near 0). NaN and -0.0 as torch's."
     ),
 )
-def float64_tanh_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_tanh_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     z = rw.call(aten.mul.Tensor, x, x)
     ratio = rw.call(aten.div.Tensor, _horner(rw, z, _TANH_P), _horner(rw, z, _TANH_Q))
     small = rw.call(aten.add.Tensor, x, rw.call(aten.mul.Tensor, rw.call(aten.mul.Tensor, x, z), ratio))
@@ -197,8 +198,8 @@ _NEAR_ZERO = (
     tags={"iree"},
     doc=_NEAR_ZERO.format(op="expm1", how="Kahan's (u - 1) x / log(u), u = exp(x)"),
 )
-def float64_expm1_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    rw.replace(node, _expm1(rw, schema.arguments(node)["self"]))
+def float64_expm1_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    rw.replace(node, _expm1(rw, args["self"]))
 
 
 @rule(
@@ -207,8 +208,8 @@ def float64_expm1_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
     tags={"iree"},
     doc=_NEAR_ZERO.format(op="log1p", how="Kahan's log(u) x / (u - 1), u = 1 + x; x where u == 1"),
 )
-def float64_log1p_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_log1p_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     u = rw.call(aten.add.Tensor, x, 1.0)
     out = rw.call(
         aten.div.Tensor, rw.call(aten.mul.Tensor, rw.call(aten.log.default, u), x), rw.call(aten.sub.Tensor, u, 1.0)
@@ -227,8 +228,8 @@ def float64_log1p_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
         "then (exp(|x|/2) / 2) exp(|x|/2), finite up to 710.47; the sign of x",
     ),
 )
-def float64_sinh_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
-    x = schema.arguments(node)["self"]
+def float64_sinh_written_out_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x = args["self"]
     magnitude = rw.call(aten.abs.default, x)
     t = _expm1(rw, magnitude)
     t_over = rw.call(aten.div.Tensor, t, rw.call(aten.add.Tensor, t, 1.0))
@@ -243,11 +244,11 @@ def float64_sinh_written_out_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(aten.copysign.Tensor, out, x))
 
 
-def _log_times(constant: float, name: str) -> Any:
+def _log_times(constant: float, name: str) -> Pattern:
     op = getattr(aten, name).default
-
-    @rule(
-        roots=(op,),
+    return Pattern(
+        pattern=lambda x: op(x),
+        replacement=lambda x: aten.mul.Tensor(aten.log.default(x), constant),
         when=_of_float64,
         tags={"iree"},
         name=f"float64_{name}_written_out_for_iree",
@@ -256,10 +257,6 @@ def _log_times(constant: float, name: str) -> Any:
             f"{constant!r} (float64 log compiles); within 2 ulp of torch's float64."
         ),
     )
-    def written_out(node: Node, rw: Rewriter) -> Any:
-        rw.replace(node, rw.call(aten.mul.Tensor, rw.call(aten.log.default, schema.arguments(node)["self"]), constant))
-
-    return written_out
 
 
 RULES = RuleSet(

@@ -8,6 +8,7 @@ fails when IREE fixes the bug and the guard can go.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -51,14 +52,9 @@ def _pads(node: Node) -> tuple[Node, list[int]] | Miss:
     return named["self"], pads
 
 
-def _negative_pad(node: Node) -> bool | Miss:
-    found = _pads(node)
-    return found if isinstance(found, Miss) else True
-
-
 @rule(
     roots=(aten.constant_pad_nd.default, aten.pad.default),
-    when=_negative_pad,
+    when=_pads,
     priority=10,  # before the legalize phase's decomposition of the same node
     tags={"iree", "guard"},
     doc=(
@@ -69,8 +65,10 @@ def _negative_pad(node: Node) -> bool | Miss:
         'low pad fails: "expected offsets to be non-negative, but got -1".'
     ),
 )
-def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
-    x, pads = _pads(node)
+def negative_pad_to_slice_for_iree(
+    node: Node, rw: Rewriter, *, args: Mapping[str, Any], found: tuple[Node, list[int]]
+) -> Any:
+    x, pads = found
     rank = x.meta["val"].dim()
     for i in range(len(pads) // 2):
         before, after = pads[2 * i], pads[2 * i + 1]
@@ -79,11 +77,11 @@ def negative_pad_to_slice_for_iree(node: Node, rw: Rewriter) -> Any:
             x = rw.call(aten.slice.Tensor, x, rank - 1 - i, start, after if after < 0 else _TO_END)
     kept = [max(p, 0) for p in pads]
     if any(kept):
-        named = dict(schema.arguments(node))
+        named = dict(args)
         named.update({"self": x, "pad": kept})
-        args, kwargs = schema.unbind(node.target, named, explicit=False)
+        call_args, kwargs = schema.unbind(node.target, named, explicit=False)
         try:
-            x = rw.call(node.target, *args, **kwargs)
+            x = rw.call(node.target, *call_args, **kwargs)
         except RuntimeError as e:  # replicate of a dim the crop emptied (sizes symbolic): torch refuses it
             return Miss(f"torch rejects the pad of the cropped tensor: {' '.join(str(e).split())[:120]}")
     rw.replace(node, x)
@@ -115,14 +113,9 @@ def _multi_index(node: Node) -> tuple[Node, int, list[Node]] | Miss:
     return x, first, tensors
 
 
-def _has_multi_index(node: Node) -> bool | Miss:
-    found = _multi_index(node)
-    return found if isinstance(found, Miss) else True
-
-
 @rule(
     roots=(aten.index.Tensor,),
-    when=_has_multi_index,
+    when=_multi_index,
     priority=10,
     tags={"iree", "guard"},
     doc=(
@@ -133,8 +126,8 @@ def _has_multi_index(node: Node) -> bool | Miss:
         "'torch.aten.index.Tensor_hacked_twin'\" (or an 'arith.cmpi' type error)."
     ),
 )
-def multi_index_to_flat_gather_for_iree(node: Node, rw: Rewriter) -> Any:
-    x, first, tensors = _multi_index(node)
+def multi_index_to_flat_gather_for_iree(node: Node, rw: Rewriter, *, found: tuple[Node, int, list[Node]]) -> Any:
+    x, first, tensors = found
     shape = x.meta["val"].shape
     sizes = [shape[first + i] for i in range(len(tensors))]
     linear = None
@@ -252,9 +245,9 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
         "crashes on the empty contraction (OpInfo mm of (5, 0) by (0, 10): no diagnostic)."
     ),
 )
-def empty_contraction_for_iree(node: Node, rw: Rewriter, empty: list[Node]) -> Any:
+def empty_contraction_for_iree(node: Node, rw: Rewriter, *, found: list[Node]) -> Any:
     zeros = {}
-    for operand in dict.fromkeys(empty):  # an operand read twice (einsum of e and e) gets one zeros
+    for operand in dict.fromkeys(found):  # an operand read twice (einsum of e and e) gets one zeros
         val = operand.meta["val"]
         sizes = [1 if isinstance(s, int) and s == 0 else rw.size(operand, d) for d, s in enumerate(val.shape)]
         zeros[operand] = rw.call(aten.zeros.default, sizes, dtype=val.dtype, device=val.device)
@@ -265,11 +258,10 @@ def empty_contraction_for_iree(node: Node, rw: Rewriter, empty: list[Node]) -> A
 # -- instance_norm's running statistics ---------------------------------------------------------
 
 
-def _instance_norm_with_stats(node: Node) -> bool | Miss:
-    named = schema.arguments(node)
-    if not named["use_input_stats"]:
+def _instance_norm_with_stats(node: Node, *, args: Mapping[str, Any]) -> bool | Miss:
+    if not args["use_input_stats"]:
         return Miss("use_input_stats=False: the running statistics are what it normalises by")
-    if named["running_mean"] is None and named["running_var"] is None:
+    if args["running_mean"] is None and args["running_var"] is None:
         return Miss("no running statistics")
     return True
 
@@ -288,11 +280,11 @@ def _instance_norm_with_stats(node: Node) -> bool | Miss:
         "11), no error."
     ),
 )
-def instance_norm_input_stats_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = dict(schema.arguments(node))
+def instance_norm_input_stats_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    named = dict(args)
     named.update(running_mean=None, running_var=None)
-    args, kwargs = schema.unbind(node.target, named, explicit=False)
-    rw.replace(node, rw.call(node.target, *args, **kwargs))
+    call_args, kwargs = schema.unbind(node.target, named, explicit=False)
+    rw.replace(node, rw.call(node.target, *call_args, **kwargs))
 
 
 # -- ones / zeros of symbolic sizes -----------------------------------------------------------
@@ -306,9 +298,8 @@ _FILLED = {
 }
 
 
-def _symbolic_size(node: Node) -> bool | Miss:
-    named = schema.arguments(node)
-    if all(isinstance(s, int) for s in named["size"]):
+def _symbolic_size(node: Node, *, args: Mapping[str, Any]) -> bool | Miss:
+    if all(isinstance(s, int) for s in args["size"]):
         return Miss("static sizes (IREE fills those right)")
     return True
 
@@ -325,13 +316,12 @@ def _symbolic_size(node: Node) -> bool | Miss:
         "reduces right."
     ),
 )
-def filled_tensor_to_full_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.arguments(node)
+def filled_tensor_to_full_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
     val = node.meta["val"]
     options = {"dtype": val.dtype, "layout": val.layout, "device": val.device}
-    if named.get("pin_memory") is not None:
-        options["pin_memory"] = named["pin_memory"]
-    rw.replace(node, rw.call(aten.full.default, list(named["size"]), _FILLED[node.target], **options))
+    if args.get("pin_memory") is not None:
+        options["pin_memory"] = args["pin_memory"]
+    rw.replace(node, rw.call(aten.full.default, list(args["size"]), _FILLED[node.target], **options))
 
 
 #: in-place fills as the in-place pack functionalizes them (`t.fill_(v)`, `t.zero_()`) -> their fill value

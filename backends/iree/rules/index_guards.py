@@ -5,6 +5,7 @@ Part of `guards.RULES`; docs/iree-3.13-findings.md lists what was measured.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,14 +51,9 @@ def _int32_indices(node: Node) -> dict[str, list[Any]] | Miss:
     return Miss("no int32 index tensor")
 
 
-def _has_int32_index(node: Node) -> bool | Miss:
-    found = _int32_indices(node)
-    return found if isinstance(found, Miss) else True
-
-
 @rule(
     roots=tuple(_INDEX_LISTS),
-    when=_has_int32_index,
+    when=_int32_indices,
     priority=20,  # before multi_index_to_flat_gather_for_iree: its linear index is then computed in int64
     tags={"iree", "guard"},
     doc=(
@@ -69,17 +65,19 @@ def _has_int32_index(node: Node) -> bool | Miss:
         'type as the list contained type".'
     ),
 )
-def int32_index_to_int64_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = dict(schema.arguments(node))
-    for name, indices in _int32_indices(node).items():
+def int32_index_to_int64_for_iree(
+    node: Node, rw: Rewriter, *, args: Mapping[str, Any], found: dict[str, list[Any]]
+) -> Any:
+    named = dict(args)
+    for name, indices in found.items():
         named[name] = [
             rw.call(aten._to_copy.default, index, dtype=torch.int64)
             if isinstance(index, Node) and index.meta["val"].dtype == torch.int32
             else index
             for index in indices
         ]
-    args, kwargs = schema.unbind(node.target, named, explicit=False)
-    rw.replace(node, rw.call(node.target, *args, **kwargs))
+    call_args, kwargs = schema.unbind(node.target, named, explicit=False)
+    rw.replace(node, rw.call(node.target, *call_args, **kwargs))
 
 
 # -- negative indices of a put -----------------------------------------------------------------
@@ -109,14 +107,9 @@ def _unwrapped_put_indices(node: Node) -> list[int] | Miss:
     return found or Miss("no integer index tensor left to wrap")
 
 
-def _has_unwrapped_put_index(node: Node) -> bool | Miss:
-    found = _unwrapped_put_indices(node)
-    return found if isinstance(found, Miss) else True
-
-
 @rule(
     roots=_PUTS,
-    when=_has_unwrapped_put_index,
+    when=_unwrapped_put_indices,
     priority=10,  # after int32_index_to_int64_for_iree
     tags={"iree", "guard"},
     doc=(
@@ -127,10 +120,10 @@ def _has_unwrapped_put_index(node: Node) -> bool | Miss:
         "Dim sizes, accumulate or not); a gather (aten.index) wraps them right."
     ),
 )
-def negative_put_index_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = dict(schema.arguments(node))
+def negative_put_index_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any], found: list[int]) -> Any:
+    named = dict(args)
     x, indices = named["self"], list(named["indices"])
-    for k in _unwrapped_put_indices(node):
+    for k in found:
         size = x.meta["val"].shape[k]
         if not isinstance(size, int):
             size = rw.call(aten.sym_size.int, x, k)
@@ -138,5 +131,5 @@ def negative_put_index_for_iree(node: Node, rw: Rewriter) -> Any:
         negative = rw.call(aten.lt.Scalar, index, 0)
         indices[k] = rw.call(aten.where.self, negative, rw.call(aten.add.Tensor, index, size), index)
     named["indices"] = indices
-    args, kwargs = schema.unbind(node.target, named, explicit=False)
-    rw.replace(node, rw.call(node.target, *args, **kwargs))
+    call_args, kwargs = schema.unbind(node.target, named, explicit=False)
+    rw.replace(node, rw.call(node.target, *call_args, **kwargs))

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.views import added_over, full_from_sizes, placed_over, scatter_hazard
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
@@ -57,9 +56,12 @@ def _select_scatter(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Mis
         "it is still read when the result is padded (`a, pad(select_scatter(a, z, 0, 0))`)."
     ),
 )
-def select_scatter_as_slice_scatter_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    src = rw.call(aten.unsqueeze.default, m["src"], m["dim"])
-    rw.replace(node, rw.call(aten.slice_scatter.default, m["self"], src, m["dim"], m["start"], m["start"] + 1, 1))
+def select_scatter_as_slice_scatter_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    src = rw.call(aten.unsqueeze.default, found["src"], found["dim"])
+    rw.replace(
+        node,
+        rw.call(aten.slice_scatter.default, found["self"], src, found["dim"], found["start"], found["start"] + 1, 1),
+    )
 
 
 #: scatter_reduce's reductions with include_self=True as (the value that leaves an element unchanged, the
@@ -72,16 +74,15 @@ _REDUCTIONS = {
 }
 
 
-def _scatter(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    if node.target == aten.scatter_reduce.two and not named["self"].meta["val"].dtype.is_floating_point:
+def _scatter(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    if node.target == aten.scatter_reduce.two and not args["self"].meta["val"].dtype.is_floating_point:
         # an integer mean divides with rounding, and an integer identity for amax/amin is the dtype's bound:
         # neither measured; such a scatter is refused by wrong_forms instead
-        return Miss(f"scatter_reduce of {named['self'].meta['val'].dtype}: only floats are guarded")
-    if named.get("reduce") is not None and node.target != aten.scatter_reduce.two:
+        return Miss(f"scatter_reduce of {args['self'].meta['val'].dtype}: only floats are guarded")
+    if args.get("reduce") is not None and node.target != aten.scatter_reduce.two:
         return Miss("scatter with reduce= (not guarded)")
-    hazard = scatter_hazard(node, named["self"], named.get("src", named.get("value")))
-    return named if hazard is True else hazard
+    hazard = scatter_hazard(node, args["self"], args.get("src", args.get("value")))
+    return args if hazard is True else hazard
 
 
 @rule(
@@ -99,17 +100,17 @@ def _scatter(node: Node) -> dict[str, Any] | Miss:
         "(`a, pad(a.scatter(3, idx, src))`: `a` comes back with src in it)."
     ),
 )
-def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
-    x, dim, index = named["self"], named["dim"], named["index"]
+def scatter_into_fresh_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    x, dim, index = found["self"], found["dim"], found["index"]
     if node.target == aten.scatter_reduce.two:
         rw.replace(
-            node, _reduced_fresh(rw, x, dim, index, named["src"], named["reduce"], named.get("include_self", True))
+            node, _reduced_fresh(rw, x, dim, index, found["src"], found["reduce"], found.get("include_self", True))
         )
         return
     if node.target == aten.scatter_add.default:
-        rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, dim, index, named["src"])))
+        rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, dim, index, found["src"])))
         return
-    source = named["src"] if node.target == aten.scatter.src else named["value"]
+    source = found["src"] if node.target == aten.scatter.src else found["value"]
     rw.replace(
         node, placed_over(rw, x, lambda base: rw.call(node.target, base, dim, index, source), _hits(rw, dim, index))
     )

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.fft import inverse_real_fft_to_matmul_for_iree, real_fft_to_matmul_for_iree
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
@@ -30,10 +29,9 @@ aten = torch.ops.aten
 # -- histc -------------------------------------------------------------------------------
 
 
-def _histc_args(node: Node) -> tuple[Node, int, float, float] | Miss:
-    named = schema.arguments(node)
-    x, bins = named["self"], named.get("bins", 100)
-    lo, hi = named.get("min", 0), named.get("max", 0)
+def _histc_args(node: Node, *, args: Mapping[str, Any]) -> tuple[Node, int, float, float] | Miss:
+    x, bins = args["self"], args.get("bins", 100)
+    lo, hi = args.get("min", 0), args.get("max", 0)
     if not all(isinstance(v, (int, float)) for v in (bins, lo, hi)):
         return Miss("symbolic bins or range")
     if not x.meta["val"].is_floating_point():
@@ -41,14 +39,9 @@ def _histc_args(node: Node) -> tuple[Node, int, float, float] | Miss:
     return x, int(bins), float(lo), float(hi)
 
 
-def _histc_ok(node: Node) -> bool | Miss:
-    found = _histc_args(node)
-    return found if isinstance(found, Miss) else True
-
-
 @rule(
     roots=(aten.histc.default,),
-    when=_histc_ok,
+    when=_histc_args,
     tags={"iree"},
     doc=(
         "torch.histc(x, bins, min, max) (transformers 5 MoE routing: tokens per expert) becomes the bin of "
@@ -58,8 +51,8 @@ def _histc_ok(node: Node) -> bool | Miss:
         "\"failed to legalize operation 'torch.operator' that was explicitly marked illegal\" (aten.histc)."
     ),
 )
-def histc_to_one_hot_sum_for_iree(node: Node, rw: Rewriter) -> Any:
-    x, bins, lo, hi = _histc_args(node)
+def histc_to_one_hot_sum_for_iree(node: Node, rw: Rewriter, *, found: tuple[Node, int, float, float]) -> Any:
+    x, bins, lo, hi = found
     dtype = node.meta["val"].dtype
     flat = rw.call(aten.reshape.default, x, [-1])
     if lo == hi:  # the data's own range, widened by one on each side when it is a single value
@@ -104,10 +97,9 @@ def _kthvalue_ok(node: Node) -> bool | Miss:
         "3.13's own lowering fails: \"'tm_tensor.topk' op region block must end with a linalg_ext.yield i1\"."
     ),
 )
-def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter) -> Any:
-    named = schema.arguments(node)
-    x, k = named["self"], named["k"]
-    dim, keepdim = named.get("dim", -1), named.get("keepdim", False)
+def kthvalue_to_topk_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> Any:
+    x, k = args["self"], args["k"]
+    dim, keepdim = args.get("dim", -1), args.get("keepdim", False)
     smallest = rw.call(aten.topk.default, x, k, dim, False, True)
     parts = []
     for i in (0, 1):

@@ -219,9 +219,9 @@ def _squeezed_dims(node: Node, args: Mapping[str, Any]) -> list[int] | Miss:
         "collapse_shape' op expected dimension 1 of collapsed type to be dynamic\"."
     ),
 )
-def squeeze_dim_sized_one_for_iree(node: Node, rw: Rewriter, removed: list[int]) -> Any:
+def squeeze_dim_sized_one_for_iree(node: Node, rw: Rewriter, *, found: list[int]) -> Any:
     x = node.args[0]
-    kept = [rw.size(x, d) for d in range(x.meta["val"].dim()) if d not in removed]
+    kept = [rw.size(x, d) for d in range(x.meta["val"].dim()) if d not in found]
     if not _known_contiguous(x.meta["val"]):  # reshape's fake kernel may guard on symbolic strides (conv.py)
         x = rw.call(aten.clone.default, x, memory_format=torch.contiguous_format)
     rw.replace(node, rw.call(aten.reshape.default, x, kept))

@@ -117,15 +117,17 @@ def _head_groups(node: Node) -> HeadGroups | Miss:
         "scores in a core's cache; Whisper's encoder (16 MB of scores) runs 1.1x faster."
     ),
 )
-def attention_by_head_groups(node: Node, rw: Rewriter, g: HeadGroups) -> Any:
-    a = g.attention
+def attention_by_head_groups(node: Node, rw: Rewriter, *, found: HeadGroups) -> Any:
+    a = found.attention
     batch, heads = _val(a.query).shape[:2]
     rows = []
-    for b in range(0, batch, g.batches):
+    for b in range(0, batch, found.batches):
         parts = []
-        for h in range(0, heads, g.heads):
+        for h in range(0, heads, found.heads):
             q, k, v = (
-                rw.call(aten.slice.Tensor, rw.call(aten.slice.Tensor, x, 0, b, b + g.batches), 1, h, h + g.heads)
+                rw.call(
+                    aten.slice.Tensor, rw.call(aten.slice.Tensor, x, 0, b, b + found.batches), 1, h, h + found.heads
+                )
                 for x in (a.query, a.key, a.value)
             )
             parts.append(rw.call(SDPA, q, k, v, None, 0.0, a.is_causal, scale=a.scale))
@@ -234,11 +236,13 @@ def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
         "runs several times slower than the product: attention over 500 keys (Whisper) 17.0 -> 14.9 ms."
     ),
 )
-def softmax_matmul_normalized_after(node: Node, rw: Rewriter, m: RowsThenMatmul) -> Any:
-    e = m.rows if m.rows is not None else _exp_rows(rw, m.softmax_input)
-    ones = rw.call(aten.ones.default, [rw.size(m.values, -2), 1], dtype=torch.float32, device=_val(m.values).device)
+def softmax_matmul_normalized_after(node: Node, rw: Rewriter, *, found: RowsThenMatmul) -> Any:
+    e = found.rows if found.rows is not None else _exp_rows(rw, found.softmax_input)
+    ones = rw.call(
+        aten.ones.default, [rw.size(found.values, -2), 1], dtype=torch.float32, device=_val(found.values).device
+    )
     total = rw.call(aten.matmul.default, e, ones)
-    out = rw.call(aten.matmul.default, e, m.values)
+    out = rw.call(aten.matmul.default, e, found.values)
     rw.replace(node, rw.call(aten.mul.Tensor, out, rw.call(aten.reciprocal.default, total)))
 
 
@@ -304,8 +308,8 @@ def _patch_conv(node: Node) -> dict[str, Any] | Miss:
         "runs the convolution 30x slower than that matmul (ViT: 105 ms of 419 ms)."
     ),
 )
-def patch_conv_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x, w = c["input"], c["weight"]
+def patch_conv_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
     out_channels, channels, kh, kw = _val(w).shape
     height, width = _val(x).shape[2:]
     gh, gw = height // kh, width // kw
@@ -316,7 +320,7 @@ def patch_conv_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     patches = rw.call(aten.permute.default, patches, [0, 2, 4, 1, 3, 5])
     patches = rw.call(aten.reshape.default, patches, [-1, channels * kh * kw])
     weight = rw.call(aten.reshape.default, w, [out_channels, channels * kh * kw])
-    y = rw.call(aten.linear.default, patches, weight, c["bias"])
+    y = rw.call(aten.linear.default, patches, weight, found["bias"])
     y = rw.call(aten.reshape.default, y, [-1, gh, gw, out_channels])
     rw.replace(node, rw.call(aten.permute.default, y, [0, 3, 1, 2]))
 
@@ -348,10 +352,10 @@ def _conv1d(node: Node) -> dict[str, Any] | Miss:
         "as [O, k*C]. IREE 3.13 on llvm-cpu runs 1-D convolutions at 1 to 2 GFLOP/s, the matmul at about 90."
     ),
 )
-def conv1d_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
-    x, w = c["input"], c["weight"]
+def conv1d_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
     out_channels, channels, taps = _val(w).shape
-    (stride,), (pad,), (dilation,) = c["stride"], c["padding"], c["dilation"]
+    (stride,), (pad,), (dilation,) = found["stride"], found["padding"], found["dilation"]
     length = _val(x).shape[2] + 2 * pad
     out_length = (length - dilation * (taps - 1) - 1) // stride + 1
     span = stride * (out_length - 1) + 1
@@ -366,7 +370,7 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, c: dict[str, Any]) -> Any:
     columns = rw.call(aten.cat.default, shifted, 2)  # [N, L_out, taps * C], tap-major
     weight = rw.call(aten.permute.default, w, [0, 2, 1])  # [O, taps, C]
     weight = rw.call(aten.reshape.default, weight, [out_channels, taps * channels])
-    y = rw.call(aten.linear.default, columns, weight, c["bias"])
+    y = rw.call(aten.linear.default, columns, weight, found["bias"])
     # permute, not transpose.int: after a guard that cut a Dim-sized input to one window, the convolution's
     # users are typed [b, O, L//k] (the engine keeps the replaced value's sizes) while y is [b, 1, O]; IREE 3.13
     # lowers transpose.int to a linalg.transpose that rejects a static size typed dynamic, permute it casts

@@ -27,6 +27,7 @@ exactly (docs/iree-3.13-findings.md section 8).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -77,17 +78,16 @@ def _ceil_extra(size: Any, kernel: int, stride: int, pad: int) -> int | None:
     return max(0, (out - 1) * stride + kernel - (size + 2 * pad))
 
 
-def _ceil_pool(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    if not named.get("ceil_mode", False):
+def _ceil_pool(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    if not args.get("ceil_mode", False):
         return Miss("ceil_mode=False")
     n = _POOLS[node.target]
-    kernel = _per_dim(named["kernel_size"], n, [])
-    stride = _per_dim(named.get("stride"), n, kernel)
-    pad = _per_dim(named.get("padding", 0), n, [0] * n)
-    dilation = _per_dim(named.get("dilation", 1), n, [1] * n)
+    kernel = _per_dim(args["kernel_size"], n, [])
+    stride = _per_dim(args.get("stride"), n, kernel)
+    pad = _per_dim(args.get("padding", 0), n, [0] * n)
+    dilation = _per_dim(args.get("dilation", 1), n, [1] * n)
     span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
-    sizes = named["self"].meta["val"].shape[-n:]
+    sizes = args["self"].meta["val"].shape[-n:]
     # a window wider than the padded input: one output, over all of it (torch allows no second one)
     wide = [
         isinstance(size, int) and d == 1 and k > size + 2 * p for size, k, p, d in zip(sizes, kernel, pad, dilation)
@@ -101,7 +101,7 @@ def _ceil_pool(node: Node) -> dict[str, Any] | Miss:
     extra = [_ceil_extra(size, k, s, p) for size, k, s, p in zip(sizes, span, stride, pad)]
     if None in extra:
         return Miss("a symbolic size with stride > kernel - padding: ceil mode's output size is not a fixed pad")
-    return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation, "extra": extra}
+    return {**args, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation, "extra": extra}
 
 
 def _pad(rw: Rewriter, x: Node, low: list[int], high: list[int], value: float) -> Node:
@@ -126,7 +126,7 @@ def _pad(rw: Rewriter, x: Node, low: list[int], high: list[int], value: float) -
         'dimension #1 to be 10, but found 9" for any size.'
     ),
 )
-def avg_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+def avg_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
     x, n = found["self"], found["n"]
     kernel, stride, pad, extra = found["kernel"], found["stride"], found["pad"], found["extra"]
     high = [p + e for p, e in zip(pad, extra)]
@@ -176,7 +176,7 @@ def _lowest(dtype: torch.dtype) -> float | int:
         "inferred input/output operand #2 has shape's dimension #1 to be 10, but found 9\"."
     ),
 )
-def max_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+def max_pool_ceil_mode_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
     x, pad = found["self"], found["pad"]
     high = [p + e for p, e in zip(pad, found["extra"])]
     padded = _pad(rw, x, pad, high, _lowest(x.meta["val"].dtype))
@@ -283,7 +283,7 @@ def _reindex(rw: Rewriter, index: Node, cut: list[Any], full: list[Any], shift: 
         "values and indices, for every map but the window's own size."
     ),
 )
-def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+def pool_single_window_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
     x, n, dims = found["self"], found["n"], found["dims"]
     lead = x.meta["val"].dim() - n
     pad, span = found["pad"], found["span"]
@@ -309,16 +309,15 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, found: dict[str, Any])
     rw.replace(node, [rw.getitem(pooled, 0), index])
 
 
-def _adaptive_values_only(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    if all(isinstance(size, int) for size in named["self"].meta["val"].shape[-2:]):
+def _adaptive_values_only(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    if all(isinstance(size, int) for size in args["self"].meta["val"].shape[-2:]):
         return Miss("static map sizes (IREE lowers it)")
-    output_size = _per_dim(named["output_size"], 2, [])
+    output_size = _per_dim(args["output_size"], 2, [])
     if not all(isinstance(size, int) for size in output_size) or output_size == [1, 1]:
         return Miss(f"output size {output_size}: (1, 1) is torch's decomposition's (legalize.PARTIAL_FORMS)")
     if any(user.target is not operator.getitem or (user.args[1] != 0 and user.users) for user in node.users):
         return Miss("its indices are used (a separable max would name other positions than torch on ties)")
-    return named
+    return args
 
 
 def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
@@ -346,7 +345,7 @@ def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
         "IREE 3.13 fails to compile it: \"failed to legalize operation 'torch.aten.max_pool2d'\"."
     ),
 )
-def adaptive_max_pool2d_values_for_iree(node: Node, rw: Rewriter, found: dict[str, Any]) -> None:
+def adaptive_max_pool2d_values_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
     x = found["self"]
     rank = x.meta["val"].dim()
     out_h, out_w = _per_dim(found["output_size"], 2, [])

@@ -75,12 +75,12 @@ def _flip_of_stepped_slice(node: Node, args: Mapping[str, Any]) -> dict[str, Any
         'builtin.unrealized_conversion_cast"), whichever dims are flipped; a flip followed by the slice compiles.'
     ),
 )
-def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    last = m["start"] + m["step"] * (m["count"] - 1)  # the slice's last index in the base
-    start = m["size"] - 1 - last if m["dim"] in m["dims"] else m["start"]
-    flipped = rw.call(aten.flip.default, m["self"], m["dims"])
-    end = start + m["step"] * (m["count"] - 1) + 1
-    rw.replace(node, rw.call(aten.slice.Tensor, flipped, m["dim"], start, end, m["step"]))
+def flip_of_stepped_slice_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    last = found["start"] + found["step"] * (found["count"] - 1)  # the slice's last index in the base
+    start = found["size"] - 1 - last if found["dim"] in found["dims"] else found["start"]
+    flipped = rw.call(aten.flip.default, found["self"], found["dims"])
+    end = start + found["step"] * (found["count"] - 1) + 1
+    rw.replace(node, rw.call(aten.slice.Tensor, flipped, found["dim"], start, end, found["step"]))
 
 
 # -- a stepped slice read by a gather ------------------------------------------------------------------------
@@ -138,11 +138,11 @@ def _stepped_innermost_slice(node: Node) -> dict[str, Any] | Miss:
         'failed for operation: builtin.unrealized_conversion_cast"); a gather of a gather compiles.'
     ),
 )
-def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    end = m["start"] + m["step"] * (m["count"] - 1) + 1
+def stepped_slice_read_by_gather_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    end = found["start"] + found["step"] * (found["count"] - 1) + 1
     device = node.meta["val"].device
-    index = rw.call(aten.arange.start_step, m["start"], end, m["step"], device=device)
-    rw.replace(node, rw.call(aten.index_select.default, m["self"], m["dim"], index))
+    index = rw.call(aten.arange.start_step, found["start"], end, found["step"], device=device)
+    rw.replace(node, rw.call(aten.index_select.default, found["self"], found["dim"], index))
 
 
 # -- one element of the innermost dim read by a gather, flip or diagonal --------------------------------------
@@ -191,10 +191,10 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
         "the gather of a gather."
     ),
 )
-def one_innermost_element_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    index = rw.call(aten.arange.start, m["index"], m["index"] + 1, device=node.meta["val"].device)
-    picked = rw.call(aten.index_select.default, m["self"], m["dim"], index)
-    rw.replace(node, rw.call(aten.squeeze.dim, picked, m["dim"]) if m["drops"] else picked)
+def one_innermost_element_read_by_gather_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    index = rw.call(aten.arange.start, found["index"], found["index"] + 1, device=node.meta["val"].device)
+    picked = rw.call(aten.index_select.default, found["self"], found["dim"], index)
+    rw.replace(node, rw.call(aten.squeeze.dim, picked, found["dim"]) if found["drops"] else picked)
 
 
 def _unbind_innermost(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
@@ -226,9 +226,9 @@ def _unbind_innermost(node: Node, args: Mapping[str, Any]) -> dict[str, Any] | M
         "`y.unbind(3)[0].diagonal(0, 0, 1).mul_(3)` failed to compile on IREE 3.13 as the select did)."
     ),
 )
-def unbind_innermost_read_by_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    for item in m["items"]:
-        rw.replace(item, rw.call(aten.select.int, m["self"], m["dim"], item.args[1]))
+def unbind_innermost_read_by_gather_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    for item in found["items"]:
+        rw.replace(item, rw.call(aten.select.int, found["self"], found["dim"], item.args[1]))
 
 
 # -- a step that picks one element ----------------------------------------------------------------------------
@@ -257,8 +257,8 @@ def _single_element_step(node: Node, args: Mapping[str, Any]) -> dict[str, Any] 
         'write through such a slice ("expected result type ... or a rank-reduced version").'
     ),
 )
-def single_element_step_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    rw.replace(node, rw.call(node.target, *m["operands"], m["dim"], m["start"], m["start"] + 1, 1))
+def single_element_step_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    rw.replace(node, rw.call(node.target, *found["operands"], found["dim"], found["start"], found["start"] + 1, 1))
 
 
 RULES = RuleSet(

@@ -15,6 +15,7 @@ docs/iree-3.13-findings.md section 8 has the measurements.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,12 +62,12 @@ def _unbatched(node: Node) -> bool | Miss:
         "legalize operation 'torch.aten.max_pool3d_with_indices'\", a linalg.pooling_nchw_sum error, or a crash."
     ),
 )
-def unbatched_window_op_for_iree(node: Node, rw: Rewriter) -> None:
+def unbatched_window_op_for_iree(node: Node, rw: Rewriter, *, args: Mapping[str, Any]) -> None:
     first = node.target._schema.arguments[0].name
-    named = dict(schema.arguments(node))
+    named = dict(args)
     named[first] = rw.call(aten.unsqueeze.default, named[first], 0)
-    args, kwargs = schema.unbind(node.target, named, explicit=False)
-    batched = rw.call(node.target, *args, **kwargs)
+    call_args, kwargs = schema.unbind(node.target, named, explicit=False)
+    batched = rw.call(node.target, *call_args, **kwargs)
     if isinstance(node.meta["val"], (tuple, list)):
         outputs = [rw.getitem(batched, i) for i in range(len(node.meta["val"]))]
         rw.replace(node, [_unbatch(rw, out) for out in outputs])

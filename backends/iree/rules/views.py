@@ -25,7 +25,7 @@ of the same elements is right. Slices with a step: `backends/iree/rules/steps.py
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -177,10 +177,9 @@ def writes_whole_tensor(node: Node) -> bool:
     return named.get("step", 1) == 1 and lo is not None and hi is not None and statically_known_true(hi - lo == size)
 
 
-def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    hazard = scatter_hazard(node, named["self"], named["src"])
-    return named if hazard is True else hazard
+def _slice_scatter(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    hazard = scatter_hazard(node, args["self"], args["src"])
+    return args if hazard is True else hazard
 
 
 @rule(
@@ -197,9 +196,9 @@ def _slice_scatter(node: Node) -> dict[str, Any] | Miss:
         "read when the result is padded (`a, pad(slice_scatter(a, z, 0, 0, 1))`: `a` comes back with z in it)."
     ),
 )
-def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
-    x, src = named["self"], named["src"]
-    dim, start, end, step = named.get("dim", 0), named.get("start"), named.get("end"), named.get("step", 1)
+def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    x, src = found["self"], found["src"]
+    dim, start, end, step = found.get("dim", 0), found.get("start"), found.get("end"), found.get("step", 1)
     dim = dim % x.meta["val"].dim()
     size = x.meta["val"].shape[dim]
     lo, hi = slice_bound(start, size, 0), slice_bound(end, size, size)
@@ -225,10 +224,9 @@ def slice_scatter_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, 
 # -- index_put ---------------------------------------------------------------------------------------------
 
 
-def _index_put(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    hazard = scatter_hazard(node, named["self"], named["values"])
-    return named if hazard is True else hazard
+def _index_put(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    hazard = scatter_hazard(node, args["self"], args["values"])
+    return args if hazard is True else hazard
 
 
 @rule(
@@ -243,9 +241,9 @@ def _index_put(node: Node) -> dict[str, Any] | Miss:
         "values from it, or while t is still to be read (the result padded): silently wrong."
     ),
 )
-def index_put_of_itself_for_iree(node: Node, rw: Rewriter, named: dict[str, Any]) -> None:
-    x, indices, values = named["self"], named["indices"], named["values"]
-    if named.get("accumulate", False):
+def index_put_of_itself_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    x, indices, values = found["self"], found["indices"], found["values"]
+    if found.get("accumulate", False):
         rw.replace(node, added_over(rw, x, lambda base: rw.call(node.target, base, indices, values, True)))
         return
     ones = full_from_sizes(rw, values, True, torch.bool)
@@ -291,9 +289,8 @@ def _reads_storage(view: Node) -> Node | None:
     return None
 
 
-def _diagonal(node: Node) -> dict[str, Any] | Miss:
-    named = schema.arguments(node)
-    val, out = named["self"].meta.get("val"), node.meta.get("val")
+def _diagonal(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
+    val, out = args["self"].meta.get("val"), node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or type(out.shape[-1]) is not int:
         return Miss("the diagonal's length is not static")
     if any(u.op == "call_function" and u.target._schema.is_mutable for u in node.users):
@@ -302,8 +299,8 @@ def _diagonal(node: Node) -> dict[str, Any] | Miss:
     if reader is not None:
         return Miss(f"read by {reader.target} ({reader.name!r}), which reads the base's storage: it stays a view")
     n = val.dim()
-    return {"self": named["self"], "offset": named.get("offset", 0), "dims": (named.get("dim1", 0) % n,
-            named.get("dim2", 1) % n), "length": out.shape[-1], "rank": n}  # fmt: skip
+    return {"self": args["self"], "offset": args.get("offset", 0), "dims": (args.get("dim1", 0) % n,
+            args.get("dim2", 1) % n), "length": out.shape[-1], "rank": n}  # fmt: skip
 
 
 @rule(
@@ -319,12 +316,12 @@ def _diagonal(node: Node) -> dict[str, Any] | Miss:
         "or a view of it, is read by as_strided: that reads the base's storage, which a gather does not have."
     ),
 )
-def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, m: dict[str, Any]) -> None:
-    (d1, d2), offset, n = m["dims"], m["offset"], m["rank"]
-    index = rw.call(aten.arange.default, m["length"], device=node.meta["val"].device)
+def diagonal_as_gather_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
+    (d1, d2), offset, n = found["dims"], found["offset"], found["rank"]
+    index = rw.call(aten.arange.default, found["length"], device=node.meta["val"].device)
     rows = rw.call(aten.add.Tensor, index, max(-offset, 0)) if offset < 0 else index
     cols = rw.call(aten.add.Tensor, index, offset) if offset > 0 else index
-    moved = rw.call(aten.permute.default, m["self"], [d1, d2, *(d for d in range(n) if d not in (d1, d2))])
+    moved = rw.call(aten.permute.default, found["self"], [d1, d2, *(d for d in range(n) if d not in (d1, d2))])
     picked = rw.call(aten.index.Tensor, moved, [rows, cols])  # [length, the other dims in order]
     rw.replace(node, rw.call(aten.permute.default, picked, [*range(1, n - 1), 0]))
 

@@ -1,10 +1,10 @@
 """What ttnn can take, and the shape every lowering rule has.
 
-A lowering rule's `when` returns the node's arguments bound by name (its
-schema) when ttnn can take the node, or `Miss("why")`; the rule's body,
-`build(node, rw, bound)`, receives that binding (the engine passes what `when`
-found) and returns the device value that computes the node, which the rule
-reads back to the host (`to_torch`). The reasons are what the coverage report
+A lowering rule's `when` says whether ttnn can take the node (or
+`Miss("why")`); the rule's body, `build(node, rw, *, args)` as any rule body
+(`args`: the node's arguments by schema name; `found`: what `when` returned,
+where it computed more), returns the device value that computes the node,
+which the rule reads back to the host (`to_torch`). The reasons are what the coverage report
 shows: non-float tensors (ttnn computes in bfloat16 here), rank above 4,
 symbolic sizes where ttnn takes constants, a number where a tensor is
 expected, arguments the ttnn op lacks.
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import torch
 from torch.fx import Node
 
@@ -34,7 +35,7 @@ MASK_DTYPES = (torch.bool, *FLOAT_DTYPES)
 MAX_RANK = 4
 
 Bound = dict[str, Any]
-Build = Callable[[Node, Rewriter, Bound], Any]
+Build = Callable[..., Any]  # build(node, rw, *, args, found) -> device value | Miss
 
 
 def bind(node: Node) -> Bound:
@@ -75,12 +76,12 @@ def tensors_ok(
 ) -> Callable[..., Any]:
     """A `when` predicate: the named arguments (float; `indices`: integer; `masks`: bool or float) and the
     node's result (`result` dtypes) can be ttnn tensors (`static`: of static shapes). It returns the binding
-    (or a Miss); `when(node, bound)` reuses a binding the caller made. `scalars`: operands that may be 0-d
-    (elementwise ops broadcast them; they go to the device as shape [1])."""
+    (or a Miss); `when(node, args)` reuses a binding the caller (or the engine) made. `scalars`: operands that
+    may be 0-d (elementwise ops broadcast them; they go to the device as shape [1])."""
     index_names, mask_names, scalar_names = tuple(indices), tuple(masks), frozenset(scalars)
 
-    def when(node: Node, bound: Bound | None = None) -> Any:
-        bound = bind(node) if bound is None else bound
+    def when(node: Node, args: Bound | None = None) -> Any:
+        bound = bind(node) if args is None else args
         for name in names + index_names + mask_names:
             values = bound.get(name)
             dtypes = INDEX_DTYPES if name in index_names else MASK_DTYPES if name in mask_names else FLOAT_DTYPES
@@ -97,25 +98,31 @@ def tensors_ok(
     return when
 
 
-def lowering(name: str, roots: Iterable[Any], when: Callable[[Node], Any], doc: str) -> Callable[[Build], FunctionRule]:
-    """Decorator: `build(node, rw, bound) -> device value | Miss` becomes a rule that replaces the node by
-    `to_torch(build(...))`; `bound` is what `when` returned. A node computed from the program's constants
-    only is declined first: it stays on the host, computed once in float32 (`constants.py`)."""
+@attrs.frozen(kw_only=True)
+class Lowering(FunctionRule):
+    """A function rule whose body, `build(node, rw, *, args, found)`, returns the device value that computes
+    the node (or a Miss); the rule reads it back to the host (`to_torch`) in the node's place. A node computed
+    from the program's constants only is declined before `when`: it stays on the host, computed once in float32
+    (`constants.py`)."""
 
-    def wrap(build: Build) -> FunctionRule:
-        def body(node: Node, rw: Rewriter, bound: Bound) -> Any:
-            out = build(node, rw, bound)
-            if isinstance(out, Miss):
-                return out
-            rw.replace(node, out if out.target is ops.to_torch else to_host(rw, out, node))
-            return None
+    def _when(self, node: Node) -> Any:
+        why = constant_reason(node)
+        return Miss(f"when: {why}") if why else super()._when(node)
 
-        def device_when(node: Node) -> Any:
-            why = constant_reason(node)
-            return Miss(why) if why else when(node)
+    def rewrite(self, node: Node, match: Any, rw: Rewriter) -> Any:
+        out = super().rewrite(node, match, rw)
+        if isinstance(out, Miss):
+            return out
+        rw.replace(node, out if out.target is ops.to_torch else to_host(rw, out, node))
+        return None
 
-        body.__name__ = build.__name__
-        return FunctionRule(fn=body, ops=tuple(roots), name=name, when=device_when, doc=doc, tags=frozenset({"ttnn"}))
+
+def lowering(name: str, roots: Iterable[Any], when: Callable[..., Any], doc: str) -> Callable[[Build], Lowering]:
+    """Decorator: `build(node, rw, *, args, found) -> device value | Miss` (each keyword declared only when
+    used, as any rule body) becomes a `Lowering` rule."""
+
+    def wrap(build: Build) -> Lowering:
+        return Lowering(fn=build, ops=tuple(roots), name=name, when=when, doc=doc, tags=frozenset({"ttnn"}))
 
     return wrap
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -66,8 +67,8 @@ def _unary_when(node: Node) -> Any:
 
 
 @lowering("ttnn_unary", UNARY, _unary_when, "Elementwise unary aten ops -> ttnn.relu/gelu/silu/exp/... .")
-def lower_unary(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.OPS[UNARY[node.target]], device_value(rw, bound["self"]))
+def lower_unary(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.OPS[UNARY[node.target]], device_value(rw, args["self"]))
 
 
 BINARY = {
@@ -84,24 +85,23 @@ BINARY = {
 }
 
 
-def _binary_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("alpha", 1) != 1:
-        return Miss(f"alpha={bound['alpha']}: ttnn.add/subtract have no alpha")
-    other = bound["other"]
+def _binary_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("alpha", 1) != 1:
+        return Miss(f"alpha={args['alpha']}: ttnn.add/subtract have no alpha")
+    other = args["other"]
     if isinstance(other, Node) and isinstance(other.meta.get("val"), torch.Tensor):
-        return tensors_ok("self", "other", scalars=("self", "other"))(node, bound)
+        return tensors_ok("self", "other", scalars=("self", "other"))(node, args)
     if isinstance(other, Node):
         return Miss(f"other is a runtime {type(other.meta.get('val')).__name__} ({other.name}); ttnn takes constants")
     if not isinstance(other, (int, float)) or isinstance(other, bool):
         return Miss(f"other is {other!r}, not a number")
-    return tensors_ok("self")(node, bound)
+    return tensors_ok("self")(node, args)
 
 
 @lowering("ttnn_binary", BINARY, _binary_when, "Elementwise binary aten ops -> ttnn.add/subtract/multiply/...")
-def lower_binary(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    name, other = BINARY[node.target], bound["other"]
-    a = device_value(rw, bound["self"])
+def lower_binary(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    name, other = BINARY[node.target], args["other"]
+    a = device_value(rw, args["self"])
     if isinstance(other, Node):
         return rw.call(ops.OPS[name], a, device_value(rw, other))
     return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
@@ -110,8 +110,8 @@ def lower_binary(node: Node, rw: Rewriter, bound: Bound) -> Node:
 @lowering(
     "ttnn_rsub", [aten.rsub.Scalar, aten.rsub.Tensor], _binary_when, "rsub(x, y) = y - x -> ttnn.subtract / neg + add."
 )
-def lower_rsub(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    x, other = device_value(rw, bound["self"]), bound["other"]
+def lower_rsub(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    x, other = device_value(rw, args["self"]), args["other"]
     if isinstance(other, Node):
         return rw.call(ops.OPS["subtract"], device_value(rw, other), x)
     return rw.call(ops.OPS["add_scalar"], rw.call(ops.OPS["neg"], x), ops.bf16_finite(float(other)))
@@ -125,8 +125,8 @@ def _pow_when(node: Node) -> Any:
 
 
 @lowering("ttnn_pow", [aten.pow.Tensor_Scalar], _pow_when, "aten.pow(x, constant) -> ttnn.pow.")
-def lower_pow(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.pow_scalar, device_value(rw, bound["self"]), float(bound["exponent"]))
+def lower_pow(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.pow_scalar, device_value(rw, args["self"]), float(args["exponent"]))
 
 
 # -- comparisons, where, activations with parameters -----------------------------------------------------
@@ -148,9 +148,9 @@ def _compare_when(node: Node) -> Any:
 @lowering(
     "ttnn_compare", COMPARISONS, _compare_when, "gt/lt/ge/le/eq/ne of floats -> ttnn.gt/... (1.0/0.0, read as bool)."
 )
-def lower_compare(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    name, other = COMPARISONS[node.target], bound["other"]
-    a = device_value(rw, bound["self"])
+def lower_compare(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    name, other = COMPARISONS[node.target], args["other"]
+    a = device_value(rw, args["self"])
     if isinstance(other, Node):
         return rw.call(ops.OPS[name], a, device_value(rw, other))
     return rw.call(ops.OPS[f"{name}_scalar"], a, ops.bf16_finite(float(other)))
@@ -162,22 +162,21 @@ def lower_compare(node: Node, rw: Rewriter, bound: Bound) -> Node:
     tensors_ok("self", "other", masks=("condition",)),
     "aten.where(cond, x, y) -> ttnn.where (a bool condition goes in as bfloat16 1.0/0.0).",
 )
-def lower_where(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    cond, x, y = (device_value(rw, bound[n]) for n in ("condition", "self", "other"))
+def lower_where(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    cond, x, y = (device_value(rw, args[n]) for n in ("condition", "self", "other"))
     return rw.call(ops.where, cond, x, y)
 
 
 @lowering("ttnn_leaky_relu", [aten.leaky_relu.default], tensors_ok("self"), "leaky_relu -> ttnn.leaky_relu.")
-def lower_leaky_relu(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.leaky_relu, device_value(rw, bound["self"]), float(bound.get("negative_slope", 0.01)))
+def lower_leaky_relu(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.leaky_relu, device_value(rw, args["self"]), float(args.get("negative_slope", 0.01)))
 
 
-def _clamp_when(node: Node) -> Any:
-    bound = bind(node)
+def _clamp_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     for key in ("min", "max", "min_val", "max_val"):
-        if isinstance(bound.get(key), Node):
+        if isinstance(args.get(key), Node):
             return Miss(f"{key} is a graph value; ttnn.clamp takes constants")
-    return tensors_ok("self")(node, bound)
+    return tensors_ok("self")(node, args)
 
 
 #: the bounds an op clamps to when its arguments do not say (hardtanh's defaults; relu6 has none to give)
@@ -190,12 +189,12 @@ _CLAMP_DEFAULTS = {aten.hardtanh.default: (-1.0, 1.0), aten.relu6.default: (0.0,
     _clamp_when,
     "clamp / hardtanh / relu6 / clamp_min / clamp_max with constant bounds -> ttnn.clamp.",
 )
-def lower_clamp(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def lower_clamp(node: Node, rw: Rewriter, *, args: Bound) -> Node:
     lo_default, hi_default = _CLAMP_DEFAULTS.get(node.target, (None, None))
-    lo = bound.get("min", bound.get("min_val", lo_default))
-    hi = bound.get("max", bound.get("max_val", hi_default))
+    lo = args.get("min", args.get("min_val", lo_default))
+    hi = args.get("max", args.get("max_val", hi_default))
     lo, hi = (None if v is None else float(v) for v in (lo, hi))
-    return rw.call(ops.clamp, device_value(rw, bound["self"]), lo, hi)
+    return rw.call(ops.clamp, device_value(rw, args["self"]), lo, hi)
 
 
 def _step_when(node: Node) -> Any:
@@ -211,32 +210,30 @@ def _step_when(node: Node) -> Any:
     _step_when,
     "floor/ceil/trunc/round/sign/remainder: declined, see the reason.",
 )
-def lower_step(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def lower_step(node: Node, rw: Rewriter) -> Node:
     """Never reached: `_step_when` always declines, so the coverage report says why these stay on the host."""
     raise AssertionError("ttnn_step_functions never fires")
 
 
-def _to_bool_when(node: Node) -> Any:
-    bound = bind(node)
+def _to_bool_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
         return Miss("not a cast to bool")
-    if not same_place(node, bound):
+    if not same_place(node, args):
         return Miss("a copy that changes device, layout or memory format")
-    return tensors_ok("self", result=(torch.bool,))(node, bound)
+    return tensors_ok("self", result=(torch.bool,))(node, args)
 
 
 @lowering("ttnn_to_bool", CASTS, _to_bool_when, "x.to(torch.bool) of a float tensor -> ttnn.ne(x, 0.0) (1.0 / 0.0).")
-def lower_to_bool(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.OPS["ne_scalar"], device_value(rw, bound["self"]), 0.0)
+def lower_to_bool(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.OPS["ne_scalar"], device_value(rw, args["self"]), 0.0)
 
 
-def _masked_fill_when(node: Node) -> Any:
-    bound = bind(node)
-    value = bound["value"]
+def _masked_fill_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    value = args["value"]
     if isinstance(value, (Node, bool)) or not isinstance(value, (int, float)):
         return Miss(f"value is {value!r}; the lowering fills with a constant")
-    return tensors_ok("self", masks=("mask",))(node, bound)
+    return tensors_ok("self", masks=("mask",))(node, args)
 
 
 @lowering(
@@ -245,17 +242,16 @@ def _masked_fill_when(node: Node) -> Any:
     _masked_fill_when,
     "x.masked_fill(mask, value) -> ttnn.where(mask, value, x).",
 )
-def lower_masked_fill(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    mask, x = device_value(rw, bound["mask"]), device_value(rw, bound["self"])
-    return rw.call(ops.where_scalar, mask, ops.bf16_finite(float(bound["value"])), x)
+def lower_masked_fill(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    mask, x = device_value(rw, args["mask"]), device_value(rw, args["self"])
+    return rw.call(ops.where_scalar, mask, ops.bf16_finite(float(args["value"])), x)
 
 
-def _logical_not_when(node: Node) -> Any:
-    bound = bind(node)
-    val = bound["self"].meta.get("val") if isinstance(bound["self"], Node) else None
+def _logical_not_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    val = args["self"].meta.get("val") if isinstance(args["self"], Node) else None
     if node.target is aten.bitwise_not.default and getattr(val, "dtype", None) != torch.bool:
         return Miss("bitwise_not of integers; the device holds bfloat16 (bool only: logical not)")
-    return tensors_ok(masks=("self",), result=(torch.bool,))(node, bound)
+    return tensors_ok(masks=("self",), result=(torch.bool,))(node, args)
 
 
 @lowering(
@@ -264,8 +260,8 @@ def _logical_not_when(node: Node) -> Any:
     _logical_not_when,
     "logical_not, and bitwise_not of bools -> ttnn.logical_not (1.0 / 0.0, read as bool).",
 )
-def lower_logical_not(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.OPS["logical_not"], device_value(rw, bound["self"]))
+def lower_logical_not(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.OPS["logical_not"], device_value(rw, args["self"]))
 
 
 def _special_values_when(node: Node) -> Any:
@@ -281,61 +277,57 @@ def _special_values_when(node: Node) -> Any:
     _special_values_when,
     "isinf / isnan: declined, see the reason.",
 )
-def lower_special_values(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def lower_special_values(node: Node, rw: Rewriter) -> Node:
     """Never reached: `_special_values_when` always declines, so the coverage report says why."""
     raise AssertionError("ttnn_isinf_isnan never fires")
 
 
-def _elu_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("scale", 1) != 1 or bound.get("input_scale", 1) != 1:
+def _elu_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("scale", 1) != 1 or args.get("input_scale", 1) != 1:
         return Miss("elu with scale or input_scale (selu-like); ttnn.elu takes alpha only")
-    return tensors_ok("self")(node, bound)
+    return tensors_ok("self")(node, args)
 
 
 @lowering("ttnn_elu", [aten.elu.default], _elu_when, "elu(x, alpha) -> ttnn.elu(x, alpha=).")
-def lower_elu(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops_extra.elu, device_value(rw, bound["self"]), float(bound.get("alpha", 1.0)))
+def lower_elu(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops_extra.elu, device_value(rw, args["self"]), float(args.get("alpha", 1.0)))
 
 
-def _tril_when(node: Node) -> Any:
-    bound = bind(node)
-    if getattr(bound["self"].meta.get("val"), "ndim", 2) < 2:
+def _tril_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if getattr(args["self"].meta.get("val"), "ndim", 2) < 2:
         return Miss("tril of a 1-D tensor")
-    return tensors_ok(masks=("self",), result=MASK_DTYPES)(node, bound)
+    return tensors_ok(masks=("self",), result=MASK_DTYPES)(node, args)
 
 
 @lowering("ttnn_tril", [aten.tril.default], _tril_when, "tril(x, diagonal) -> ttnn.tril (bool masks as 1.0 / 0.0).")
-def lower_tril(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops_extra.tril, device_value(rw, bound["self"]), int(bound.get("diagonal", 0)))
+def lower_tril(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops_extra.tril, device_value(rw, args["self"]), int(args.get("diagonal", 0)))
 
 
 ADDC = {aten.addcmul.default: ops_extra.addcmul, aten.addcdiv.default: ops_extra.addcdiv}
 
 
-def _addc_when(node: Node) -> Any:
-    bound = bind(node)
+def _addc_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     out = node.meta.get("val")
     for name in ("self", "tensor1", "tensor2"):
-        val = bound[name].meta.get("val") if isinstance(bound[name], Node) else None
+        val = args[name].meta.get("val") if isinstance(args[name], Node) else None
         if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(val.shape) != tuple(out.shape):
             return Miss(f"{name} is broadcast; ttnn.{node.target._opname} is given operands of the result's shape")
-    if isinstance(bound.get("value", 1), Node):
+    if isinstance(args.get("value", 1), Node):
         return Miss("value is a graph value")
-    return tensors_ok("self", "tensor1", "tensor2")(node, bound)
+    return tensors_ok("self", "tensor1", "tensor2")(node, args)
 
 
 @lowering("ttnn_addcmul_addcdiv", ADDC, _addc_when, "addcmul / addcdiv -> ttnn.addcmul / addcdiv(a, b, c, value=).")
-def lower_addc(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    a, b, c = (device_value(rw, bound[n]) for n in ("self", "tensor1", "tensor2"))
-    return rw.call(ADDC[node.target], a, b, c, float(bound.get("value", 1)))
+def lower_addc(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    a, b, c = (device_value(rw, args[n]) for n in ("self", "tensor1", "tensor2"))
+    return rw.call(ADDC[node.target], a, b, c, float(args.get("value", 1)))
 
 
-def _xlogy_when(node: Node) -> Any:
-    bound = bind(node)
-    if not isinstance(bound.get("other"), Node):
+def _xlogy_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if not isinstance(args.get("other"), Node):
         return Miss("a number for y; the lowering takes two tensors")
-    return tensors_ok("self", "other", scalars=("self", "other"))(node, bound)
+    return tensors_ok("self", "other", scalars=("self", "other"))(node, args)
 
 
 @lowering(
@@ -344,10 +336,10 @@ def _xlogy_when(node: Node) -> Any:
     _xlogy_when,
     "xlogy(x, y) -> where(x == 0, (0 or y's NaN), x * log(y)) with ttnn.eq/where/log/multiply.",
 )
-def lower_xlogy(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def lower_xlogy(node: Node, rw: Rewriter, *, args: Bound) -> Node:
     """Not ttnn.xlogy: its docs define it as x * log(y), which is NaN at x = y = 0 where torch gives 0.
     torch: 0 where x is 0 unless y is NaN (then NaN); `y == y` is false exactly for NaN."""
-    x, y = device_value(rw, bound["self"]), device_value(rw, bound["other"])
+    x, y = device_value(rw, args["self"]), device_value(rw, args["other"])
     nan_or_zero = rw.call(ops.where_scalar, rw.call(ops.OPS["eq"], y, y), 0.0, y)
     product = rw.call(ops.OPS["multiply"], x, rw.call(ops.OPS["log"], y))
     return rw.call(ops.where, rw.call(ops.OPS["eq_scalar"], x, 0.0), nan_or_zero, product)

@@ -7,13 +7,14 @@ cannot hold exactly stays on the host, and says so.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.fx import Node
 
 from fx_rewrites.backends.ttnn.rules import ops
-from fx_rewrites.backends.ttnn.rules.checks import MAX_RANK, Bound, bind, lowering, static
+from fx_rewrites.backends.ttnn.rules.checks import MAX_RANK, Bound, lowering, static
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.ruleset import RuleSet
 
@@ -50,26 +51,24 @@ def _result_problem(node: Node) -> str | None:
     return None
 
 
-def _arange_when(node: Node) -> Any:
-    bound = bind(node)
-    start, end, step = bound.get("start", 0), bound["end"], bound.get("step", 1)
+def _arange_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    start, end, step = args.get("start", 0), args["end"], args.get("step", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)):
         return Miss(f"arange({start}, {end}, {step}) with non-integer or runtime bounds")
     if max(abs(start), abs(end)) > EXACT_INTEGERS:
         return Miss(f"arange up to {max(abs(start), abs(end))}: bfloat16 holds integers exactly only to 256")
     why = _result_problem(node)
-    return Miss(why) if why else bound
+    return Miss(why) if why else args
 
 
 @lowering("ttnn_arange", ARANGES, _arange_when, "torch.arange of small integers -> ttnn.arange on the device.")
-def lower_arange(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.arange, int(bound.get("start", 0)), int(bound["end"]), int(bound.get("step", 1)))
+def lower_arange(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.arange, int(args.get("start", 0)), int(args["end"]), int(args.get("step", 1)))
 
 
-def _fill_when(node: Node) -> Any:
-    bound = bind(node)
+def _fill_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     fill = FILLS[node.target]
-    value = bound.get("fill_value") if fill is None else fill
+    value = args.get("fill_value") if fill is None else fill
     if isinstance(value, Node) or not isinstance(value, (int, float)):
         return Miss(f"fill_value {value!r} is not a constant")
     why = _result_problem(node)
@@ -77,12 +76,12 @@ def _fill_when(node: Node) -> Any:
         return Miss(why)
     if not node.meta["val"].is_floating_point() and float(torch.tensor(float(value), dtype=torch.bfloat16)) != value:
         return Miss(f"an integer fill {value} that bfloat16 cannot hold exactly")
-    return {**bound, "fill": float(value)}
+    return {**args, "fill": float(value)}
 
 
 @lowering("ttnn_full", tuple(FILLS), _fill_when, "full / zeros / ones (and new_*, *_like) -> ttnn.full on the device.")
-def lower_full(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.full, static(node.meta["val"]), ops.bf16_finite(bound["fill"]))
+def lower_full(node: Node, rw: Rewriter, *, found: Bound) -> Node:
+    return rw.call(ops.full, static(node.meta["val"]), ops.bf16_finite(found["fill"]))
 
 
 RULES = RuleSet([lower_arange, lower_full], name="ttnn_factories")

@@ -23,6 +23,7 @@ host is left alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -82,18 +83,17 @@ def _constant_problem(value: Any, what: str) -> str | None:
     return None
 
 
-def _batch_norm_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("training"):
+def _batch_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("training"):
         return Miss("training-mode batch norm (batch statistics)")
-    if bound.get("running_mean") is None or bound.get("running_var") is None:
+    if args.get("running_mean") is None or args.get("running_var") is None:
         return Miss("no running statistics")
     for name in ("weight", "bias", "running_mean", "running_var"):
-        why = _constant_problem(bound.get(name), name)
+        why = _constant_problem(args.get(name), name)
         if why:
             return Miss(why)
-    conv = _conv_input(node, bound["input"])
-    return conv if isinstance(conv, Miss) else (conv, bound)
+    conv = _conv_input(node, args["input"])
+    return conv if isinstance(conv, Miss) else (conv, args)
 
 
 @rule(
@@ -107,7 +107,7 @@ def _batch_norm_when(node: Node) -> Any:
         "bfloat16 rounding."
     ),
 )
-def fold_batch_norm(node: Node, rw: Rewriter, found: tuple[Node, dict[str, Any]]) -> None:
+def fold_batch_norm(node: Node, rw: Rewriter, *, found: tuple[Node, dict[str, Any]]) -> None:
     conv, bound = found
     scale = rw.call(aten.rsqrt.default, rw.call(aten.add.Tensor, bound["running_var"], float(bound.get("eps", 1e-5))))
     if bound.get("weight") is not None:
@@ -139,11 +139,10 @@ def _per_channel_problem(value: Any, conv: Node) -> str | None:
     return None
 
 
-def _affine_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("alpha", 1) != 1:
-        return Miss(f"alpha={bound['alpha']}")
-    first, other = bound["self"], bound["other"]
+def _affine_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("alpha", 1) != 1:
+        return Miss(f"alpha={args['alpha']}")
+    first, other = args["self"], args["other"]
     conv = _conv_input(node, first)
     if isinstance(conv, Miss) and node.target in COMMUTATIVE:
         swapped = _conv_input(node, other)
@@ -174,7 +173,7 @@ def _affine_when(node: Node) -> Any:
         "sub/mul/add form of eval batch norm step by step."
     ),
 )
-def fold_affine(node: Node, rw: Rewriter, found: tuple[Node, Any]) -> None:
+def fold_affine(node: Node, rw: Rewriter, *, found: tuple[Node, Any]) -> None:
     conv, other = found
     bound = bind(conv)
     weight, bias = bound["weight"], bound.get("bias")

@@ -15,6 +15,7 @@ numbers are declined.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,24 +23,23 @@ from torch.fx import Node
 
 from fx_rewrites.backends.ttnn.rules import ops
 from fx_rewrites.backends.ttnn.rules.boundary import device_value
-from fx_rewrites.backends.ttnn.rules.checks import Bound, bind, lowering, tensors_ok
+from fx_rewrites.backends.ttnn.rules.checks import Bound, lowering, tensors_ok
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
 
-def _and_when(node: Node) -> Any:
-    bound = bind(node)
+def _and_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     for name in ("self", "other"):
-        value = bound.get(name)
+        value = args.get(name)
         if not isinstance(value, Node):
             return Miss(f"{name} is {value!r}, not a tensor")
         val = value.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
             what = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "not a tensor"
             return Miss(f"{name} is {what}, not bool: the lowering takes bool masks (integer & is bitwise)")
-    return tensors_ok(masks=("self", "other"), result=(torch.bool,), scalars=("self", "other"))(node, bound)
+    return tensors_ok(masks=("self", "other"), result=(torch.bool,), scalars=("self", "other"))(node, args)
 
 
 @lowering(
@@ -48,21 +48,20 @@ def _and_when(node: Node) -> Any:
     _and_when,
     "a & b of bool masks -> ttnn.multiply of their 1.0 / 0.0 (exact), read back as bool.",
 )
-def lower_bool_and(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    a, b = (device_value(rw, bound[n]) for n in ("self", "other"))
+def lower_bool_and(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    a, b = (device_value(rw, args[n]) for n in ("self", "other"))
     return rw.call(ops.OPS["multiply"], a, b)
 
 
-def _where_number_when(node: Node) -> Any:
-    bound = bind(node)
+def _where_number_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     number_slot = "other" if node.target is aten.where.ScalarOther else "self"
     tensor_slot = "self" if number_slot == "other" else "other"
-    number = bound.get(number_slot)
+    number = args.get(number_slot)
     if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
         return Miss(f"{number_slot} is {number!r}; the lowering takes a finite number")
-    if not isinstance(bound.get(tensor_slot), Node):
+    if not isinstance(args.get(tensor_slot), Node):
         return Miss(f"{tensor_slot} is not a tensor")
-    found = tensors_ok(tensor_slot, masks=("condition",))(node, bound)
+    found = tensors_ok(tensor_slot, masks=("condition",))(node, args)
     return found if isinstance(found, Miss) else (found, number_slot, tensor_slot)
 
 
@@ -72,7 +71,7 @@ def _where_number_when(node: Node) -> Any:
     _where_number_when,
     "where(c, x, number) -> ttnn.where(not c, number, x); where(c, number, y) -> ttnn.where(c, number, y).",
 )
-def lower_where_number(node: Node, rw: Rewriter, found: tuple[Bound, str, str]) -> Node:
+def lower_where_number(node: Node, rw: Rewriter, *, found: tuple[Bound, str, str]) -> Node:
     bound, number_slot, tensor_slot = found
     cond, tensor = device_value(rw, bound["condition"]), device_value(rw, bound[tensor_slot])
     if number_slot == "other":  # the number where the condition is false

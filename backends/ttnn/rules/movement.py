@@ -16,7 +16,7 @@ so the device values are the same.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -74,32 +74,32 @@ def _tensor(*names: str, static: bool = False) -> Callable[[Node, Bound], Any]:
 # -- builds ------------------------------------------------------------------------------------------------
 
 
-def build_reshape(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.reshape, device_value(rw, bound["self"]), static(node.meta["val"]))
+def build_reshape(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.reshape, device_value(rw, args["self"]), static(node.meta["val"]))
 
 
-def build_permute(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.permute, device_value(rw, bound["self"]), list(bound["dims"]))
+def build_permute(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.permute, device_value(rw, args["self"]), list(args["dims"]))
 
 
-def build_transpose(node: Node, rw: Rewriter, bound: Bound) -> Any:
-    d0, d1 = (bound["dim0"], bound["dim1"]) if node.target is aten.transpose.int else (0, 1)
+def build_transpose(node: Node, rw: Rewriter, *, args: Bound) -> Any:
+    d0, d1 = (args["dim0"], args["dim1"]) if node.target is aten.transpose.int else (0, 1)
     if node.target is aten.t.default and node.meta["val"].dim() < 2:
         return Miss("t() of a 1-D tensor is the identity")
-    return rw.call(ops.transpose, device_value(rw, bound["self"]), int(d0), int(d1))
+    return rw.call(ops.transpose, device_value(rw, args["self"]), int(d0), int(d1))
 
 
-def build_numpy_t(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def build_numpy_t(node: Node, rw: Rewriter, *, args: Bound) -> Node:
     rank = node.meta["val"].dim()
-    return rw.call(ops.permute, device_value(rw, bound["self"]), list(range(rank - 1, -1, -1)))
+    return rw.call(ops.permute, device_value(rw, args["self"]), list(range(rank - 1, -1, -1)))
 
 
-def build_concat(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.concat, [device_value(rw, t) for t in bound["tensors"]], int(bound.get("dim", 0)))
+def build_concat(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.concat, [device_value(rw, t) for t in args["tensors"]], int(args.get("dim", 0)))
 
 
-def build_identity(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return device_value(rw, bound["self"])  # clone / alias / contiguous / a cast: the device value itself
+def build_identity(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return device_value(rw, args["self"])  # clone / alias / contiguous / a cast: the device value itself
 
 
 def _slice_bounds(bound: Bound) -> tuple[list[int], list[int], list[int]]:
@@ -114,37 +114,37 @@ def _slice_bounds(bound: Bound) -> tuple[list[int], list[int], list[int]]:
     return starts, ends, steps
 
 
-def build_slice(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.slice_, device_value(rw, bound["self"]), *_slice_bounds(bound))
+def build_slice(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.slice_, device_value(rw, args["self"]), *_slice_bounds(args))
 
 
-def build_select(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    shape = static(bound["self"].meta["val"])
-    dim = int(bound["dim"]) % len(shape)
-    index = int(bound["index"]) % shape[dim]
+def build_select(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    shape = static(args["self"].meta["val"])
+    dim = int(args["dim"]) % len(shape)
+    index = int(args["index"]) % shape[dim]
     starts, ends, steps = [0] * len(shape), list(shape), [1] * len(shape)
     starts[dim], ends[dim] = index, index + 1
-    one = rw.call(ops.slice_, device_value(rw, bound["self"]), starts, ends, steps)
+    one = rw.call(ops.slice_, device_value(rw, args["self"]), starts, ends, steps)
     return rw.call(ops.reshape, one, static(node.meta["val"]))
 
 
-def build_expand(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.expand, device_value(rw, bound["self"]), static(node.meta["val"]))
+def build_expand(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.expand, device_value(rw, args["self"]), static(node.meta["val"]))
 
 
-def build_stack(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    dim = int(bound.get("dim", 0)) % node.meta["val"].dim()
-    return rw.call(ops_extra.stack, [device_value(rw, t) for t in bound["tensors"]], dim)
+def build_stack(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    dim = int(args.get("dim", 0)) % node.meta["val"].dim()
+    return rw.call(ops_extra.stack, [device_value(rw, t) for t in args["tensors"]], dim)
 
 
-def build_repeat(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops_extra.repeat, device_value(rw, bound["self"]), [int(r) for r in bound["repeats"]])
+def build_repeat(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops_extra.repeat, device_value(rw, args["self"]), [int(r) for r in args["repeats"]])
 
 
-def build_roll(node: Node, rw: Rewriter, bound: Bound) -> Node:
+def build_roll(node: Node, rw: Rewriter, *, args: Bound) -> Node:
     rank = node.meta["val"].dim()
-    dims = [int(d) % rank for d in bound["dims"]]
-    return rw.call(ops_extra.roll, device_value(rw, bound["self"]), [int(s) for s in bound["shifts"]], dims)
+    dims = [int(d) % rank for d in args["dims"]]
+    return rw.call(ops_extra.roll, device_value(rw, args["self"]), [int(s) for s in args["shifts"]], dims)
 
 
 # -- checks beyond "a float tensor" ---------------------------------------------------------------------------
@@ -230,24 +230,23 @@ BY_OP: dict[Any, Movement] = {op: m for m in MOVEMENTS for op in m.ops}
 # -- split ---------------------------------------------------------------------------------------------------
 
 
-def _split_when(node: Node) -> Any:
-    bound = bind(node)
-    if not on_device(bound["self"]):
+def _split_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if not on_device(args["self"]):
         return Miss("no operand is on the device and no device op reads it")
     if not node.users or any(u.target is not operator.getitem for u in node.users):
         return Miss("the pieces are not each read through getitem")
-    why = problem(bound["self"], "self") or static_problem(node)
-    return Miss(why) if why else bound
+    why = problem(args["self"], "self") or static_problem(node)
+    return Miss(why) if why else args
 
 
 @rule(roots=(aten.split.Tensor, aten.split_with_sizes.default), when=_split_when, tags=("ttnn",))
-def lower_split(node: Node, rw: Rewriter, bound: Bound) -> Any:
+def lower_split(node: Node, rw: Rewriter, *, args: Bound) -> Any:
     """split / split_with_sizes of a device value -> one ttnn.slice per piece."""
-    shape = static(bound["self"].meta["val"])
-    dim = int(bound.get("dim", 0)) % len(shape)
-    size = bound.get("split_size", bound.get("split_sizes"))
+    shape = static(args["self"].meta["val"])
+    dim = int(args.get("dim", 0)) % len(shape)
+    size = args.get("split_size", args.get("split_sizes"))
     sizes = list(size) if isinstance(size, (list, tuple)) else [int(size)] * -(-shape[dim] // int(size))
-    x, start, pieces = device_value(rw, bound["self"]), 0, []
+    x, start, pieces = device_value(rw, args["self"]), 0, []
     for piece, val in zip(sizes, node.meta["val"]):
         starts, ends = [0] * len(shape), list(shape)
         starts[dim], ends[dim] = start, min(start + int(piece), shape[dim])
@@ -259,16 +258,15 @@ def lower_split(node: Node, rw: Rewriter, bound: Bound) -> Any:
 # -- constant padding ---------------------------------------------------------------------------------------
 
 
-def _pad_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("mode", "constant") != "constant":
-        return Miss(f"mode={bound['mode']!r}; ttnn.pad pads with a constant")
-    if any(isinstance(p, Node) or int(p) < 0 for p in bound["pad"]):
+def _pad_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("mode", "constant") != "constant":
+        return Miss(f"mode={args['mode']!r}; ttnn.pad pads with a constant")
+    if any(isinstance(p, Node) or int(p) < 0 for p in args["pad"]):
         return Miss("negative or runtime padding")
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dim() == 4 and len(bound["pad"]) > 4:
+    if isinstance(val, torch.Tensor) and val.dim() == 4 and len(args["pad"]) > 4:
         return Miss("padding a rank-4 tensor in 3 or more dimensions: ttnn.pad is used on rank <= 3 here")
-    return tensors_ok("self", static=True)(node, bound)
+    return tensors_ok("self", static=True)(node, args)
 
 
 @lowering(
@@ -277,9 +275,9 @@ def _pad_when(node: Node) -> Any:
     _pad_when,
     "constant F.pad -> ttnn.pad(x, padding=[(before, after) per dim], value=).",
 )
-def lower_pad(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    value, pad = bound.get("value"), [int(p) for p in bound["pad"]]
-    return pad_tiles(rw, device_value(rw, bound["self"]), pad, float(value or 0.0))
+def lower_pad(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    value, pad = args.get("value"), [int(p) for p in args["pad"]]
+    return pad_tiles(rw, device_value(rw, args["self"]), pad, float(value or 0.0))
 
 
 def pad_tiles(rw: Rewriter, x: Node, pad: list[int], value: float) -> Node:
@@ -364,11 +362,11 @@ def _sink_when(node: Node) -> Any:
 
 
 @rule(roots=(ops.from_torch,), when=_sink_when, tags=("ttnn", "boundary"))
-def sink_data_movement(node: Node, rw: Rewriter, found: tuple[Node, Bound]) -> Any:
+def sink_data_movement(node: Node, rw: Rewriter, *, found: tuple[Node, Bound]) -> Any:
     """from_torch(view(x)) -> ttnn.reshape(from_torch(x)), likewise permute, transpose, slice, cat and casts:
     data movement only a device op reads moves to the device, up the chain to where the data comes from."""
     source, bound = found
-    out = BY_OP[source.target].build(source, rw, bound)
+    out = BY_OP[source.target].build(source, rw, args=bound)
     if isinstance(out, Miss):
         return out
     rw.replace(node, out)

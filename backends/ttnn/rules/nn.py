@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from torch.fx import Node
 from fx_rewrites import schema
 from fx_rewrites.backends.ttnn.rules import ops
 from fx_rewrites.backends.ttnn.rules.boundary import device_value
-from fx_rewrites.backends.ttnn.rules.checks import Bound, bind, lowering, tensors_ok
+from fx_rewrites.backends.ttnn.rules.checks import Bound, lowering, tensors_ok
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.ruleset import RuleSet
 
@@ -31,8 +32,8 @@ MATMULS = [aten.matmul.default, aten.mm.default, aten.bmm.default]
 
 
 @lowering("ttnn_matmul", MATMULS, _matmul_when, "matmul/mm/bmm -> ttnn.matmul.")
-def lower_matmul(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    a, b = (bound[n] for n in schema.arg_names(node.target)[:2])
+def lower_matmul(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    a, b = (args[n] for n in schema.arg_names(node.target)[:2])
     return rw.call(ops.matmul, device_value(rw, a), device_value(rw, b))
 
 
@@ -49,10 +50,10 @@ def _linear_when(node: Node) -> Any:
     _linear_when,
     "aten.linear(x, W, b) -> ttnn.linear(x, W, bias=b, transpose_b=True) (W stays [out, in]).",
 )
-def lower_linear(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    bias = bound.get("bias")
+def lower_linear(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    bias = args.get("bias")
     b = row_bias(rw, bias) if isinstance(bias, Node) else None
-    return rw.call(ops.linear, device_value(rw, bound["input"]), device_value(rw, bound["weight"]), b, True)
+    return rw.call(ops.linear, device_value(rw, args["input"]), device_value(rw, args["weight"]), b, True)
 
 
 def row_bias(rw: Rewriter, bias: Node) -> Node:
@@ -62,11 +63,10 @@ def row_bias(rw: Rewriter, bias: Node) -> Node:
     return rw.call(ops.reshape, device_value(rw, bias), [1, width])
 
 
-def _addmm_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
+def _addmm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("beta", 1) != 1 or args.get("alpha", 1) != 1:
         return Miss("beta or alpha is not 1; ttnn.linear has neither")
-    return tensors_ok("self", "mat1", "mat2")(node, bound)
+    return tensors_ok("self", "mat1", "mat2")(node, args)
 
 
 def _is_row(val: torch.Tensor) -> bool:
@@ -75,9 +75,9 @@ def _is_row(val: torch.Tensor) -> bool:
 
 
 @lowering("ttnn_addmm", [aten.addmm.default], _addmm_when, "aten.addmm(b, x, W) -> ttnn.linear(x, W, bias=b).")
-def lower_addmm(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    x, w = device_value(rw, bound["mat1"]), device_value(rw, bound["mat2"])
-    bias = bound["self"]
+def lower_addmm(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    x, w = device_value(rw, args["mat1"]), device_value(rw, args["mat2"])
+    bias = args["self"]
     if _is_row(bias.meta["val"]):
         return rw.call(ops.linear, x, w, row_bias(rw, bias), False)
     # a full [M, N] (or broadcast) addend: ttnn.linear's bias is a row vector, so matmul, then add
@@ -87,27 +87,25 @@ def lower_addmm(node: Node, rw: Rewriter, bound: Bound) -> Node:
 # -- softmax, layer_norm, embedding --------------------------------------------------------------------
 
 
-def _softmax_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("dtype") is not None or bound.get("half_to_float"):
+def _softmax_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("dtype") is not None or args.get("half_to_float"):
         return Miss("softmax with a dtype change")
-    return tensors_ok("self")(node, bound)
+    return tensors_ok("self")(node, args)
 
 
 @lowering(
     "ttnn_softmax", [aten.softmax.int, aten._softmax.default], _softmax_when, "softmax -> ttnn.softmax(x, dim=d)."
 )
-def lower_softmax(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    return rw.call(ops.softmax, device_value(rw, bound["self"]), int(bound["dim"]))
+def lower_softmax(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    return rw.call(ops.softmax, device_value(rw, args["self"]), int(args["dim"]))
 
 
-def _layer_norm_when(node: Node) -> Any:
-    bound = bind(node)
+def _layer_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
-    shape = list(bound["normalized_shape"])
+    shape = list(args["normalized_shape"])
     if isinstance(val, torch.Tensor) and (len(shape) != 1 or shape[0] != val.shape[-1]):
         return Miss(f"normalized_shape {shape} is not the last dimension; ttnn.layer_norm normalises over it only")
-    return tensors_ok("input", "weight", "bias")(node, bound)
+    return tensors_ok("input", "weight", "bias")(node, args)
 
 
 @lowering(
@@ -116,9 +114,9 @@ def _layer_norm_when(node: Node) -> Any:
     _layer_norm_when,
     "aten.layer_norm over the last dimension -> ttnn.layer_norm(x, epsilon=, weight=, bias=).",
 )
-def lower_layer_norm(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    w, b = (device_value(rw, bound[n]) if isinstance(bound.get(n), Node) else None for n in ("weight", "bias"))
-    return rw.call(ops.layer_norm, device_value(rw, bound["input"]), w, b, float(bound.get("eps", 1e-5)))
+def lower_layer_norm(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    w, b = (device_value(rw, args[n]) if isinstance(args.get(n), Node) else None for n in ("weight", "bias"))
+    return rw.call(ops.layer_norm, device_value(rw, args["input"]), w, b, float(args.get("eps", 1e-5)))
 
 
 def _embedding_when(node: Node) -> Any:
@@ -134,22 +132,21 @@ def _embedding_when(node: Node) -> Any:
     _embedding_when,
     "aten.embedding -> ttnn.embedding(uint32 row-major indices, row-major bfloat16 table, layout=TILE).",
 )
-def lower_embedding(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    indices = device_value(rw, bound["indices"], dtype="uint32", layout=ops.ROW_MAJOR)
-    weight = device_value(rw, bound["weight"], layout=ops.ROW_MAJOR)
+def lower_embedding(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    indices = device_value(rw, args["indices"], dtype="uint32", layout=ops.ROW_MAJOR)
+    weight = device_value(rw, args["weight"], layout=ops.ROW_MAJOR)
     return rw.call(ops.embedding, indices, weight)
 
 
-def _batch_norm_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("training"):
+def _batch_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("training"):
         return Miss("training-mode batch norm (batch statistics)")
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.batch_norm takes [N, C, H, W]")
-    if bound.get("running_mean") is None or bound.get("running_var") is None:
+    if args.get("running_mean") is None or args.get("running_var") is None:
         return Miss("no running statistics")
-    return tensors_ok("input", "weight", "bias", "running_mean", "running_var")(node, bound)
+    return tensors_ok("input", "weight", "bias", "running_mean", "running_var")(node, args)
 
 
 @lowering(
@@ -158,26 +155,25 @@ def _batch_norm_when(node: Node) -> Any:
     _batch_norm_when,
     "eval-mode aten.batch_norm on NCHW -> ttnn.batch_norm(x, running_mean=, running_var=, weight=, bias=, eps=).",
 )
-def lower_batch_norm(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    mean, var = device_value(rw, bound["running_mean"]), device_value(rw, bound["running_var"])
-    w, b = (device_value(rw, bound[n]) if isinstance(bound.get(n), Node) else None for n in ("weight", "bias"))
-    return rw.call(ops.batch_norm, device_value(rw, bound["input"]), mean, var, w, b, float(bound.get("eps", 1e-5)))
+def lower_batch_norm(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    mean, var = device_value(rw, args["running_mean"]), device_value(rw, args["running_var"])
+    w, b = (device_value(rw, args[n]) if isinstance(args.get(n), Node) else None for n in ("weight", "bias"))
+    return rw.call(ops.batch_norm, device_value(rw, args["input"]), mean, var, w, b, float(args.get("eps", 1e-5)))
 
 
-def _sdpa_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
+def _sdpa_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("dropout_p", 0.0) or args.get("enable_gqa"):
         return Miss("dropout or grouped-query heads (enable_gqa)")
-    mask = bound.get("attn_mask")
-    if mask is not None and bound.get("is_causal"):
+    mask = args.get("attn_mask")
+    if mask is not None and args.get("is_causal"):
         return Miss("both attn_mask and is_causal")
     for arg in ("query", "key", "value"):
-        val = bound[arg].meta.get("val") if isinstance(bound[arg], Node) else None
+        val = args[arg].meta.get("val") if isinstance(args[arg], Node) else None
         if isinstance(val, torch.Tensor) and val.dim() != 4:
             return Miss(f"{arg} has rank {val.dim()}; ttnn's attention takes [batch, heads, sequence, head_dim]")
-    if isinstance(mask, Node) and _mask_shape(mask, bound["query"], bound["key"]) is None:
+    if isinstance(mask, Node) and _mask_shape(mask, args["query"], args["key"]) is None:
         return Miss("the attn_mask's shape is symbolic; ttnn takes it expanded to [b, heads, s_q, s_k] (constants)")
-    return tensors_ok("query", "key", "value", masks=("attn_mask",))(node, bound)
+    return tensors_ok("query", "key", "value", masks=("attn_mask",))(node, args)
 
 
 def _mask_shape(mask: Node, query: Node, key: Node) -> list[int] | None:
@@ -212,19 +208,18 @@ def _attention_mask(rw: Rewriter, mask: Node, query: Node, key: Node) -> Node:
     "F.scaled_dot_product_attention -> ttnn.transformer.scaled_dot_product_attention(q, k, v, attn_mask=, "
     "is_causal=, scale=).",
 )
-def lower_sdpa(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    q, k, v = (device_value(rw, bound[n]) for n in ("query", "key", "value"))
-    mask = bound.get("attn_mask")
-    m = _attention_mask(rw, mask, bound["query"], bound["key"]) if isinstance(mask, Node) else None
-    scale = bound.get("scale")
-    return rw.call(ops.sdpa, q, k, v, m, bool(bound.get("is_causal", False)), None if scale is None else float(scale))
+def lower_sdpa(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    q, k, v = (device_value(rw, args[n]) for n in ("query", "key", "value"))
+    mask = args.get("attn_mask")
+    m = _attention_mask(rw, mask, args["query"], args["key"]) if isinstance(mask, Node) else None
+    scale = args.get("scale")
+    return rw.call(ops.sdpa, q, k, v, m, bool(args.get("is_causal", False)), None if scale is None else float(scale))
 
 
-def _baddbmm_when(node: Node) -> Any:
-    bound = bind(node)
-    if any(isinstance(bound.get(k, 1), Node) for k in ("beta", "alpha")):
+def _baddbmm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if any(isinstance(args.get(k, 1), Node) for k in ("beta", "alpha")):
         return Miss("beta or alpha is a graph value")
-    return tensors_ok("self", "batch1", "batch2")(node, bound)
+    return tensors_ok("self", "batch1", "batch2")(node, args)
 
 
 @lowering(
@@ -233,22 +228,21 @@ def _baddbmm_when(node: Node) -> Any:
     _baddbmm_when,
     "baddbmm(c, a, b, beta, alpha) -> ttnn.matmul(a, b), scaled by alpha, plus beta * c.",
 )
-def lower_baddbmm(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    beta, alpha = float(bound.get("beta", 1)), float(bound.get("alpha", 1))
-    out = rw.call(ops.matmul, device_value(rw, bound["batch1"]), device_value(rw, bound["batch2"]))
+def lower_baddbmm(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    beta, alpha = float(args.get("beta", 1)), float(args.get("alpha", 1))
+    out = rw.call(ops.matmul, device_value(rw, args["batch1"]), device_value(rw, args["batch2"]))
     if alpha != 1.0:
         out = rw.call(ops.OPS["multiply_scalar"], out, alpha)
     if beta == 0.0:  # torch ignores self then (even NaN in it)
         return out
-    c = device_value(rw, bound["self"])
+    c = device_value(rw, args["self"])
     return rw.call(ops.OPS["add"], out, c if beta == 1.0 else rw.call(ops.OPS["multiply_scalar"], c, beta))
 
 
-def _log_softmax_when(node: Node) -> Any:
-    bound = bind(node)
-    if bound.get("dtype") is not None or bound.get("half_to_float"):
+def _log_softmax_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    if args.get("dtype") is not None or args.get("half_to_float"):
         return Miss("log_softmax with a dtype change")
-    return tensors_ok("self")(node, bound)
+    return tensors_ok("self")(node, args)
 
 
 @lowering(
@@ -257,21 +251,20 @@ def _log_softmax_when(node: Node) -> Any:
     _log_softmax_when,
     "log_softmax -> x - max - log(sum(exp(x - max))) with ttnn.max/subtract/exp/sum/log (ttnn has no log_softmax).",
 )
-def lower_log_softmax(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    x, dim = device_value(rw, bound["self"]), [int(bound["dim"])]
+def lower_log_softmax(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    x, dim = device_value(rw, args["self"]), [int(args["dim"])]
     shifted = rw.call(ops.OPS["subtract"], x, rw.call(ops.reduce_max, x, dim, True))
     total = rw.call(ops.reduce_sum, rw.call(ops.OPS["exp"], shifted), dim, True)
     return rw.call(ops.OPS["subtract"], shifted, rw.call(ops.OPS["log"], total))
 
 
-def _index_select_when(node: Node) -> Any:
-    bound = bind(node)
-    table, index = bound["self"].meta.get("val"), bound["index"]
-    if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(bound["dim"]) % 2 != 0:
+def _index_select_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    table, index = args["self"].meta.get("val"), args["index"]
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or int(args["dim"]) % 2 != 0:
         return Miss("not rows of a 2-D tensor; index_select goes to ttnn.embedding for dim 0 of a matrix only")
     if not isinstance(index, Node) or getattr(index.meta.get("val"), "ndim", None) != 1:
         return Miss("the index is not a 1-D tensor")
-    return tensors_ok("self", indices=("index",), static=True)(node, bound)
+    return tensors_ok("self", indices=("index",), static=True)(node, args)
 
 
 @lowering(
@@ -280,21 +273,20 @@ def _index_select_when(node: Node) -> Any:
     _index_select_when,
     "index_select(table, 0, ids) -> ttnn.embedding([1, n] uint32 ids, row-major table), reshaped to [n, width].",
 )
-def lower_index_select(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    n = int(bound["index"].meta["val"].shape[0])
-    ids = device_value(rw, bound["index"], dtype="uint32", layout=ops.ROW_MAJOR)
+def lower_index_select(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    n = int(args["index"].meta["val"].shape[0])
+    ids = device_value(rw, args["index"], dtype="uint32", layout=ops.ROW_MAJOR)
     rows = rw.call(
-        ops.embedding, rw.call(ops.reshape, ids, [1, n]), device_value(rw, bound["self"], layout=ops.ROW_MAJOR)
+        ops.embedding, rw.call(ops.reshape, ids, [1, n]), device_value(rw, args["self"], layout=ops.ROW_MAJOR)
     )
     return rw.call(ops.reshape, rows, [n, int(node.meta["val"].shape[1])])
 
 
-def _group_norm_when(node: Node) -> Any:
-    bound = bind(node)
-    val = bound["input"].meta.get("val") if isinstance(bound["input"], Node) else None
+def _group_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
+    val = args["input"].meta.get("val") if isinstance(args["input"], Node) else None
     if isinstance(val, torch.Tensor) and val.dim() < 2:
         return Miss("an input without a channel dimension")
-    return tensors_ok("input", "weight", "bias", static=True)(node, bound)
+    return tensors_ok("input", "weight", "bias", static=True)(node, args)
 
 
 @lowering(
@@ -303,17 +295,17 @@ def _group_norm_when(node: Node) -> Any:
     _group_norm_when,
     "group_norm -> ttnn.layer_norm over [N, groups, C/groups*H*W] (each group's last dimension), then the affine.",
 )
-def lower_group_norm(node: Node, rw: Rewriter, bound: Bound) -> Node:
-    shape = [int(s) for s in bound["input"].meta["val"].shape]
-    n, c, groups = shape[0], shape[1], int(bound["num_groups"])
-    x = rw.call(ops.reshape, device_value(rw, bound["input"]), [n, groups, _numel(shape) // (n * groups)])
+def lower_group_norm(node: Node, rw: Rewriter, *, args: Bound) -> Node:
+    shape = [int(s) for s in args["input"].meta["val"].shape]
+    n, c, groups = shape[0], shape[1], int(args["num_groups"])
+    x = rw.call(ops.reshape, device_value(rw, args["input"]), [n, groups, _numel(shape) // (n * groups)])
     # normalising each group is a layer_norm over the last dimension of [N, groups, C/groups*H*W]: one fused op
-    normed = rw.call(ops.layer_norm, x, None, None, float(bound.get("eps", 1e-5)))
+    normed = rw.call(ops.layer_norm, x, None, None, float(args.get("eps", 1e-5)))
     y = rw.call(ops.reshape, normed, shape)
     per_channel = [1, c] + [1] * (len(shape) - 2)
     for name, op in (("weight", "multiply"), ("bias", "add")):
-        if isinstance(bound.get(name), Node):
-            y = rw.call(ops.OPS[op], y, rw.call(ops.reshape, device_value(rw, bound[name]), per_channel))
+        if isinstance(args.get(name), Node):
+            y = rw.call(ops.OPS[op], y, rw.call(ops.reshape, device_value(rw, args[name]), per_channel))
     return y
 
 

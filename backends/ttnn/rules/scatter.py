@@ -10,6 +10,7 @@ strided slice (step > 1) interleaves kept and new rows and is declined.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.ttnn.rules import ops
 from fx_rewrites.backends.ttnn.rules.boundary import device_value
-from fx_rewrites.backends.ttnn.rules.checks import Bound, bind, lowering, static, tensors_ok
+from fx_rewrites.backends.ttnn.rules.checks import Bound, lowering, static, tensors_ok
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.ruleset import RuleSet
 
@@ -38,20 +39,19 @@ def _window(bound: Bound, size: int) -> tuple[int, int] | Miss:
     return max(0, min(start, size)), max(0, min(end, size))
 
 
-def _scatter_when(node: Node) -> Any:
-    bound = bind(node)
+def _scatter_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     for key in ("start", "end", "index"):
-        if isinstance(bound.get(key), Node):
+        if isinstance(args.get(key), Node):
             return Miss(f"{key} is a graph value; ttnn.slice takes constants")
-    found = tensors_ok("self", "src", static=True)(node, bound)
+    found = tensors_ok("self", "src", static=True)(node, args)
     if isinstance(found, Miss):
         return found
-    shape = static(bound["self"].meta["val"])
-    window = _window(bound, shape[int(bound.get("dim", 0)) % len(shape)])
-    return window if isinstance(window, Miss) else (bound, window)
+    shape = static(args["self"].meta["val"])
+    window = _window(args, shape[int(args.get("dim", 0)) % len(shape)])
+    return window if isinstance(window, Miss) else (args, window)
 
 
-def _lower_scatter(node: Node, rw: Rewriter, found: tuple[Bound, tuple[int, int]]) -> Node:
+def _lower_scatter(node: Node, rw: Rewriter, *, found: tuple[Bound, tuple[int, int]]) -> Node:
     bound, (start, end) = found
     shape = static(bound["self"].meta["val"])
     dim = int(bound.get("dim", 0)) % len(shape)

@@ -291,7 +291,7 @@ def test_a_mask_that_may_mask_something_stays(module, shapes, why):
     result = rt.apply_rules(ep, attention_mask_that_masks_nothing)
     rt.assert_not_fired(result, attention_mask_that_masks_nothing)
     (sdpa,) = [n for n in ep.graph.nodes if n.target is SDPA]
-    assert why in str(attention_mask_that_masks_nothing.when(sdpa))
+    assert why in str(attention_mask_that_masks_nothing.evaluate_when(sdpa))
     rt.assert_matches_eager(result, module, [args])
 
 
