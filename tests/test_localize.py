@@ -171,7 +171,7 @@ def test_the_guard_skeleton_s_test_fails_until_the_rewrite_is_written(tmp_path):
     found = fx_rewrites.localize(Shift(), (torch.randn(2, 5, 4),), backend="iree", rules=False)
     found.write(tmp_path, verify=False)
     assert "roots=(aten.pad.default,)" in (tmp_path / "guard_rule.py").read_text()
-    assert 'named.get("pad") != [0, 0, 1, -1]' in (tmp_path / "guard_rule.py").read_text()
+    assert 'args.get("pad") != [0, 0, 1, -1]' in (tmp_path / "guard_rule.py").read_text()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_guard_rule.py"],
         cwd=tmp_path,
