@@ -27,10 +27,10 @@ from fx_rewrites.subgraphs import graph_outputs, subgraph, walk
 
 aten = torch.ops.aten
 
-#: a size dispatch's own cost per call, in element operations: on IREE (llvm-cpu, local-sync, one thread, Sapphire
-#: Rapids) a dispatched call costs 1-10 us over its branch compiled alone (the predicate on the call's sizes and
-#: one more call layer: 1.0 us without the IREE call), and one element operation of a fused element-wise chain of
-#: tanh, cos, mul and add 0.28-0.31 ns; benchmarks/size_dispatch.py prints both (docs/performance.md)
+#: a size dispatch's own cost per call, in element operations: its Python is 1.0 us a call (the guard as closures,
+#: without the IREE call), one element operation of a fused element-wise chain of tanh, cos, mul and add 0.28-0.35
+#: ns on IREE (llvm-cpu, local-sync, one thread, Sapphire Rapids): 10,000 is 3-4 us, with room for the call layer
+#: (benchmarks/size_dispatch.py prints both; docs/performance.md)
 DISPATCH_COST = 10_000
 
 #: a size with no hint (an unbacked size): counted as this many
