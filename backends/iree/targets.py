@@ -10,7 +10,13 @@ needs one (`IreeDeviceError` says so when it is absent).
 
 from __future__ import annotations
 
+import os
+
 import attrs
+
+#: environment variable: the llvm-cpu target's `--iree-llvmcpu-target-cpu` (default `host`), read once at import;
+#: e.g. `znver3` runs the tests on an AVX-512 host with the code an AVX2 (AMD Zen 3) CI machine compiles
+TARGET_CPU_ENV = "FX_REWRITES_IREE_TARGET_CPU"
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -40,7 +46,7 @@ TARGETS: dict[str, IreeTarget] = {
     "llvm-cpu": IreeTarget(
         name="llvm-cpu",
         driver="local-task",
-        flags=("--iree-llvmcpu-target-cpu=host", _KEEP_F64),
+        flags=(f"--iree-llvmcpu-target-cpu={os.environ.get(TARGET_CPU_ENV, '').strip() or 'host'}", _KEEP_F64),
         # Measured on this 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs
         # matmul operands into the tiles the microkernels want (ViT 2.7x, BERT and Llama 1.1-1.2x); channels-last
         # convolutions run ResNet 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more
