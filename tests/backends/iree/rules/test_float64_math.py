@@ -80,7 +80,8 @@ def test_float64_math_compiles_and_matches_float64_torch(dynamic):
 
 def test_float64_math_special_values_are_torch_s():
     """NaN, infinities and signed zeros as torch's; past |x| = 2^29 pi/2 sin, cos and tan are NaN (the
-    reduction would be inexact there), never a wrong number."""
+    reduction would be inexact there), never a wrong number. A NaN's sign is not compared: torch documents
+    none, and IREE's sinh of a NaN comes back with the sign bit set on an AVX2 (Zen 3) CPU, clear here."""
     x = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1e-300, 8.4e8, -8.5e8, 1e300], dtype=F64)
     iree = backends.get("iree")
     compiled = iree.compile(rt.apply_rules(rt.export(AllOps(), x), iree.rules).program, (x,))
@@ -88,7 +89,8 @@ def test_float64_math_special_values_are_torch_s():
         beyond = (x.abs() > float64_math.LARGEST_N * math.pi / 2) & torch.tensor(op in ("sin", "cos", "tan"))
         assert got[beyond].isnan().all(), op
         torch.testing.assert_close(got[~beyond], want[~beyond], rtol=4 * EPS, atol=0, equal_nan=True, msg=op)
-        assert torch.equal(got[~beyond].signbit(), want[~beyond].signbit()), op
+        signed = ~beyond & ~want.isnan()  # zeros and infinities keep their sign; NaN is NaN
+        assert torch.equal(got[signed].signbit(), want[signed].signbit()), op
 
 
 def test_float64_position_table_compiles_on_iree():
