@@ -14,9 +14,18 @@ import os
 
 import attrs
 
-#: environment variable: the llvm-cpu target's `--iree-llvmcpu-target-cpu` (default `host`), read once at import;
-#: e.g. `znver3` runs the tests on an AVX-512 host with the code an AVX2 (AMD Zen 3) CI machine compiles
+#: environment variable: the CPU the llvm-cpu target builds for, read once at import: `CPU[,FEATURES]`
+#: (`--iree-llvmcpu-target-cpu`, then LLVM features for `--iree-llvmcpu-target-cpu-features`); unset, `host`.
+#: `znver3,-sse4a` runs the tests on an Intel AVX-512 host with the code an AVX2 AMD Zen 3 CI machine gets
+#: (without AMD's SSE4a: its `insertq` is an illegal instruction on Intel).
 TARGET_CPU_ENV = "FX_REWRITES_IREE_TARGET_CPU"
+
+
+def _target_cpu_flags() -> tuple[str, ...]:
+    cpu, _, features = os.environ.get(TARGET_CPU_ENV, "").strip().partition(",")
+    flags = (f"--iree-llvmcpu-target-cpu={cpu.strip() or 'host'}",)
+    return (*flags, f"--iree-llvmcpu-target-cpu-features={features.strip()}") if features.strip() else flags
+
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -46,7 +55,7 @@ TARGETS: dict[str, IreeTarget] = {
     "llvm-cpu": IreeTarget(
         name="llvm-cpu",
         driver="local-task",
-        flags=(f"--iree-llvmcpu-target-cpu={os.environ.get(TARGET_CPU_ENV, '').strip() or 'host'}", _KEEP_F64),
+        flags=(*_target_cpu_flags(), _KEEP_F64),
         # Measured on this 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs
         # matmul operands into the tiles the microkernels want (ViT 2.7x, BERT and Llama 1.1-1.2x); channels-last
         # convolutions run ResNet 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more
