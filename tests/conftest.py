@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,9 +13,15 @@ from hypothesis import HealthCheck, settings
 from fx_rewrites import testing as rt
 from tests.zoo import torchvision_cpu
 
-# No result may depend on what ran before: the on-disk compile cache (on by default, in the user's cache
-# directory) is off for the tests; the tests of the cache give it a tmp directory of their own.
-os.environ["FX_REWRITES_IREE_CACHE"] = "off"
+# Identical compiles in different tests compile once per session: IREE's on-disk compile cache (keyed by the
+# MLIR text, the flags, iree-compile's version and this CPU) in a directory of this session's own, empty when it
+# starts and removed when it ends, never the user's cache directory. A module from it is what the compile would
+# give, so no result depends on which test compiled it first, or on an earlier session. A test that asserts a
+# compile happens (or not from the cache) uses the `no_compile_cache` fixture; the tests of the cache give it a
+# tmp directory of their own.
+CACHE_ENV = "FX_REWRITES_IREE_CACHE"  # backends/iree/cache.py (not imported here: conftest loads no backend)
+_SESSION_CACHE = tempfile.mkdtemp(prefix="fx-rewrites-tests-iree-")
+os.environ[CACHE_ENV] = _SESSION_CACHE
 # A torch.compile graph the backend cannot compile raises in the tests (strict mode), where a user's runs on eager
 # with a warning: a test of the torch.compile route then fails instead of passing on eager. The tests of the
 # fallback turn it off themselves (tests/backends/test_dynamo.py).
@@ -66,3 +74,13 @@ def _torch_threads_kept():
     assert torch.get_num_threads() == threads, (
         f"the test left torch at {torch.get_num_threads()} threads, not {threads}"
     )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def no_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No on-disk compile cache in this test: what it compiles, it compiles (a fresh backend's memory aside)."""
+    monkeypatch.setenv(CACHE_ENV, "off")

@@ -114,6 +114,7 @@ def test_save_load_round_trip_keeps_the_call_convention(nested, monkeypatch):
     assert path.with_name("again.vmfb").read_bytes() == path.read_bytes()
 
 
+@pytest.mark.usefixtures("no_compile_cache")  # it counts the compiles
 def test_weights_in_a_parameter_archive(tmp_path, monkeypatch):
     from fx_rewrites.backends.iree import invoke
     from fx_rewrites.backends.iree.parameters import inline_limit

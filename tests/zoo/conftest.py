@@ -6,7 +6,7 @@ code object, and transformers code shared by several models (mask helpers)
 would otherwise pile up guards until the recompile limit sends it to eager.
 
 The `zoo` marker is registered here, so the suite stays self-contained:
-deselect the zoo with `-m "not zoo"` (it is also `slow`).
+deselect the zoo with `-m "not zoo"`; the rows kept out of CI are `slow` (deselected by default).
 
 No result may depend on what ran before: `FX_REWRITES_ZOO_SHUFFLE=SEED` runs the zoo's test modules, and
 the tests within each, in an order shuffled by SEED (each module's models still built once), e.g.
@@ -79,7 +79,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"zoo order shuffled with seed {seed} ({SHUFFLE_ENV})" if seed else None
 
 
-#: set FX_REWRITES_ZOO=full to run the rows kept out of CI (`ci=False`: the slowest to compile)
+#: FX_REWRITES_ZOO=full: the rows kept out of CI (`ci=False`, or a route `ci` leaves out) run by default too
 FULL = os.environ.get("FX_REWRITES_ZOO", "") == "full"
 
 
@@ -87,8 +87,9 @@ def model_params(route: str, stage: str) -> list:
     """One pytest param per zoo row for a test of `stage` on `route` ("export" or "compile").
 
     A row whose `Known` failure stops this stage is a strict expected failure
-    (raises KnownFailure) naming the form, the op and the owner; a row kept
-    out of CI is skipped unless FX_REWRITES_ZOO=full.
+    (raises KnownFailure) naming the form, the op and the owner; a row whose
+    route CI leaves out (`ZooModel.in_ci`) is `slow`: deselected by default,
+    run by `-m slow` or FX_REWRITES_ZOO=full.
     """
     params = []
     for m in registry.MODELS:
@@ -96,8 +97,8 @@ def model_params(route: str, stage: str) -> list:
         known = m.known_at(route, stage)
         if known:
             marks.append(pytest.mark.xfail(raises=registry.KnownFailure, strict=True, reason=known.reason))
-        if not m.ci and not FULL:
-            marks.append(pytest.mark.skip(reason=f"local run only (FX_REWRITES_ZOO=full): {m.note}"))
+        if not m.in_ci(route) and not FULL:
+            marks.append(pytest.mark.slow)
         params.append(pytest.param(m.name, marks=marks, id=m.name))
     return params
 

@@ -94,9 +94,18 @@ class ZooModel:
     #: BatchNorm running statistics measured on random batches (a fresh model's mean 0 / variance 1 leaves a
     #: deep network's outputs ~1e-9: nothing to compare)
     calibrate: bool = False
-    #: False: a local run only (FX_REWRITES_ZOO=full), to keep CI's time; the note says why
-    ci: bool = True
+    #: which routes run in CI and by default: True both, "export" the export route only (its torch.compile route
+    #: a local run), False neither; to keep CI's time, the note says why. A route kept out is marked `slow`
+    #: (`-m slow`, or FX_REWRITES_ZOO=full, runs it)
+    ci: bool | Literal["export"] = True
     note: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.ci in (True, False, "export"), f"{self.name}: ci={self.ci!r}, expected True, False or 'export'"
+
+    def in_ci(self, route: str) -> bool:
+        """Whether CI (the default test run) runs this row's `route` ("export" or "compile")."""
+        return self.ci is True or self.ci == route
 
     @property
     def family(self) -> str:

@@ -17,7 +17,6 @@ from tests.zoo.registry import assert_matches
 
 pytestmark = [
     pytest.mark.zoo,
-    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),  # DeBERTa-v2's code
 ]
 

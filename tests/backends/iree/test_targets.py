@@ -86,6 +86,7 @@ def _gallery_programs(backend: IreeBackend):
         yield example.name, fx_rewrites.apply(program, backend.rules).program
 
 
+@pytest.mark.usefixtures("no_compile_cache")  # compiled here, never from the session's cache
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["iree-cuda", "iree-rocm"])
 def test_every_target_compiles_the_gallery(name):
@@ -94,6 +95,7 @@ def test_every_target_compiles_the_gallery(name):
         _assert_artifact(backend, program)
 
 
+@pytest.mark.usefixtures("no_compile_cache")  # compiled here, never from the session's cache
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["ampere", ""], ids=["default", "baseline"])
 def test_vulkan_compiles_the_gallery_but_what_its_spirv_lacks(arch):
@@ -111,6 +113,7 @@ def test_vulkan_compiles_the_gallery_but_what_its_spirv_lacks(arch):
         assert failing[example] in str(info.value), f"{example}: {info.value}"
 
 
+@pytest.mark.usefixtures("no_compile_cache")  # compiled here, never from the session's cache
 @pytest.mark.parametrize("name", ["iree", *GPU_BACKENDS])
 def test_every_target_compiles_a_zoo_model(name):
     sys.path.insert(0, str(ROOT))
