@@ -3,6 +3,7 @@
     python benchmarks/conv_classes.py                     # every class, 11 rounds
     python benchmarks/conv_classes.py --cases depthwise,conv3d --rounds 21
     python benchmarks/conv_classes.py --models            # torchvision models holding those classes
+    python benchmarks/conv_classes.py --isa avx2           # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
 
 Per case, in one process, on the same input: torch eager, Inductor
 (`torch.compile`, default mode), the export route
@@ -13,7 +14,9 @@ route without the convolution performance rules
 (`torch.set_num_threads(1)`, IREE local-sync), CPU time of the process
 (`time.process_time`), the variants called in turn round after round;
 medians with the fastest and slowest round. Each output is compared with
-eager's (rtol 1e-4, atol 1e-5), and the rules that fired are listed.
+eager's (rtol 1e-4, atol 1e-5), and the rules that fired are listed. `--isa`
+picks the vector ISA measured (benchmarks/cpu_isa.py): IREE's llvm-cpu target
+for it (its flags and performance rules) and torch held to its width.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cpu_isa
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -81,18 +86,16 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
 }
 
 
-def measure(make: Callable[[], Any], rounds: int, inductor: bool) -> dict[str, Any]:
+def measure(make: Callable[[], Any], rounds: int, inductor: bool, isa: str = "host") -> dict[str, Any]:
     from scale_cnn import _before
 
     import fx_rewrites
-    from fx_rewrites import backends
-    from fx_rewrites.backends.iree import CompileCache, IreeBackend
+    from fx_rewrites.backends.iree import CompileCache
 
     torch.manual_seed(0)
     model, x = make()
     model = model.eval()
-    iree = backends.get("iree")
-    backend = IreeBackend(name=iree.name, driver="local-sync", cache=CompileCache())
+    backend = cpu_isa.backend(isa, driver="local-sync", cache=CompileCache())
     fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(x)}
     fired: set[str] = set()
     with torch.no_grad():
@@ -143,8 +146,6 @@ PERFORMANCE: set[str] = set()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scale import cpu_model
-
     from fx_rewrites.backends.iree.rules import performance
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,18 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
+    rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+    if rc is not None:
+        return rc
     PERFORMANCE.update(performance.ALL.names())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     wanted = [c for c in args.cases.split(",") if c]
     pool = MODELS if args.models else CASES
     chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
-    print(f"{cpu_model()}; torch {torch.__version__}; one thread each, CPU time, {args.rounds} interleaved rounds")
+    print(f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds")
     rows = {}
     try:
         for name, make in chosen.items():
-            rows[name] = measure(make, args.rounds, args.inductor)
+            rows[name] = measure(make, args.rounds, args.inductor, args.isa)
             print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads

@@ -5,6 +5,7 @@
     python benchmarks/dynamo_route.py --cases conv2d --parameters   # and the export route with IREE parameters
     python benchmarks/dynamo_route.py --models bert,llama,vit,resnet --resnet50 \
         --variants "compile, frozen;compile, frozen, batch norm folded"   # runtime.py's models, BN folded or not
+    python benchmarks/dynamo_route.py --resnet50 --cases ResNet --isa avx2   # AVX2 (benchmarks/cpu_isa.py)
 
 Per case, in one process, on the same input: torch eager; torch.compile
 through the IREE backend with freezing off (every weight a run-time input,
@@ -16,7 +17,8 @@ a parameter archive, `compiled.save(params=)` then `fx_rewrites.load`).
 One thread each (torch.set_num_threads(1), IREE local-sync), CPU time of
 the process (`time.process_time`), every variant called in turn round after
 round, medians; outputs compared with eager: the largest |difference| is printed, and a line for each
-variant not within rtol 1e-4, atol 1e-5.
+variant not within rtol 1e-4, atol 1e-5. `--isa` picks the vector ISA measured
+(benchmarks/cpu_isa.py: IREE's llvm-cpu target for it, torch held to its width).
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +39,10 @@ import torch
 from fx_rewrites.api import apply
 from fx_rewrites.backends import freezing
 from fx_rewrites.backends.dynamo import dynamo_backend
-from fx_rewrites.backends.iree import CompileCache, IreeBackend
+from fx_rewrites.backends.iree import CompileCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_isa
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -116,12 +119,14 @@ VARIANTS = {
 }
 
 
-def measure(name: str, make: Callable[[], Any], repeat: int, parameters: bool, variants: list[str]) -> dict[str, Any]:
+def measure(
+    name: str, make: Callable[[], Any], repeat: int, parameters: bool, variants: list[str], isa: str = "host"
+) -> dict[str, Any]:
     torch.manual_seed(0)
     made = make()
     model, args, kwargs = (made[0], (made[1],), {}) if len(made) == 2 else made
     model = model.eval()
-    backend = IreeBackend(driver="local-sync", cache=CompileCache())
+    backend = cpu_isa.backend(isa, driver="local-sync", cache=CompileCache())
     fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(*args, **kwargs)}
     compile_s: dict[str, float] = {}
     with torch.no_grad():
@@ -194,14 +199,6 @@ def _folding(on: bool) -> Iterator[None]:
             os.environ[freezing.FOLD_ENV] = env
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     labels = list(max((row["ms"] for row in rows), key=len))
     lines = [
@@ -228,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         default="compile, weights as inputs;compile, frozen",
         help=f"';'-separated torch.compile variants, of {list(VARIANTS)}",
     )
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
+    rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+    if rc is not None:
+        return rc
     torch.set_num_threads(1)
     chosen = {
         k: v
@@ -239,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     chosen.update(runtime_cases(args.models))
     variants = [v for v in args.variants.split(";") if v]
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; one thread each, CPU time, medians of {args.repeat} rounds")
+    print(
+        f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, medians of "
+        f"{args.repeat} rounds"
+    )
     rows = []
     for name, make in chosen.items():
-        row = measure(name, make, args.repeat, args.parameters, variants)
+        row = measure(name, make, args.repeat, args.parameters, variants, args.isa)
         print(name, "ms", {k: round(v, 3) for k, v in row["ms"].items()})
         print("  compile s", {k: round(v, 1) for k, v in row["compile_s"].items()})
         print(

@@ -27,7 +27,8 @@ Routes, each greedy from the same prompt:
 Prefill = the time of a generate with 1 new token; decode tokens/s = (N - 1) / (time(N new) - time(1 new)).
 `--threads 1`: torch.set_num_threads(1), IREE local-sync, CPU time of the process (time.process_time);
 `default`: torch's default threads, IREE local-task, wall time. Routes are timed in turn, round after round,
-medians. `match` says whether the route's tokens equal `eager dynamic`'s (of the same model).
+medians. `match` says whether the route's tokens equal `eager dynamic`'s (of the same model). `--isa` picks the vector
+ISA measured (benchmarks/cpu_isa.py: IREE's llvm-cpu target for it, torch held to its width).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ import argparse
 import copy
 import inspect
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +47,9 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_isa  # noqa: E402
+
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
@@ -133,12 +135,14 @@ def inductor_generate(model: torch.nn.Module, max_len: int) -> Generate:
 #: where the export+loop route keeps the cache: "host" (passed in and out at each call); "module" (mutable IREE
 #: globals) computed this program wrong before main's fix of equal zero-initialised globals sharing one storage
 STATE = "host"
+#: the vector ISA measured (`--isa`, benchmarks/cpu_isa.py)
+ISA = "host"
 
 
 def iree_backend(threads: str, state: str = "module") -> Any:
-    from fx_rewrites.backends.iree import IreeBackend
-
-    return IreeBackend(driver="local-sync", state=state) if threads == "1" else IreeBackend(state=state)
+    """The `iree` backend for `ISA`: local-sync for one thread, local-task for the default threads."""
+    driver = "local-sync" if threads == "1" else cpu_isa.target(ISA).driver
+    return cpu_isa.backend(ISA, driver=driver, state=state)
 
 
 def iree_loop_generate(model: torch.nn.Module, max_len: int, threads: str, prompt: torch.Tensor) -> Generate:
@@ -238,16 +242,6 @@ def measure(gens: dict, prompt: torch.Tensor, new: int, rounds: int, threads: st
     return results
 
 
-def cpu() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return platform.processor()
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "fma", "amx"))]
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, {' '.join(flags)}"
-
-
 def row(model_name: str, name: str, threads: str, value: Any) -> str:
     clock = "CPU" if threads == "1" else "wall"
     if isinstance(value, str):
@@ -259,8 +253,8 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main(argv: list[str] | None = None) -> None:
-    global STATE
+def main(argv: list[str] | None = None) -> int:
+    global STATE, ISA
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["0.1b"], choices=sorted(SIZES))
     parser.add_argument("--prompt", type=int, default=128)
@@ -270,13 +264,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routes", nargs="+", default=None, help="default: all")
     parser.add_argument("--state", default=STATE, choices=["host", "module"], help="the export+loop route's cache")
     parser.add_argument("--no-int8", action="store_true", help="skip the torchao int8 weight-only variant")
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
-    STATE = args.state
+    rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+    if rc is not None:
+        return rc
+    STATE, ISA = args.state, args.isa
     wanted = set(args.routes or ["eager dynamic", "eager static", "inductor static", "iree export+loop",
                                  "iree compile_lm"])  # fmt: skip
     default_threads = torch.get_num_threads()
     max_len = args.prompt + args.new
-    print(f"CPU: {cpu()}")
+    print(cpu_isa.header(args.isa))
     print(
         f"torch {torch.__version__}, default threads {default_threads}; prompt {args.prompt}, new {args.new}, "
         f"rounds {args.rounds}; load average {load()}"
@@ -301,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     for line in rows:
         print(row(*line))
     print(f"load average at the end: {load()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

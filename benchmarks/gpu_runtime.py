@@ -59,7 +59,7 @@ def performance_phase(name: str) -> Any:
     if name == "backend":
         return None
     if name == "llvm-cpu-perf":
-        return performance.BY_TARGET["llvm-cpu"]
+        return performance.for_target("llvm-cpu", "avx512")  # the llvm-cpu rules as measured on an AVX-512 host
     return RuleSet([by_name[n] for n in name.split("+")], name=name)
 
 

@@ -4,6 +4,7 @@
     python benchmarks/runtime.py --mode wall        # wall time, default threads; writes its own section
     python benchmarks/runtime.py --quick            # tiny models, 3 runs, no Inductor, no ablation (the CI smoke test)
     python benchmarks/runtime.py --models bert,vit --no-write
+    python benchmarks/runtime.py --isa avx2         # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
 
 Per model (benchmarks/runtime_models.py), in one process, on the same inputs:
 torch eager; `torch.compile` (Inductor); the project's default IREE route
@@ -22,14 +23,16 @@ barely moves; `wall` is wall time with each runtime's default threads
 (torch: its intra-op threads; IREE: local-task, a worker per core), each
 timed call after a short idle (`SETTLE_S`).
 Compile time is split into export, rules (the engine), IREE import and
-iree-compile, from an empty cache.
+iree-compile, from an empty cache. `--isa` picks the vector ISA measured
+(benchmarks/cpu_isa.py: IREE's llvm-cpu target for it, its flags and
+performance rules; torch held to its width); the table names the CPU, its
+vector extensions and the ISA.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import sys
@@ -39,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_isa
+
 os.environ["FX_REWRITES_IREE_CACHE"] = "off"  # compile times from an empty cache (the disk cache is on by default)
 
 import attrs
@@ -47,7 +52,6 @@ from runtime_models import MODELS, QUICK, Spec
 from torch.utils import _pytree as pytree
 
 import fx_rewrites
-from fx_rewrites import backends
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
 from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
@@ -64,14 +68,20 @@ def load() -> str:
     return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} cores"
 
 
-def default_backend(mode: str) -> IreeBackend:
-    iree = backends.get("iree")
-    return IreeBackend(name=iree.name, driver="local-sync" if mode == "cpu1" else iree.driver, cache=CompileCache())
+def default_backend(mode: str, isa: str = "host") -> IreeBackend:
+    """The `iree` backend for `isa`'s llvm-cpu target: local-sync in cpu1 mode, local-task in wall mode."""
+    target = cpu_isa.target(isa)
+    return cpu_isa.backend(isa, driver="local-sync" if mode == "cpu1" else target.driver, cache=CompileCache())
+
+
+def perf_phase(backend: IreeBackend) -> Any:
+    """The performance rules `backend` applies (its target's, for its ISA)."""
+    return performance.for_target(backend.target.name, backend.target.isa)
 
 
 def variants(backend: IreeBackend, fired: set[str], ablation: bool) -> dict[str, IreeBackend]:
     """The IREE routes to measure: default, before the performance phase, and the default without each piece."""
-    perf = performance.BY_TARGET[backend.target.name]
+    perf = perf_phase(backend)
     before = [s for s in backend.rules.sets if s is not perf]
     out = {
         "iree": backend,
@@ -160,11 +170,11 @@ def measure(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     program = torch.export.export(model, pos, kw)
     export_s = time.perf_counter() - start
 
-    backend = default_backend(mode)
+    backend = default_backend(mode, args.isa)
     fn, result, stages = compile_iree(backend, program, pos)
     fired = {n for n, c in result.report.rewrites.items() if c}
     row: dict[str, Any] = {"model": spec.name, "what": spec.what, "export": export_s, **stages}
-    row["perf_fired"] = sorted(fired & set(performance.BY_TARGET[backend.target.name].names()))
+    row["perf_fired"] = sorted(fired & set(perf_phase(backend).names()))
     fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(*pos, **kw)}
     row["numerics"] = {}
     for name, variant in variants(backend, fired, args.ablation).items():
@@ -203,12 +213,13 @@ def _cell(value: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def tables(rows: list[dict[str, Any]], mode: str, repeat: int, loads: tuple[str, str]) -> str:
+def tables(rows: list[dict[str, Any]], mode: str, repeat: int, loads: tuple[str, str], isa: str = "host") -> str:
     what = "wall time, default threads" if mode == "wall" else "CPU time of the calling thread, one thread each"
     lines = [
-        f"Run on {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"IREE 3.13 llvm-cpu; {what}; median of {repeat} rounds. Machine: {loads[0]} at the start, "
-        f"{loads[1]} at the end.",
+        f"Run on {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, IREE 3.13 llvm-cpu; {what}; median of "
+        f"{repeat} rounds. Machine: {loads[0]} at the start, {loads[1]} at the end.",
+        "",
+        cpu_isa.header(isa),
         "",
         "| model | eager ms | Inductor / eager | IREE before / eager | **IREE / eager** "
         "| IREE matches eager (max diff) | performance rules that fired |",
@@ -314,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ablation", dest="ablation", action="store_false")
     parser.add_argument("--no-write", dest="write", action="store_false", help="print only")
     parser.add_argument("--plot", type=Path, default=None, help="plot path (default: docs/runtime-<mode>.png)")
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
+    rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+    if rc is not None:
+        return rc
     if args.quick:
         args.inductor = args.ablation = args.write = False
     args.repeat = args.repeat or (3 if args.quick else 11)
@@ -335,15 +350,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(MODELS[name], args))
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
-    text = tables(rows, args.mode, args.repeat, (start_load, load()))
+    text = tables(rows, args.mode, args.repeat, (start_load, load()), args.isa)
     print(text)
-    plot_path = args.plot or (DOCS / f"runtime-{args.mode}.png" if args.write else None)
+    section = args.mode if args.isa == "host" else f"{args.mode}-{cpu_isa.resolve(args.isa)}"
+    plot_path = args.plot or (DOCS / f"runtime-{section}.png" if args.write else None)
     if plot_path is not None:
-        plot(rows, plot_path, f"{args.mode}: time relative to torch eager ({start_load})")
+        plot(rows, plot_path, f"{section}: time relative to torch eager ({start_load})")
     if args.write:
-        write_docs(
-            text + f"\n\n![IREE, Inductor vs eager](runtime-{args.mode}.png)", args.mode, DOCS / "performance.md"
-        )
+        write_docs(text + f"\n\n![IREE, Inductor vs eager](runtime-{section}.png)", section, DOCS / "performance.md")
     return 0 if all(row["numerics"]["iree"][1] for row in rows) else 1
 
 

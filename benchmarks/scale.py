@@ -4,6 +4,7 @@
     python benchmarks/scale.py --sizes 0.3b,1b  # and the 1B of issue 25 (about 9 GB of memory)
     flock /tmp/fxr-heavy.lock python benchmarks/scale.py --sizes tinyllama   # TinyLlama's shape, 4.4 GB (issue 34)
     python benchmarks/scale.py --cnn            # the CNN row: ResNet-50 (benchmarks/scale_cnn.py)
+    python benchmarks/scale.py --cnn --isa avx2 # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
 
 Each size runs in a child process of its own (one at a time), so its peak
 memory is its own: `python peak` is the child's peak RSS (VmHWM), `iree-compile
@@ -34,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cpu_isa  # noqa: E402
 
 #: LlamaConfig fields by size (vocab 32000, 16 heads; intermediate about 2.7x hidden as Llama's)
 DECODERS: dict[str, dict[str, int]] = {
@@ -62,16 +65,8 @@ TOKENS = 128
 
 
 def cpu_model() -> str:
-    """lscpu's model name and the vector extensions the flags list."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return platform.processor() or "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown").strip()
-    flags = fields.get("Flags", "").split()
-    vector = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(vector) or 'no AVX2'}), {os.cpu_count()} cores"
+    """lscpu's model name, the vector extensions the flags list, and the core count (benchmarks/cpu_isa.py)."""
+    return cpu_isa.cpu_model()
 
 
 def _peak_gb() -> float:
@@ -135,7 +130,7 @@ def _rss_gb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def child(size: str, out: Path, workdir: Path) -> None:
+def child(size: str, out: Path, workdir: Path, isa: str = "host") -> None:
     """One size, in this process: every step timed, results as JSON in `out`."""
     sys.path.insert(0, str(ROOT))
     from tests.zoo import torchvision_cpu
@@ -185,7 +180,7 @@ def child(size: str, out: Path, workdir: Path) -> None:
     with torch.no_grad():
         expected = timed("eager", model, ids, **kwargs).logits
         start = time.perf_counter()
-        compiled = fx_rewrites.compile(model, (ids,), kwargs)
+        compiled = fx_rewrites.compile(model, (ids,), kwargs, backend=cpu_isa.backend(isa))
         others = sum(steps[s] for s in ("export", "rules", "import", "iree-compile"))
         steps["load"] = time.perf_counter() - start - others
         runtime = compiled.runtime
@@ -261,10 +256,10 @@ STEPS = ("build", "export", "rules", "import", "iree-compile", "load", "first ca
 STEPS += ("eager", "eager again", "save", "load here", "call loaded")
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], isa: str = "host") -> str:
     lines = [
-        f"Decoder (LlamaForCausalLM, float32, batch 1, {TOKENS} tokens) through `fx_rewrites.compile`, "
-        f"on {cpu_model()}:",
+        f"Decoder (LlamaForCausalLM, float32, batch 1, {TOKENS} tokens) through `fx_rewrites.compile`. "
+        f"{cpu_isa.header(isa)}",
         "",
         "| size | parameters | weights | python peak | iree-compile peak | tree peak | peak / weights | MLIR | "
         + " | ".join(f"{s} s" for s in STEPS)
@@ -291,12 +286,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cnn_row(rounds: int) -> int:
+def cnn_row(rounds: int, isa: str = "host") -> int:
     """The CNN row (ResNet-50 through the export route, benchmarks/scale_cnn.py) in a child process of its own."""
     env = {**os.environ, "FX_REWRITES_IREE_CACHE": "off"}  # every step from scratch
     script = Path(__file__).resolve().parent / "scale_cnn.py"
     return subprocess.run(
-        [sys.executable, str(script), "--rounds", str(rounds), "--before"], env=env, cwd=ROOT
+        [sys.executable, str(script), "--rounds", str(rounds), "--before", "--isa", isa], env=env, cwd=ROOT
     ).returncode
 
 
@@ -309,15 +304,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--cnn", action="store_true", help="the CNN row instead: ResNet-50, export route")
     parser.add_argument("--cnn-rounds", type=int, default=11, help="interleaved rounds of the CNN row")
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
+    if not (args.child or args.reload):
+        rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+        if rc is not None:
+            return rc
     if args.cnn:
-        return cnn_row(args.cnn_rounds)
+        return cnn_row(args.cnn_rounds, args.isa)
     if args.reload:
         reload(Path(args.reload))
         return 0
     if args.child:
         with tempfile.TemporaryDirectory() as workdir:
-            child(args.child, args.out, Path(workdir))
+            child(args.child, args.out, Path(workdir), args.isa)
         return 0
     rows = []
     for size in args.sizes.split(","):
@@ -325,12 +325,15 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(tmp) / "row.json"
             env = {**os.environ, "FX_REWRITES_IREE_CACHE": "off"}  # every step from scratch
             proc = subprocess.run(
-                [sys.executable, __file__, "--child", size, "--out", str(out)], env=env, check=False, cwd=ROOT
+                [sys.executable, __file__, "--child", size, "--out", str(out), "--isa", args.isa],
+                env=env,
+                check=False,
+                cwd=ROOT,
             )
             row = json.loads(out.read_text()) if out.is_file() else {"size": size, "error": f"exit {proc.returncode}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(table(rows))
+    print(table(rows, args.isa))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py --cnn              # the row, in a child process of its own
     python benchmarks/scale_cnn.py --rounds 11    # the same, in this process
+    python benchmarks/scale_cnn.py --isa avx2     # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
 
 transformers' default `ResNetConfig` (ResNet-50, bottleneck layers, 25.6M
 parameters; seeded random weights, eval), batch 1, 3x224x224, through
@@ -30,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cpu_isa  # noqa: E402
 
 
 def _peak_gb() -> float:
@@ -45,7 +49,7 @@ def _before(backend: Any) -> Any:
     from fx_rewrites.backends.iree.rules import conv_performance, performance
     from fx_rewrites.ruleset import Phases
 
-    perf = performance.BY_TARGET[backend.target.name]
+    perf = performance.for_target(backend.target.name, backend.target.isa)
     names = [n for n in conv_performance.NAMES if n in perf.names()]
     sets = [s for s in backend.rules.sets if s is not perf]
     for name in names:
@@ -53,7 +57,7 @@ def _before(backend: Any) -> Any:
     return attrs.evolve(backend, rules=Phases(*sets, perf), cache=CompileCache())
 
 
-def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True) -> dict[str, Any]:
+def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True, isa: str = "host") -> dict[str, Any]:
     """ResNet-50's steps, peak and steady calls (see the module's docstring), as a JSON-able dict."""
     sys.path.insert(0, str(ROOT))
     from tests.zoo import torchvision_cpu
@@ -65,7 +69,7 @@ def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True) -> di
     import fx_rewrites
     from fx_rewrites import api
     from fx_rewrites.app import compile as app_compile
-    from fx_rewrites.backends.iree import CompileCache, IreeBackend
+    from fx_rewrites.backends.iree import CompileCache
     from fx_rewrites.backends.iree import backend as iree_backend
 
     torch.set_num_threads(1)
@@ -86,7 +90,7 @@ def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True) -> di
         torch.manual_seed(0)
         model = timed("build", lambda: transformers.ResNetModel(transformers.ResNetConfig()).eval())
         x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-        backend = IreeBackend(driver="local-sync", cache=CompileCache())
+        backend = cpu_isa.backend(isa, driver="local-sync", cache=CompileCache())
         with torch.no_grad():
             start = time.perf_counter()
             compiled = fx_rewrites.compile(model, (x,), backend=backend)
@@ -138,12 +142,13 @@ def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True) -> di
 
 
 def cnn_table(row: dict[str, Any], cpu: str) -> str:
-    """Markdown: the steps, then the steady calls (median ms, the range of the rounds, ratio to eager)."""
+    """Markdown: the steps, then the steady calls (median ms, the range of the rounds, ratio to eager); `cpu`
+    names the CPU and the ISA measured (`cpu_isa.header`)."""
     steps = ("build", "export", "rules", "import", "iree-compile", "load", "first call")
     s = row["steps_s"]
     lines = [
         f"ResNet-50 (transformers' default `ResNetConfig`, {row['parameters'] / 1e6:.1f}M parameters), batch 1, "
-        f"3x224x224, through `fx_rewrites.compile` (IREE llvm-cpu, local-sync), on {cpu}:",
+        f"3x224x224, through `fx_rewrites.compile` (IREE llvm-cpu, local-sync). {cpu}",
         "",
         "| " + " | ".join(f"{k} s" for k in steps) + " | peak RSS |",
         "|" + "---|" * (len(steps) + 1),
@@ -172,14 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", action="store_true", help="also the export route without the conv rules")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--out", type=Path, help="write the row as JSON here")
+    cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
-    row = cnn_row(args.rounds, args.before, args.inductor)
+    rc = cpu_isa.run_in_child(args.isa, __file__, argv)
+    if rc is not None:
+        return rc
+    row = cnn_row(args.rounds, args.before, args.inductor, args.isa)
     if args.out:
         args.out.write_text(json.dumps(row))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from scale import cpu_model
-
-    print(cnn_table(row, cpu_model()))
+    print(cnn_table(row, cpu_isa.header(args.isa)))
     return 0
 
 

@@ -50,8 +50,8 @@ IREE_RULES = OWN
 
 def rules_for(target: IreeTarget) -> Phases:
     """What an IREE backend for `target` applies (`rules.phases`): DEFAULT and the IREE pack, legalize and
-    guards, then the target's performance phase where it has rules."""
-    return phases(target.name)
+    guards, then the target's performance phase where it has rules (llvm-cpu's for the target's ISA)."""
+    return phases(target.name, target.isa)
 
 
 #: what `IreeBackend.rules` is by default (llvm-cpu)

@@ -10,22 +10,12 @@ needs one (`IreeDeviceError` says so when it is absent).
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
+from pathlib import Path
 
 import attrs
-
-#: environment variable: the CPU the llvm-cpu target builds for, read once at import: `CPU[,FEATURES]`
-#: (`--iree-llvmcpu-target-cpu`, then LLVM features for `--iree-llvmcpu-target-cpu-features`); unset, `host`.
-#: `znver3,-sse4a` runs the tests on an Intel AVX-512 host with the code an AVX2 AMD Zen 3 CI machine gets
-#: (without AMD's SSE4a: its `insertq` is an illegal instruction on Intel).
-TARGET_CPU_ENV = "FX_REWRITES_IREE_TARGET_CPU"
-
-
-def _target_cpu_flags() -> tuple[str, ...]:
-    cpu, _, features = os.environ.get(TARGET_CPU_ENV, "").strip().partition(",")
-    flags = (f"--iree-llvmcpu-target-cpu={cpu.strip() or 'host'}",)
-    return (*flags, f"--iree-llvmcpu-target-cpu-features={features.strip()}") if features.strip() else flags
-
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -42,6 +32,7 @@ class IreeTarget:
     - `perf_flags`: chosen by measurement (benchmarks/runtime.py); a module the compiler
       rejects with them is compiled again without them (`IreeBackend.compile`).
     - `device`: what the hardware is, for error messages.
+    - `isa`: llvm-cpu only, the vector ISA (`CPU_ISAS`) whose measured flags and performance rules it takes.
     """
 
     name: str
@@ -49,28 +40,119 @@ class IreeTarget:
     flags: tuple[str, ...] = ()
     perf_flags: tuple[str, ...] = ()
     device: str = ""
+    isa: str = ""
 
 
-TARGETS: dict[str, IreeTarget] = {
-    "llvm-cpu": IreeTarget(
+#: Measured on a 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs matmul operands
+#: into the tiles the microkernels want (ViT 2.7x, BERT and Llama 1.1-1.2x); channels-last convolutions run ResNet
+#: 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more operations with large vector
+#: sizes"): llvm-cpu writes attention out (rules/performance.py), and a module the compiler rejects with these
+#: flags is compiled again without them (`IreeBackend._compile_mlir`). Data tiling from GlobalOptimization, not
+#: `--iree-opt-data-tiling`: that flag takes the DispatchCreation path, which computes a batched matmul wrong when
+#: its left operand comes from a reduction over its rows (layer_norm(s) @ v on [2, 7, 7];
+#: docs/iree-3.13-findings.md, section 10). Whole modules, iree-benchmark-module CPU time, this path / that one:
+#: Whisper 1.03, BERT 1.04, ViT 0.99.
+_DATA_TILING = "--iree-global-opt-data-tiling"
+_CHANNELS_LAST = (
+    "--iree-preprocessing-pass-pipeline=builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))"
+)
+
+
+@attrs.frozen
+class CpuIsa:
+    """A vector ISA the llvm-cpu target is tuned for: its flags chosen by measurement (docs/performance.md).
+
+    - `name`: "avx512" or "avx2" (an `IreeTarget.isa`, a benchmark's `--isa`).
+    - `features`: the /proc/cpuinfo flags a CPU needs to run code for it.
+    - `target_cpu`: the `--iree-llvmcpu-target-cpu` for it on a host of another ISA (AVX2 measured on an
+      AVX-512 host: znver3, AMD Zen 3, what IREE's `host` resolves to there); on a host of this ISA, `host`.
+    - `perf_flags`: its `IreeTarget.perf_flags`.
+    - `perf_rules`: the names of the performance rules (`rules/performance.py`) on for it, in phase order.
+    """
+
+    name: str
+    features: tuple[str, ...]
+    target_cpu: str
+    perf_flags: tuple[str, ...]
+    perf_rules: tuple[str, ...]
+
+
+#: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
+_TRANSFORMER_RULES = (
+    "attention_by_head_groups",
+    "attention_as_matmul_softmax",
+    "softmax_matmul_normalized_after",
+    "softmax_as_exp_times_reciprocal",
+)
+_CONV_RULES = (
+    "patch_conv_as_matmul",
+    "conv1d_as_matmul",
+    "strided_pointwise_conv_as_slice",
+    "conv3d_as_conv2d_over_frames",
+    "grouped_conv_as_convs",
+)
+CPU_ISAS: dict[str, CpuIsa] = {
+    "avx512": CpuIsa(
+        "avx512",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+        "x86-64-v4",
+        (_DATA_TILING, _CHANNELS_LAST),
+        (*_TRANSFORMER_RULES, *_CONV_RULES),
+    ),
+    "avx2": CpuIsa(
+        "avx2", ("avx2", "fma"), "znver3", (_DATA_TILING, _CHANNELS_LAST), (*_TRANSFORMER_RULES, *_CONV_RULES)
+    ),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """This host's CPU feature flags (/proc/cpuinfo `flags`, or `Features` on ARM); empty where unreadable."""
+    return _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    found = next((line for line in lines if line.split(":", 1)[0].strip() in ("flags", "Features")), "")
+    return frozenset(found.split(":", 1)[1].split()) if ":" in found else frozenset()
+
+
+def host_isa() -> str:
+    """The widest of `CPU_ISAS` this host runs ("avx512", "avx2"), or "" (not x86-64, or older than AVX2)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ""
+    flags = cpu_flags()
+    return next((isa.name for isa in CPU_ISAS.values() if flags.issuperset(isa.features)), "")
+
+
+def llvm_cpu(isa: str = "host") -> IreeTarget:
+    """The llvm-cpu target for vector ISA `isa` ("avx512", "avx2", or "host": this host's): code for this CPU
+    (`--iree-llvmcpu-target-cpu=host`) where the host has that ISA, else for `CpuIsa.target_cpu`; that ISA's
+    measured flags. A host of neither ISA gets `host` code and no performance flags."""
+    if isa != "host" and isa not in CPU_ISAS:
+        raise ValueError(f"isa={isa!r}: expected 'host' or one of {sorted(CPU_ISAS)}")
+    resolved = host_isa() if isa == "host" else isa
+    cpu = "host" if resolved == host_isa() else CPU_ISAS[resolved].target_cpu
+    return IreeTarget(
         name="llvm-cpu",
         driver="local-task",
-        flags=(*_target_cpu_flags(), _KEEP_F64),
-        # Measured on this 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs
-        # matmul operands into the tiles the microkernels want (ViT 2.7x, BERT and Llama 1.1-1.2x); channels-last
-        # convolutions run ResNet 5x faster. Data tiling makes IREE's own attention lowering fail ("One or more
-        # operations with large vector sizes"): llvm-cpu writes attention out (rules/performance.py), and a module the
-        # compiler rejects with these flags is compiled again without them (`IreeBackend._compile_mlir`).
-        # Data tiling from GlobalOptimization, not `--iree-opt-data-tiling`: that flag takes the DispatchCreation
-        # path, which computes a batched matmul wrong when its left operand comes from a reduction over its rows
-        # (layer_norm(s) @ v on [2, 7, 7]; docs/iree-3.13-findings.md, section 10). Whole modules,
-        # iree-benchmark-module CPU time, this path / that one: Whisper 1.03, BERT 1.04, ViT 0.99.
-        perf_flags=(
-            "--iree-global-opt-data-tiling",
-            "--iree-preprocessing-pass-pipeline=builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
-        ),
-        device="this host's CPU",
-    ),
+        flags=(f"--iree-llvmcpu-target-cpu={cpu}", _KEEP_F64),
+        perf_flags=CPU_ISAS[resolved].perf_flags if resolved else (),
+        device="this host's CPU" if cpu == "host" else f"a {resolved.upper()} CPU ({cpu})",
+        isa=resolved,
+    )
+
+
+#: environment variable: the vector ISA (`CPU_ISAS`) the default llvm-cpu target (backend `iree`) builds for, read
+#: once at import; unset, this host's. `avx2` on an AVX-512 host runs the tests with the code and flags an AVX2 CI
+#: machine gets (znver3 without SSE4a).
+ISA_ENV = "FX_REWRITES_IREE_ISA"
+
+TARGETS: dict[str, IreeTarget] = {
+    "llvm-cpu": llvm_cpu(os.environ.get(ISA_ENV, "host").strip() or "host"),
     "cuda": IreeTarget(
         name="cuda",
         driver="cuda",

@@ -8,7 +8,8 @@
 - `legalize`: legality-driven decomposition (`fx_rewrites.kinds.legalize` over the measured
   `backends/iree/legality.py`) and the guards against IREE's silent wrong results (`guards`,
   `compare_guards`, `activations`, `index_guards`, `views`, `live_scatters`, `steps`, `pooling`);
-- `performance`: per compile target, chosen by measurement (`performance.BY_TARGET`).
+- `performance`: per compile target and, for llvm-cpu, per vector ISA, chosen by measurement
+  (`performance.for_target`, the names in `targets.CPU_ISAS`).
 
 Rule names keep their `_for_iree` suffix: they are what `explain --rule` and reports name.
 """
@@ -25,11 +26,16 @@ OWN: RuleSet = ops.RULES | quantized_matmul.RULES
 LEGALIZE: RuleSet = legalize.LEGALIZE
 
 
-def phases(target: str = "llvm-cpu") -> Phases:
+def phases(target: str = "llvm-cpu", isa: str | None = None) -> Phases:
     """What an IREE backend for compile target `target` ("llvm-cpu", "cuda", ...) applies: DEFAULT and
-    `OWN`, `LEGALIZE`, then the target's performance phase where it has rules."""
-    perf = performance.BY_TARGET.get(target)
-    own = [perf] if perf is not None and len(perf) else []
+    `OWN`, `LEGALIZE`, then the target's performance phase where it has rules (llvm-cpu's for vector ISA
+    `isa`, "avx512" or "avx2"; None: this host's, `targets.host_isa()`)."""
+    if isa is None:
+        from fx_rewrites.backends.iree.targets import host_isa
+
+        isa = host_isa()
+    perf = performance.for_target(target, isa)
+    own = [perf] if len(perf) else []
     name = "iree" if target == "llvm-cpu" else f"iree-{target}"
     return Phases(DEFAULT | OWN, LEGALIZE, *own, name=name)
 

@@ -33,6 +33,7 @@ online attention ("failed to legalize ... iree_linalg_ext.online_attention").
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -387,14 +388,27 @@ ALL = RuleSet(
         patch_conv_as_matmul,
         conv1d_as_matmul,
         *conv.RULES,
+        conv.depthwise_conv_as_taps,
     ],
     name="iree-performance",
 )
 
-#: the performance rules on by default, per IREE compile target (`IreeTarget.name`)
+#: the performance rules on by default for the GPU targets (`IreeTarget.name`); llvm-cpu's are per ISA
 BY_TARGET: dict[str, RuleSet] = {
-    "llvm-cpu": RuleSet(ALL, name="iree-llvm-cpu-performance"),
     "cuda": RuleSet([], name="iree-cuda-performance"),
     "rocm": RuleSet([], name="iree-rocm-performance"),
     "vulkan-spirv": RuleSet([attention_as_matmul_softmax], name="iree-vulkan-attention"),
 }
+
+
+@functools.cache  # one RuleSet per (target, isa): a backend's phase is found again by identity (benchmarks)
+def for_target(target: str = "llvm-cpu", isa: str = "") -> RuleSet:
+    """The performance rules on by default for compile target `target`: llvm-cpu's for vector ISA `isa`
+    (`targets.CPU_ISAS[isa].perf_rules`, chosen by measurement; none for a CPU of no listed ISA), a GPU
+    target's from `BY_TARGET`."""
+    from fx_rewrites.backends.iree.targets import CPU_ISAS
+
+    if target != "llvm-cpu":
+        return BY_TARGET.get(target, RuleSet([], name=f"iree-{target}-performance"))
+    names = CPU_ISAS[isa].perf_rules if isa in CPU_ISAS else ()
+    return RuleSet([ALL[name] for name in names], name=f"iree-llvm-cpu-{isa or 'generic'}-performance")

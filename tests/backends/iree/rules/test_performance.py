@@ -365,8 +365,10 @@ def test_conv1d_on_iree():
 
 
 def test_performance_rules_per_target():
-    """llvm-cpu has every measured rule; CUDA and ROCm none; Vulkan attention written out (it needs it)."""
-    assert set(performance.BY_TARGET["llvm-cpu"].names()) == set(performance.ALL.names())
+    """llvm-cpu has the measured rules of each ISA (tests/backends/iree/test_cpu_isas.py); CUDA and ROCm none;
+    Vulkan attention written out (it needs it)."""
+    for isa in ("avx512", "avx2"):
+        assert "attention_as_matmul_softmax" in performance.for_target("llvm-cpu", isa)
     for target in ("cuda", "rocm"):
         assert not len(performance.BY_TARGET[target])
     assert performance.BY_TARGET["vulkan-spirv"].names() == ["attention_as_matmul_softmax"]

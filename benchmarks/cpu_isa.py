@@ -1,0 +1,145 @@
+"""`--isa avx2|avx512|host` for the benchmarks: which CPU vector ISA is measured, on any x86 host (issue 32).
+
+    parser = argparse.ArgumentParser(); cpu_isa.add_argument(parser); args = parser.parse_args(argv)
+    if (rc := cpu_isa.run_in_child(args.isa, __file__, argv)) is not None:
+        return rc                                  # AVX2 asked on an AVX-512 host: measured in a child
+    backend = cpu_isa.backend(args.isa, driver="local-sync")
+    print(cpu_isa.header(args.isa))                # the CPU, its vector extensions, the ISA measured
+
+IREE compiles for the ISA's llvm-cpu target (`targets.llvm_cpu(isa)`: this
+CPU where it has the ISA, else `--iree-llvmcpu-target-cpu=znver3` for AVX2,
+with that ISA's measured flags and performance rules). torch runs at the
+ISA's width: on an AVX-512 host, AVX2 is measured in a child process of the
+same script whose ATen kernels (`ATEN_CPU_CAPABILITY=avx2`), oneDNN
+(`ONEDNN_MAX_CPU_ISA=AVX2`), MKL's sgemm (`MKL_ENABLE_INSTRUCTIONS=AVX2`) and
+Inductor's C++ (`ATEN_CPU_CAPABILITY` picks its vector width,
+`TORCHINDUCTOR_CPP_MARCH=znver3` its `-march`) are held to AVX2; `header`
+checks torch's capability in that child, and
+`tests/backends/iree/test_targets.py` that the AVX2 target's code has no
+zmm register.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+ISAS = ("host", "avx2", "avx512")
+#: what holds torch to AVX2 on a wider CPU (read when torch, oneDNN and MKL start: set before the process)
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "TORCHINDUCTOR_CPP_MARCH": "znver3",
+}
+#: torch's name for each ISA (`torch.backends.cpu.get_cpu_capability()`)
+TORCH_CAPABILITY = {"avx2": "AVX2", "avx512": "AVX512"}
+#: the lscpu flags a table names
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="host",
+        help="the vector ISA measured: host (this CPU's), avx2 (on an AVX-512 host: IREE compiled for znver3, "
+        "torch held to AVX2 in a child process), avx512",
+    )
+
+
+def resolve(isa: str) -> str:
+    """`isa` with "host" replaced by this host's ISA ("avx512", "avx2"; "" for another CPU)."""
+    from fx_rewrites.backends.iree.targets import host_isa
+
+    return host_isa() if isa == "host" else isa
+
+
+def emulated(isa: str) -> bool:
+    """Whether `isa` is narrower than this host's: measured with torch held to it (AVX2 on an AVX-512 host)."""
+    host = resolve("host")
+    return resolve(isa) == "avx2" and host == "avx512"
+
+
+def run_in_child(isa: str, script: str, argv: Sequence[str] | None) -> int | None:
+    """Where `isa` must be emulated and this process's torch runs wider, run `script` with `argv` again in a child
+    with `AVX2_ENV` and return its exit status; None where this process measures `isa` itself. Raises where
+    the host cannot run `isa` at all."""
+    wanted = resolve(isa)
+    host = resolve("host")
+    if isa != "host" and wanted == "avx512" and host != "avx512":
+        raise SystemExit(f"--isa avx512: this CPU ({cpu_model()}) has no AVX-512; measure it on an AVX-512 host")
+    if not emulated(isa) or all(os.environ.get(k) == v for k, v in AVX2_ENV.items()):
+        return None
+    args = list(sys.argv[1:] if argv is None else argv)
+    env = {**os.environ, **AVX2_ENV}
+    print(f"[--isa {isa}: measured in a child process with {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}]")
+    sys.stdout.flush()
+    return subprocess.run([sys.executable, script, *args], env=env, check=False).returncode
+
+
+def target(isa: str) -> Any:
+    """The llvm-cpu `IreeTarget` for `isa` (`targets.llvm_cpu`)."""
+    from fx_rewrites.backends.iree.targets import llvm_cpu
+
+    return llvm_cpu(isa)
+
+
+def backend(isa: str, **kwargs: Any) -> Any:
+    """An `IreeBackend` (name "iree") for `isa`'s llvm-cpu target: its flags and performance rules; `kwargs`
+    go to IreeBackend (driver, cache, state, ...)."""
+    from fx_rewrites.backends.iree import IreeBackend
+
+    return IreeBackend(name="iree", target=target(isa), **kwargs)
+
+
+def torch_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def check(isa: str) -> None:
+    """Raise where this process's torch does not run at `isa`'s width (the emulation did not take)."""
+    wanted = TORCH_CAPABILITY.get(resolve(isa))
+    got = torch_capability()
+    if wanted is not None and got != wanted:
+        raise SystemExit(
+            f"--isa {isa}: torch runs {got} kernels here, expected {wanted} (run the script itself, which starts "
+            f"a child with {AVX2_ENV}, or set those variables before Python starts)"
+        )
+
+
+def cpu_model() -> str:
+    """lscpu's model name, the vector extensions its flags list, and the core count."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown").strip()
+    flags = fields.get("Flags", "").split()
+    vector = [f for f in VECTOR_FLAGS if f in flags]
+    return f"{name} ({', '.join(vector) or 'no AVX2'}), {os.cpu_count()} cores"
+
+
+def measured(isa: str) -> str:
+    """The ISA measured, and how: IREE's target CPU and flags, torch's kernels."""
+    t = target(isa)
+    cpu = next(f.split("=", 1)[1] for f in t.flags if f.startswith("--iree-llvmcpu-target-cpu="))
+    how = "torch held to AVX2 (" + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) + ")" if emulated(isa) else ""
+    flags = " ".join(t.perf_flags) or "no performance flags"
+    parts = [f"ISA measured: {(t.isa or 'generic').upper()}", f"IREE llvm-cpu target-cpu={cpu}, {flags}"]
+    parts.append(f"torch {torch_capability()} kernels" + (f", {how}" if how else ""))
+    return "; ".join(parts)
+
+
+def header(isa: str) -> str:
+    """One line for a table: the CPU, its vector extensions, the ISA measured and how. Checks torch's width."""
+    check(isa)
+    return f"CPU: {cpu_model()}. {measured(isa)}."

@@ -1,0 +1,101 @@
+"""The llvm-cpu target per vector ISA (issue 32): `targets.llvm_cpu(isa)`, its flags and performance rules,
+and that code for AVX2 is AVX2 code (no zmm register) on any x86 host, so an AVX-512 host measures AVX2."""
+
+from __future__ import annotations
+
+import platform
+import re
+
+import attrs
+import pytest
+import torch
+
+import fx_rewrites
+from fx_rewrites.backends.iree import TARGETS, CompileCache, IreeBackend
+from fx_rewrites.backends.iree import targets as t
+from fx_rewrites.backends.iree.rules import performance
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_every_isa_names_rules_that_exist_and_flags_iree_takes():
+    for isa in t.CPU_ISAS.values():
+        assert set(isa.perf_rules) <= set(performance.ALL.names()), isa.name
+        assert len(set(isa.perf_rules)) == len(isa.perf_rules), f"{isa.name}: a rule named twice"
+        rules = performance.for_target("llvm-cpu", isa.name)
+        assert rules.names() == list(isa.perf_rules)
+        assert performance.for_target("llvm-cpu", isa.name) is rules  # a backend's phase is found by identity
+    assert not len(performance.for_target("llvm-cpu", ""))  # a CPU of no listed ISA: no measured rules
+    assert performance.for_target("vulkan-spirv").names() == ["attention_as_matmul_softmax"]
+
+
+def test_the_target_of_an_isa_compiles_for_this_cpu_where_it_has_the_isa():
+    host = t.host_isa()
+    for name, isa in t.CPU_ISAS.items():
+        target = t.llvm_cpu(name)
+        cpu = "host" if name == host else isa.target_cpu
+        assert f"--iree-llvmcpu-target-cpu={cpu}" in target.flags
+        assert (target.name, target.driver, target.isa, target.perf_flags) == (
+            "llvm-cpu",
+            "local-task",
+            name,
+            isa.perf_flags,
+        )
+    assert t.llvm_cpu("host") == TARGETS["llvm-cpu"] and TARGETS["llvm-cpu"].isa == host
+    with pytest.raises(ValueError, match=r"isa='sse': expected 'host' or one of \['avx2', 'avx512'\]"):
+        t.llvm_cpu("sse")
+
+
+def test_host_isa_reads_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(t.platform, "machine", lambda: "x86_64")
+    for flags, expected in (
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512"),
+        ({"avx2", "fma", "avx512f"}, "avx2"),  # AVX-512 foundation alone (Knights Landing): not the tuned ISA
+        ({"avx2", "fma"}, "avx2"),
+        ({"avx", "sse4_2"}, ""),
+    ):
+        monkeypatch.setattr(t, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert t.host_isa() == expected, flags
+    monkeypatch.setattr(t.platform, "machine", lambda: "aarch64")
+    assert t.host_isa() == ""
+
+
+def test_a_backend_takes_its_isa_rules():
+    for name in t.CPU_ISAS:
+        backend = IreeBackend(target=t.llvm_cpu(name))
+        assert backend.rules.sets[-1] is performance.for_target("llvm-cpu", name)
+        assert backend.perf_flags == t.CPU_ISAS[name].perf_flags
+
+
+def _vector_registers(isa: str, tmp_path) -> dict[str, int]:
+    """Compile a linear and a 3x3 convolution for `isa`'s target (no run: any x86 host) and count the vector
+    registers its assembly names."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+            self.fc = torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).mean((2, 3)))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 12)
+    backend = IreeBackend(target=t.llvm_cpu(isa), cache=CompileCache())
+    dump = tmp_path / isa
+    backend = attrs.evolve(backend, flags=(*backend.flags, f"--iree-hal-dump-executable-intermediates-to={dump}"))
+    backend.artifact(fx_rewrites.apply(torch.export.export(Net().eval(), (x,)), backend.rules).program)
+    text = "\n".join(p.read_text() for p in dump.glob("*.s"))
+    assert text, f"no assembly dumped in {dump}"
+    return {reg: len(re.findall(rf"%{reg}\d", text)) for reg in ("xmm", "ymm", "zmm")}
+
+
+@pytest.mark.skipif(not X86, reason="x86-64 code: the llvm-cpu target of another host is not x86")
+def test_avx2_code_uses_no_avx512_registers(tmp_path):
+    """What makes an AVX-512 host's AVX2 figures AVX2's: the code for `llvm_cpu("avx2")` (znver3 there) names
+    ymm registers and no zmm; the AVX-512 target's names zmm."""
+    avx2 = _vector_registers("avx2", tmp_path)
+    assert avx2["zmm"] == 0 and avx2["ymm"] > 0, avx2
+    avx512 = _vector_registers("avx512", tmp_path)
+    assert avx512["zmm"] > 0, avx512
