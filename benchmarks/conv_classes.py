@@ -4,6 +4,7 @@
     python benchmarks/conv_classes.py --cases depthwise,conv3d --rounds 21
     python benchmarks/conv_classes.py --models            # torchvision models holding those classes
     python benchmarks/conv_classes.py --isa avx2           # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
+    python benchmarks/conv_classes.py --isa both           # AVX-512 and AVX2, each in a child, side by side
 
 Per case, in one process, on the same input: torch eager, Inductor
 (`torch.compile`, default mode), the export route
@@ -22,6 +23,8 @@ for it (its flags and performance rules) and torch held to its width.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -142,6 +145,25 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def table_both(runs: dict[str, dict[str, Any]]) -> str:
+    """`--isa both`: per op, each ISA's eager ms and Inductor, route and before over eager, side by side."""
+    isas = list(runs)
+    first = runs[isas[0]]["rows"]
+    lines = [f"- {isa.upper()}: {runs[isa]['header']}" for isa in isas]
+    head = " | ".join(f"{isa.upper()} {c}" for isa in isas for c in ("eager ms", "Inductor", "**route**", "before"))
+    lines += ["", f"| op | {head} | rules that fired |", "|---|" + "---:|" * (4 * len(isas)) + "---|"]
+    for name in first:
+        cells = []
+        for isa in isas:
+            ms = {k: v[0] for k, v in runs[isa]["rows"][name]["ms"].items()}
+            keys = ("Inductor", "export route", "before")
+            ratio = {k: f"{ms[k] / ms['eager']:.2f}" if k in ms else "-" for k in keys}
+            cells += [f"{ms['eager']:.2f}", ratio["Inductor"], f"**{ratio['export route']}**", ratio["before"]]
+        fired = sorted({f for isa in isas for f in runs[isa]["rows"][name]["fired"] if f in PERFORMANCE})
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {', '.join(fired) or '-'} |")
+    return "\n".join(lines)
+
+
 PERFORMANCE: set[str] = set()
 
 
@@ -153,18 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
-    cpu_isa.add_argument(parser)
+    cpu_isa.add_argument(parser, both=True)
     args = parser.parse_args(argv)
+    PERFORMANCE.update(performance.ALL.names())
+    if args.isa == "both":
+        print(table_both(cpu_isa.each(__file__, argv)))
+        return 0
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:
         return rc
-    PERFORMANCE.update(performance.ALL.names())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     wanted = [c for c in args.cases.split(",") if c]
     pool = MODELS if args.models else CASES
     chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
-    print(f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds")
+    header = f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds"
+    print(header)
     rows = {}
     try:
         for name, make in chosen.items():
@@ -173,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
     print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"header": f"{header}; {runtime_load()}", "rows": rows}))
     return 0
+
+
+def runtime_load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f}"
 
 
 if __name__ == "__main__":

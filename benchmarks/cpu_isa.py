@@ -22,14 +22,19 @@ zmm register.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 ISAS = ("host", "avx2", "avx512")
+#: `--isa both`: each of these measured in a child of its own, one table side by side (`each`)
+BOTH = ("avx512", "avx2")
 #: what holds torch to AVX2 on a wider CPU (read when torch, oneDNN and MKL start: set before the process)
 AVX2_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -43,14 +48,17 @@ TORCH_CAPABILITY = {"avx2": "AVX2", "avx512": "AVX512"}
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
 
 
-def add_argument(parser: argparse.ArgumentParser) -> None:
+def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
+    """`--isa` (and, where the script renders both ISAs side by side, `--isa both`, with `--json` for its children)."""
     parser.add_argument(
         "--isa",
-        choices=ISAS,
+        choices=(*ISAS, "both") if both else ISAS,
         default="host",
         help="the vector ISA measured: host (this CPU's), avx2 (on an AVX-512 host: IREE compiled for znver3, "
-        "torch held to AVX2 in a child process), avx512",
+        "torch held to AVX2 in a child process), avx512" + (", both (AVX-512 and AVX2 side by side)" if both else ""),
     )
+    if both:
+        parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
 
 
 def resolve(isa: str) -> str:
@@ -81,6 +89,31 @@ def run_in_child(isa: str, script: str, argv: Sequence[str] | None) -> int | Non
     print(f"[--isa {isa}: measured in a child process with {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}]")
     sys.stdout.flush()
     return subprocess.run([sys.executable, script, *args], env=env, check=False).returncode
+
+
+def each(script: str, argv: Sequence[str] | None, isas: Sequence[str] = BOTH) -> dict[str, Any]:
+    """`--isa both`: `script` run with `argv` once per ISA in `isas`, each in a child (`--isa I --json F`); the
+    rows each wrote (JSON), by ISA."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    rest, skip = [], False
+    for a in args:  # drop --isa both and --json F: each child gets its own
+        if skip:
+            skip = False
+            continue
+        if a in ("--isa", "--json"):
+            skip = True
+            continue
+        if not a.startswith(("--isa=", "--json=")):
+            rest.append(a)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for isa in isas:
+            path = Path(tmp) / f"{isa}.json"
+            done = subprocess.run([sys.executable, script, *rest, "--isa", isa, "--json", str(path)], check=False)
+            if done.returncode or not path.is_file():
+                raise SystemExit(f"--isa {isa}: {Path(script).name} exited {done.returncode}")
+            out[isa] = json.loads(path.read_text())
+    return out
 
 
 def target(isa: str) -> Any:

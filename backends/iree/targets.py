@@ -56,6 +56,10 @@ _DATA_TILING = "--iree-global-opt-data-tiling"
 _CHANNELS_LAST = (
     "--iree-preprocessing-pass-pipeline=builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))"
 )
+#: 2-D convolutions as im2col + matmul (iree-org/iree#22674), in GlobalOptimization: the matmul then takes data
+#: tiling. ResNet-50, one thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids): AVX2 (znver3) 5.2x -> 1.0x
+#: eager, AVX-512 1.41x -> 1.08x (docs/performance.md, "Per ISA")
+_IM2COL = "--iree-global-opt-use-im2col-for-convs"
 
 
 @attrs.frozen
@@ -96,11 +100,11 @@ CPU_ISAS: dict[str, CpuIsa] = {
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
-        (_DATA_TILING, _CHANNELS_LAST),
+        (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
         (*_TRANSFORMER_RULES, *_CONV_RULES),
     ),
     "avx2": CpuIsa(
-        "avx2", ("avx2", "fma"), "znver3", (_DATA_TILING, _CHANNELS_LAST), (*_TRANSFORMER_RULES, *_CONV_RULES)
+        "avx2", ("avx2", "fma"), "znver3", (_DATA_TILING, _IM2COL, _CHANNELS_LAST), (*_TRANSFORMER_RULES, *_CONV_RULES)
     ),
 }
 

@@ -50,6 +50,7 @@ def test_ablation_names_each_performance_piece(benchmarks):
         "iree_before",
         "-attention_as_matmul_softmax",
         "-iree-global-opt-data-tiling",
+        "-iree-global-opt-use-im2col-for-convs",
         "-iree-preprocessing-convert-conv-to-channels-last",
     }
     before = routes["iree_before"]
