@@ -16,6 +16,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree.rules.conv_performance import (
+    TAPS_PER_SUM,
     conv3d_as_conv2d_over_frames,
     depthwise_conv_as_taps,
     grouped_conv_as_convs,
@@ -228,9 +229,13 @@ def test_conv_class_rules(name, dynamic):
     if rule is conv3d_as_conv2d_over_frames:  # a 2-D convolution per kernel frame that reads the input
         assert len(convs) == (1 if name == "conv3d_one_frame_pad1" else module.conv.kernel_size[0])
         assert all(w.dim() == 4 for w in weights)
-    elif rule is depthwise_conv_as_taps:  # no convolution left: multiply-adds
+    elif rule is depthwise_conv_as_taps:  # no convolution left: multiply-adds, summed in chains of TAPS_PER_SUM
         assert not convs
-        assert sum(n.target == aten.mul.Tensor for n in rt.graph_module(result).graph.nodes) >= 9
+        nodes = rt.graph_module(result).graph.nodes
+        taps = module.conv.kernel_size[0] * module.conv.kernel_size[1]
+        assert sum(n.target == aten.mul.Tensor for n in nodes) == taps
+        joins = [n for n in nodes if n.target == aten.add.Tensor and n.args[1].target == aten.add.Tensor]
+        assert len(joins) == -(-taps // TAPS_PER_SUM) - 1, "chains of TAPS_PER_SUM taps, then added"
     else:  # one ungrouped convolution per group
         assert len(convs) == module.conv.groups and all(n.args[8] == 1 for n in convs)
     rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
