@@ -8,7 +8,8 @@
 
 IREE compiles for the ISA's llvm-cpu target (`targets.llvm_cpu(isa)`: this
 CPU where it has the ISA, else `--iree-llvmcpu-target-cpu=znver3` for AVX2,
-with that ISA's measured flags and performance rules). torch runs at the
+without AMD's SSE4a, which an Intel host lacks; with that ISA's measured
+flags and performance rules). torch runs at the
 ISA's width: on an AVX-512 host, AVX2 is measured in a child process of the
 same script whose ATen kernels (`ATEN_CPU_CAPABILITY=avx2`), oneDNN
 (`ONEDNN_MAX_CPU_ISA=AVX2`), MKL's sgemm (`MKL_ENABLE_INSTRUCTIONS=AVX2`) and
@@ -164,7 +165,7 @@ def cpu_model() -> str:
 def measured(isa: str) -> str:
     """The ISA measured, and how: IREE's target CPU and flags, torch's kernels."""
     t = target(isa)
-    cpu = next(f.split("=", 1)[1] for f in t.flags if f.startswith("--iree-llvmcpu-target-cpu="))
+    cpu = " ".join(f.split("=", 1)[1] for f in t.flags if f.startswith("--iree-llvmcpu-target-cpu"))
     how = "torch held to AVX2 (" + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) + ")" if emulated(isa) else ""
     flags = " ".join(t.perf_flags) or "no performance flags"
     parts = [f"ISA measured: {(t.isa or 'generic').upper()}", f"IREE llvm-cpu target-cpu={cpu}, {flags}"]

@@ -72,6 +72,7 @@ class CpuIsa:
       AVX-512 host: znver3, AMD Zen 3, what IREE's `host` resolves to there); on a host of this ISA, `host`.
     - `perf_flags`: its `IreeTarget.perf_flags`.
     - `perf_rules`: the names of the performance rules (`rules/performance.py`) on for it, in phase order.
+    - `target_features`: `--iree-llvmcpu-target-cpu-features` with `target_cpu` ("" for none).
     """
 
     name: str
@@ -79,6 +80,7 @@ class CpuIsa:
     target_cpu: str
     perf_flags: tuple[str, ...]
     perf_rules: tuple[str, ...]
+    target_features: str = ""
 
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
@@ -103,8 +105,15 @@ CPU_ISAS: dict[str, CpuIsa] = {
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
         (*_TRANSFORMER_RULES, *_CONV_RULES),
     ),
+    # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a
+    # Llama decoder's module died of SIGILL on an Intel Xeon before this)
     "avx2": CpuIsa(
-        "avx2", ("avx2", "fma"), "znver3", (_DATA_TILING, _IM2COL, _CHANNELS_LAST), (*_TRANSFORMER_RULES, *_CONV_RULES)
+        "avx2",
+        ("avx2", "fma"),
+        "znver3",
+        (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
+        (*_TRANSFORMER_RULES, *_CONV_RULES),
+        target_features="-sse4a",
     ),
 }
 
@@ -140,10 +149,13 @@ def llvm_cpu(isa: str = "host") -> IreeTarget:
         raise ValueError(f"isa={isa!r}: expected 'host' or one of {sorted(CPU_ISAS)}")
     resolved = host_isa() if isa == "host" else isa
     cpu = "host" if resolved == host_isa() else CPU_ISAS[resolved].target_cpu
+    cpu_flags = [f"--iree-llvmcpu-target-cpu={cpu}"]
+    if cpu != "host" and CPU_ISAS[resolved].target_features:
+        cpu_flags.append(f"--iree-llvmcpu-target-cpu-features={CPU_ISAS[resolved].target_features}")
     return IreeTarget(
         name="llvm-cpu",
         driver="local-task",
-        flags=(f"--iree-llvmcpu-target-cpu={cpu}", _KEEP_F64),
+        flags=(*cpu_flags, _KEEP_F64),
         perf_flags=CPU_ISAS[resolved].perf_flags if resolved else (),
         device="this host's CPU" if cpu == "host" else f"a {resolved.upper()} CPU ({cpu})",
         isa=resolved,
