@@ -96,6 +96,7 @@ _CONV_RULES = (
     "strided_pointwise_conv_as_slice",
     "conv3d_as_conv2d_over_frames",
     "grouped_conv_as_convs",
+    "depthwise_conv_as_taps",
 )
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(

@@ -9,10 +9,9 @@
 - `conv3d_as_conv2d_over_frames`: a 3-D convolution as the sum of one 2-D
   convolution per kernel frame, the output frames as batch rows (IREE's
   3-D convolution: 9x eager; its 2-D ones run at eager's speed).
-- `depthwise_conv_as_taps`: a depthwise 2-D convolution as a sum of
-  shifted windows times per-channel weights, one fused element-wise
-  dispatch (IREE's depthwise convolution: 3.6x eager). Not on by default:
-  faster alone, slower in MobileNetV2 (33.5 ms against 23.7).
+- `depthwise_conv_as_taps`: a depthwise 2-D convolution of at most 3x3
+  taps as a sum of shifted windows times per-channel weights, fused
+  element-wise dispatches (IREE's depthwise convolution: 2-3x eager).
 - `grouped_conv_as_convs`: a grouped convolution as one convolution per
   group, concatenated (IREE's grouped convolution: 12x eager).
 
@@ -215,8 +214,10 @@ def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, *, found: dict[str, A
 
 # ----------------------------------------------------------------------------- depthwise as taps
 
-#: the most kernel taps `depthwise_conv_as_taps` writes out (one multiply-add of the input each)
-MAX_DEPTHWISE_TAPS = 49
+#: the most kernel taps `depthwise_conv_as_taps` writes out (one multiply-add of the input each): 3x3, where it wins
+#: in a model on both ISAs (MobileNetV2, AVX2 0.90x -> 0.72x eager, AVX-512 0.91x -> 0.69x); ConvNeXt-T's 7x7 ran
+#: 1.23x -> 1.40x on AVX2 with it, 1.20x -> 1.19x on AVX-512 (one thread, CPU time, interleaved; docs/performance.md)
+MAX_DEPTHWISE_TAPS = 9
 #: taps summed in one chain before the chains are added: IREE 3.13 fuses a chain of up to about this many windows
 #: into one dispatch; 49 taps in one chain became 20 dispatches, 15 of them a single product written out (7x7 on
 #: 96 channels, 56x56, AVX2: 6.7 ms in one chain, 4.0 in chains of 7, eager 1.7; 3x3 on 64 channels: 0.78 / 0.60)
@@ -245,10 +246,11 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     when=_depthwise,
     tags={"iree", "performance", "convolution"},
     doc=(
-        "A depthwise 2-D convolution (groups = input channels = output channels: MobileNet, EfficientNet, "
-        "ConvNeXt) is a sum over its kernel's taps of the (padded) input's shifted, strided window times that "
-        "tap's per-channel weight: element-wise work IREE fuses into one dispatch. IREE 3.13 on llvm-cpu runs "
-        "the convolution 3.6x slower than eager (64 channels 3x3 on 56x56: 1.95 ms), the taps 1.3x (0.71)."
+        "A depthwise 2-D convolution of at most 3x3 taps (groups = input channels = output channels: MobileNet, "
+        "EfficientNet) is a sum over its kernel's taps of the (padded) input's shifted, strided window times that "
+        "tap's per-channel weight: element-wise work IREE fuses into a dispatch per chain of 7 taps. IREE 3.13 on "
+        "llvm-cpu runs the convolution 2-2.4x slower than eager (64 channels 3x3 on 56x56), the taps 0.8-1.1x; "
+        "MobileNetV2 0.9x -> 0.7x eager on AVX2 and AVX-512."
     ),
 )
 def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
@@ -328,9 +330,7 @@ def grouped_conv_as_convs(node: Node, rw: Rewriter, *, found: dict[str, Any]) ->
     rw.replace(node, rw.call(aten.cat.default, outs, 1))
 
 
-#: the rules of this module in the llvm-cpu performance phase (performance.ALL). Not `depthwise_conv_as_taps`:
-#: 2.5x faster on one depthwise convolution, but MobileNetV2 ran 33.5 ms with it against 23.7 without (eager 26.1;
-#: one thread, CPU time, 9 interleaved rounds), so it is not a gain on every model it touches
-RULES = (strided_pointwise_conv_as_slice, conv3d_as_conv2d_over_frames, grouped_conv_as_convs)
+#: the rules of this module (performance.ALL; which are on for an ISA: targets.CPU_ISAS)
+RULES = (strided_pointwise_conv_as_slice, conv3d_as_conv2d_over_frames, grouped_conv_as_convs, depthwise_conv_as_taps)
 #: their names (benchmarks/scale_cnn.py measures the route without them)
 NAMES: tuple[str, ...] = tuple(r.name for r in RULES)

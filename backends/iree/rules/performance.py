@@ -388,7 +388,6 @@ ALL = RuleSet(
         patch_conv_as_matmul,
         conv1d_as_matmul,
         *conv.RULES,
-        conv.depthwise_conv_as_taps,
     ],
     name="iree-performance",
 )

@@ -15,6 +15,7 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.rules.conv_performance import (
     TAPS_PER_SUM,
     conv3d_as_conv2d_over_frames,
@@ -178,16 +179,16 @@ MORE = {
         2,
         (6, 9, 8),
     ),
-    "depthwise_7x7_pad3": (
+    "depthwise_3x2_pad1": (
         depthwise_conv_as_taps,
-        lambda: torch.nn.Conv2d(6, 6, 7, padding=3, groups=6),
+        lambda: torch.nn.Conv2d(6, 6, (3, 2), padding=1, groups=6),
         6,
         2,
         (6, 11, 10),
     ),
     "depthwise_strided_dilated_no_bias": (
         depthwise_conv_as_taps,
-        lambda: torch.nn.Conv2d(6, 6, (3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=6, bias=False),
+        lambda: torch.nn.Conv2d(6, 6, (3, 3), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=6, bias=False),
         6,
         2,
         (6, 13, 14),
@@ -248,7 +249,8 @@ def test_conv_class_rules_decline():
         (conv3d_as_conv2d_over_frames, torch.nn.Conv3d(4, 4, 1, stride=2, padding=(1, 0, 0)), (1, 4, 1, 4, 4)),
         (depthwise_conv_as_taps, torch.nn.Conv2d(4, 8, 3, groups=4), (1, 4, 8, 8)),  # a channel multiplier
         (depthwise_conv_as_taps, torch.nn.Conv1d(4, 4, 3, groups=4), (1, 4, 8)),
-        (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, 9, groups=4), (1, 4, 12, 12)),  # 81 taps
+        (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, 7, groups=4), (1, 4, 12, 12)),  # 49 taps: slower (ConvNeXt)
+        (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, (1, 11), groups=4), (1, 4, 12, 12)),  # 11 taps
         (grouped_conv_as_convs, torch.nn.Conv2d(4, 4, 3), (1, 4, 8, 8)),
         (grouped_conv_as_convs, torch.nn.Conv2d(4, 4, 3, groups=4), (1, 4, 8, 8)),  # depthwise: taps
         (grouped_conv_as_convs, torch.nn.Conv2d(66, 66, 1, groups=33), (1, 66, 4, 4)),  # too many groups
@@ -258,19 +260,19 @@ def test_conv_class_rules_decline():
         rt.assert_not_fired(rt.apply_rules(ep, rule), rule)
 
 
+@pytest.mark.parametrize("isa", ["host", "avx2"])
 @pytest.mark.parametrize("name", ["conv3d_grouped", "depthwise_strided_dilated_no_bias", "grouped_2d_g4"])
-def test_conv_class_rules_on_iree(name):
-    """The `iree` backend's rules (the depthwise rule, not on by default, applied after them): the rule fires and
+def test_conv_class_rules_on_iree(name, isa):
+    """The `iree` rules and flags for this host's ISA and for AVX2 (runs on any AVX2 host): the rule fires and
     IREE matches eager (torch's float32 error: 1e-5 here)."""
+    if isa != "host" and targets.host_isa() == "":
+        pytest.skip("AVX2 code runs on an x86-64 host with AVX2 only")
     rule, conv, channels, spatial, shape = MORE[name]
     torch.manual_seed(0)
     module = ConvNorm(conv(), channels, spatial).eval()
     inputs = [(_randn(s, 2, *shape),) for s in (0, 1)]
-    iree = backends.get("iree")
+    iree = backends.get("iree") if isa == "host" else IreeBackend(target=targets.llvm_cpu(isa))
     result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
-    if rule is depthwise_conv_as_taps:
-        assert rule.name not in iree.rules.names()  # off by default: slower in MobileNetV2
-        result = rt.apply_rules(result.program, rule)
     rt.assert_fired(result, rule)
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
