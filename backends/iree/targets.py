@@ -168,8 +168,16 @@ def llvm_cpu(isa: str = "host") -> IreeTarget:
 #: machine gets (znver3 without SSE4a).
 ISA_ENV = "FX_REWRITES_IREE_ISA"
 
+
+def _isa_from_environment() -> str:
+    isa = os.environ.get(ISA_ENV, "").strip() or "host"
+    if isa != "host" and isa not in CPU_ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected 'host' or one of {sorted(CPU_ISAS)} (or leave it unset)")
+    return isa
+
+
 TARGETS: dict[str, IreeTarget] = {
-    "llvm-cpu": llvm_cpu(os.environ.get(ISA_ENV, "host").strip() or "host"),
+    "llvm-cpu": llvm_cpu(_isa_from_environment()),
     "cuda": IreeTarget(
         name="cuda",
         driver="cuda",

@@ -120,3 +120,26 @@ def test_avx2_code_uses_no_avx512_registers(tmp_path):
     assert avx2["zmm"] == 0 and avx2["ymm"] > 0 and avx2["sse4a"] == 0, avx2
     avx512 = _vector_registers("avx512", tmp_path)
     assert avx512["zmm"] > 0, avx512
+
+
+@pytest.mark.skipif(not X86, reason="the vector ISAs listed are x86's")
+def test_the_default_target_takes_the_isa_the_environment_names():
+    import os
+    import subprocess
+    import sys
+
+    show = "from fx_rewrites.backends.iree import TARGETS; t = TARGETS['llvm-cpu']; print(t.isa, *t.flags)"
+    for isa in t.CPU_ISAS:
+        env = {**os.environ, t.ISA_ENV: isa}
+        out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[0] == isa, out.stdout
+        assert out.stdout.split()[1:] == list(t.llvm_cpu(isa).flags), out.stdout
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        subprocess.run(
+            [sys.executable, "-c", show],
+            env={**os.environ, t.ISA_ENV: "sse2"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert "FX_REWRITES_IREE_ISA='sse2'" in info.value.stderr
