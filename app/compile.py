@@ -4,6 +4,7 @@
     compiled(x)                                                           # called like the model
     compiled.save("model.vmfb")                  # iree-run-module runs it; params="model.irpa" keeps weights apart
     fx_rewrites.load("model.vmfb")(x)            # the call convention comes back with it; no pickle
+    compiled.save("any_avx2.vmfb", cpu="x86-64-v3")   # for another CPU (also: compile(..., cpu="aarch64"))
 
 It sits above the backends: export (torch.export), `fx_rewrites.apply(program,
 backend.rules)`, then `backend.compile(program, args)`, which never rewrites.
@@ -11,8 +12,9 @@ backend.rules)`, then `backend.compile(program, args)`, which never rewrites.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +67,32 @@ class Compiled:
     program: ExportedProgram = attrs.field(repr=False)
     report: Report = attrs.field(repr=False)
     runtime: Any = attrs.field(repr=False)
+    #: the CPU the code is built for ("host", "x86-64-v3", ...; `backends.base.CpuTargets`), None where the
+    #: backend builds for no CPU by name (a GPU, eager)
+    cpu: str | None = None
+    #: the same compile for another CPU: cpu -> Compiled (`save(cpu=)`)
+    retarget: Callable[[str], Compiled] | None = attrs.field(default=None, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.runtime(*args, **kwargs)
 
-    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+    def save(
+        self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, cpu: str | None = None
+    ) -> None:
         """Write the compiled module (IREE: a .vmfb `iree-run-module` runs; with `params`, the module as
         compiled and its weights of 64 KiB or more in that IREE parameter archive, .irpa, the way for large
         models; without, one self-contained file, compiled once more with the weights inside).
-        `fx_rewrites.load(path)` reads it back."""
+        `fx_rewrites.load(path)` reads it back. `cpu`: write code for that CPU ("x86-64-v3": any AVX2
+        machine; "aarch64"; docs/deploy.md), compiled again from the program for it when it is not the one
+        compiled for; the file records the CPU and the features it needs."""
+        if cpu is not None and cpu != self.cpu:
+            if self.retarget is None:
+                raise ValueError(
+                    f"cpu={cpu!r}: the {self.backend} backend builds for no CPU by name. Fix: compile with "
+                    "backend='iree' (llvm-cpu), or leave cpu= out"
+                )
+            self.retarget(cpu).save(path, params=params)
+            return
         save = getattr(self.runtime, "save", None)
         if save is None:
             from fx_rewrites.backends.base import ArtifactError
@@ -104,19 +123,25 @@ def compile(
     *,
     backend: str | Any = "iree",
     dynamic_shapes: Any = None,
+    cpu: str | None = None,
 ) -> Compiled:
     """Export `model` with `args`/`kwargs` (an ExportedProgram is taken as is), apply the backend's
     rules (`fx_rewrites.apply(program, backend.rules)`) and compile. `backend` is a registered name
     or a Backend; `dynamic_shapes` goes to torch.export (e.g. `{"x": {0: torch.export.Dim("batch")}}`).
+    `cpu`: the CPU to build for (`backend='iree'`: "host", the default, "x86-64-v3" for any AVX2 machine,
+    "x86-64-v4" for AVX-512, "aarch64"); code this machine cannot run is compiled, not loaded: it saves,
+    and a call says why it cannot run here (`BackendUnavailable`).
 
     A `torch.cond` on the input sizes (`x.shape[1] <= 512` with a Dim) is compiled side by side and each call
     runs the side its sizes pick (`fx_rewrites.app.dispatch`); `.program` computes both and selects."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.app.dispatch import compile_dispatch, size_conds
+    from fx_rewrites.backends.base import for_cpu
     from fx_rewrites.program import unwrap_tensor_subclasses, with_own_state
 
-    target = backends.get(backend) if isinstance(backend, str) else backend
+    chosen = backends.get(backend) if isinstance(backend, str) else backend
+    target = for_cpu(chosen, cpu)
     if isinstance(args, list):
         args = tuple(args)
     if not isinstance(args, tuple):
@@ -147,7 +172,14 @@ def compile(
             runtime = compile_dispatch(with_own_state(program), dispatched[0], target, args)
         else:
             runtime = target.compile(with_own_state(result.program), args)  # its own buffers, not .program's
-    return Compiled(target.name, result.program, result.report, runtime)
+    retarget = None
+    if isinstance(target, backends.CpuTargets):
+        retarget = functools.partial(_retarget, program, args, kwargs, chosen)
+    return Compiled(target.name, result.program, result.report, runtime, getattr(target, "cpu", None), retarget)
+
+
+def _retarget(program: ExportedProgram, args: Any, kwargs: Any, backend: Any, cpu: str) -> Compiled:
+    return compile(program, args, kwargs, backend=backend, cpu=cpu)
 
 
 def load(

@@ -87,6 +87,43 @@ class ModuleBackend(Protocol):
     ) -> Module: ...
 
 
+@runtime_checkable
+class CpuTargets(Protocol):
+    """A backend that builds code for a CPU chosen by name, not only for the machine it runs on.
+
+    `fx_rewrites.compile(..., cpu=)`, `compile_lm(..., cpu=)`, `Compiled.save(..., cpu=)` and
+    `fx-rewrites compile --target` use it by these names; IREE's llvm-cpu (`backends/iree/cpus.py`) has it.
+
+    - `cpus`: the names `for_cpu` takes ("host", "x86-64-v3", "x86-64-v4", "aarch64" for IREE).
+    - `cpu`: the CPU this instance builds for.
+    - `for_cpu(cpu)`: this backend building for `cpu`. Its `compile` of code this machine cannot run returns
+      a callable that saves and raises a `BackendUnavailable` when called.
+    """
+
+    name: str
+    cpus: tuple[str, ...]
+
+    @property
+    def cpu(self) -> str | None: ...
+
+    def for_cpu(self, cpu: str) -> Backend: ...
+
+
+def for_cpu(backend: Backend, cpu: str | None) -> Backend:
+    """`backend` building code for `cpu` (`CpuTargets`; None: as it is), or ValueError naming the backends
+    that take a CPU."""
+    if cpu is None:
+        return backend
+    if not isinstance(backend, CpuTargets):
+        raise ValueError(
+            f"cpu={cpu!r}: backend {backend.name!r} builds code for no CPU by name. Fix: backend='iree' "
+            "(llvm-cpu: host, x86-64-v3, x86-64-v4, aarch64), or leave cpu= out"
+        )
+    if cpu not in backend.cpus:
+        raise ValueError(f"cpu={cpu!r}: backend {backend.name!r} builds for {', '.join(backend.cpus)}")
+    return backend.for_cpu(cpu)
+
+
 class ArtifactError(RewriteError):
     """A compiled program cannot be saved, or a file cannot be loaded as one."""
 

@@ -103,13 +103,21 @@ def parser() -> argparse.ArgumentParser:
         "example inputs and write the module to -o: a .vmfb that iree-run-module runs and fx_rewrites.load() reads "
         "back with its call convention. --params puts the weights in an IREE parameter archive (.irpa) instead of "
         "the module (iree-run-module --parameters=model=FILE.irpa). A backend whose device is absent here "
-        "(--backend iree-cuda without a GPU) is compiled for and written all the same, without the comparison. "
+        "(--backend iree-cuda without a GPU) is compiled for and written all the same, without the comparison; so "
+        "is code for a CPU this machine cannot run (--target aarch64 on x86). "
         "Exit status: 0 written (and matching eager where it ran), 1 fail, 2 usage or input error.",
     )
     comp.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     comp.add_argument("-o", "--output", metavar="OUT.vmfb", required=True, help="the compiled module to write")
     comp.add_argument("--params", metavar="OUT.irpa", help="write the weights to this IREE parameter archive")
     comp.add_argument("--backend", default="iree", help="backend to compile with (default: iree, llvm-cpu)")
+    comp.add_argument(
+        "--target",
+        metavar="CPU",
+        default=None,
+        help="the CPU to build for (iree): host (default: this machine's), x86-64-v3 (any AVX2 machine), "
+        "x86-64-v4 (AVX-512), aarch64 (64-bit ARM, cross-compiled); the file records it and what it needs",
+    )
     comp.add_argument("--inputs", metavar="FILE.pt", help=_INPUTS_HELP)
     comp.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against eager (default 1e-4)")
     comp.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance against eager (default 1e-5)")

@@ -16,6 +16,7 @@ once, the cache is mutable globals both functions update, so it stays in the mod
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from typing import Any
 
@@ -79,18 +80,23 @@ def compile_lm(
     backend: str | Any = "iree",
     dtype: torch.dtype | None = None,
     strict: bool = False,
+    cpu: str | None = None,
 ) -> CompiledLM:
     """Compile a transformers causal LM (`LlamaForCausalLM`, ...) with a static KV cache of `max_cache_len`
     positions for `batch_size` sequences into one module with `prefill` and `decode` functions sharing the
     weights and the cache. A model whose cache is a recurrent state (`Mamba2ForCausalLM`) keeps that state
     instead: `max_cache_len` then bounds the prompt only (padded to a multiple of the model's chunk, at least
     two), and generation is unbounded. `dtype`: compile a copy of the model in that dtype (the model is left
-    as is); `strict`: torch.export's strict mode (both work). Returns a `CompiledLM` (`generate`, `save`)."""
+    as is); `strict`: torch.export's strict mode (both work); `cpu`: the CPU to build for, as for
+    `fx_rewrites.compile` ("x86-64-v3", "aarch64", ...; code this machine cannot run is not loaded: it saves).
+    Returns a `CompiledLM` (`generate`, `save`)."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
+    from fx_rewrites.backends.base import for_cpu
     from fx_rewrites.program import quiet_torch_pytree
 
-    target = backends.get(backend) if isinstance(backend, str) else backend
+    chosen = backends.get(backend) if isinstance(backend, str) else backend
+    target = for_cpu(chosen, cpu)
     if not isinstance(target, backends.ModuleBackend):
         raise ValueError(
             f"compile_lm builds one module with prefill and decode functions; backend {target.name!r} cannot "
@@ -121,7 +127,12 @@ def compile_lm(
             weights_as_parameters=True,
             same_state=True,
         )
-    return CompiledLM(info, module, programs, {name: result.report for name, result in results.items()})
+    reports = {name: result.report for name, result in results.items()}
+    compiled = CompiledLM(info, module, programs, reports, cpu=getattr(target, "cpu", None))
+    if isinstance(target, backends.CpuTargets):
+        options = {"max_cache_len": max_cache_len, "batch_size": batch_size, "dtype": dtype, "strict": strict}
+        compiled.retarget = functools.partial(compile_lm, model, backend=chosen, **options)
+    return compiled
 
 
 def is_lm(reflections: dict[str, dict[str, str]]) -> bool:

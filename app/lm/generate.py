@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,9 @@ class CompiledLM:
     #: the rewritten programs (function -> ExportedProgram) and what the rules did; None once loaded
     programs: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     reports: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    #: the CPU the code is built for (`Compiled.cpu`), and the same compile for another CPU (`save(cpu=)`)
+    cpu: str | None = None
+    retarget: Callable[[str], CompiledLM] | None = attrs.field(default=None, repr=False)
     #: transformers' generation preparation over the model's configs (`sampling.generation_host`), made once
     _generation_host: Any = attrs.field(default=None, init=False, repr=False)
 
@@ -146,8 +149,19 @@ class CompiledLM:
         """The weights the module reads (key -> tensor); None once loaded from a file."""
         return getattr(self.module, "parameters", None)
 
-    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
-        """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa)."""
+    def save(
+        self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, cpu: str | None = None
+    ) -> None:
+        """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa).
+        `cpu`: code for that CPU (`fx_rewrites.compile_lm(..., cpu=)`), compiled again from the model."""
+        if cpu is not None and cpu != self.cpu:
+            if self.retarget is None:
+                raise ValueError(
+                    f"cpu={cpu!r}: this module was loaded from a file or built by a backend that takes no CPU; "
+                    "compile_lm(model, ..., cpu=...) builds for one"
+                )
+            self.retarget(cpu).save(path, params=params)
+            return
         path = Path(path)
         self.module.save(path, params=Path(params) if params is not None else path.with_suffix(".irpa"))
 

@@ -54,16 +54,20 @@ def _constant(value: Any, what: str) -> Any:
     return value
 
 
-def reflection(plan: Plan, driver: str, parameters: bool = False) -> dict[str, str]:
+def reflection(
+    plan: Plan, driver: str, parameters: bool = False, cpu: Mapping[str, Any] | None = None
+) -> dict[str, str]:
     """The `iree.reflection` entries for `main`: the convention as JSON, or why it cannot be one."""
     try:
-        return {CALL_KEY: plan_json(plan, driver, parameters)}
+        return {CALL_KEY: plan_json(plan, driver, parameters, cpu)}
     except ArtifactError as e:
         return {UNSUPPORTED_KEY: str(e)}
 
 
-def plan_json(plan: Plan, driver: str, parameters: bool = False) -> str:
-    """`plan` as JSON (ArtifactError for what JSON cannot carry: state passed by the host, custom pytree types)."""
+def plan_json(plan: Plan, driver: str, parameters: bool = False, cpu: Mapping[str, Any] | None = None) -> str:
+    """`plan` as JSON (ArtifactError for what JSON cannot carry: state passed by the host, custom pytree types).
+    `cpu`: what the code needs to run (`cpus.requirement`; llvm-cpu), checked when the file is loaded; a
+    document without it (written before modules recorded their CPU, or for a GPU) is loaded unchecked."""
     if any(isinstance(a, torch.Tensor) for a in plan.args) or any(
         isinstance(o.write, torch.Tensor) for o in plan.outputs
     ):
@@ -112,6 +116,8 @@ def plan_json(plan: Plan, driver: str, parameters: bool = False) -> str:
         "ranges": {k: list(v) for k, v in plan.ranges.items()},
         "parameters": {"scope": SCOPE} if parameters else None,
     }
+    if cpu is not None:  # optional, so version 1 still reads both ways (an older reader ignores the key)
+        document["cpu"] = dict(cpu)
     return json.dumps(document, separators=(",", ":"))
 
 

@@ -1,6 +1,7 @@
 """`IreeBackend`: import, compile (or take from the cache) and load, for one IREE target.
 
 cpu = IreeBackend()                                   # llvm-cpu for this host, local-task
+avx2 = cpu.for_cpu("x86-64-v3")                        # code any AVX2 machine runs (`cpus.CPUS`)
 gpu = IreeBackend(name="iree-cuda", target=TARGETS["cuda"], device="cuda://0")
 artifact = gpu.artifact(program)                       # compile only: no GPU needed
 fn = gpu.compile(program, args)                        # compile and load on the device
@@ -21,6 +22,7 @@ from torch.fx import GraphModule
 from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
+from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
@@ -131,10 +133,15 @@ class IreeBackend:
         every placeholder, as the GraphModule does; see `importing`).
         `example_args` are not needed: both carry their shapes. An
         ExportedProgram's weights of `parameters.inline_limit()` bytes or
-        more are parameters, served from the tensors' own memory.
+        more are parameters, served from the tensors' own memory. Code for a
+        CPU this host cannot run (`for_cpu("aarch64")` on x86) is compiled and
+        not loaded: it saves, and a call raises `cpus.IreeCpuError`.
         """
         compiled = self.unloaded(program)
-        return attrs.evolve(compiled, function=self.load(compiled.vmfb, compiled.parameters))
+        try:
+            return attrs.evolve(compiled, function=self.load(compiled.vmfb, compiled.parameters))
+        except IreeCpuError as e:  # built for a CPU this one is not (for_cpu): saved, it runs there
+            return attrs.evolve(compiled, refused=e)
 
     def unloaded(self, program: ExportedProgram | GraphModule) -> IreeCompiled:
         """`program` compiled (`artifact`) but not loaded: it saves as a loaded one does (`save`, with or
@@ -198,9 +205,10 @@ class IreeBackend:
         else:
             hooks = attribute_hooks(iree, prepared, limit=limit)
         entries: dict[str, str] = {}
+        needs = self.cpu_requirement()
 
         def entries_now() -> dict[str, str]:  # after the import: whether the module reads parameters
-            entries.update(reflection(plan, self.driver, parameters=bool(hooks and hooks.tensors)))
+            entries.update(reflection(plan, self.driver, parameters=bool(hooks and hooks.tensors), cpu=needs))
             return entries
 
         mlir = import_mlir(iree, prepared, reflection=entries_now, hooks=hooks, state=state)
@@ -235,8 +243,9 @@ class IreeBackend:
             "save the weights beside it: compiled.save('model.vmfb', params='model.irpa')",
         )
         mlir = artifact.mlir
-        if CALL_KEY in (before := reflection(artifact.plan, self.driver, parameters=True)):
-            after = reflection(artifact.plan, self.driver, parameters=False)
+        needs = self.cpu_requirement()
+        if CALL_KEY in (before := reflection(artifact.plan, self.driver, parameters=True, cpu=needs)):
+            after = reflection(artifact.plan, self.driver, parameters=False, cpu=needs)
             context = iree.compiler.ir.Context()
             old, new = (str(iree.compiler.ir.StringAttr.get(e[CALL_KEY], context=context)) for e in (before, after))
             mlir = mlir.replace(old, new, 1)
@@ -251,6 +260,9 @@ class IreeBackend:
     def load_module(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:
         """Compiled `vmfb` bytes loaded on this backend's device: its functions by name (`["main"]`), all in
         one VM context (they share the module's globals); `parameters` as for `load`."""
+        refused = why_not_here(self.cpu_requirement(), "the module")
+        if refused is not None:  # IREE would map the code and die of SIGILL in it, or not find its format
+            raise refused
         rt = iree_modules().runtime
         uri = self.device or self.driver
         try:
@@ -276,6 +288,42 @@ class IreeBackend:
             modules.append(memory_parameters(config, parameters))
         modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
         return rt.load_vm_modules(*modules, config=config)[-1]
+
+    # -- the CPU it builds for (the `backends.base.CpuTargets` capability) -------------------------------
+
+    #: the CPUs `for_cpu` takes (`cpus.CPUS`)
+    cpus = tuple(CPUS)
+
+    @property
+    def cpu(self) -> str | None:
+        """The CPU this backend's code is built for ("host", "x86-64-v3", "aarch64", or the LLVM name its
+        flags give, e.g. "znver3"); None for a GPU target."""
+        needs = self.cpu_requirement()
+        return None if needs is None else needs["target"]
+
+    def cpu_requirement(self) -> dict[str, Any] | None:
+        """What this backend's code needs to run (`cpus.requirement` of its flags: the CPU, architecture
+        and features), as a saved module records it; None for a GPU target."""
+        return requirement(self.flags) if self.target.name == "llvm-cpu" else None
+
+    def for_cpu(self, cpu: str) -> IreeBackend:
+        """This backend building code for `cpu` (`cpus.CPUS`: "host", "x86-64-v3", "x86-64-v4", "aarch64"):
+        its flags with that CPU's in place of the CPU, features and triple they had; the rest (name, driver,
+        cache, performance flags and rules) as they are. "host" is the registered llvm-cpu target's CPU."""
+        if self.target.name != "llvm-cpu":
+            raise ValueError(
+                f"backend {self.name!r} builds {self.target.name} code; cpu={cpu!r} applies to llvm-cpu code "
+                "(backend='iree')"
+            )
+        if cpu == "host":
+            default = TARGETS["llvm-cpu"]
+            target = attrs.evolve(self.target, flags=default.flags, device=default.device)
+            kept = tuple(f for f in self.flags if f not in self.target.flags)
+            return attrs.evolve(self, target=target, flags=(*default.flags, *kept))
+        target = attrs.evolve(
+            self.target, flags=flags_for(cpu, self.target.flags), device=f"a {cpu} CPU ({CPUS[cpu].description})"
+        )
+        return attrs.evolve(self, target=target, flags=flags_for(cpu, self.flags))
 
     # -- several functions in one module (the `backends.base.ModuleBackend` capability) --------------------
 

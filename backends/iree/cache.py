@@ -14,7 +14,6 @@ and models that differ only in those weights share one compile.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import platform
@@ -24,6 +23,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import attrs
+
+from fx_rewrites.backends.iree.cpus import _read_host
 
 #: environment variable: the on-disk compile cache's directory, or "0" / "off" for none
 CACHE_ENV = "FX_REWRITES_IREE_CACHE"
@@ -147,16 +148,11 @@ class CompileCache:
         self.hits = self.disk_hits = self.misses = 0
 
 
-@functools.cache
 def _host() -> str:
     """This CPU's model and features (`--iree-llvmcpu-target-cpu=host` code differs between CPUs: a cache
     directory shared between machines must not hand one's module to another)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(dict.fromkeys(line for line in lines if line.split(":", 1)[0].strip() in wanted))
+    cpu = _read_host()  # the machine iree-compile runs on, not a test's stand-in (`cpus.host`)
+    return "\n".join((cpu.model, " ".join(sorted(cpu.features))))
 
 
 def cache_key(mlir: str, flags: Sequence[str]) -> str:

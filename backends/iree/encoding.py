@@ -31,6 +31,7 @@ import torch
 
 from fx_rewrites.backends.iree import archive
 from fx_rewrites.backends.iree.cache import cache_key
+from fx_rewrites.backends.iree.cpus import why_not_here
 from fx_rewrites.backends.iree.errors import IreeCompileError
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, run_iree_compile
 from fx_rewrites.backends.iree.parameters import SCOPE, _bytes
@@ -47,13 +48,16 @@ def packer(
     backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor] | None, gm: Any = None
 ) -> Callable[[Path], bytes | None] | None:
     """`artifact.save`'s `pack` for a module compiled by `backend` from `mlir`, reading `parameters`: None
-    where the module packs nothing when it loads (no data tiling)."""
+    where the module packs nothing when it loads (no data tiling), or is built for a CPU this host cannot run
+    (the encoder is built for it too: the module packs its weights where it runs)."""
     if not parameters or backend.target.name != "llvm-cpu" or DATA_TILING not in backend.perf_flags:
         return None
     if extra_flags(mlir):
         # quantized weights re-laid as its kernels read them (`weight_layout`): IREE's encoder leaves those
         # out of the archive it writes (the loaded module then finds no `...blocked_rows` entry), so the
         # archive is written as it is
+        return None
+    if why_not_here(backend.cpu_requirement()) is not None:  # the encoder is code for that CPU: it runs there
         return None
     return functools.partial(pack, backend, mlir, parameters, gm)
 

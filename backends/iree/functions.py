@@ -33,6 +33,7 @@ from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import memory, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection, save
 from fx_rewrites.backends.iree.cache import cache_key
+from fx_rewrites.backends.iree.cpus import IreeCpuError
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
@@ -147,10 +148,12 @@ def compile_functions(
         limit=inline_limit() if limit is None else limit,
     )
 
+    needs = backend.cpu_requirement()
+
     def reflections() -> dict[str, dict[str, str]]:
         out = {}
         for name, plan in plans.items():
-            entries = reflection(plan, backend.driver, parameters=bool(hooks.tensors))
+            entries = reflection(plan, backend.driver, parameters=bool(hooks.tensors), cpu=needs)
             out[name] = {**entries, **(extra or {}).get(name, {})}
         return out
 
@@ -177,10 +180,11 @@ def embedded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -
     iree = iree_modules()
     context = iree.compiler.ir.Context()
     mlir = functions.mlir
+    needs = backend.cpu_requirement()
     for plan in functions.plans.values():  # one replacement each: equal conventions are replaced in turn
-        before = reflection(plan, backend.driver, parameters=True)
+        before = reflection(plan, backend.driver, parameters=True, cpu=needs)
         if CALL_KEY in before:
-            after = reflection(plan, backend.driver, parameters=False)
+            after = reflection(plan, backend.driver, parameters=False, cpu=needs)
             old, new = (str(iree.compiler.ir.StringAttr.get(e[CALL_KEY], context=context)) for e in (before, after))
             mlir = mlir.replace(old, new, 1)
     return backend._compile_mlir(iree, embed_parameters(mlir, functions.parameters), graph_module)
@@ -221,8 +225,13 @@ class IreeModule:
 
 def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> IreeModule:
     """`functions` loaded on `backend`'s device: an `IreeCompiled` per function, in one VM context.
-    `graph_module` names nodes in the errors of a later self-contained compile (`embedded`)."""
-    bound = backend.load_module(functions.vmfb, functions.parameters)
+    `graph_module` names nodes in the errors of a later self-contained compile (`embedded`). Code for a CPU
+    this host cannot run is not loaded: it saves, and a call raises `cpus.IreeCpuError`."""
+    refused = None
+    try:
+        bound = backend.load_module(functions.vmfb, functions.parameters)
+    except IreeCpuError as e:  # built for another CPU (`IreeBackend.for_cpu`): saved, it runs there
+        bound, refused = dict.fromkeys(functions.plans), e
     calls = {}
     for name, plan in functions.plans.items():
         why = reflection(plan, backend.driver).get(UNSUPPORTED_KEY, "")
@@ -235,6 +244,7 @@ def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> 
             functions.from_cache,
             why,
             parameters=functions.parameters,
+            refused=refused,
         )
     embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
     unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")

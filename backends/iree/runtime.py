@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
+from fx_rewrites.backends.iree.cpus import check
 from fx_rewrites.backends.iree.element_types import element_type
 from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
 
@@ -124,6 +125,8 @@ class IreeCompiled:
     #: writes the parameters to an .irpa packed as the module reads them and returns that module
     #: (`encoding.pack`; None: the module packs nothing when it loads)
     pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
+    #: why it was not loaded, raised by a call: built for a CPU this host cannot run (`cpus.IreeCpuError`)
+    refused: Exception | None = attrs.field(default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
@@ -182,6 +185,8 @@ class IreeCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.function is None:
+            if self.refused is not None:
+                raise self.refused.with_traceback(None)
             raise RuntimeError(
                 "this compiled module is not loaded (released, or built by IreeBackend.unloaded for a device absent "
                 "here): compile or load it on a machine with its device"
@@ -284,6 +289,8 @@ def load_functions(
                 "compiled.save); run it with iree-run-module or iree.runtime directly"
             )
         docs[name] = plan_from_json(entries[CALL_KEY], str(path))
+    if (driver or docs[names[0]][1]["driver"]).split(":", 1)[0] in ("local-task", "local-sync"):
+        check(docs[names[0]][1].get("cpu"), str(path))  # before IREE maps code this CPU cannot run
     bound, archive = _bind(path, docs[names[0]][1], params, driver)
     vmfb = path.read_bytes()
     return {name: IreeCompiled(plan, bound[name], "", vmfb, archive=archive) for name, (plan, _) in docs.items()}
