@@ -91,7 +91,7 @@ class Compiled:
                     f"cpu={cpu!r}: the {self.backend} backend builds for no CPU by name. Fix: compile with "
                     "backend='iree' (llvm-cpu), or leave cpu= out"
                 )
-            self.retarget(cpu).save(path, params=params)
+            self.retarget(cpu=cpu).save(path, params=params)
             return
         save = getattr(self.runtime, "save", None)
         if save is None:

@@ -160,7 +160,7 @@ class CompiledLM:
                     f"cpu={cpu!r}: this module was loaded from a file or built by a backend that takes no CPU; "
                     "compile_lm(model, ..., cpu=...) builds for one"
                 )
-            self.retarget(cpu).save(path, params=params)
+            self.retarget(cpu=cpu).save(path, params=params)
             return
         path = Path(path)
         self.module.save(path, params=Path(params) if params is not None else path.with_suffix(".irpa"))

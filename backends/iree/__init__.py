@@ -33,7 +33,8 @@ each target's performance rules) and call convention. `artifact(program)`
 compiles without a device; `compile` also loads on the device
 (`IreeDeviceError` when it is absent).
 
-Modules: `errors` (what it raises), `invoke` (running iree-compile),
+Modules: `errors` (what it raises), `invoke` (running iree-compile), `cpus` (the CPU llvm-cpu
+code is built for, what it needs, the host's features: `IreeBackend.for_cpu`, `IreeCpuError`),
 `cache`, `importing` (graph -> MLIR and the call plan), `state` (written buffers as
 module globals), `parameters`, `memory`, `runtime`
 (`IreeCompiled`, `IreeArtifact`), `targets` (`IreeTarget`, `TARGETS`),
@@ -42,6 +43,7 @@ module globals), `parameters`, `memory`, `runtime`
 
 from fx_rewrites.backends.iree.backend import IREE_RULES, IreeBackend, rules_for
 from fx_rewrites.backends.iree.cache import CACHE_ENV, CompileCache
+from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError
 from fx_rewrites.backends.iree.errors import (
     IreeCompileError,
     IreeDeviceError,
@@ -80,6 +82,7 @@ def vulkan() -> IreeBackend:
 __all__ = [
     "BACKEND_TARGETS",
     "CACHE_ENV",
+    "CPUS",
     "INSTALL_HINT",
     "IREE_RULES",
     "TARGETS",
@@ -90,6 +93,7 @@ __all__ = [
     "IreeCompileError",
     "IreeCompileTimeout",
     "IreeCompiled",
+    "IreeCpuError",
     "IreeDeviceError",
     "IreeImportError",
     "IreeMemoryError",

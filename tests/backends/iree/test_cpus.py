@@ -226,3 +226,29 @@ def test_cli_compile_target(tmp_path, capsys):
     code = main(["compile", f"{tmp_path / 'model.py'}:make", "-o", str(out), "--target", "armv7"])
     err = capsys.readouterr().err
     assert code == 2 and "--target armv7: backend 'iree' builds for host, x86-64-v3, x86-64-v4, aarch64" in err
+
+
+@pytest.mark.slow  # two compile_lm (about 40 s on 2 quiet cores): the LM route's own CPU handling
+def test_a_language_model_is_built_and_saved_for_another_cpu(tmp_path):
+    """compile_lm(cpu=) and CompiledLM.save(cpu=): both functions record the CPU; an LM saved for x86-64-v3 from
+    an aarch64 compile is compiled again for it, loads here and generates model.generate's tokens."""
+    from tests import lm_models
+
+    model, _ = lm_models.build("llama")
+    lm = fx_rewrites.compile_lm(model, max_cache_len=16, cpu="aarch64")
+    assert lm.cpu == "aarch64"
+    lm.save(tmp_path / "arm.vmfb")
+    for function in ("prefill", "decode"):
+        record = json.loads(function_reflections(tmp_path / "arm.vmfb")[function][CALL_KEY])["cpu"]
+        assert record == {"target": "aarch64", "arch": "aarch64", "features": ["asimd", "fp"]}
+    ids = lm_models.prompt(5)
+    if REAL.arch != "aarch64":
+        with pytest.raises(cpus.IreeCpuError, match=r"cannot run aarch64 code"):
+            lm.generate(ids, max_new_tokens=4)
+    if not RUNS_V3:
+        return
+    lm.save(tmp_path / "avx2.vmfb", cpu="x86-64-v3")
+    record = json.loads(function_reflections(tmp_path / "avx2.vmfb")["decode"][CALL_KEY])["cpu"]
+    assert record["target"] == "x86-64-v3"
+    loaded = fx_rewrites.load(tmp_path / "avx2.vmfb")
+    assert torch.equal(loaded.generate(ids, max_new_tokens=4)[:, ids.shape[1] :], lm_models.reference(model, ids, 4))
