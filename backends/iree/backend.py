@@ -309,20 +309,14 @@ class IreeBackend:
     def for_cpu(self, cpu: str) -> IreeBackend:
         """This backend building code for `cpu` (`cpus.CPUS`: "host", "x86-64-v3", "x86-64-v4", "aarch64"):
         its flags with that CPU's in place of the CPU, features and triple they had; the rest (name, driver,
-        cache, performance flags and rules) as they are. "host" is the registered llvm-cpu target's CPU."""
+        cache, performance flags and rules) as they are."""
         if self.target.name != "llvm-cpu":
             raise ValueError(
                 f"backend {self.name!r} builds {self.target.name} code; cpu={cpu!r} applies to llvm-cpu code "
                 "(backend='iree')"
             )
-        if cpu == "host":
-            default = TARGETS["llvm-cpu"]
-            target = attrs.evolve(self.target, flags=default.flags, device=default.device)
-            kept = tuple(f for f in self.flags if f not in self.target.flags)
-            return attrs.evolve(self, target=target, flags=(*default.flags, *kept))
-        target = attrs.evolve(
-            self.target, flags=flags_for(cpu, self.target.flags), device=f"a {cpu} CPU ({CPUS[cpu].description})"
-        )
+        device = TARGETS["llvm-cpu"].device if cpu == "host" else f"a {cpu} CPU ({CPUS[cpu].description})"
+        target = attrs.evolve(self.target, flags=flags_for(cpu, self.target.flags), device=device)
         return attrs.evolve(self, target=target, flags=flags_for(cpu, self.flags))
 
     # -- several functions in one module (the `backends.base.ModuleBackend` capability) --------------------
