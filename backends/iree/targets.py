@@ -10,12 +10,12 @@ needs one (`IreeDeviceError` says so when it is absent).
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
-from pathlib import Path
 
 import attrs
+
+from fx_rewrites.backends.iree import cpus
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -120,18 +120,9 @@ CPU_ISAS: dict[str, CpuIsa] = {
 
 
 def cpu_flags() -> frozenset[str]:
-    """This host's CPU feature flags (/proc/cpuinfo `flags`, or `Features` on ARM); empty where unreadable."""
-    return _cpu_flags()
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    found = next((line for line in lines if line.split(":", 1)[0].strip() in ("flags", "Features")), "")
-    return frozenset(found.split(":", 1)[1].split()) if ":" in found else frozenset()
+    """This host's CPU feature flags (/proc/cpuinfo `flags`, or `Features` on ARM; `cpus.host`, the one reader);
+    empty where unreadable."""
+    return cpus.host().features
 
 
 def host_isa() -> str:
