@@ -1,4 +1,5 @@
-"""transformers' grouped matmul of MoE experts on IREE (backends/iree/rules/moe.py)."""
+"""transformers' grouped matmul of MoE experts on IREE (backends/iree/rules/moe.py): each expert's weight read in
+place, never a gathered copy per row."""
 
 from __future__ import annotations
 
@@ -12,56 +13,173 @@ from torch.export import Dim
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree.errors import IreeCompileError
-from fx_rewrites.backends.iree.rules.moe import grouped_mm_for_iree
+from fx_rewrites.backends.iree.rules.moe import per_expert_for_iree, per_row_for_iree
+from tests import lm_models
 
 moe = pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 
+aten = torch.ops.aten
+PER_EXPERT, PER_ROW = "grouped_mm_per_expert_for_iree", "grouped_mm_per_row_for_iree"
+
 
 class Experts(torch.nn.Module):
-    """The grouped matmul as transformers 5's MoE layers call it: rows sorted by expert, offs their ends."""
+    """The grouped matmul as transformers 5's MoE layers call it: rows sorted by expert, offs their ends; the
+    weight stored [E, N, K] and passed transposed, as `_grouped_linear` does."""
 
-    def forward(self, x, weight, offs):
-        return torch.ops.transformers.grouped_mm_fallback(x, weight, offs) * 2.0
+    def __init__(self, experts: int = 3, k: int = 4, n: int = 5) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.weight = torch.nn.Parameter(torch.randn(experts, n, k, generator=g), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.transformers.grouped_mm_fallback(x, self.weight.transpose(-2, -1), offs) * 2.0
 
 
-def _inputs(rows: int, offs: list[int], seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 4, generator=g), torch.randn(3, 4, 5, generator=g), torch.tensor(offs)
+def _x(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The op's meaning in float64, written independently of the rules: row r belongs to the first expert whose
+    end is past r; rows past the last end are 0."""
+    out = torch.zeros(x.shape[0], weight.shape[1], dtype=torch.float64)
+    for r in range(x.shape[0]):
+        later = [e for e in range(len(offs)) if r < int(offs[e])]
+        if later:
+            out[r] = x[r].double() @ weight[later[0]].double().T
+    return out * 2.0
+
+
+def _close_to_reference(got: torch.Tensor, module: Experts, x: torch.Tensor, offs: torch.Tensor) -> None:
+    reference = _reference(x, module.weight, offs)
+    eager_error = (module(x, offs).double() - reference).abs().max().item()
+    # within a few times torch's own float32 error (K=4 terms: ~1e-6)
+    assert (got.double() - reference).abs().max().item() <= 4 * eager_error + 1e-6
+
+
+def _rewritten(ep, rule):
+    result = rt.apply_rules(ep, rule)
+    assert not any("grouped_mm" in str(t) for t in rt.targets(result))
+    assert aten.index.Tensor not in rt.targets(result), "a gather: a copy of the weights per row"
+    return result
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
-def test_grouped_mm_becomes_a_gathered_bmm_on_iree(dynamic):
-    # an expert with no rows, and a row past the last offset (0 in the op)
-    inputs = [_inputs(7, [2, 2, 6], 0), _inputs(9 if dynamic else 7, [3, 5, 7] if dynamic else [0, 4, 7], 1)]
-    shapes = ({0: Dim("rows")}, None, None) if dynamic else None
-    ep = rt.export(Experts(), *inputs[0], dynamic_shapes=shapes)
+def test_grouped_mm_becomes_one_matmul_per_expert(dynamic):
+    # 7 and 9 rows for 3 experts: the per-expert form; an expert with no rows, a row past the last offset (0)
+    module = Experts()
+    inputs = [(_x(7, 0), torch.tensor([2, 2, 6])), (_x(9 if dynamic else 7, 1), torch.tensor([0, 4, 7]))]
+    ep = rt.export(module, *inputs[0], dynamic_shapes=({0: Dim("rows", min=4)}, None) if dynamic else None)
     iree = backends.get("iree")
     with pytest.raises(IreeCompileError, match="grouped_mm_fallback"):
         iree.compile(ep, inputs[0])
-    result = rt.apply_rules(ep, grouped_mm_for_iree)
-    rt.assert_fired(result, "grouped_mm_to_gathered_bmm_for_iree", times=1)
-    assert not any("grouped_mm" in str(t) for t in rt.targets(result))
-    rt.assert_matches_eager(result, Experts(), inputs, rtol=1e-5, atol=1e-5)
-    rt.assert_idempotent(result, grouped_mm_for_iree)
+    result = _rewritten(ep, per_expert_for_iree)
+    rt.assert_fired(result, PER_EXPERT, times=1)
+    assert rt.targets(result).count(aten.mm.default) == 3  # one per expert, each weight selected in place
+    assert rt.targets(result).count(aten.item.default) == 3  # the row ranges, read at run time
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
+    rt.assert_idempotent(result, per_expert_for_iree)
     compiled = iree.compile(rt.apply_rules(ep, iree.rules).program, inputs[0])
     for args in inputs:
-        torch.testing.assert_close(compiled(*args), Experts()(*args), rtol=1e-4, atol=1e-5)
+        _close_to_reference(compiled(*args), module, *args)
 
 
-def test_grouped_mm_rule_declines_a_symbolic_number_of_experts():
-    """The rule writes the number of experts into the graph as a literal; exported with a Dim on the experts
-    it must decline (its `when` once ended in `or True` and fired, leaving a graph that names an unbound
-    SymInt), and it fires on the same program with the experts fixed."""
-    x, weight, offs = _inputs(7, [2, 2, 6], 0)
+def test_grouped_mm_with_few_static_rows_becomes_a_product_per_row():
+    # decode: 3 rows (batch 1 x top 3) for 4 experts; one expert unused, and a row past the last offset
+    module = Experts(experts=4)
+    inputs = [(_x(3, 0), torch.tensor([1, 1, 2, 2])), (_x(3, 1), torch.tensor([0, 1, 2, 3]))]
+    ep = rt.export(module, *inputs[0])
+    result = _rewritten(ep, per_row_for_iree)
+    rt.assert_fired(result, PER_ROW, times=1)
+    assert aten.mm.default not in rt.targets(result) and rt.targets(result).count(aten.item.default) == 3
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
+    iree = backends.get("iree")
+    compiled = iree.compile(rt.apply_rules(ep, iree.rules).program, inputs[0])
+    for args in inputs:
+        _close_to_reference(compiled(*args), module, *args)
+
+
+def test_each_form_declines_the_other_ones_rows():
+    few = rt.apply_rules(rt.export(Experts(experts=4), _x(3, 0), torch.tensor([1, 1, 2, 3])), per_expert_for_iree)
+    many = rt.apply_rules(rt.export(Experts(), _x(7, 0), torch.tensor([2, 2, 6])), per_row_for_iree, explain=True)
+    rt.assert_not_fired(few, PER_EXPERT)
+    rt.assert_not_fired(many, PER_ROW)
+    (attempt,) = many.report.explain(PER_ROW)
+    assert "the per-expert form" in attempt.reason, attempt
+
+
+def test_grouped_mm_rules_decline_a_symbolic_number_of_experts():
+    """The rules write one product per expert; exported with a Dim on the experts they decline (a `when` once
+    ended in `or True` and fired, leaving a graph that names an unbound SymInt)."""
+
+    def grouped(x, weight, offs):
+        return torch.ops.transformers.grouped_mm_fallback(x, weight, offs)
+
+    g = torch.Generator().manual_seed(0)
+    x, weight, offs = torch.randn(7, 4, generator=g), torch.randn(3, 4, 5, generator=g), torch.tensor([2, 2, 6])
     experts = Dim("experts")
-    ep = rt.export(Experts(), x, weight, offs, dynamic_shapes=(None, {0: experts}, {0: experts}))
-    result = rt.apply_rules(ep, grouped_mm_for_iree, explain=True)
-    rt.assert_not_fired(result, "grouped_mm_to_gathered_bmm_for_iree")
-    (attempt,) = result.report.explain("grouped_mm_to_gathered_bmm_for_iree")
+    ep = rt.export(grouped, x, weight, offs, dynamic_shapes=(None, {0: experts}, {0: experts}))
+    result = rt.apply_rules(ep, per_expert_for_iree, per_row_for_iree, explain=True)
+    rt.assert_not_fired(result, PER_EXPERT)
+    (attempt,) = result.report.explain(PER_EXPERT)
     assert "a symbolic number of experts" in attempt.reason, attempt
-    torch.testing.assert_close(result.program.module()(x, weight, offs), Experts()(x, weight, offs))
-    fixed = rt.apply_rules(rt.export(Experts(), x, weight, offs), grouped_mm_for_iree)
-    rt.assert_fired(fixed, "grouped_mm_to_gathered_bmm_for_iree", times=1)
+    torch.testing.assert_close(result.program.module()(x, weight, offs), grouped(x, weight, offs))
+    fixed = rt.apply_rules(rt.export(grouped, x, weight, offs), per_expert_for_iree)
+    rt.assert_fired(fixed, PER_EXPERT, times=1)
+
+
+def _qwen3_moe_block(experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+    """transformers' Qwen3-MoE sparse block (4 experts, top 2), seeded weights."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    config._experts_implementation = experts_implementation
+    torch.manual_seed(0)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.3)
+    return block
+
+
+def test_qwen3_moe_experts_from_a_real_export():
+    """transformers' own sparse MoE block (router, sort, two grouped matmuls), exported with a Dim on the tokens:
+    both matmuls are written per expert, and IREE computes the block as eager does."""
+    block = _qwen3_moe_block()
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(1, 6, 16, generator=g),), (torch.randn(1, 11, 16, generator=g),)]
+    ep = rt.export(block, *inputs[0], dynamic_shapes=({1: Dim("tokens", min=2, max=64)},))
+    iree = backends.get("iree")
+    result = rt.apply_rules(ep, iree.rules)
+    rt.assert_fired(result, PER_EXPERT, times=2)  # gate_up and down
+    assert aten.index.Tensor not in [n.target for n in result.graph_module.graph.nodes if "mm" in n.name]
+    rt.assert_matches_eager(result, block, inputs, rtol=1e-5, atol=1e-6)
+    compiled = iree.compile(result.program, inputs[0])
+    in_float64 = _qwen3_moe_block("eager").double()  # torch's grouped_mm takes no float64; same weights
+    with torch.no_grad():
+        for (x,) in inputs:
+            reference = in_float64(x.double())
+            eager_error = (block(x).double() - reference).abs().max().item()
+            assert (compiled(x).double() - reference).abs().max().item() <= 4 * eager_error + 1e-6
+
+
+def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
+    """A tiny Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) takes the
+    per-expert form, the decode step (2 rows) the per-row form; the tokens equal model.generate's."""
+    import fx_rewrites
+
+    model, _ = lm_models.build("qwen3_moe")
+    ids = lm_models.prompt()
+    expected = lm_models.reference(model, ids, new=6)
+    sequence = torch.cat([ids, expected], dim=1)
+    assert lm_models.top2_margin(model, sequence, ids.shape[1] - 1) > 1e-3  # no greedy step near a tie
+    lm = fx_rewrites.compile_lm(model, max_cache_len=ids.shape[1] + 8)
+    assert lm.reports["prefill"].rewrites[PER_EXPERT] == 4  # 2 layers x (gate_up, down)
+    assert lm.reports["decode"].rewrites[PER_ROW] == 4
+    got = lm.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
+    assert got == expected[0].tolist()
 
 
 #: a fresh process: compile a Linear first (the IREE phases' rule index is built while transformers' op does
