@@ -1,22 +1,30 @@
-"""MoE prefill through compile_lm at real prompt lengths: what the experts' sort as ranks costs (issue: moesort).
+"""MoE through compile_lm at real prompt lengths: prefill, decode, peak memory against eager (issue 34).
 
     python benchmarks/moe_sort.py                                    # 16 and 64 experts, top 2 and 8, 128/512/2048
-    python benchmarks/moe_sort.py --experts 64 --top 8 --prompts 128 512 --routes ranks counting --interleave
-    python benchmarks/moe_sort.py --micro                            # the sort alone, ranks vs counting sort
+    python benchmarks/moe_sort.py --experts 64 --top 8 --prompts 512 2048 --decode 32 --interleave
+    python benchmarks/moe_sort.py --shape qwen3-30b-a3b --prompts 1024 --decode 16   # one layer at 30B-A3B's sizes
+    python benchmarks/moe_sort.py --isa avx2 ...                     # AVX2 on an AVX-512 host (see below)
+    python benchmarks/moe_sort.py --micro                            # the experts' sort alone, ranks vs counting
 
-Model: `Qwen3MoeForCausalLM` from a config (hidden 512, 4 layers, 8 heads / 4 KV heads, every layer sparse,
-moe_intermediate 256, vocab 4096), seeded random weights (randn x 0.05), transformers' default experts path
-(`grouped_mm`: each layer sorts its tokens x top_k expert ids; `--impl batched_mm`: no sort). Routes, one child
-process per (config, route), or all of a config's in one child, interleaved (`--interleave`):
-- `counting` / `ranks`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + 1)` on IREE local-sync (the
-  prefill one function with a Dim on the sequence), the experts' sorts as counting sorts (the rules as they are)
-  or as ranks (`counting_sort_for_iree` left out); the time of `generate(ids, max_new_tokens=1)`;
-- `eager`: transformers' `model.generate(ids, max_new_tokens=1, do_sample=False)` (DynamicCache).
-One thread each (torch.set_num_threads(1), IREE local-sync), CPU time (time.process_time), prompts interleaved
-round after round, medians; round 0 warms up. Peak RSS: the process's high-water mark reset
-(/proc/self/clear_refs) before a prompt's warm-up call and read after it (the compile's peak is not counted).
-IREE prompts whose gathered expert weights (backends/iree/rules/moe.py: rows x in x out floats) pass
-`--max-gather-gb` are skipped (prompt 2048 at top 8: 17 GB for gate_up alone; it was killed for memory).
+Model (`--shape small`, the default): `Qwen3MoeForCausalLM` from a config (hidden 512, 4 layers, 8 heads / 4 KV
+heads, every layer sparse, moe_intermediate 256, vocab 4096); `--shape qwen3-30b-a3b`: one layer at
+Qwen3-30B-A3B's sizes (hidden 2048, 32 heads / 4 KV heads of 128, 128 experts, top 8, moe_intermediate 768),
+vocab 4096. Seeded random weights (randn x 0.05), transformers' default experts path (`grouped_mm`: each layer
+sorts its tokens x top_k expert ids; `--impl batched_mm`: no sort). Routes, one child process per (config,
+route), or all of a config's in one child, interleaved (`--interleave`):
+- `counting` / `ranks`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + decode + 1)` on IREE
+  local-sync (the prefill one function with a Dim on the sequence; the experts as backends/iree/rules/moe.py
+  writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
+  (`counting_sort_for_iree` left out);
+- `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
+Prefill: the time of a generate of 1 new token; decode: `--decode N` more tokens, tokens/s from the time of a
+generate of 1 + N tokens less the prefill's. One thread each (torch.set_num_threads(1), IREE local-sync), CPU
+time (time.process_time), prompts interleaved round after round, medians; round 0 warms up. Peak RSS: the
+process's high-water mark reset (/proc/self/clear_refs) before a prompt's warm-up calls and read after them
+(the compile's peak is not counted; per route only without `--interleave`). Every route's tokens are printed
+(a route whose tokens differ from eager's says so).
+`--isa avx2`: the children run torch with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and IREE compiled
+for znver3 (AVX2, no AVX-512), the way an AVX2 machine runs both.
 `--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of the flattened
 ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt, ranks vs counting.
 """
@@ -52,18 +60,30 @@ def _hwm_mb() -> float:
     return float("nan")
 
 
-def build(experts: int, top: int, max_len: int, impl: str = "grouped_mm") -> Any:
+#: model sizes: keyword arguments of Qwen3MoeConfig besides the experts
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  intermediate_size=1024, moe_intermediate_size=256),
+    # Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B), one of them
+    "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, intermediate_size=6144, moe_intermediate_size=768),
+}  # fmt: skip
+
+#: --isa avx2: what the children run with
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_CPU = "znver3"
+
+
+def build(experts: int, top: int, max_len: int, impl: str = "grouped_mm", shape: str = "small") -> Any:
     sys.path.insert(0, str(ROOT))
     from benchmarks.generate import seeded_for_greedy
     from benchmarks.runtime_models import _tf
 
     tf = _tf()
     config = tf.Qwen3MoeConfig(
-        vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts=experts,
-        num_experts_per_tok=top, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-        max_position_embeddings=max(max_len, 256), tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=None, pad_token_id=0,
+        vocab_size=4096, **SHAPES[shape], num_experts=experts, num_experts_per_tok=top, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=max(max_len, 256),
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     config._experts_implementation = impl
     torch.manual_seed(0)
@@ -74,75 +94,78 @@ def _prompt(length: int) -> torch.Tensor:
     return torch.randint(1, 4096, (1, length), generator=torch.Generator().manual_seed(length))
 
 
-def iree_backend(sort: str) -> Any:
+def iree_backend(sort: str, isa: str = "host") -> Any:
     """IREE local-sync with the experts' sort as a counting sort (`counting`, the default rules) or as ranks
-    (`ranks`: the counting sort left out, as before it existed)."""
+    (`ranks`: the counting sort left out, as before it existed); `isa` avx2: code for znver3."""
     from fx_rewrites.backends.iree import IreeBackend
 
     backend = IreeBackend(driver="local-sync")
-    if sort == "ranks":
-        backend = IreeBackend(driver="local-sync", rules=backend.rules.without("counting_sort_for_iree"))
-    return backend
+    flags = backend.flags
+    if isa == "avx2":
+        flags = tuple(f"--iree-llvmcpu-target-cpu={AVX2_CPU}" if "target-cpu=" in f else f for f in flags)
+    rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
+    return IreeBackend(driver="local-sync", rules=rules, flags=flags)
 
 
-def _runner(route: str, model: Any, max_len: int) -> Any:
-    """(ids) -> the first new token, by `route`: eager generate, or compile_lm with the sort as `route`."""
+def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
+    """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`."""
     if route == "eager":
 
-        def run(ids: torch.Tensor) -> torch.Tensor:
+        def run(ids: torch.Tensor, n: int) -> torch.Tensor:
             with torch.no_grad():
-                out = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, disable_compile=True
+                return model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, disable_compile=True
                 )
-            return out[:, -1]
 
         return run
     import fx_rewrites
 
     start = time.perf_counter()
-    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route))
-    fired = {k: v for k, v in lm.reports["prefill"].rewrites.items() if "sort" in k}
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route, isa))
+    fired = {
+        f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
+    } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
     print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
-    return lambda ids: lm.generate(ids, max_new_tokens=1)[:, -1]
+    return lambda ids, n: lm.generate(ids, max_new_tokens=n)
 
 
 def child(args: argparse.Namespace) -> None:
     """Every route of `args.routes` on one model, interleaved: round after round, prompt after prompt."""
     torch.set_num_threads(1)
-    max_len = max(args.prompts) + 1
-    model = build(args.experts[0], args.top[0], max_len, args.impl)
-    runs = {route: _runner(route, model, max_len) for route in args.routes}
-    config = model.config
-    # the grouped matmul as IREE runs it gathers a weight per row (backends/iree/rules/moe.py): rows x in x out
-    gather_gb = {
-        p: p * args.top[0] * 2 * config.moe_intermediate_size * config.hidden_size * 4 / 1e9 for p in args.prompts
-    }
+    max_len = max(args.prompts) + args.decode + 1
+    model = build(args.experts[0], args.top[0], max_len, args.impl, args.shape)
+    runs = {route: _runner(route, model, max_len, args.isa) for route in args.routes}
     cases = [(route, p) for p in args.prompts for route in args.routes]
-    for route, p in cases:
-        if route != "eager" and gather_gb[p] > args.max_gather_gb:
-            print(
-                json.dumps({"route": route, "prompt": p, "skipped": f"gathered gate_up weights {gather_gb[p]:.1f} GB"})
-            )
-    cases = [(route, p) for route, p in cases if route == "eager" or gather_gb[p] <= args.max_gather_gb]
-    times: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    prefill: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    decode: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     peaks: dict[tuple[str, int], float] = {}
-    tokens: dict[tuple[str, int], int] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (and measures the peak)
         for route, p in cases:
             ids = _prompt(p)
             if r == 0:
                 _hwm_reset()
             start = time.process_time()
-            token = runs[route](ids)
-            elapsed = time.process_time() - start
+            first = runs[route](ids, 1)
+            prefill_s = time.process_time() - start
+            if args.decode:
+                start = time.process_time()
+                out = runs[route](ids, 1 + args.decode)
+                decode_s = time.process_time() - start - prefill_s
             if r == 0:
                 peaks[route, p] = _hwm_mb()
-                tokens[route, p] = int(token[0])
+                tokens[route, p] = (out if args.decode else first)[0, p:].tolist()
             else:
-                times[route, p].append(elapsed)
+                prefill[route, p].append(prefill_s)
+                if args.decode:
+                    decode[route, p].append(decode_s)
     for route, p in cases:
-        row = {"route": route, "prompt": p, "ms": round(1e3 * statistics.median(times[route, p]), 1)}
-        print(json.dumps({**row, "peak_mb": round(peaks[route, p]), "token": tokens[route, p]}), flush=True)
+        row: dict[str, Any] = {"route": route, "prompt": p, "ms": round(1e3 * statistics.median(prefill[route, p]), 1)}
+        if args.decode:
+            row["decode_tok_s"] = round(args.decode / statistics.median(decode[route, p]), 2)
+        same = tokens[route, p] == tokens.get(("eager", p), tokens[route, p])
+        row |= {"peak_mb": round(peaks[route, p]), "tokens_equal_eager": same, "tokens": tokens[route, p][:8]}
+        print(json.dumps(row), flush=True)
 
 
 class _Sorts(torch.nn.Module):
@@ -191,6 +214,15 @@ def micro(args: argparse.Namespace) -> None:
                               "values_equal": equal}), flush=True)  # fmt: skip
 
 
+def _cpu() -> str:
+    """lscpu's model name and the vector flags that matter here."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return f"{name or platform.machine()} ({' '.join(vector)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64])
@@ -201,24 +233,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true")
     parser.add_argument("--interleave", action="store_true", help="all routes in one child, interleaved")
-    parser.add_argument(
-        "--max-gather-gb", type=float, default=8.0, help="IREE: skip prompts whose gathered weights pass this"
-    )
+    parser.add_argument("--decode", type=int, default=0, help="new tokens after the first: decode tokens/s")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--isa", choices=["host", "avx2"], default="host")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     if args.micro:
         return micro(args)
-    print(f"# {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.2f}")
+    print(f"# {_cpu()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
+    env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
     for experts in args.experts:
         for top in args.top:
             for routes in [args.routes] if args.interleave else [[route] for route in args.routes]:
                 command = [sys.executable, __file__, "--child", "--experts", str(experts), "--top", str(top),
                            "--routes", *routes, "--impl", args.impl, "--rounds", str(args.rounds),
-                           "--max-gather-gb", str(args.max_gather_gb),
+                           "--decode", str(args.decode), "--shape", args.shape, "--isa", args.isa,
                            "--prompts", *map(str, args.prompts)]  # fmt: skip
-                out = subprocess.run(command, capture_output=True, text=True, check=False)
+                out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
                 if out.returncode:
                     print(f"# {experts} experts top {top} {routes}: exit {out.returncode}\n{out.stderr[-3000:]}")
                 for line in out.stdout.splitlines():
