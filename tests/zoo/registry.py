@@ -166,10 +166,10 @@ MODELS: tuple[ZooModel, ...] = (
         note="`positional_attn *= cls_mask` through `aten.reshape` views; `avg_pool2d(ceil_mode=True)` guarded"),
     # -- transformers 5: the forms issue 12 met
     _tf("mixtral", "MixtralModel", {**_GQA, "num_local_experts": 4, "num_experts_per_tok": 2},
-        note="MoE: `grouped_mm_fallback` as a gathered bmm"),
+        note="MoE: `grouped_mm_fallback` as one matmul per expert"),
     _tf("qwen2_moe", "Qwen2MoeModel", {**_GQA, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
-        note="MoE with a shared expert: `grouped_mm_fallback` as a gathered bmm", ci="export"),
+        note="MoE with a shared expert: `grouped_mm_fallback` as one matmul per expert", ci="export"),
     _tf("t5", "T5ForConditionalGeneration", {**_T5, "use_cache": False}, text(decoder=8),
         note="encoder-decoder: logits through the decoder"),
     _tf("bart_lm", "BartForConditionalGeneration", _SEQ2SEQ, text(decoder=8),

@@ -145,7 +145,7 @@ def _nondecreasing_ends(rw: Rewriter, g: Grouped) -> Node:
         "\"failed to legalize operation 'torch.operator'\" (transformers.grouped_mm_fallback)."
     ),
 )
-def grouped_mm_per_expert_for_iree(node: Node, rw: Rewriter, found: Grouped) -> Any:
+def grouped_mm_per_expert_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
     xv = found.x.meta["val"]
     rows = rw.size(found.x, 0)
     ends = _nondecreasing_ends(rw, found)
@@ -191,7 +191,7 @@ def grouped_mm_per_expert_for_iree(node: Node, rw: Rewriter, found: Grouped) -> 
         "the whole weight per call); rows past the last offset are 0 as in the op."
     ),
 )
-def grouped_mm_per_row_for_iree(node: Node, rw: Rewriter, found: Grouped) -> Any:
+def grouped_mm_per_row_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
     xv = found.x.meta["val"]
     index = rw.call(aten.arange.default, found.rows, dtype=torch.int64, device=xv.device)
     started = rw.call(
