@@ -10,14 +10,16 @@ Two forms, both reading each expert's weight where it lies in the [E, K, N] tens
 dispatch reads, never a gathered copy), both exact in their work:
 
 - `grouped_mm_per_expert_for_iree` (prefill, rows dynamic or many): the E row ranges read from `offs` as
-  integers (`item`), one matmul per expert over its rows, written into the output in place (`slice_scatter`).
-  The expert index is a constant, so IREE's data tiling packs each expert's weight once, when the module
-  loads; an expert without rows costs a dispatch that does nothing.
+  integers (`item`), one matmul per expert over its rows, the products concatenated (IREE writes each into the
+  result in place; `slice_scatter` into zeros when the rows are static). The expert index is a constant, so
+  IREE's data tiling packs each expert's weight once, when the module loads (a copy of the experts' weights
+  for the module's lifetime); an expert without rows costs dispatches that do nothing.
 - `grouped_mm_per_row_for_iree` (decode: a few rows, static): each row's expert read as an integer, the row
   multiplied by that expert's weight as a multiply and a sum (one matrix-vector dispatch a row, the weight read
   at a dynamic offset and not packed).
 
-Measured in benchmarks/moe_sort.py and docs/performance.md (MoE sections).
+Measured in benchmarks/moe_block.py and benchmarks/moe_sort.py; docs/performance.md (MoE sections). The limit
+between the forms (`PER_ROW_LIMIT`) is a choice, not a measurement.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ aten = torch.ops.aten
 GROUPED_MM = ("transformers", "grouped_mm_fallback", "default")
 
 #: static row counts up to this many times the number of experts take the per-row form (a dispatch per row
-#: reading one expert's weight); more rows, or a dynamic count, the per-expert form (4 dispatches per expert)
+#: reading one expert's weight); more rows, or a dynamic count, the per-expert form (pack, mmt4d, unpack per expert)
 PER_ROW_LIMIT = 1.0
 
 #: the most experts written out (E dispatches per grouped matmul, each compiled as its own code)
