@@ -137,7 +137,9 @@ def compile(
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.app.dispatch import compile_dispatch, size_conds
+    from fx_rewrites.app.distributed import export_local, is_tensor_parallel
     from fx_rewrites.backends.base import for_cpu
+    from fx_rewrites.backends.collectives import has_collectives
     from fx_rewrites.program import unwrap_tensor_subclasses, with_own_state
 
     chosen = backends.get(backend) if isinstance(backend, str) else backend
@@ -157,6 +159,8 @@ def compile(
                     "already carries its shapes (pass them to torch.export.export instead)"
                 )
             program = model
+        elif isinstance(model, torch.nn.Module) and is_tensor_parallel(model):
+            program = export_local(model, args, kwargs, dynamic_shapes)  # this rank's shards and collectives
         elif isinstance(model, torch.nn.Module):
             program = _export(model, args, dict(kwargs) if kwargs else None, dynamic_shapes)
         else:
@@ -168,7 +172,9 @@ def compile(
         result = apply(program, target.rules)
         result.report.warn_unless_converged(target.name)
         dispatched = size_conds(program)
-        if len(dispatched) == 1:  # a cond on the sizes: each side compiled, the call's sizes pick one
+        if has_collectives(result.program):  # a rank's program: segments on the backend, collectives on the host
+            runtime = _compile_rank(target, with_own_state(result.program))
+        elif len(dispatched) == 1:  # a cond on the sizes: each side compiled, the call's sizes pick one
             runtime = compile_dispatch(with_own_state(program), dispatched[0], target, args)
         else:
             runtime = target.compile(with_own_state(result.program), args)  # its own buffers, not .program's
@@ -180,6 +186,21 @@ def compile(
 
 def _retarget(program: ExportedProgram, args: Any, kwargs: Any, backend: Any, cpu: str) -> Compiled:
     return compile(program, args, kwargs, backend=backend, cpu=cpu)
+
+
+def _compile_rank(target: Any, program: ExportedProgram) -> Any:
+    """A rank's program (functional collectives between local compute) as one module of segments."""
+    from fx_rewrites import backends
+    from fx_rewrites.app.distributed import compile_segmented
+
+    if not isinstance(target, backends.ModuleBackend):
+        raise ValueError(
+            f"this program holds torch.distributed collectives (a rank of a tensor-parallel model): it is compiled as "
+            f"the segments between them, functions of one module, and backend {target.name!r} cannot build such a "
+            "module (backends.ModuleBackend). Fix: backend='iree', or torch.compile(model, backend=...), which "
+            "compiles each segment on its own"
+        )
+    return compile_segmented(target, {"main": program})
 
 
 def load(
@@ -200,11 +221,15 @@ def load(
     backend that reads the file (`backends.base.ModuleBackend`)."""
     from fx_rewrites import backends
     from fx_rewrites.app.dispatch import is_dispatch, load_dispatch
-    from fx_rewrites.app.lm import is_lm, load_lm
+    from fx_rewrites.app.distributed import find_tp, load_segmented
+    from fx_rewrites.app.lm import has_lm, is_lm, load_lm
 
     target = backends.get(backend) if isinstance(backend, str) else backend
     path = Path(path)
     metadata = target.read_metadata(path) if path.is_file() else {}
+    if find_tp(metadata) is not None:  # a rank's module of a tensor-parallel model
+        module = load_segmented(path, metadata, target, params=params, driver=driver)
+        return load_lm(path, module=module, metadata=metadata) if has_lm(metadata) else module
     if is_lm(metadata):  # fx_rewrites.compile_lm's: prefill and decode
         return load_lm(path, params=params, driver=driver, backend=target)
     if is_dispatch(metadata):  # a size dispatch's: when_true and when_false, the guard as data

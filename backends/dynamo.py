@@ -56,7 +56,7 @@ from torch.fx import GraphModule
 
 from fx_rewrites import backends
 from fx_rewrites.api import Result, apply
-from fx_rewrites.backends import freezing
+from fx_rewrites.backends import collectives, freezing, segments
 from fx_rewrites.backends.base import Backend
 from fx_rewrites.ruleset import RuleSet
 
@@ -167,17 +167,26 @@ def _compile_graph(
     target = backends.get(backend) if isinstance(backend, str) else backend
     result: Result | None = None
     try:
+        split = collectives.has_collectives(gm)
+        if split:  # a rank's graph: names the collective the host steps do not run, before any work
+            collectives.check(gm)
         frozen = freezing.plan(gm, state) if kind == "inference" else {}
         result = apply(gm, target.rules if rules is None else rules)
         log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
         result.report.warn_unless_converged(target.name, stacklevel=2)
+
+        def build(graph: GraphModule, inputs: Sequence[Any]) -> Any:
+            if split:  # the segments between collectives on the backend, the collectives on torch.distributed
+                return segments.compile_graph(graph, target.compile)
+            return target.compile(graph, inputs)
+
         if frozen and len(result.graph_module.graph.find_nodes(op="placeholder")) == len(example_inputs):
             kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
-            run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: target.compile(g, kept))
+            run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: build(g, kept))
             compiled, names = run.compiled, run.names
             log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
         else:
-            run = compiled = target.compile(result.graph_module, example_inputs)
+            run = compiled = build(result.graph_module, example_inputs)
             names = ()
     except Exception as e:
         if strict:

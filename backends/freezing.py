@@ -20,7 +20,8 @@ What is frozen (`freezable` at the dynamo level, `plan` at the aot level):
   is never frozen;
 - only inputs whose dynamo source is an nn.Module's parameter, buffer or
   tensor attribute (never a user input, nor a tensor marked with
-  `torch._dynamo.mark_static_address`);
+  `torch._dynamo.mark_static_address`); a tensor-parallel weight (a DTensor,
+  which aot_autograd passes as its local shard) freezes its local shard;
 - not inputs the graph mutates (a buffer updated in forward, BatchNorm's
   running stats in train mode), or whose metadata it mutates, or that an
   output aliases: those stay inputs, as in Inductor.
@@ -100,6 +101,13 @@ def _is_plain_tensor(value: Any) -> bool:
     )
 
 
+def _local_shard(value: Any) -> Any:
+    """A DTensor's local shard (a tensor-parallel weight: what the rank's graph reads), else None."""
+    from torch.distributed.tensor import DTensor
+
+    return value._local_tensor if isinstance(value, DTensor) else None
+
+
 def freezable(gm: GraphModule, example_inputs: Sequence[Any]) -> dict[int, tuple[str, torch.Tensor]]:
     """Dynamo graph inputs that are state of an nn.Module: input index -> (source name, the real tensor).
 
@@ -112,7 +120,7 @@ def freezable(gm: GraphModule, example_inputs: Sequence[Any]) -> dict[int, tuple
     state = {}
     for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
         source = getattr(node, "_dynamo_source", None)
-        if source is None or not _is_plain_tensor(value):
+        if source is None or not (_is_plain_tensor(value) or _is_plain_tensor(_local_shard(value))):
             continue
         guard = source.guard_source
         guard = guard() if callable(guard) else guard
@@ -130,7 +138,7 @@ def plan(gm: GraphModule, state: dict[int, tuple[str, torch.Tensor]]) -> dict[in
     its `fw_metadata` (on the tracing context) says which inputs the graph mutates and which an
     output aliases: those are not frozen. Anything unexpected (effect tokens, subclass inputs, no
     tracing context, a shape that differs) freezes nothing."""
-    from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput, SubclassGetAttrAOTInput
     from torch._functorch._aot_autograd.schemas import MutationType
 
     if not state:
@@ -145,13 +153,21 @@ def plan(gm: GraphModule, state: dict[int, tuple[str, torch.Tensor]]) -> dict[in
             kept.add(i)
     placeholders = gm.graph.find_nodes(op="placeholder")
     descs = [n.meta.get("desc") for n in placeholders]
-    if not all(isinstance(d, PlainAOTInput) for d in descs):
+    if not all(isinstance(d, (PlainAOTInput, SubclassGetAttrAOTInput)) for d in descs):
         return {}
     frozen = {}
     for position, (node, desc) in enumerate(zip(placeholders, descs, strict=True)):
-        if desc.idx not in state or desc.idx in kept or desc.idx >= len(meta.input_info):
+        # a tensor-parallel weight (DTensor) reaches the graph as its local shard
+        shard = isinstance(desc, SubclassGetAttrAOTInput)
+        if shard and not (isinstance(desc.base, PlainAOTInput) and desc.attr == "_local_tensor"):
             continue
-        name, tensor = state[desc.idx]
+        idx = desc.base.idx if shard else desc.idx
+        if idx not in state or idx in kept or idx >= len(meta.input_info):
+            continue
+        name, tensor = state[idx]
+        tensor = _local_shard(tensor) if shard else tensor
+        if tensor is None or not _is_plain_tensor(tensor):
+            continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.shape != tensor.shape or val.dtype != tensor.dtype:
             return {}  # not the tensor we think it is: freeze nothing

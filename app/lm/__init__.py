@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fx_rewrites.app.distributed import compile_segmented, is_tensor_parallel
 from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
@@ -113,12 +114,21 @@ def compile_lm(
     if dtype is not None and dtype != model.dtype:
         model = copy.deepcopy(model).to(dtype)
     with quiet_torch_pytree():
-        exported, recurrent = _wrap(model, max_cache_len, batch_size, strict)
+        split = is_tensor_parallel(model)
+        if split:  # a rank of a tensor-parallel model: its local programs, cut at their collectives
+            exported, recurrent = export_rank_lm(model, max_cache_len, batch_size), False
+        else:
+            exported, recurrent = _wrap(model, max_cache_len, batch_size, strict)
         info = _info(model, max_cache_len, batch_size, recurrent, SHORT_PREFILL in exported)
         results = {name: apply(program, target.rules) for name, program in exported.items()}
         for result in results.values():
             result.report.warn_unless_converged(target.name)
         programs = {name: result.program for name, result in results.items()}
+        if split:
+            module = compile_segmented(
+                target, programs, metadata={LM_KEY: info.to_json()}, weights_as_parameters=True
+            )
+            return CompiledLM(info, module, programs, {name: r.report for name, r in results.items()})
         module = target.compile_module(
             programs,
             metadata={"prefill": {LM_KEY: info.to_json()}},
@@ -135,6 +145,21 @@ def compile_lm(
     return compiled
 
 
+def export_rank_lm(model: Any, max_cache_len: int, batch_size: int) -> dict[str, Any]:
+    """This rank's prefill and decode of a tensor-parallel `model` (`CachedLM` over the same instance, each
+    exported with its DTensor weights flattened into local shards and its redistributions as collectives)."""
+    from fx_rewrites.app.distributed import _dtensor_spec_constant, local_program
+
+    with _dtensor_spec_constant():
+        exported = export_lm(CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size))
+        return {name: local_program(program) for name, program in exported.items()}
+
+
+def has_lm(reflections: dict[str, dict[str, str]]) -> bool:
+    """Whether one function of a module file carries `compile_lm`'s entry (a rank's module has it on its first)."""
+    return any(LM_KEY in entries for entries in reflections.values())
+
+
 def is_lm(reflections: dict[str, dict[str, str]]) -> bool:
     """Whether a module file's function metadata (`ModuleBackend.read_metadata`) is `compile_lm`'s."""
     return LM_KEY in reflections.get("prefill", {}) and "decode" in reflections
@@ -146,10 +171,16 @@ def load_lm(
     params: str | os.PathLike[str] | None = None,
     driver: str | None = None,
     backend: str | Any = "iree",
+    module: Any = None,
+    metadata: dict[str, dict[str, str]] | None = None,
 ) -> CompiledLM:
-    """A `CompiledLM` saved with `.save(path)` (its weights from `params`, default the .irpa beside it)."""
+    """A `CompiledLM` saved with `.save(path)` (its weights from `params`, default the .irpa beside it).
+    `module` / `metadata`: a rank's module already loaded (`distributed.load_segmented`) and the file's metadata."""
     from fx_rewrites import backends
 
+    if module is not None:
+        entry = next(entries[LM_KEY] for entries in (metadata or {}).values() if LM_KEY in entries)
+        return CompiledLM(LMInfo.from_json(entry), module)
     target = backends.get(backend) if isinstance(backend, str) else backend
     info = LMInfo.from_json(target.read_metadata(path)["prefill"][LM_KEY])
     names = (*FUNCTIONS, SHORT_PREFILL) if info.short_prefill else FUNCTIONS
@@ -163,7 +194,9 @@ __all__ = [
     "RecurrentLM",
     "compile_lm",
     "export_lm",
+    "export_rank_lm",
     "export_recurrent",
+    "has_lm",
     "is_lm",
     "load_lm",
 ]

@@ -34,9 +34,29 @@ def _static_cache(model: Any, batch_size: int, max_cache_len: int) -> Any:
             cache.layers[i] = cache_utils.StaticLayer(max_cache_len)
         elif dummy and isinstance(layer, dummy):
             cache.layers[i] = cache_utils.StaticLayer(0)
+    if _tensor_parallel(model):  # each rank holds its share of the heads: sized by one eager step, as HF's lazy one
+        _initialize_from_a_step(model, cache, batch_size)
+        return cache
     num_heads, head_dim = get_head_shapes(config)
     cache.early_initialization(batch_size, num_heads, head_dim, model.dtype, model.device)
     return cache
+
+
+def _tensor_parallel(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _initialize_from_a_step(model: Any, cache: Any, batch_size: int) -> None:
+    """`cache`'s layers allocated by one eager step of `model` (a rank of a tensor-parallel model: the keys its
+    heads' shard gives), then emptied: zero keys and values, write positions at 0."""
+    with torch.no_grad():
+        model(input_ids=torch.zeros(batch_size, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
 
 
 def _layer_tensors(cache: Any) -> list[tuple[int, str]]:
