@@ -22,6 +22,7 @@ rank's file and a different world size by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -31,6 +32,7 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind
 
 from fx_rewrites.backends import collectives, convention
 from fx_rewrites.backends.base import ArtifactError
@@ -92,10 +94,43 @@ def export_local(
         return local_program(program)
 
 
-def local_program(program: ExportedProgram) -> ExportedProgram:
-    """`program` (exported from a tensor-parallel model) with its DTensors flattened into local shards."""
+def local_program(program: ExportedProgram, shared: dict[str, torch.Tensor] | None = None) -> ExportedProgram:
+    """`program` (exported from a tensor-parallel model) with its DTensors flattened into local shards.
+
+    The flattening names a shard `q_proj.parametrizations.weight.original0`; it is named back after the weight
+    (`q_proj.weight`). `shared`: weights by name, filled and reused, so that programs flattened one after another
+    (prefill and decode) hold the same tensors, which a module of both then holds once."""
     with _dtensor_spec_constant():
-        return program.run_decompositions()
+        flat = program.run_decompositions()
+    return _named_back(flat, {} if shared is None else shared)
+
+
+def _original_name(key: str) -> str:
+    return key.replace(".parametrizations.", ".").removesuffix(".original0")
+
+
+def _named_back(program: ExportedProgram, shared: dict[str, torch.Tensor]) -> ExportedProgram:
+    specs = [
+        dataclasses.replace(s, target=_original_name(s.target)) if s.kind == InputKind.PARAMETER else s
+        for s in program.graph_signature.input_specs
+    ]
+    state = {}
+    for key, value in program.state_dict.items():
+        name = _original_name(key)
+        held = shared.setdefault(name, value)
+        same = held.shape == value.shape and held.dtype == value.dtype and torch.equal(held, value)
+        state[name] = held if same else value
+    return ExportedProgram(
+        root=program.graph_module,
+        graph=program.graph_module.graph,
+        graph_signature=ExportGraphSignature(input_specs=specs, output_specs=program.graph_signature.output_specs),
+        state_dict=state,
+        range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph,
+        example_inputs=program.example_inputs,
+        constants=program.constants,
+        verifiers=program.verifiers,
+    )
 
 
 @attrs.define(eq=False)

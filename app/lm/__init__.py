@@ -27,6 +27,7 @@ from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
 from fx_rewrites.app.lm.sampling import generation_config_json
+from fx_rewrites.backends.collectives import has_collectives
 
 
 def _info(model: Any, max_cache_len: int, batch_size: int, recurrent: bool, short: bool) -> LMInfo:
@@ -124,10 +125,8 @@ def compile_lm(
         for result in results.values():
             result.report.warn_unless_converged(target.name)
         programs = {name: result.program for name, result in results.items()}
-        if split:
-            module = compile_segmented(
-                target, programs, metadata={LM_KEY: info.to_json()}, weights_as_parameters=True
-            )
+        if split or any(has_collectives(p) for p in programs.values()):  # collectives traced from the model's code
+            module = compile_segmented(target, programs, metadata={LM_KEY: info.to_json()}, weights_as_parameters=True)
             return CompiledLM(info, module, programs, {name: r.report for name, r in results.items()})
         module = target.compile_module(
             programs,
@@ -152,7 +151,8 @@ def export_rank_lm(model: Any, max_cache_len: int, batch_size: int) -> dict[str,
 
     with _dtensor_spec_constant():
         exported = export_lm(CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size))
-        return {name: local_program(program) for name, program in exported.items()}
+        shared: dict[str, torch.Tensor] = {}  # prefill's weights are decode's: one copy in the module
+        return {name: local_program(program, shared) for name, program in exported.items()}
 
 
 def has_lm(reflections: dict[str, dict[str, str]]) -> bool:
