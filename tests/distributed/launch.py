@@ -42,14 +42,21 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, tmp: str, a
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """`fn(rank, world, tmp, *args)` on `world` ranks; their results in rank order."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, tmp: str | os.PathLike[str] | None = None) -> list[Any]:
+    """`fn(rank, world, tmp, *args)` on `world` ranks; their results in rank order. `tmp`: the directory the
+    ranks share (default: a temporary one, removed after)."""
+    if tmp is not None:
+        return _run(fn, world, str(tmp), args)
     with tempfile.TemporaryDirectory() as tmp:
-        env = os.environ.copy()
-        try:
-            os.environ["OMP_NUM_THREADS"] = "1"
-            mp.spawn(_entry, args=(fn, world, free_port(), tmp, args), nprocs=world, join=True)
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
-        return [torch.load(Path(tmp) / f"result.{r}.pt", weights_only=False) for r in range(world)]
+        return _run(fn, world, tmp, args)
+
+
+def _run(fn: Callable[..., Any], world: int, tmp: str, args: tuple[Any, ...]) -> list[Any]:
+    env = os.environ.copy()
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        mp.spawn(_entry, args=(fn, world, free_port(), tmp, args), nprocs=world, join=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return [torch.load(Path(tmp) / f"result.{r}.pt", weights_only=False) for r in range(world)]

@@ -117,8 +117,8 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
     return out
 
 
-def wrong_rank_and_world(rank: int, world: int, tmp: str) -> dict:
-    """A rank loading another rank's file; then every rank saving a small compiled model for a world check."""
+def wrong_rank(rank: int, world: int, tmp: str) -> dict:
+    """Each rank saves a small compiled model, then loads the other rank's file (refused) and its own."""
     import fx_rewrites
     from fx_rewrites.app.distributed import RankMismatch
 
@@ -158,4 +158,25 @@ def isend_in_forward(rank: int, world: int, tmp: str) -> dict:
         warnings.simplefilter("always")
         got = torch.compile(stage, backend=dynamo_backend("iree", strict=False))(x)
     messages = [str(w.message) for w in caught if issubclass(w.category, EagerFallbackWarning)]
-    return {"warnings": messages, "got": got}
+    return {"warnings": messages, "got": got, "inplace": inplace_all_reduce_export()}
+
+
+class InPlaceAllReduce(torch.nn.Module):
+    """`_c10d_functional.all_reduce_`, which torch.export keeps as it is (torch.compile's functionalization
+    refuses it before any backend sees it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        torch.ops._c10d_functional.all_reduce_(y, "sum", "0")
+        return y + 1
+
+
+def inplace_all_reduce_export() -> str:
+    import fx_rewrites
+    from fx_rewrites.backends.collectives import UnhandledCollective
+
+    try:
+        fx_rewrites.compile(InPlaceAllReduce(), (torch.ones(2, 3),))
+    except UnhandledCollective as e:
+        return f"{e.op}: {e}"
+    return "compiled"

@@ -57,18 +57,34 @@ def test_four_ranks_llama_512() -> None:
     _check_routes(results, 4, 24, 4)
 
 
-def test_a_rank_loading_another_ranks_file_is_refused() -> None:
-    results = run_ranks(ranks.wrong_rank_and_world, 2)
+def test_another_ranks_file_and_another_world_size_are_refused(tmp_path) -> None:
+    import torch.distributed as dist
+
+    import fx_rewrites
+    from fx_rewrites.app.distributed import RankMismatch
+    from tests.distributed.launch import free_port
+
+    results = run_ranks(ranks.wrong_rank, 2, tmp=tmp_path)
     for rank, r in enumerate(results):
         assert f"is rank {1 - rank}'s module" in r["rank"] and f"loaded on rank {rank}" in r["rank"], r["rank"]
         assert r["same"] == 0.0
+    # a world of one: rank 0's file (saved by a world of 2) is refused before anything is loaded
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RankMismatch, match="compiled for a world of 2 ranks .* this one has 1"):
+            fx_rewrites.load(tmp_path / "m.rank0.vmfb")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_point_to_point_falls_back_naming_the_op() -> None:
     results = run_ranks(ranks.isend_in_forward, 2)
     for rank, r in enumerate(results):
         op = "isend" if rank == 0 else "irecv"
-        assert any(f"`_c10d_functional.{op}`" in m for m in r["warnings"]), r["warnings"]
+        assert any(f"`_c10d_functional.{op}.default`" in m for m in r["warnings"]), r["warnings"]
         assert any("point-to-point" in m for m in r["warnings"])
         x0 = torch.arange(6.0).reshape(2, 3)
         assert torch.equal(r["got"], x0 * 2 + 1 if rank == 1 else (x0 + rank) * 2 + 1)
+        # torch.export keeps funcol's in-place all_reduce_: compiling it names the op and why
+        assert r["inplace"].startswith("_c10d_functional.all_reduce_.default:"), r["inplace"]
+        assert "writes into its argument" in r["inplace"]
