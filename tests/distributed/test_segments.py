@@ -110,5 +110,5 @@ def test_unhandled_collective_is_named():
 
 
 def test_a_saved_host_step_runs_only_collectives():
-    with pytest.raises(UnhandledCollective, match="aten.add.Tensor.*not among the collectives"):
+    with pytest.raises(UnhandledCollective, match=r"aten\.add\.Tensor.*not among the collectives"):
         HostCall.from_json({"op": "aten.add.Tensor", "args": [{"slot": 0}, 1], "out": 1})

@@ -71,7 +71,7 @@ def test_another_ranks_file_and_another_world_size_are_refused(tmp_path) -> None
     # a world of one: rank 0's file (saved by a world of 2) is refused before anything is loaded
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        with pytest.raises(RankMismatch, match="compiled for a world of 2 ranks .* this one has 1"):
+        with pytest.raises(RankMismatch, match=r"compiled for a world of 2 ranks .* this one has 1"):
             fx_rewrites.load(tmp_path / "m.rank0.vmfb")
     finally:
         dist.destroy_process_group()
