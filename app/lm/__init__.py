@@ -20,9 +20,10 @@ import functools
 import os
 from typing import Any
 
+import attrs
 import torch
 
-from fx_rewrites.app.distributed import compile_segmented, is_tensor_parallel
+from fx_rewrites.app.distributed import compile_segmented, is_tensor_parallel, rank_and_world
 from fx_rewrites.app.lm.export import CachedLM, export_lm
 from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
@@ -117,10 +118,13 @@ def compile_lm(
     with quiet_torch_pytree():
         split = is_tensor_parallel(model)
         if split:  # a rank of a tensor-parallel model: its local programs, cut at their collectives
-            exported, recurrent = export_rank_lm(model, max_cache_len, batch_size), False
+            min_prompt = max(2, rank_and_world()[1])
+            exported, recurrent = export_rank_lm(model, max_cache_len, batch_size, min_prompt), False
         else:
             exported, recurrent = _wrap(model, max_cache_len, batch_size, strict)
         info = _info(model, max_cache_len, batch_size, recurrent, SHORT_PREFILL in exported)
+        if split:
+            info = attrs.evolve(info, min_prefill=min_prompt)
         results = {name: apply(program, target.rules) for name, program in exported.items()}
         for result in results.values():
             result.report.warn_unless_converged(target.name)
@@ -144,13 +148,16 @@ def compile_lm(
     return compiled
 
 
-def export_rank_lm(model: Any, max_cache_len: int, batch_size: int) -> dict[str, Any]:
+def export_rank_lm(model: Any, max_cache_len: int, batch_size: int, min_prompt: int = 2) -> dict[str, Any]:
     """This rank's prefill and decode of a tensor-parallel `model` (`CachedLM` over the same instance, each
-    exported with its DTensor weights flattened into local shards and its redistributions as collectives)."""
+    exported with its DTensor weights flattened into local shards and its redistributions as collectives).
+    `min_prompt`: the shortest prefill (DTensor's sharding rules guard the prompt length to the world size at
+    least: shorter prompts are left-padded by `generate`)."""
     from fx_rewrites.app.distributed import _dtensor_spec_constant, local_program
 
     with _dtensor_spec_constant():
-        exported = export_lm(CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size))
+        wrapper = CachedLM(model, max_cache_len=max_cache_len, batch_size=batch_size)
+        exported = export_lm(wrapper, min_prompt=min(min_prompt, max_cache_len))
         shared: dict[str, torch.Tensor] = {}  # prefill's weights are decode's: one copy in the module
         return {name: local_program(program, shared) for name, program in exported.items()}
 

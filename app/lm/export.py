@@ -129,13 +129,14 @@ def example_inputs(batch_size: int, length: int, max_cache_len: int, start: int 
     return ids, mask, positions, torch.tensor([start], dtype=torch.long)
 
 
-def export_lm(wrapper: CachedLM, *, strict: bool = False) -> dict[str, ExportedProgram]:
-    """`prefill` (the prompt length dynamic, 2..max_cache_len) and `decode` (one token) of `wrapper`,
+def export_lm(wrapper: CachedLM, *, strict: bool = False, min_prompt: int = 2) -> dict[str, ExportedProgram]:
+    """`prefill` (the prompt length dynamic, `min_prompt`..max_cache_len) and `decode` (one token) of `wrapper`,
     exported over the same instance: both programs read and write its cache buffers."""
     n, b = wrapper.max_cache_len, wrapper.batch_size
-    length = Dim("prompt", min=2, max=n)
+    length = Dim("prompt", min=min_prompt, max=n)
     shapes = {"input_ids": {1: length}, "attention_mask": None, "position_ids": {1: length}, "cache_position": None}
+    example = example_inputs(b, min(max(4, min_prompt), n), n)
     with torch.no_grad():
-        prefill = torch.export.export(wrapper, example_inputs(b, min(4, n), n), dynamic_shapes=shapes, strict=strict)
+        prefill = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=strict)
         decode = torch.export.export(wrapper, example_inputs(b, 1, n, start=min(4, n - 1)), strict=strict)
     return {"prefill": prefill, "decode": decode}

@@ -47,6 +47,9 @@ class LMInfo:
     generation_config: str = ""
     max_position_embeddings: int | None = None
     vocab_size: int | None = None
+    #: the shortest prompt of two tokens or more the prefill takes; shorter ones are left-padded to it (a rank of
+    #: a tensor-parallel model: DTensor's sharding guards the prompt length to at least the world size)
+    min_prefill: int = 2
 
     def to_json(self) -> str:
         doc = attrs.asdict(self)
@@ -68,13 +71,14 @@ class LMInfo:
             "" if generation is None else json.dumps(generation, sort_keys=True),
             doc.get("max_position_embeddings"),
             doc.get("vocab_size"),
+            doc.get("min_prefill", 2),
         )
 
     def prefill_length(self, length: int) -> int:
         """The length a prompt of `length` tokens is prefilled at: itself, or for a recurrent state the
         multiple of `prompt_multiple` at or above it: one with the short prefill function, else two at least."""
         if not self.recurrent:
-            return length
+            return length if length < 2 else max(length, self.min_prefill)
         m = self.prompt_multiple
         return max(m if self.short_prefill else 2 * m, -(-length // m) * m)
 
@@ -243,11 +247,11 @@ class CompiledLM:
                 f"or compile_lm(model, max_cache_len={padded})"
             )
         new = decoding.new_tokens
-        if not info.recurrent and length + new - 1 > info.max_cache_len:
+        if not info.recurrent and padded + new - 1 > info.max_cache_len:
             raise ValueError(
-                f"a prompt of {length} tokens and {new} new ones need {length + new - 1} cache positions; the module "
+                f"a prompt of {padded} tokens and {new} new ones need {padded + new - 1} cache positions; the module "
                 f"holds {info.max_cache_len}. Fix: fewer new tokens (max_new_tokens=), or "
-                f"compile_lm(model, max_cache_len={length + new - 1})"
+                f"compile_lm(model, max_cache_len={padded + new - 1})"
             )
         filler = decoding.pad or 0
         if rows < info.batch_size:  # filler rows (every token real), never read, dropped at the end

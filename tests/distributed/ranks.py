@@ -77,6 +77,7 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
     with torch.no_grad():
         want = [model(x, use_cache=False).logits for x in (ids, other)]
         want_tokens = model.generate(ids, max_new_tokens=new, do_sample=False)
+        want_short = model.generate(ids[:, :2], max_new_tokens=4, do_sample=False)
     weights = _nbytes(model.state_dict().values())
     split(model, world)
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
@@ -105,6 +106,8 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
     lm = fx_rewrites.compile_lm(model, max_cache_len=PROMPT + new)
     out["lm_seconds"] = time.perf_counter() - start
     out["tokens"] = lm.generate(ids, max_new_tokens=new)
+    # a prompt shorter than the prefill takes on 4 ranks (DTensor guards its length to the world size): padded
+    out["short_tokens"], out["want_short"] = lm.generate(ids[:, :2], max_new_tokens=4), want_short
     held = lm.parameters or {}
     out["module_weights"] = _nbytes(t for k, t in held.items() if not k.startswith("cache_"))
     out["module_state"] = _nbytes(held.values())

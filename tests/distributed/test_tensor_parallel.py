@@ -28,6 +28,7 @@ def _check_routes(results: list[dict], world: int, new: int, layers: int) -> Non
         assert r["want_tokens"].shape[1] == ranks.PROMPT + new
         assert torch.equal(r["tokens"], r["want_tokens"]), (rank, r["tokens"], r["want_tokens"])
         assert torch.equal(r["loaded_tokens"], r["want_tokens"])
+        assert torch.equal(r["short_tokens"], r["want_short"]), (rank, r["short_tokens"], r["want_short"])
         for functions, collectives in r["lm_plans"].values():
             assert collectives == 2 * layers and len(functions) == collectives + 1
         # the rank's archive holds its shards once (the norms, embeddings and head whole, the rest 1/world of
