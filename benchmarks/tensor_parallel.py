@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 LOCK = "/tmp/fxr-heavy.lock"
 
 
-def _ranks_main(rank: int, world: int, tmp: str, hidden: int, layers: int, new: int, rounds: int) -> dict:
+def _ranks_main(
+    rank: int, world: int, tmp: str, hidden: int, layers: int, new: int, rounds: int, lock: bool = True
+) -> dict:
     import torch.distributed as dist
 
     import fx_rewrites
@@ -65,9 +67,9 @@ def _ranks_main(rank: int, world: int, tmp: str, hidden: int, layers: int, new: 
         h_cpu2, h_wall2 = host()
         return cpu, wall, h_cpu2 - h_cpu, h_wall2 - h_wall, out
 
-    lock = open(LOCK, "w") if rank == 0 else None  # noqa: SIM115 - held across the barrier below
-    if lock is not None:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    held = open(LOCK, "w") if rank == 0 and lock else None  # noqa: SIM115 - held across the barrier below
+    if held is not None:
+        fcntl.flock(held, fcntl.LOCK_EX)
     dist.barrier()
     try:
         timed(new)  # warm-up
@@ -84,9 +86,9 @@ def _ranks_main(rank: int, world: int, tmp: str, hidden: int, layers: int, new: 
             host_wall.append((full[3] - first[3]) / steps)
     finally:
         dist.barrier()
-        if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
+        if held is not None:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            held.close()
     return {
         "compile_seconds": compile_seconds,
         "cpu_ms": statistics.median(per_token) * 1e3,
@@ -110,18 +112,24 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--no-lock",
+        action="store_true",
+        help="time without taking the machine's lock (figures then carry the load printed above the table)",
+    )
     args = parser.parse_args()
     print(
         f"# Llama hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, vocab 512; prompt 7, {args.new} new"
     )
-    print(f"# {cpu()}; load {os.getloadavg()[0]:.1f}; one thread per rank, IREE local-sync, gloo")
+    lock = "no lock" if args.no_lock else LOCK
+    print(f"# {cpu()}; load {os.getloadavg()[0]:.1f} ({lock}); one thread per rank, IREE local-sync, gloo")
     print(
         "| ranks | compile s | CPU ms/token/rank | collectives CPU ms (share) | wall ms/token "
         "| collectives wall ms (share) | all_reduce per token | tokens match |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
-        results = run_ranks(_ranks_main, world, args.hidden, args.layers, args.new, args.rounds)
+        results = run_ranks(_ranks_main, world, args.hidden, args.layers, args.new, args.rounds, not args.no_lock)
         cpu_ms = statistics.mean(r["cpu_ms"] for r in results)
         host_cpu = statistics.mean(r["host_cpu_ms"] for r in results)
         wall = statistics.mean(r["wall_ms"] for r in results)
