@@ -163,11 +163,12 @@ def isend_in_forward(rank: int, world: int, tmp: str) -> dict:
         return y + 1
 
     x = torch.arange(6.0).reshape(2, 3) + rank
+    want = stage(x)  # torch's own: the receiver gets the sender's x * 2, the sender's isend returns no elements
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = torch.compile(stage, backend=dynamo_backend("iree", strict=False))(x)
     messages = [str(w.message) for w in caught if issubclass(w.category, EagerFallbackWarning)]
-    return {"warnings": messages, "got": got, "inplace": inplace_all_reduce_export()}
+    return {"warnings": messages, "got": got, "want": want, "inplace": inplace_all_reduce_export()}
 
 
 class InPlaceAllReduce(torch.nn.Module):
