@@ -17,9 +17,11 @@ from torch.fx import Node
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
 from fx_rewrites.backends.iree.rules import (
+    float32_trig,
     float64_atan,
     float64_math,
     guards,
+    libm_forms,
     live_scatters,
     nan_guards,
     pooling,
@@ -144,6 +146,8 @@ LEGALIZE = RuleSet(
         *pooling.RULES,
         *float64_math.RULES,
         *float64_atan.RULES,
+        *float32_trig.RULES,
+        *libm_forms.RULES,
         *nan_guards.RULES,
         # size arithmetic this phase's rewrites leave constant (adaptive pooling's `0 * size // 2`): folded here
         # too, as the first phase folds the export's (IREE has no lowering for `aten.fmod.int`)
