@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx_rewrites.backends.iree import memory, wrong_forms
+from fx_rewrites.backends.iree import memory, refusals, wrong_forms
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
@@ -192,6 +192,7 @@ class IreeBackend:
             )
         if self.refuse_wrong_forms:  # IREE's silent wrong results: an error naming the node instead
             wrong_forms.refuse(graph_module)
+            refusals.refuse(graph_module)  # and the forms it cannot compile, named with the fix
         memory.check(
             "the import and iree-compile",
             f"a module with {inline / 1e6:.0f} MB of weights inline",

@@ -19,7 +19,17 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules import arguments, attention, counting_sort, empty, lowerings, moe, scatters, topk
+from fx_rewrites.backends.iree.rules import (
+    arguments,
+    attention,
+    counting_sort,
+    empty,
+    float_scalars,
+    lowerings,
+    moe,
+    scatters,
+    topk,
+)
 from fx_rewrites.backends.iree.rules.conv import conv_single_window_for_iree
 from fx_rewrites.backends.iree.rules.pooling import known
 from fx_rewrites.backends.iree.rules.unbatched import unbatched_window_op_for_iree
@@ -278,6 +288,7 @@ RULES = RuleSet(
         select_scatter_index_for_iree,
         *arguments.RULES,
         *empty.RULES,
+        *float_scalars.RULES,
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,
