@@ -1,0 +1,57 @@
+"""aten.conv_tbc for IREE (backends/iree/rules/conv_tbc.py). Before the rule: "type of return operand 0 ...
+doesn't match function result type"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeCompileError
+from fx_rewrites.backends.iree.rules.conv_tbc import conv_tbc_as_convolution_for_iree
+
+aten = torch.ops.aten
+
+
+class TimeBatchChannels(torch.nn.Module):
+    """fairseq's ConvTBC: weight [K, C, O], bias [O], input [T, B, C]."""
+
+    def __init__(self, pad: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(3, 4, 6, generator=g))
+        self.bias = torch.nn.Parameter(torch.randn(6, generator=g))
+        self.pad = pad
+
+    def forward(self, x):
+        return torch.conv_tbc(x, self.weight, self.bias, self.pad)
+
+
+def _largest_error(got: torch.Tensor, module: torch.nn.Module, x: torch.Tensor) -> float:
+    exact = torch.conv_tbc(x.double(), module.weight.double(), module.bias.double(), module.pad)
+    return (got.double() - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_conv_tbc_as_convolution(dynamic, pad):
+    module = TimeBatchChannels(pad).eval()
+    # torch's conv_tbc meta specialises the time dim (export guards on it): the batch takes the Dim
+    inputs = [(torch.randn(7, 2, 4),), (torch.randn(7, 5 if dynamic else 2, 4),)]
+    ep = rt.export(module, *inputs[0], dynamic_shapes=({1: Dim("b")},) if dynamic else None)
+    iree = backends.get("iree")
+    with pytest.raises(IreeCompileError, match="doesn't match function result type"):
+        iree.compile(ep, inputs[0])
+    result = rt.apply_rules(ep, iree.rules)
+    rt.assert_fired(result, conv_tbc_as_convolution_for_iree, times=1)
+    rt.assert_ops(result, absent=[aten.conv_tbc.default])
+    compiled = iree.compile(result.program, inputs[0])
+    for (x,) in inputs:
+        want = module(x)
+        torch_error = _largest_error(want, module, x)
+        for got in (result.program.module()(x), compiled(x)):  # the rewritten program on torch, and on IREE
+            assert got.shape == want.shape
+            # another summation order than torch's kernel: as far from float64 as torch's float32, within a step
+            assert _largest_error(got, module, x) <= 2 * torch_error + 4 * torch.finfo().eps
