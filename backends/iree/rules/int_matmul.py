@@ -5,7 +5,7 @@ torch-mlir lowering fails on it: "unimplemented: for conversion to byte or char 
 be passed to convertScalarToDtype" (mm and bmm; an empty product, K = 0, too). Written as the int32 matmul of
 the operands widened, narrowed back: wrapping commutes with sums and products modulo 256, so the result is
 torch's exactly. (Quantized models' integer matmuls, int8 operands with an int32 or float result, are
-`quantized_matmul.py`'s on the quant branch; this is the plain integer op.)
+`quantized_matmul.py`'s; this is the plain integer op.)
 """
 
 from __future__ import annotations
