@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx_rewrites.backends.iree import memory, refusals, wrong_forms
+from fx_rewrites.backends.iree import memory, refusals
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
@@ -191,7 +191,6 @@ class IreeBackend:
                 f"got {type(program).__name__}"
             )
         if self.refuse_wrong_forms:  # IREE's silent wrong results: an error naming the node instead
-            wrong_forms.refuse(graph_module)
             refusals.refuse(graph_module)  # and the forms it cannot compile, named with the fix
         memory.check(
             "the import and iree-compile",
@@ -356,11 +355,12 @@ class IreeBackend:
         return from_file(path, tuple(names), params=params, driver=driver)
 
     def refusal(self, graph_module: GraphModule) -> str:
-        """Why this backend refuses `graph_module` as a form IREE 3.13 computes wrong (`wrong_forms`), or ""."""
+        """Why this backend refuses `graph_module`: a form IREE 3.13 computes wrong (`wrong_forms`) or cannot
+        compile (`refusals`), or ""."""
         if not self.refuse_wrong_forms:
             return ""
         try:
-            wrong_forms.refuse(graph_module)
+            refusals.refuse(graph_module)
         except Exception as e:
             return " ".join(str(e).split())
         return ""

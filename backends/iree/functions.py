@@ -30,7 +30,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from fx_rewrites.backends.convention import Plan
-from fx_rewrites.backends.iree import memory, wrong_forms
+from fx_rewrites.backends.iree import memory, refusals
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection, save
 from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.cpus import IreeCpuError
@@ -130,7 +130,7 @@ def compile_functions(
             )
     for name, program in programs.items():
         if backend.refuse_wrong_forms:
-            wrong_forms.refuse(program.graph_module)
+            refusals.refuse(program.graph_module)
         copy, plan = prepare_program(program, state=written)
         plans[name], state = lift_state(program, plan)
         prepared[name] = (copy, state)

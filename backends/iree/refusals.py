@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fx_rewrites import schema
-from fx_rewrites.backends.iree.errors import IreeUnsupportedError
+from fx_rewrites.backends.iree import wrong_forms
 from fx_rewrites.backends.iree.rules.float_scalars import (
     ARANGES,
     NEAREST,
@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.rules.float_scalars import (
     scales_of,
     spatial_sizes_static,
 )
+from fx_rewrites.backends.iree.wrong_forms import nodes_failing, raise_first
 
 aten = torch.ops.aten
 
@@ -68,21 +69,11 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
 
 def refusals(gm: GraphModule) -> list[tuple[Node, str]]:
     """(node, why and the fix) for every node of `gm` in a form IREE 3.13 cannot compile."""
-    found = []
-    for node in gm.graph.nodes:
-        check = _CHECKS.get(node.target) if node.op == "call_function" else None
-        why = check(node) if check is not None else ""
-        if why:
-            found.append((node, why))
-    return found
+    return nodes_failing(gm, _CHECKS)
 
 
 def refuse(gm: GraphModule) -> None:
-    """Raise `IreeUnsupportedError` naming the first node IREE 3.13 cannot compile and no rule rewrites."""
-    found = refusals(gm)
-    if found:
-        node, why = found[0]
-        more = f" ({len(found) - 1} more such node(s))" if len(found) > 1 else ""
-        raise IreeUnsupportedError(
-            f"IREE 3.13 cannot compile {schema.op_name(node.target)} (node {node.name!r}) in this form: {why}{more}."
-        )
+    """Raise `IreeUnsupportedError` naming the first node IREE 3.13 computes wrong (`wrong_forms`), else the
+    first it cannot compile and no rule rewrites."""
+    wrong_forms.refuse(gm)
+    raise_first(refusals(gm), "cannot compile {op} (node {node!r}) in this form")

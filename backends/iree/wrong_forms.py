@@ -12,7 +12,7 @@ IREE wrong on it (tests/backends/iree/rules/test_wrong_forms.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -257,24 +257,35 @@ _CHECKS: dict[Any, Callable[[Node], str]] = {
 }
 
 
-def wrong_forms(gm: GraphModule) -> list[tuple[Node, str]]:
-    """(node, why) for every node of `gm` in a form IREE 3.13 computes wrong."""
+def nodes_failing(gm: GraphModule, checks: Mapping[Any, Callable[[Node], str]]) -> list[tuple[Node, str]]:
+    """(node, why) for every call of `gm` whose op's check in `checks` says why ("" when the node is fine)."""
     found = []
     for node in gm.graph.nodes:
-        check = _CHECKS.get(node.target) if node.op == "call_function" else None
+        check = checks.get(node.target) if node.op == "call_function" else None
         why = check(node) if check is not None else ""
         if why:
             found.append((node, why))
     return found
 
 
-def refuse(gm: GraphModule) -> None:
-    """Raise `IreeUnsupportedError` naming the first node IREE 3.13 would compute wrong."""
-    found = wrong_forms(gm)
+def raise_first(found: list[tuple[Node, str]], what: str, after: str = "") -> None:
+    """Raise `IreeUnsupportedError` for the first of `found`: "IREE 3.13 {what} <op> (node ...): why{after}"."""
     if found:
         node, why = found[0]
         more = f" ({len(found) - 1} more such node(s))" if len(found) > 1 else ""
-        raise IreeUnsupportedError(
-            f"IREE 3.13 computes {schema.op_name(node.target)} (node {node.name!r}) wrong in this form: "
-            f"{why}{more}. Refused rather than giving wrong numbers."
-        )
+        op = schema.op_name(node.target)
+        raise IreeUnsupportedError(f"IREE 3.13 {what.format(op=op, node=node.name)}: {why}{more}.{after}")
+
+
+def wrong_forms(gm: GraphModule) -> list[tuple[Node, str]]:
+    """(node, why) for every node of `gm` in a form IREE 3.13 computes wrong."""
+    return nodes_failing(gm, _CHECKS)
+
+
+def refuse(gm: GraphModule) -> None:
+    """Raise `IreeUnsupportedError` naming the first node IREE 3.13 would compute wrong."""
+    raise_first(
+        wrong_forms(gm),
+        "computes {op} (node {node!r}) wrong in this form",
+        " Refused rather than giving wrong numbers.",
+    )
