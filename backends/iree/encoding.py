@@ -11,6 +11,13 @@ through a file descriptor (`archive.reserve` lays the file out, the encoder fill
 neither the packed weights nor the archive pass through the process's memory. `fx_rewrites.load` maps the
 archive and the module reads it in place: its pages count once, as they are read (docs/deploy.md).
 
+The encoder does not write every weight: it leaves out one whose packing it refuses (IREE 3.13's
+`SplitParameterEncoder` rejects an expression whose output is more than 1.2x its input: a router's
+[4, 32] weight packed for a decode step pads to 16 rows, 4x) and any it cannot evaluate offline, and the
+module then packs that weight itself, read by its own key. The state a module updates (a KV cache) starts
+from parameters of its own keys too. `read_by_key` finds those keys in the module, and `pack` writes their
+tensors into the archive as they are, beside the encoder's output.
+
 `run_encoder` is IREE's `iree-encode-parameters` tool (not in the 3.13 wheels, `tools/iree-encode-parameters-main.c`)
 over the runtime's Python API: the encoder's `indices` function lists the output parameters, `steps` the work,
 and `encode(steps, wait fence, signal fence)` does it.
@@ -20,10 +27,9 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +44,8 @@ from fx_rewrites.backends.iree.parameters import SCOPE, _bytes
 from fx_rewrites.backends.iree.weight_layout import extra_flags
 
 DATA_TILING = "--iree-global-opt-data-tiling"
-#: the encoder writes every weight the module reads (packed or not) into the scope it reads them from, so a
-#: packed .irpa is run as any other (`--parameters=model=model.irpa`)
-_INITIAL = re.compile(r'__initial = #stream\.parameter\.named<"model"::"([^"]*)">')
+#: the encoder writes the weights it packs or passes through into the scope the module reads them from, so
+#: a packed .irpa is run as any other (`--parameters=model=model.irpa`)
 _SPLIT = ("--iree-parameter-encoder-mode=consolidate", f"--iree-parameter-encoder-output-scope={SCOPE}")
 
 
@@ -68,12 +73,11 @@ def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: An
     from fx_rewrites.backends.iree.importing import iree_modules
 
     iree = iree_modules()
-    # the initial values of the state a module updates (a KV cache) stay parameters of their own keys: the
-    # module copies them into its mutable globals when it starts (`parameters._copied_from_parameter`)
-    state = {key: parameters[key] for key in _INITIAL.findall(mlir) if key in parameters}
     try:
         main, encoder = compile_split(backend, iree, mlir, gm)
-        run_encoder(backend, encoder, parameters, path, state)
+        # what the module still reads by its own key (a weight the encoder left out, a state's initial value)
+        kept = {key: parameters[key] for key in read_by_key(main, parameters)}
+        run_encoder(backend, encoder, parameters, path, kept)
     except NothingToPack:
         return None
     except (IreeCompileError, IreeCompilerFailed, NotImplementedError) as e:
@@ -84,6 +88,13 @@ def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: An
         )
         return None
     return main
+
+
+def read_by_key(vmfb: bytes, keys: Iterable[str]) -> list[str]:
+    """The `keys` the compiled module `vmfb` may read by name: those whose bytes it holds (the module names the
+    parameters it loads in its read-only data, uncompressed). A key that is only part of a longer name, or of
+    other data, is listed too: its tensor is written needlessly, never missed."""
+    return [key for key in keys if key.encode() in vmfb]
 
 
 class NothingToPack(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -246,6 +247,10 @@ def function_reflections(path: str | Path) -> dict[str, dict[str, str]]:
     return {name: dict(probe.lookup_function(name).reflection) for name in probe.function_names}
 
 
+#: IREE's error for a parameter the archive lacks (`iree/io/parameter_index.c`)
+_MISSING_KEY = re.compile(r"no parameter found in index with key '([^']*)'")
+
+
 def _bind(path: Path, doc: dict[str, Any], params: str | Path | None, driver: str | None) -> tuple[Any, Path | None]:
     """The module at `path` loaded (with its parameter archive when `doc` says it reads one): its functions
     by name, in one VM context; and the archive."""
@@ -265,7 +270,28 @@ def _bind(path: Path, doc: dict[str, Any], params: str | Path | None, driver: st
     elif params is not None:
         raise ArtifactError(f"{path} holds its weights itself; it reads no parameter archive. Fix: leave params= out.")
     modules.append(iree.runtime.VmModule.mmap(config.vm_instance, str(path)))
-    return iree.runtime.load_vm_modules(*modules, config=config)[-1], archive
+    try:
+        return iree.runtime.load_vm_modules(*modules, config=config)[-1], archive
+    except ValueError as e:
+        missing = _MISSING_KEY.search(str(e))
+        if archive is None or missing is None:
+            raise
+        raise ArtifactError(
+            f"{path} reads the parameter {missing[1]!r}, which {archive} does not hold (the first such key it "
+            f"looked up; the archive holds {_archive_keys(archive)}). The archive was written for another module, "
+            "or by a save that left it out. Fix: save the compiled module again, .vmfb and .irpa together "
+            "(compiled.save(path, params=...)), and load the pair."
+        ) from None
+
+
+def _archive_keys(path: Path, shown: int = 8) -> str:
+    import iree.runtime
+
+    index = iree.runtime.ParameterIndex()
+    index.load(str(path), mmap=True)
+    keys = sorted(index[i].key for i in range(len(index)))
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{len(keys)} keys: " + ", ".join(repr(k) for k in keys[:shown]) + more
 
 
 def load(path: str | Path, *, params: str | Path | None = None, driver: str | None = None) -> Any:

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import fx_rewrites
-from fx_rewrites.backends.iree import encoding
+from fx_rewrites.backends.base import ArtifactError
+from fx_rewrites.backends.iree import archive, encoding
 from fx_rewrites.backends.iree.backend import IreeBackend
+from fx_rewrites.backends.iree.parameters import INLINE_ENV
 from fx_rewrites.backends.iree.runtime import function_reflections
 
 iree_runtime = pytest.importorskip("iree.runtime")
@@ -76,6 +78,54 @@ def test_the_archive_holds_the_weights_packed_and_loads_mapped(model, tmp_path, 
     # the documented command line runs the packed archive as any other (scope model)
     call = json.loads(function_reflections(tmp_path / "net.vmfb")["main"]["fx_rewrites.call"])
     assert call["parameters"] == {"scope": "model"}
+
+
+class Router(torch.nn.Module):
+    """A Linear(256, 256) IREE packs, then a Linear(256, 4) as an MoE's router: packed for 2 rows (a decode
+    step), its 4 rows pad to a tile of 16 (4x its size, past the 1.2x growth IREE's encoder accepts), so the
+    module packs that weight itself when it starts, reading it by its own key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(256, 256)
+        self.router = torch.nn.Linear(256, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(torch.relu(self.hidden(x)))
+
+
+@pytest.fixture
+def router(tmp_path, monkeypatch):
+    """A `Router` compiled (every weight a parameter) and saved packed to `tmp_path`/net.vmfb and net.irpa."""
+    monkeypatch.setenv(INLINE_ENV, "0")
+    torch.manual_seed(0)
+    net, x = Router().eval(), torch.randn(2, 256)
+    compiled = fx_rewrites.compile(net, (x,))
+    compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    return net, x
+
+
+def test_a_weight_the_encoder_leaves_out_is_archived_as_it_is(router, tmp_path):
+    """IREE's encoder writes the weights it packs and those read unchanged; a weight whose packing it refuses
+    is read by its own key, so the archive holds it as it is (Qwen3-MoE's routers failed to load without it)."""
+    net, x = router
+    saved = keys(tmp_path / "net.irpa")
+    assert "router.weight" in saved and any(key.startswith("parameter") for key in saved)
+    assert "hidden.weight" not in saved  # packed by the encoder: not twice
+    loaded = fx_rewrites.load(tmp_path / "net.vmfb")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), net(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(x - 1), net(x - 1), rtol=1e-5, atol=1e-5)
+
+
+def test_an_archive_without_a_key_the_module_reads_is_a_named_error(router, tmp_path):
+    index = iree_runtime.ParameterIndex()
+    index.load(str(tmp_path / "net.irpa"))
+    kept = {e.key: bytes(e.file_view) for e in (index[i] for i in range(len(index))) if e.key != "router.weight"}
+    del index
+    archive.write(kept, tmp_path / "short.irpa")
+    with pytest.raises(ArtifactError, match=r"router\.weight.*short\.irpa.*Fix"):
+        fx_rewrites.load(tmp_path / "net.vmfb", params=tmp_path / "short.irpa")
 
 
 def test_without_data_tiling_the_weights_are_saved_as_they_are(model, tmp_path):
