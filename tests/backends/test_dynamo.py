@@ -134,6 +134,9 @@ def test_rules_fire_on_the_aot_graph(iree_graphs):
         "pool_stride_defaults": 1,
         "sym_scalar_in_tensor_slot": 1,  # mul.Tensor(w, <SymInt placeholder>) -> mul.Scalar
         "float_scalar_in_comparison_for_iree": 2,  # x > 0 of a float x compares with 0.0 (findings section 15)
+        "float32_trig_via_float64_for_iree": 2,  # the branches' sin and cos, computed in float64
+        "float64_sin_written_out_for_iree": 1,  # ... in float64 forms written out (no libm call)
+        "float64_cos_written_out_for_iree": 1,
     }
     assert graph.result.report.converged
     targets = {n.target for n in graph.result.graph_module.graph.nodes}
