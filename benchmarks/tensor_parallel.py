@@ -103,7 +103,7 @@ def _ranks_main(
 
 
 def main() -> None:
-    from benchmarks.generate import cpu
+    from benchmarks.cpu_isa import cpu_model
     from tests.distributed.launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,7 +122,7 @@ def main() -> None:
         f"# Llama hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, vocab 512; prompt 7, {args.new} new"
     )
     lock = "no lock" if args.no_lock else LOCK
-    print(f"# {cpu()}; load {os.getloadavg()[0]:.1f} ({lock}); one thread per rank, IREE local-sync, gloo")
+    print(f"# {cpu_model()}; load {os.getloadavg()[0]:.1f} ({lock}); one thread per rank, IREE local-sync, gloo")
     print(
         "| ranks | compile s | CPU ms/token/rank | collectives CPU ms (share) | wall ms/token "
         "| collectives wall ms (share) | all_reduce per token | tokens match |"
