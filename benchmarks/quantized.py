@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import generate as gen  # benchmarks/generate.py: model building, timing helpers
+from cpu_isa import cpu_model  # benchmarks/cpu_isa.py: the CPU line every table names
 
 SIZES = {
     "tiny": gen.SIZES["tiny"],
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     isa = "host ISA" if args.isa == "host" else f"AVX2 (IREE for {AVX2_CPU}, torch {AVX2_ENV})"
     setting = f"{args.size}, prompt {args.prompt}, {args.new} new tokens, 1 thread, CPU time, {isa}"
-    print(f"# {setting}; {gen.cpu()}; load {gen.load()}")
+    print(f"# {setting}; {cpu_model()}; load {gen.load()}")
     print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
     print("|---|---|---:|---:|---:|---|---:|")
     base = None
