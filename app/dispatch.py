@@ -41,6 +41,7 @@ from fx_rewrites import backends
 from fx_rewrites.api import Result, apply
 from fx_rewrites.app.branch_cost import dispatch_cost
 from fx_rewrites.backends.base import ArtifactError, ModuleBackend
+from fx_rewrites.backends.convention import positional_leaves
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import FunctionRule
 from fx_rewrites.subgraphs import subgraph
@@ -205,6 +206,9 @@ def guard_function(tree: Any) -> Callable[[Any], Any]:
         value = tree[1]
         return lambda inputs: value
     op, parts = _OPS[head], [guard_function(a) for a in tree[1:]]
+    if len(parts) == 2 and tree[1][0] == "size" and tree[2][0] == "int":  # `s0 <= 16`: one closure
+        (i, d), value = tree[1][1:], tree[2][1]
+        return lambda inputs: op(int(inputs[i].shape[d]), value)
     if len(parts) == 2:
         left, right = parts
         return lambda inputs: op(left(inputs), right(inputs))
@@ -232,6 +236,9 @@ class SizeDispatch:
     #: where the data cannot hold it: sympy's evaluation costs ~0.1 ms a call)
     predicate: Callable[[Any], Any] = attrs.field(init=False, repr=False)
     why: str = attrs.field(init=False, default="", repr=False)
+    #: how many positional arguments a call whose arguments are its flat inputs takes (None: every call is
+    #: flattened by `in_spec`)
+    positional: int | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.found is not None:
@@ -247,6 +254,7 @@ class SizeDispatch:
             function = sympy.lambdify(symbols, self.found.expr, modules="math")
             where = [self.found.sizes[s] for s in symbols]
             self.predicate = lambda inputs: function(*(inputs[i].shape[d] for i, d in where))
+        self.positional = positional_leaves(self.in_spec)
 
     def taken(self, *args: Any, **kwargs: Any) -> bool:
         """The predicate's value for a call with these arguments."""
@@ -255,6 +263,8 @@ class SizeDispatch:
         return bool(self.predicate(args))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and len(args) == self.positional:  # the arguments are the flat inputs: nothing to flatten
+            return (self.when_true if self.predicate(args) else self.when_false)(*args)
         return (self.when_true if self.taken(*args, **kwargs) else self.when_false)(*args, **kwargs)
 
     def save(self, path: Any, *, params: Any = None) -> None:

@@ -138,6 +138,17 @@ def _is_call_spec(spec: pytree.TreeSpec) -> bool:
     return spec.type is tuple and spec.num_children == 2 and spec.child(1).type is dict
 
 
+def positional_leaves(spec: pytree.TreeSpec) -> int | None:
+    """How many arguments a call spec `((a, b, ...), {})` takes when they are all positional leaves (its flat
+    inputs are then the call's arguments as they are); None for any other spec."""
+    if not _is_call_spec(spec) or spec.child(1).num_children:
+        return None
+    args = spec.child(0)
+    if args.type is not tuple or any(not args.child(i).is_leaf() for i in range(args.num_children)):
+        return None
+    return args.num_children
+
+
 def _kwarg_leaves(spec: pytree.TreeSpec) -> dict[str, range]:
     """kwarg name -> the flat indices of its leaves."""
     start = spec.child(0).num_leaves

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
+from fx_rewrites.backends.iree.calling import MISS, Invoker, fast_call, host_array, to_torch
 from fx_rewrites.backends.iree.cpus import check
 from fx_rewrites.backends.iree.element_types import element_type
 from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
@@ -50,14 +51,7 @@ def get_device(rt: Any, uri: str) -> Any:
 
 def to_host(value: Any) -> Any:
     """What the IREE runtime takes for `value`: a numpy array for a tensor, a Python number as is."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-    return value
+    return host_array(value) if isinstance(value, torch.Tensor) else value
 
 
 def from_device(value: Any, dtype: torch.dtype | None) -> Any:
@@ -67,11 +61,7 @@ def from_device(value: Any, dtype: torch.dtype | None) -> Any:
     array = value.to_host() if hasattr(value, "to_host") else value
     if not isinstance(array, np.ndarray):
         return array  # a scalar result (SymInt output)
-    array = np.array(array, copy=True)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    t = torch.from_numpy(array)
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)  # the dtype the graph promised
+    return to_torch(np.array(array, copy=True), dtype)
 
 
 @attrs.frozen(eq=False)
@@ -128,6 +118,10 @@ class IreeCompiled:
     pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
     #: why it was not loaded, raised by a call: built for a CPU this host cannot run (`cpus.IreeCpuError`)
     refused: Exception | None = attrs.field(default=None, repr=False)
+    #: the call path for positional tensors that fit (`calling.fast_call`), built on the first call for
+    #: `_fast_for` (the function it calls; rebuilt when `function` changes)
+    _fast: Any = attrs.field(init=False, default=None, repr=False)
+    _fast_for: Any = attrs.field(init=False, default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
         """Write the module to `path` (a .vmfb `iree-run-module` runs, and `fx_rewrites.load` reads back
@@ -160,6 +154,14 @@ class IreeCompiled:
         if output.result != 0 or output.write is not None:
             return self
 
+        invoker = Invoker.of(function)
+        if invoker is not None:
+
+            def call(*tensors: torch.Tensor) -> torch.Tensor:
+                return to_torch(invoker(*(t.contiguous().numpy() for t in tensors))[0], output.dtype)
+
+            return call
+
         def call(*tensors: torch.Tensor) -> torch.Tensor:
             result = function(*(t.contiguous().numpy() for t in tensors))
             return from_device(result[0] if isinstance(result, (tuple, list)) else result, output.dtype)
@@ -182,9 +184,20 @@ class IreeCompiled:
         IREE's runtime objects are nanobind instances: one still alive when Python shuts down makes
         nanobind print a page of `leaked ...` lines, so the torch.compile glue releases its graphs at exit.
         """
-        self.function = None
+        self.function = self._fast = self._fast_for = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and self.function is not None:
+            if self._fast_for is not self.function:
+                self._fast, self._fast_for = fast_call(self.plan, self.function), self.function
+            if self._fast is not None and (out := self._fast(args)) is not MISS:
+                return out
+        return self.call_bound(*args, **kwargs)
+
+    def call_bound(self, *args: Any, **kwargs: Any) -> Any:
+        """The general path of a call: `convention.bind` (its checks name any mismatch), iree.runtime's
+        invoker, each result copied out of its `DeviceArray`, mutations written back. `__call__` takes it
+        for every call that is not positional tensors of the compiled dtypes and sizes (`calling.fast_call`)."""
         if self.function is None:
             if self.refused is not None:
                 raise self.refused.with_traceback(None)
