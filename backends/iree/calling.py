@@ -111,6 +111,7 @@ class Invoker:
         self._ref = rt.VmRef
         self._buffer_view = rt.HalBufferView
         self._raw_dtype = rt.HalElementType.map_to_dtype
+        self._visible, self._mapping = int(rt.MemoryType.HOST_VISIBLE), int(rt.BufferUsage.MAPPING_SCOPED)
         self._slow = function  # for a result that is not host-mappable (a GPU's device-local memory)
 
     @classmethod
@@ -143,12 +144,13 @@ class Invoker:
             if view is None:
                 out.append(value)  # a number (a size the program returns)
                 continue
-            raw = self._raw_dtype(view.element_type)
-            try:
-                mapped = view.map()
-            except RuntimeError:  # not host-visible: the DeviceArray path copies it through a transfer
+            buffer = view.get_buffer()
+            visible = buffer.memory_type() & self._visible == self._visible
+            if not visible or buffer.allowed_usage() & self._mapping != self._mapping:
+                # not host-mappable (a GPU's device-local memory): the DeviceArray path copies it by a transfer
                 return [np.array(a.to_host(), copy=True) if hasattr(a, "to_host") else a for a in self._slowly(results)]
-            array = mapped.asarray(view.shape, raw)
+            raw = self._raw_dtype(view.element_type)
+            array = view.map().asarray(view.shape, raw)
             want = raw if self._dtypes is None else self._dtypes[i]
             out.append(array.astype(want) if raw != want else array.copy())  # astype copies too
         return out

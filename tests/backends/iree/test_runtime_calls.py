@@ -56,6 +56,16 @@ def test_the_direct_path_is_taken_and_agrees_with_the_general_one(pair):
         torch.testing.assert_close(pair(x, y), want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_result_that_is_not_host_mappable_takes_the_runtimes_own_copy(pair):
+    invoker = Invoker.of(pair.function)
+    invoker._visible = 1 << 30  # a memory type no buffer here has: as a GPU's device-local result, not mapped
+    x, y = _xy(8, 1)
+    got = invoker(x.numpy(), y.numpy())
+    assert len(got) == 2
+    for a, b in zip(got, Pair()(x, y), strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
