@@ -5,7 +5,8 @@
 Two conds: `matmul` (a 256-wide matmul + relu up to 16 tokens, 8 tanh layers past it; x: 4 x n x 256, n = 8
 and 48) and `elementwise` (sin up to 512 columns, 24 x (tanh(x * 1.01 + 0.1) + cos(x)) past it, both
 element-wise; x: 64 x n, n = 64 and 640). One thread each (torch.set_num_threads(1), IREE local-sync), CPU
-time (time.process_time), interleaved rounds of 20 calls. Prints what `fx_rewrites.compile` made of each cond
+time (time.process_time), interleaved rounds (the order rotated each round) of 200 calls on the short side
+and 20 on the long one, each sample after one untimed call. Prints what `fx_rewrites.compile` made of each cond
 (dispatch or select, with `app/branch_cost.py`'s estimate), the median per call of each function on each side,
 the median over rounds of the dispatched call's time over its branch alone's (same round), and the two figures
 `branch_cost.DISPATCH_COST` is made of: the dispatch's own cost per call (dispatched - branch alone, us) and
@@ -83,6 +84,11 @@ CASES = {
 }
 
 
+#: calls a sample per side (samples of ~5 ms: the short side's 20 calls were ~0.6 ms, within the noise of a
+#: loaded machine)
+CALLS = {"short": 200, "long": 20}
+
+
 def _cpu() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     lines = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
@@ -114,15 +120,17 @@ def run_case(case: str, rounds: int, iree: IreeBackend) -> None:
     medians = {}
     for n, side in zip(sides, ("short", "long")):
         xs = torch.randn(_shape(template, n))
-        times: dict[str, list[float]] = {name: [] for name in funcs}
-        for _ in range(rounds):
-            for name, fn in funcs.items():
-                if name == ("long alone" if side == "short" else "short alone"):
-                    continue
+        names = [name for name in funcs if name != ("long alone" if side == "short" else "short alone")]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        calls = CALLS[side]
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # each in every place of the order
+                fn = funcs[name]
+                fn(xs)  # untimed: the cost of coming back to this module after another is not the call's
                 start = time.process_time()
-                for _ in range(20):
+                for _ in range(calls):
                     fn(xs)
-                times[name].append((time.process_time() - start) / 20 * 1e3)
+                times[name].append((time.process_time() - start) / calls * 1e3)
         medians[side] = {name: statistics.median(t) for name, t in times.items() if t}
         cells = ", ".join(f"{name} {m:.3f}" for name, m in medians[side].items())
         ratio = statistics.median(a / b for a, b in zip(times["dispatched"], times[f"{side} alone"]))
