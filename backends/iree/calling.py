@@ -177,7 +177,10 @@ def fast_call(plan: Plan, function: Any) -> Callable[[tuple[Any, ...]], Any] | N
         if not fits(checks, args):
             return MISS
         arrays = invoker(*(host_array(args[i]) for i in order))
-        values = [constant if result is None else _torch(arrays[result], dtype) for result, constant, dtype in outputs]
+        values = [
+            constant if result is None else result_to_torch(arrays[result], dtype)
+            for result, constant, dtype in outputs
+        ]
         if single:
             return values[0]
         from torch.utils import _pytree as pytree
@@ -187,7 +190,8 @@ def fast_call(plan: Plan, function: Any) -> Callable[[tuple[Any, ...]], Any] | N
     return call
 
 
-def _torch(value: Any, dtype: torch.dtype | None) -> Any:
+def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
+    """One result of `Invoker` as torch gives it: an array as a tensor (`to_torch`), a number as it is."""
     return to_torch(value, dtype) if isinstance(value, np.ndarray) else value
 
 

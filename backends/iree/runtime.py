@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
-from fx_rewrites.backends.iree.calling import MISS, Invoker, fast_call, host_array, to_torch
+from fx_rewrites.backends.iree.calling import MISS, Invoker, fast_call, host_array, result_to_torch, to_torch
 from fx_rewrites.backends.iree.cpus import check
 from fx_rewrites.backends.iree.element_types import element_type
 from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
@@ -158,7 +158,7 @@ class IreeCompiled:
         if invoker is not None:
 
             def call(*tensors: torch.Tensor) -> torch.Tensor:
-                return to_torch(invoker(*(t.contiguous().numpy() for t in tensors))[0], output.dtype)
+                return result_to_torch(invoker(*(t.contiguous().numpy() for t in tensors))[0], output.dtype)
 
             return call
 
