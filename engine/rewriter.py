@@ -20,7 +20,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from fx_rewrites.engine import fxgraph, values
+from fx_rewrites.engine import fxgraph, layouts, values
 
 #: meta keys a new node inherits from the node it replaces (source locations
 #: and module paths, so backend errors still point at the user's code).
@@ -288,9 +288,12 @@ class Rewriter:
             touched += [m.node, *m.node.users]
             dead += before
         created = {id(n) for n in self.created}
+        relaid: dict[Node, Any] = {}  # replacements laid out otherwise than the values their users saw
         for r in self.replacements:
+            seen = r.old.meta.get("val") if r.reference is None else r.reference
+            if r.same_shape and isinstance(r.new, Node) and layouts.changed(seen, r.new.meta.get("val")):
+                relaid[r.new] = r.new.meta.get("val")
             if r.same_shape and isinstance(r.new, Node) and id(r.new) in created:
-                seen = r.old.meta.get("val") if r.reference is None else r.reference
                 r.new.meta["val"] = values.users_view(seen, r.new.meta.get("val"))
             users = r.users()
             touched.extend(users)
@@ -301,6 +304,7 @@ class Rewriter:
                 for user in users:
                     user.replace_all_uses_with(r.new[user.args[1]])
                     self.graph.erase_node(user)
+        touched += layouts.follow(self.fake_mode, relaid)
         if self.outputs:
             output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
             values_out = list(output.args[0])
