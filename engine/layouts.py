@@ -36,11 +36,12 @@ def _layout(val: Any) -> Any:
     return None
 
 
-def follow(fake_mode: Any, relaid: dict[Node, Any]) -> list[Node]:
+def follow(fake_mode: Any, relaid: dict[Node, Any], provenance: Any = None) -> list[Node]:
     """`relaid`: replacement nodes -> their values, where those strides differ from the values their users
     were traced against. Walks the graph forward from them, re-evaluating each user of a value whose strides
     changed; a strict view that fails on the new strides becomes `aten.reshape`. Updates `meta["val"]` of the
-    nodes whose strides changed; returns the views it retargeted."""
+    nodes whose strides changed; a retargeted view records `provenance` (the rule that relaid its input) in
+    `meta["rewrites"]`. Returns the views it retargeted."""
     if not relaid:
         return []
     fresh = dict(relaid)
@@ -57,6 +58,8 @@ def follow(fake_mode: Any, relaid: dict[Node, Any]) -> list[Node]:
         val = _evaluate(fake_mode, node, fresh)
         if val is None and node.target in STRICT_VIEWS:
             node.target = aten.reshape.default
+            if provenance is not None:
+                node.meta["rewrites"] = (*node.meta.get("rewrites", ()), provenance)
             retargeted.append(node)
             val = _evaluate(fake_mode, node, fresh)
         old = node.meta.get("val")

@@ -304,7 +304,7 @@ class Rewriter:
                 for user in users:
                     user.replace_all_uses_with(r.new[user.args[1]])
                     self.graph.erase_node(user)
-        touched += layouts.follow(self.fake_mode, relaid)
+        touched += layouts.follow(self.fake_mode, relaid, self._provenance[-1])
         if self.outputs:
             output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
             values_out = list(output.args[0])

@@ -57,6 +57,7 @@ def test_a_view_of_attention_written_out_becomes_a_reshape(dynamic):
     rt.assert_fired(result, attention_as_matmul_softmax, times=1)
     merged = next(n for n in result.graph_module.graph.nodes if n.name == merge[0].name)
     assert merged.target is aten.reshape.default
+    assert merged.meta["rewrites"][-1]["rule"] == "attention_as_matmul_softmax"  # which rule relaid its input
     assert merged.meta["val"].shape == merge[0].meta["val"].shape
     lengths = (6, 11) if dynamic else (6, 6)
     rt.assert_matches_eager(result, Heads().eval(), [(_x(1, lengths[0]),), (_x(2, lengths[1]),)])
