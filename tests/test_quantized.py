@@ -112,6 +112,26 @@ def test_logits_match_quantized_eager_within_its_float32_error(quantized: Logits
         assert (got.double() - exact).abs().max().item() <= 2 * eager_error, (length, eager_error)
 
 
+def test_iree_rules_program_runs_on_torch_within_its_float32_error(quantized: Logits) -> None:
+    """The quantized program is flattened by `run_decompositions`, which writes the merge of the attention
+    heads as a view of SDPA's output (laid out [b, s, h, d] on CPU); written out by the IREE rules that view
+    failed on torch eager ("view size is not compatible ..."), and with it `fx_rewrites.localize`."""
+    from fx_rewrites import backends
+
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    program = torch.export.export(quantized, (ids,), dynamic_shapes={"ids": {1: torch.export.Dim("seq", max=48)}})
+    result = fx_rewrites.apply(program, backends.get("iree").rules)
+    assert result.report.rewrites.get("attention_as_matmul_softmax") == 1
+    reference = _dequantized_float64(quantized)
+    for length in (8, 19):
+        ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            exact = reference(ids)
+            eager_error = (quantized(ids).double() - exact).abs().max().item()
+            got = result.program.module()(ids)
+        assert (got.double() - exact).abs().max().item() <= 2 * eager_error, (length, eager_error)
+
+
 def test_greedy_tokens_match_quantized_eager(quantized: Logits, compiled) -> None:
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
     ours, theirs = prompt, prompt
