@@ -8,7 +8,8 @@ on value-semantics backends (IREE): CPU `scaled_dot_product_attention` returns [
 [b, s, h, d], so `sdpa.transpose(1, 2).view(b, s, h * d)` is a view; written out as matmuls, the output is
 contiguous and that view fails. `follow` recomputes the fake values downstream of the replaced ones as far
 as their strides change, and turns each `view` that no longer holds into `aten.reshape` (the same values
-in a functional graph: a view where the strides allow one, a copy where not).
+in a functional graph: a view where the strides allow one, a copy where not). A view an op writes through
+(a graph not functionalized) stays: as a copy the write would be lost, a wrong number where torch names it.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _layout(val: Any) -> Any:
 def follow(fake_mode: Any, relaid: dict[Node, Any], provenance: Any = None) -> list[Node]:
     """`relaid`: replacement nodes -> their values, where those strides differ from the values their users
     were traced against. Walks the graph forward from them, re-evaluating each user of a value whose strides
-    changed; a strict view that fails on the new strides becomes `aten.reshape`. Updates `meta["val"]` of the
-    nodes whose strides changed; a retargeted view records `provenance` (the rule that relaid its input) in
-    `meta["rewrites"]`. Returns the views it retargeted."""
+    changed; a strict view that fails on the new strides becomes `aten.reshape`, unless an op writes through
+    it. Updates `meta["val"]` of the nodes whose strides changed; a retargeted view records `provenance` (the
+    rule that relaid its input) in `meta["rewrites"]`. Returns the views it retargeted."""
     if not relaid:
         return []
     fresh = dict(relaid)
@@ -56,7 +57,7 @@ def follow(fake_mode: Any, relaid: dict[Node, Any], provenance: Any = None) -> l
         if node.op != "call_function" or "unbacked_bindings" in node.meta:
             continue  # re-evaluating would make new unbacked symbols: leave its value as it was
         val = _evaluate(fake_mode, node, fresh)
-        if val is None and node.target in STRICT_VIEWS:
+        if val is None and node.target in STRICT_VIEWS and not _written_through(node):
             node.target = aten.reshape.default
             if provenance is not None:
                 node.meta["rewrites"] = (*node.meta.get("rewrites", ()), provenance)
@@ -69,6 +70,23 @@ def follow(fake_mode: Any, relaid: dict[Node, Any], provenance: Any = None) -> l
         fresh[node] = val
         pending.update(node.users)
     return retargeted
+
+
+def _written_through(view: Node) -> bool:
+    """Whether an op writes into `view` (or a view of it): a reshape that copies would lose that write, so the
+    view stays and fails on torch, as a program that cannot run there should."""
+    todo, seen = [view], set()
+    while todo:
+        for user in todo.pop().users:
+            schema = getattr(user.target, "_schema", None)
+            if user in seen or schema is None:
+                continue
+            seen.add(user)
+            if schema.is_mutable:
+                return True
+            if any(r.alias_info is not None for r in schema.returns):
+                todo.append(user)
+    return False
 
 
 def _evaluate(fake_mode: Any, node: Node, fresh: dict[Node, Any]) -> Any:

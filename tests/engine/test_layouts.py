@@ -53,3 +53,23 @@ def test_a_replacement_laid_out_as_before_leaves_the_views():
     result = rt.apply_rules(ep, add_then_contiguous)  # contiguous already: `when` declines
     rt.assert_not_fired(result, add_then_contiguous)
     assert aten.view.default in rt.targets(result)
+
+
+def written_through_a_view(x: torch.Tensor) -> torch.Tensor:
+    y = x.t() + 1.0
+    y.t().view(-1).add_(1.0)  # writes y through the view
+    return y * 2.0
+
+
+def test_a_view_written_through_stays_a_view():
+    """A graph that mutates (make_fx, not functionalized): as a reshape that copies, the write would miss y and
+    the program would return y * 2 without the + 1, a wrong number; the view stays and torch names it instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = _x(0)
+    gm = make_fx(written_through_a_view, tracing_mode="fake")(x)
+    result = rt.apply_rules(gm, add_then_contiguous)
+    rt.assert_fired(result, add_then_contiguous, times=1)
+    assert aten.view.default in rt.targets(result) and aten.reshape.default not in rt.targets(result)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        result.graph_module(x)
