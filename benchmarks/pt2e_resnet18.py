@@ -141,7 +141,7 @@ def measure(runs: dict[str, Any], x: torch.Tensor, rounds: int) -> dict[str, Any
                 times[name].append(time.process_time() - start)
     results: dict[str, Any] = {name: f for name, f in runs.items() if isinstance(f, str)}
     for name in callables:  # the float routes against float eager, the quantized ones against PT2E eager
-        reference = outputs["float eager" if name in ("PT2E eager", "IREE float") else "PT2E eager"]
+        reference = outputs["float eager" if name in ("float eager", "PT2E eager", "IREE float") else "PT2E eager"]
         diff = (outputs[name] - reference).abs().max().item()
         results[name] = (statistics.median(times[name]) * 1e3, diff)
     return results

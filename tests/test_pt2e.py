@@ -9,7 +9,11 @@ model's numbers to within one step of it, a quantize rounding the other way at a
 convolution sums in another order than oneDNN's. On torch 2.13 / IREE 3.13 (AVX-512) these inputs come out
 equal bit for bit; the test also bounds how many elements may differ at all.
 
-Two small IREE compiles (static, and a Dim on the batch).
+PT2E's quantize ops run as torch's own kernels (rewrites/rules/quantized.py: `lower_quantized_decomposed_ops`);
+IREE's own lowering of them rounds `x / scale`, 3 values in a million off torch's `x * (1 / scale)`, and fails on a
+scale that is not a float32 value (`test_quantize_per_tensor_is_torchs_bit_for_bit`).
+
+Three small IREE compiles (static, a Dim on the batch, one quantize).
 """
 
 from __future__ import annotations
@@ -47,28 +51,29 @@ class ResidualNet(torch.nn.Module):
         return self.pool_out(self.relu3(self.head(x)))
 
 
-def _inputs(batch: int, seed: int) -> torch.Tensor:
+def images(batch: int, seed: int) -> torch.Tensor:
     return 2 * torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
 
 
-def _pt2e(dynamic_shapes) -> torch.nn.Module:
+def pt2e_residual_net(dynamic_shapes=None) -> torch.nn.Module:
+    """`ResidualNet`, seeded, through torchao's PT2E flow (X86 quantizer, 3 calibration batches)."""
     torch.manual_seed(0)
     model = ResidualNet().eval()
     quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
     prepared = prepare_pt2e(
-        torch.export.export(model, (_inputs(2, 0),), dynamic_shapes=dynamic_shapes).module(), quantizer
+        torch.export.export(model, (images(2, 0),), dynamic_shapes=dynamic_shapes).module(), quantizer
     )
     with torch.no_grad():
         for seed in range(3):  # calibration
-            prepared(_inputs(2, 10 + seed))
+            prepared(images(2, 10 + seed))
     return convert_pt2e(prepared)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 def test_pt2e_conv_net_compiles_and_matches_the_quantized_eager_model(dynamic: bool) -> None:
     shapes = {"x": {0: torch.export.Dim("batch", min=1, max=8)}} if dynamic else None
-    quantized = _pt2e(shapes)
-    program = torch.export.export(quantized, (_inputs(2, 0),), dynamic_shapes=shapes)
+    quantized = pt2e_residual_net(shapes)
+    program = torch.export.export(quantized, (images(2, 0),), dynamic_shapes=shapes)
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
     targets = {n.target for n in calls}
     assert {  # what PT2E's convert leaves: the form this test is about
@@ -80,9 +85,9 @@ def test_pt2e_conv_net_compiles_and_matches_the_quantized_eager_model(dynamic: b
     assert last.target is quantized_decomposed.dequantize_per_tensor.default  # the output lies on a grid
     step = last.args[1]
 
-    compiled = fx_rewrites.compile(program, (_inputs(2, 0),))
+    compiled = fx_rewrites.compile(program, (images(2, 0),))
     for batch, seed in ((2, 1), (5, 2) if dynamic else (2, 3)):
-        x = _inputs(batch, seed)
+        x = images(batch, seed)
         with torch.no_grad():
             expected, got = quantized(x), compiled(x)
         assert got.shape == expected.shape
@@ -91,3 +96,18 @@ def test_pt2e_conv_net_compiles_and_matches_the_quantized_eager_model(dynamic: b
         # one quantization step where a quantize rounds the other way at a tie; no more, and rarely
         assert diff.max().item() <= step * (1 + 1e-5), (diff.max().item(), step)
         assert (diff > 0).float().mean().item() <= 0.02, (diff > 0).sum().item()
+
+
+@pytest.mark.parametrize("scale", [float(torch.tensor(0.02)), 0.02], ids=["float32-scale", "float64-scale"])
+def test_quantize_per_tensor_is_torchs_bit_for_bit(scale: float) -> None:
+    class Quantize(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return quantized_decomposed.quantize_per_tensor(x, scale, 3, 0, 255, torch.uint8)
+
+    x = 5 * torch.rand(1 << 20, generator=torch.Generator().manual_seed(0))
+    # values whose x * (1 / scale) is a tie in float32 where x / scale is not: 4.09 / 0.02 -> torch's 204 + 3
+    x[:2] = torch.tensor([4.09, 2.35])
+    compiled = fx_rewrites.compile(torch.export.export(Quantize(), (x,)), (x,))
+    got, expected = compiled(x), Quantize()(x)
+    assert got.dtype == torch.uint8 and expected[0].item() == 207
+    assert torch.equal(got, expected), (got != expected).sum().item()

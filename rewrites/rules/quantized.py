@@ -1,4 +1,4 @@
-"""torchao's quantization ops, lowered by torchao's own reference implementation.
+"""torchao's quantization ops, and PT2E's `quantized_decomposed` ops, lowered by their own reference implementations.
 
 A model quantized with torchao exports its quantize/dequantize steps as custom ops
 (`torchao::choose_qparams_affine`, `quantize_affine`, `dequantize_affine`: W8A8's dynamic activations,
@@ -9,12 +9,23 @@ implementation in `torchao/quantization/quant_primitives.py`, which `Decompose` 
 
 The ops exist only once torchao is imported, so the rule finds them when the rules run (like the MoE op of
 `backends/iree/rules/moe.py`).
+
+A model quantized by PT2E (`prepare_pt2e` / `convert_pt2e`) exports `quantized_decomposed.quantize_per_tensor`,
+`dequantize_per_tensor` and their per-channel forms, which torch defines in Python
+(`torch/ao/quantization/fx/_decomposed.py`, a CompositeExplicitAutograd kernel: `round(x * (1 / scale)) + zp`,
+clamped). IREE 3.13 lowers them itself, differently: `round(x / scale)`, which disagrees with torch on about 3
+values in a million (4.09 with scale 0.02: 205 against torch's 204), and a scale that is not a float32 value
+(0.02) fails to compile ("failed to legalize operation 'arith.truncf'", a float64 -> float32 on the host).
+`lower_quantized_decomposed_ops` inlines torch's kernels, so every backend computes what torch computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from typing import Any
+
+import torch
+import torch.ao.quantization.fx._decomposed as pt2e_reference  # defines the quantized_decomposed ops
 
 from fx_rewrites.kinds import Decompose
 from fx_rewrites.ruleset import RuleSet
@@ -63,4 +74,26 @@ class _OnTorchaoOps:
 
 lower_torchao_quantization_ops = _OnTorchaoOps()
 
-RULES = RuleSet([lower_torchao_quantization_ops], name="quantized")
+_quantized_decomposed = torch.ops.quantized_decomposed
+#: PT2E's quantize / dequantize ops -> torch's Python implementation of each (what torch runs for them)
+PT2E_REFERENCE = {
+    _quantized_decomposed.quantize_per_tensor.default: pt2e_reference.quantize_per_tensor,
+    _quantized_decomposed.dequantize_per_tensor.default: pt2e_reference.dequantize_per_tensor,
+    _quantized_decomposed.quantize_per_channel.default: pt2e_reference.quantize_per_channel,
+    _quantized_decomposed.dequantize_per_channel.default: pt2e_reference.dequantize_per_channel,
+}
+
+lower_quantized_decomposed_ops = Decompose(
+    ops=tuple(PT2E_REFERENCE),
+    table=PT2E_REFERENCE,
+    name="lower_quantized_decomposed_ops",
+    tags={"quantized"},
+    doc=(
+        "PT2E's `quantized_decomposed` quantize / dequantize ops (per tensor, per channel) become torch's own "
+        "implementation in ATen (`round(x * (1 / scale)) + zero_point`, clamped). IREE 3.13 lowers them as "
+        "`round(x / scale)`, 3 values in a million one step off torch's, and fails on a scale that is not a "
+        "float32 value: \"failed to legalize operation 'arith.truncf'\"."
+    ),
+)
+
+RULES = RuleSet([lower_torchao_quantization_ops, lower_quantized_decomposed_ops], name="quantized")

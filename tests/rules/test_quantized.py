@@ -69,3 +69,21 @@ def test_without_torchao_ops_the_rule_roots_nothing_a_graph_holds() -> None:
     result = rt.apply_rules(program, lower_torchao_quantization_ops)
     assert result.report.total_rewrites == 0
     assert all(callable(root) for root in lower_torchao_quantization_ops.roots)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_pt2e_quantize_ops_become_torchs_own_kernels(dynamic: bool) -> None:
+    from fx_rewrites.rules.quantized import PT2E_REFERENCE, lower_quantized_decomposed_ops
+    from tests.test_pt2e import images, pt2e_residual_net
+
+    shapes = {"x": {0: torch.export.Dim("batch", min=1, max=8)}} if dynamic else None
+    quantized = pt2e_residual_net(shapes)
+    program = torch.export.export(quantized, (images(2, 0),), dynamic_shapes=shapes)
+    assert set(rt.targets(program)) & set(PT2E_REFERENCE)  # PT2E's convert left its q/dq ops
+    result = rt.apply_rules(program, lower_quantized_decomposed_ops)
+    rt.assert_fired(result, lower_quantized_decomposed_ops)
+    rt.assert_ops(result, absent=list(PT2E_REFERENCE), present=[aten.round.default, aten.clamp.default])
+    batches = (2, 5) if dynamic else (2, 2)
+    with torch.no_grad():  # torch's own kernels inlined: the same floats and bytes as the quantized eager model
+        rt.assert_matches_eager(result, quantized, [(images(batches[0], 1),), (images(batches[1], 2),)], rtol=0, atol=0)
+    rt.assert_idempotent(result, lower_quantized_decomposed_ops)

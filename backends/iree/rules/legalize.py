@@ -17,6 +17,7 @@ from torch.fx import Node
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
 from fx_rewrites.backends.iree.rules import (
+    byte_casts,
     float32_trig,
     float64_atan,
     float64_math,
@@ -149,6 +150,7 @@ LEGALIZE = RuleSet(
         *float32_trig.RULES,
         *libm_forms.RULES,
         *nan_guards.RULES,
+        *byte_casts.RULES,
         # size arithmetic this phase's rewrites leave constant (adaptive pooling's `0 * size // 2`): folded here
         # too, as the first phase folds the export's (IREE has no lowering for `aten.fmod.int`)
         sym_arithmetic_constant,
