@@ -4,6 +4,7 @@ values for new nodes, and comparing a replacement with what it replaces."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -125,13 +126,33 @@ def evaluate(fake_mode: Any, target: Any, args: tuple, kwargs: dict) -> Any:
         # sizes as ints and specialise the program's dynamic sizes, unless the Python dispatcher routes
         # them to torch's symbolic-aware Python kernels, as torch.export does while tracing
         known = len(shape_env.replacements)
-        with ctx, enable_python_dispatcher():
+        with ctx, enable_python_dispatcher(), _scalar_outputs(shape_env, target):
             val = target(*fargs, **fkwargs)
         if len(shape_env.replacements) != known:
             _check_no_specialisation(shape_env, known, target)
     if key is not None and _storable(fake_mode, val):
         memo.values[key] = val  # type: ignore[union-attr]
     return val
+
+
+#: ops whose value is a number the program reads at run time (an unbacked symbol)
+_SCALAR_OUTPUTS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+
+@contextlib.contextmanager
+def _scalar_outputs(shape_env: Any, target: Any) -> Any:
+    """A rule's `item` evaluated as an unbacked symbol, as torch.export's shape environment does, where the
+    program's own environment was made without (torch.compile's graphs: dynamo's `capture_scalar_outputs` is
+    off, and `item` raised DataDependentOutputException); restored after, so nothing else sees it."""
+    if target not in _SCALAR_OUTPUTS or shape_env.allow_scalar_outputs:
+        yield
+        return
+    settings = shape_env.settings  # a frozen dataclass
+    shape_env.settings = dataclasses.replace(settings, allow_scalar_outputs=True)
+    try:
+        yield
+    finally:
+        shape_env.settings = settings
 
 
 class Specialised(MissingValue):
