@@ -85,18 +85,12 @@ class Compiled:
         `fx_rewrites.load(path)` reads it back. `cpu`: write code for that CPU ("x86-64-v3": any AVX2
         machine; "aarch64"; docs/deploy.md), compiled again from the program for it when it is not the one
         compiled for; the file records the CPU and the features it needs."""
-        if cpu is not None and cpu != self.cpu:
-            if self.retarget is None:
-                raise ValueError(
-                    f"cpu={cpu!r}: the {self.backend} backend builds for no CPU by name. Fix: compile with "
-                    "backend='iree' (llvm-cpu), or leave cpu= out"
-                )
-            self.retarget(cpu=cpu).save(path, params=params)
+        from fx_rewrites.backends.base import ArtifactError, save_for_cpu
+
+        if save_for_cpu(self, path, params=params, cpu=cpu):
             return
         save = getattr(self.runtime, "save", None)
         if save is None:
-            from fx_rewrites.backends.base import ArtifactError
-
             raise ArtifactError(
                 f"the {self.backend} backend writes no artifact. Fix: compile with backend='iree' to save a .vmfb, "
                 "or save the rewritten program with torch.export.save(compiled.program, 'model.pt2')."

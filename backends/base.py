@@ -124,6 +124,30 @@ def for_cpu(backend: Backend, cpu: str | None) -> Backend:
     return backend.for_cpu(cpu)
 
 
+def save_for_cpu(
+    compiled: Any,
+    path: str | os.PathLike[str],
+    *,
+    params: str | os.PathLike[str] | None,
+    cpu: str | None,
+) -> bool:
+    """`save(path, params=, cpu=)` of a compiled model (`Compiled`, `CompiledLM`: their `cpu` and `retarget`)
+    when `cpu` names another CPU than the one it was built for: the same compile for that CPU
+    (`compiled.retarget(cpu=)`) saved to `path` and `params`, and True. False when `cpu` asks for nothing
+    other (None, or its own CPU): the caller saves itself. ValueError, with the fix, for a compiled model
+    that cannot be built again for a CPU (its backend takes none, or it was loaded from a file)."""
+    if cpu is None or cpu == compiled.cpu:
+        return False
+    if compiled.retarget is None:
+        raise ValueError(
+            f"cpu={cpu!r}: this compiled model is built for no other CPU by name (its backend takes no CPU, or it "
+            "was loaded from a file). Fix: compile with backend='iree' (llvm-cpu: fx_rewrites.compile(..., cpu=) "
+            "or compile_lm(..., cpu=)), or leave cpu= out"
+        )
+    compiled.retarget(cpu=cpu).save(path, params=params)
+    return True
+
+
 class ArtifactError(RewriteError):
     """A compiled program cannot be saved, or a file cannot be loaded as one."""
 

@@ -158,13 +158,9 @@ class CompiledLM:
     ) -> None:
         """Write the module to `path` (.vmfb) and its weights to `params` (default: `path` with suffix .irpa).
         `cpu`: code for that CPU (`fx_rewrites.compile_lm(..., cpu=)`), compiled again from the model."""
-        if cpu is not None and cpu != self.cpu:
-            if self.retarget is None:
-                raise ValueError(
-                    f"cpu={cpu!r}: this module was loaded from a file or built by a backend that takes no CPU; "
-                    "compile_lm(model, ..., cpu=...) builds for one"
-                )
-            self.retarget(cpu=cpu).save(path, params=params)
+        from fx_rewrites.backends.base import save_for_cpu
+
+        if save_for_cpu(self, path, params=params, cpu=cpu):
             return
         path = Path(path)
         self.module.save(path, params=Path(params) if params is not None else path.with_suffix(".irpa"))

@@ -7,14 +7,17 @@ so the archive's dirty pages count in the writer's RSS, a second full copy of th
 aligned offset, the file padded to 4 KiB) and writes each tensor's own memory with `write(2)`: the bytes pass
 through the page cache, never the process's memory. The file is byte for byte the one IREE writes
 (tests/backends/iree/test_archive.py). `reserve` writes the header and table only, the data left as a hole for
-IREE's parameter encoder to fill (`encoding.py`).
+IREE's parameter encoder to fill (`encoding.py`). `replacing` gives each writer a new file that is renamed
+over the old one when it is complete: a module that maps the old archive keeps its pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +61,28 @@ def layout(entries: Iterable[tuple[str, int, int]]) -> tuple[bytes, list[int], i
     return head + b"".join(names), [storage_at + o for o in offsets], size
 
 
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new path beside `path` (not yet a file) to write the file at `path` into: renamed over `path` when the
+    block ends, removed when it raises. A module that maps the file now at `path` (a loaded module, a compiled
+    one reading the archive it was saved with) keeps reading that file's pages, which writing into `path` in
+    place would change under it (or take away: SIGBUS, when the file is truncated)."""
+    path = Path(path)
+    new = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        yield new
+        os.replace(new, path)
+    except BaseException:
+        new.unlink(missing_ok=True)
+        raise
+
+
 def write(arrays: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """An .irpa holding `arrays` (key -> a contiguous buffer: a numpy array, a memoryview) as IREE writes it,
-    each written from its own memory."""
+    each written from its own memory (into a new file renamed over `path`: `replacing`)."""
     views = {key: memoryview(array).cast("B") for key, array in arrays.items()}
     head, offsets, size = layout((key, view.nbytes, DATA_ALIGNMENT) for key, view in views.items())
-    with Path(path).open("wb") as f:
+    with replacing(path) as new, new.open("wb") as f:
         f.write(head)
         for view, offset in zip(views.values(), offsets, strict=True):
             f.write(b"\0" * (offset - f.tell()))

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.base import ArtifactError
 from fx_rewrites.backends.convention import Input, Output, Plan
+from fx_rewrites.backends.iree.archive import replacing
 from fx_rewrites.backends.iree.parameters import SCOPE
 
 #: `iree.reflection` keys on `main`: the convention (JSON), or why it could not be written
@@ -169,13 +170,14 @@ def save(
     embed: Callable[[], bytes] | None = None,
     archive: Path | None = None,
     pack: Callable[[Path], bytes | None] | None = None,
-) -> None:
+) -> bytes | None:
     """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor; None for a module that
     takes its weights as inputs or was loaded from a self-contained file): with `params`, they go to that
     .irpa (written even when empty, so the documented `--parameters=` command runs); `pack(params)`, where
     given, writes them there as the module reads them (packed, `encoding.py`) and returns that module (None:
     it could not, the plain archive is written); without `params`, `embed` compiles the self-contained module
-    written instead. A module loaded with its archive copies that."""
+    written instead. A module loaded with its archive copies that. Returns the module written when it reads
+    the archive at `params` packed (None otherwise)."""
     from fx_rewrites.backends.iree.parameters import write_archive
 
     if unsupported:
@@ -188,8 +190,9 @@ def save(
             )
         path.write_bytes(vmfb)
         if Path(params).resolve() != archive.resolve():
-            shutil.copyfile(archive, params)
-        return
+            with replacing(params) as new:  # not into the file a module may map (`archive.replacing`)
+                shutil.copyfile(archive, new)
+        return None
     if params is not None:
         if parameters is None:
             raise ArtifactError(
@@ -201,7 +204,7 @@ def save(
         if packed is None:
             write_archive(parameters, params)
         path.write_bytes(vmfb if packed is None else packed)
-        return
+        return packed
     if parameters:
         if embed is None:
             raise ArtifactError(
@@ -210,3 +213,4 @@ def save(
             )
         vmfb = embed()
     path.write_bytes(vmfb)
+    return None

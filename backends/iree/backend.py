@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -35,6 +36,7 @@ from fx_rewrites.backends.iree.parameters import (
     embed_parameters,
     inline_limit,
     is_parameter,
+    load_parameters,
     memory_parameters,
     nbytes,
     parameter_hooks,
@@ -161,6 +163,9 @@ class IreeBackend:
             parameters=artifact.parameters,
             embed=embed,
             pack=pack,
+            # a save with params= moves the module onto the archive it wrote (`runtime.reopen`), unless the module
+            # keeps state between calls (a new context would start it over)
+            reopen=None if artifact.stateful else self.load_module,
         )
 
     def artifact(self, program: ExportedProgram | GraphModule) -> IreeArtifact:
@@ -228,6 +233,7 @@ class IreeBackend:
             # None: a graph that reads no frozen tensor takes its weights as inputs (torch.compile's unfrozen graphs)
             parameters=None if isinstance(program, GraphModule) and not frozen else dict(hooks.tensors),
             graph_module=graph_module,
+            stateful=state is not None and bool(state.tensors),
         )
 
     def _embedded(self, artifact: IreeArtifact) -> bytes:
@@ -257,9 +263,12 @@ class IreeBackend:
         the tensors it reads as parameters of scope `model`, served from their memory)."""
         return self.load_module(vmfb, parameters)["main"]
 
-    def load_module(self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None) -> Any:
+    def load_module(
+        self, vmfb: bytes, parameters: Mapping[str, torch.Tensor] | None = None, *, archive: Path | None = None
+    ) -> Any:
         """Compiled `vmfb` bytes loaded on this backend's device: its functions by name (`["main"]`), all in
-        one VM context (they share the module's globals); `parameters` as for `load`."""
+        one VM context (they share the module's globals); `parameters` as for `load`, or `archive`: the .irpa
+        it reads its weights from, mapped (`parameters.load_parameters`)."""
         refused = why_not_here(self.cpu_requirement(), "the module")
         if refused is not None:  # IREE would map the code and die of SIGILL in it, or not find its format
             raise refused
@@ -280,7 +289,9 @@ class IreeBackend:
             ) from None
         config = rt.Config(device=device)
         modules = []
-        if parameters:
+        if archive is not None:
+            modules.append(load_parameters(config, archive))
+        elif parameters:
             weights = sum(nbytes(t) for t in parameters.values())
             memory.check(
                 "loading", f"a module reading {weights / 1e6:.0f} MB of parameters", weights, "free memory first"

@@ -77,7 +77,8 @@ def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: An
         main, encoder = compile_split(backend, iree, mlir, gm)
         # what the module still reads by its own key (a weight the encoder left out, a state's initial value)
         kept = {key: parameters[key] for key in read_by_key(main, parameters)}
-        run_encoder(backend, encoder, parameters, path, kept)
+        with archive.replacing(path) as new:  # a module mapping the file now at `path` keeps its pages
+            run_encoder(backend, encoder, parameters, new, kept)
     except NothingToPack:
         return None
     except (IreeCompileError, IreeCompilerFailed, NotImplementedError) as e:

@@ -38,7 +38,7 @@ from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
-from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions
+from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions, reopen
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
 
 _STATE_OUT = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
@@ -210,8 +210,9 @@ class IreeModule:
     pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
-        """Write the module to `path` (.vmfb) and, with `params`, its weights to that .irpa (else inside it)."""
-        save(
+        """Write the module to `path` (.vmfb) and, with `params`, its weights to that .irpa (else inside it); a
+        module of no state then reads them from that archive, as `IreeCompiled.save` says."""
+        packed = save(
             self.vmfb,
             path,
             unsupported=self.unsupported,
@@ -221,6 +222,8 @@ class IreeModule:
             archive=self.archive,
             pack=self.pack,
         )
+        if packed is not None and params is not None:  # this module then reads the saved archive too
+            reopen(self.functions, packed, Path(params))
 
 
 def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> IreeModule:
@@ -233,6 +236,7 @@ def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> 
     except IreeCpuError as e:  # built for another CPU (`IreeBackend.for_cpu`): saved, it runs there
         bound, refused = dict.fromkeys(functions.plans), e
     calls = {}
+    stateless = not any(functions.state.values())  # else a new context would start the state over
     for name, plan in functions.plans.items():
         why = reflection(plan, backend.driver).get(UNSUPPORTED_KEY, "")
         calls[name] = IreeCompiled(
@@ -245,6 +249,7 @@ def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> 
             why,
             parameters=functions.parameters,
             refused=refused,
+            reopen=backend.load_module if stateless else None,
         )
     embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
     unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import shlex
@@ -83,6 +84,8 @@ class IreeArtifact:
     parameters: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
     #: the graph it was imported from (names nodes in a later compile's errors)
     graph_module: Any = attrs.field(default=None, repr=False)
+    #: it keeps state between calls (buffers it updates, as mutable globals)
+    stateful: bool = False
 
 
 @attrs.define(eq=False)
@@ -118,6 +121,12 @@ class IreeCompiled:
     pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
     #: why it was not loaded, raised by a call: built for a CPU this host cannot run (`cpus.IreeCpuError`)
     refused: Exception | None = attrs.field(default=None, repr=False)
+    #: loads a module's bytes with its weights read in place from a mapped archive, `(vmfb, archive=path)` ->
+    #: its functions by name: how `save(params=)` moves the module onto the archive it wrote (`reopen`); None
+    #: where the module stays as it is (it keeps state between calls, which a new context would start over)
+    reopen: Callable[..., Mapping[str, Any]] | None = attrs.field(default=None, repr=False)
+    #: the archive the module reads its weights from since a `save(params=)` moved it there (None: its own)
+    reads: Path | None = None
     #: the call path for positional tensors that fit (`calling.fast_call`), built on the first call for
     #: `_fast_for` (the function it calls; rebuilt when `function` changes)
     _fast: Any = attrs.field(init=False, default=None, repr=False)
@@ -129,9 +138,10 @@ class IreeCompiled:
         and the .vmfb is the one already compiled. Without, the .vmfb holds every weight (a module that
         reads parameters is compiled again with them inside: use `params=` for large models). On llvm-cpu the
         archive holds the weights packed as the module's kernels read them (`encoding.py`: the saved module
-        reads them in place from the mapped file, with no copy at load). Buffers the
+        reads them in place from the mapped file, with no copy at load; and this module then reads them from
+        there too, its own packed copy freed: `reopen`). Buffers the
         program updates are saved with the values they had when it was compiled (its initial state)."""
-        save(
+        packed = save(
             self.vmfb,
             path,
             unsupported=self.unsupported,
@@ -141,6 +151,8 @@ class IreeCompiled:
             archive=self.archive,
             pack=self.pack,
         )
+        if packed is not None and params is not None:
+            reopen({"main": self}, packed, Path(params))
 
     def unchecked(self) -> Callable[..., Any]:
         """This function as a call of the module function on the tensors' memory, without the call convention's
@@ -219,6 +231,32 @@ class IreeCompiled:
             with torch.no_grad():  # mutations land where program.module() puts them
                 (flat[out.write] if isinstance(out.write, int) else out.write).copy_(value)
         return pytree.tree_unflatten(user_outputs, plan.out_spec)
+
+
+def reopen(calls: Mapping[str, IreeCompiled], packed: bytes, archive: Path) -> None:
+    """`calls` (the functions of one loaded module, by name) re-opened on the module `packed`, which reads its
+    weights packed from `archive` (a save's `encoding.pack`), mapped: the pages a later `fx_rewrites.load` of
+    the saved files reads too, shared with the page cache. The copy of the weights the module packed when it
+    started (their size again, beside the model's tensors) is freed, and the devices' caching allocators give
+    back what was freed. A module that keeps state between calls, or is not loaded, stays as it is.
+    `encoding.pack` renames each new archive into place (`archive.replacing`): a later save to the same path
+    leaves the mapped file as it was."""
+    first = next(iter(calls.values()))
+    if first.reopen is None or any(c.function is None for c in calls.values()):
+        return
+    bound = first.reopen(packed, archive=archive)
+    for name, call in calls.items():
+        call.function, call._fast, call._fast_for = bound[name], None, None
+        call.reads = archive.resolve()
+    del bound
+    gc.collect()  # the old function's VM context can sit in a reference cycle: freed now, not at some later pass
+    trim_devices()
+
+
+def trim_devices() -> None:
+    """Give back the memory the devices' caching allocators keep for reuse (`get_device`): what was freed."""
+    for device in _DEVICES.values():
+        device.allocator.trim()
 
 
 def run_inputs(plan: Plan) -> list[str]:

@@ -115,6 +115,24 @@ def test_for_cpu_and_its_errors():
         fx_rewrites.compile(Net(), (torch.randn(2, 3, 6, 6),), cpu="arm")
 
 
+def test_saving_for_another_cpu_what_cannot_be_built_again_names_the_fix(tmp_path):
+    """`Compiled.save(cpu=)` and `CompiledLM.save(cpu=)` share `backends.base.save_for_cpu`: a compiled model
+    without a `retarget` (eager; an LM loaded from a file) raises with the fix; its own CPU saves as is."""
+    from types import SimpleNamespace
+
+    from fx_rewrites.backends.base import save_for_cpu
+
+    eager = fx_rewrites.compile(Net(), (torch.randn(2, 3, 6, 6),), backend="eager")
+    with pytest.raises(ValueError, match=r"cpu='x86-64-v3': this compiled model is built for no other CPU.*Fix"):
+        eager.save(tmp_path / "net.vmfb", cpu="x86-64-v3")
+    loaded_lm = SimpleNamespace(cpu="host", retarget=None)  # what load_lm gives: no model to compile again
+    with pytest.raises(ValueError, match=r"loaded from a file\). Fix: compile with backend='iree'"):
+        save_for_cpu(loaded_lm, tmp_path / "lm.vmfb", params=None, cpu="aarch64")
+    assert save_for_cpu(loaded_lm, tmp_path / "lm.vmfb", params=None, cpu="host") is False
+    assert save_for_cpu(loaded_lm, tmp_path / "lm.vmfb", params=None, cpu=None) is False
+    assert not (tmp_path / "lm.vmfb").exists()
+
+
 def test_a_module_for_avx512_refuses_to_load_where_avx512_is_missing(tmp_path, monkeypatch):
     model, inputs = _net()
     compiled = fx_rewrites.compile(model, (inputs[0],), cpu="x86-64-v4")
