@@ -9,7 +9,9 @@
 Each size runs in a child process of its own (one at a time), so its peak
 memory is its own: `python peak` is the child's peak RSS (VmHWM), `iree-compile
 peak` that of the compiler it started and `tree peak` that of the two together
-(both sampled every 50 ms); the bar is peak <= 3x the weights' bytes. The decoder is
+(both sampled every 50 ms; a child is counted once it runs another program: between its fork and its exec
+it reads as this process's RSS), and per step the peak of each (JSON `step_peaks_gb`, a step inside another
+as `save > iree-compile`); the bar is peak <= 3x the weights' bytes. The decoder is
 a transformers LlamaForCausalLM (seeded random weights, float32, eval),
 batch 1, 128 tokens, use_cache=False. Steps, in seconds: build (the model),
 export (torch.export), rules (fx_rewrites.apply with the IREE rules),
