@@ -16,12 +16,12 @@ Rule names keep their `_for_iree` suffix: they are what `explain --rule` and rep
 
 from __future__ import annotations
 
-from fx_rewrites.backends.iree.rules import legalize, ops, performance, quantized_matmul
+from fx_rewrites.backends.iree.rules import legalize, ops, performance, quantized_conv, quantized_matmul
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE's own first-phase rules, unioned with DEFAULT
-OWN: RuleSet = ops.RULES | quantized_matmul.RULES
+OWN: RuleSet = ops.RULES | quantized_matmul.RULES | quantized_conv.RULES
 #: the second phase: decompose what IREE cannot lower, guard what it computes wrong
 LEGALIZE: RuleSet = legalize.LEGALIZE
 
