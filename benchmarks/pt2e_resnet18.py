@@ -12,11 +12,13 @@ around float convs and the linear), exported again.
 
 Routes: `float eager` (the float model in torch), `PT2E eager` (the converted model in torch: float convs between
 q/dq), `Inductor` (`torch.compile` of the converted model; torchao's X86 passes turn q/dq/conv into oneDNN's int8
-convs only under `freezing`, set here), `IREE` (`fx_rewrites.compile` of the exported PT2E program, local-sync).
+convs only under `freezing`, set here), `IREE` (`fx_rewrites.compile` of the exported PT2E program, local-sync: its
+convs as integer matmuls, backends/iree/rules/quantized_conv.py), `IREE, dq conv` (the same without that rule: float
+convs of the dequantized operands).
 One thread, CPU time (`time.process_time`), routes interleaved round by round, medians; ratios against float eager;
 `IREE float`: the float model through `fx_rewrites.compile`, the anchor of what IREE's float convs cost. `max abs diff`
-on the timed input: IREE float and PT2E eager against float eager (PT2E's: the quantization's own error), IREE and
-Inductor against PT2E eager. The output is the float logits of the last linear (1000 classes).
+on the timed input: IREE float and PT2E eager against float eager (PT2E's: the quantization's own error), the IREE
+PT2E routes and Inductor against PT2E eager. The output is the float logits of the last linear (1000 classes).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +43,8 @@ import cpu_isa
 
 #: random calibration batches for the observers
 CALIBRATION = 4
+#: the rule whose absence the `IREE, dq conv` route measures (PT2E convs as float convs of dequantized operands)
+INT_MM_RULE = "quantized_conv_as_int_mm_for_iree"
 
 
 def _untied_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +117,13 @@ def routes(isa: str, use_inductor: bool, example: torch.Tensor) -> tuple[dict[st
     out: dict[str, Any] = {"float eager": model, "PT2E eager": quantized}
     seconds: dict[str, float] = {}
     backend = cpu_isa.backend(isa, driver="local-sync")
+    without_int_mm = attrs.evolve(backend, rules=backend.rules.without(INT_MM_RULE))
     builders = {
         "IREE float": lambda: fx_rewrites.compile(torch.export.export(model, (example,)), (example,), backend=backend),
         "IREE": lambda: fx_rewrites.compile(torch.export.export(quantized, (example,)), (example,), backend=backend),
+        "IREE, dq conv": lambda: fx_rewrites.compile(
+            torch.export.export(quantized, (example,)), (example,), backend=without_int_mm
+        ),
     }
     if use_inductor:
         builders["Inductor"] = lambda: inductor(quantized, example)
