@@ -51,15 +51,15 @@ SCHEMES = {
 }
 
 
-def _linear(scheme: str, out_features: int = 48) -> torch.nn.Module:
+def _linear(scheme: str, out_features: int = 48, in_features: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, out_features)).eval()
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features)).eval()
     quantization.quantize_(model, SCHEMES[scheme][0]())
     return model
 
 
-def _x(rows: int, seed: int) -> torch.Tensor:
-    return torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(seed))
+def _x(rows: int, seed: int, features: int = 64) -> torch.Tensor:
+    return torch.randn(1, rows, features, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -81,6 +81,31 @@ def test_quantized_linear_becomes_a_blocked_reduction(scheme: str, dynamic: bool
     with torch.no_grad():  # the same dequantized weights, float32 sums in another order
         rt.assert_matches_eager(result, model, [(_x(rows[0], 1),), (_x(rows[1], 2),)], rtol=0, atol=2e-5)
     rt.assert_idempotent(result, DEFAULT + rule)
+
+
+@pytest.mark.parametrize("scheme", ["int4_g32", "int8_g32"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("in_features", [32 * 7, 32 * 8], ids=["7_groups", "8_groups"])
+def test_grouped_linear_sums_its_groups_by_halves(scheme: str, dynamic: bool, in_features: int) -> None:
+    model, rule = _linear(scheme, in_features=in_features), SCHEMES[scheme][1]
+    shapes = {"input": {1: torch.export.Dim("rows", min=2, max=64)}} if dynamic else None
+    program = torch.export.export(model, (_x(5, 0, in_features),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, DEFAULT + rule)
+    rt.assert_fired(result, rule.name, times=1)
+    nodes = [n for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    # the partial sums [rows, N/16, G, 16] are summed over the groups (axis 2) by halves, not reduced over it
+    reduced = [n.args[1] for n in nodes if n.target is aten.sum.dim_IntList]
+    assert [2] not in reduced, reduced
+    halves = [n for n in nodes if n.target is aten.slice.Tensor and n.args[1] == 2]
+    groups = in_features // 32
+    # 7 groups: 3 + 3 (one aside), 1 + 1 (one aside) = 6 slices; 8 groups: 4 + 4, 2 + 2, 1 + 1 = 6 slices
+    assert len(halves) == {7: 6, 8: 6}[groups], [n.args for n in halves]
+    adds = [n for n in nodes if n.target is aten.add.Tensor]
+    assert len(adds) >= {7: 4, 8: 3}[groups]
+    rows = (5, 23) if dynamic else (5, 5)
+    inputs = [(_x(rows[0], 1, in_features),), (_x(rows[1], 2, in_features),)]
+    with torch.no_grad():
+        rt.assert_matches_eager(result, model, inputs, rtol=0, atol=2e-5)
 
 
 def test_rows_that_do_not_fill_blocks_are_left_alone() -> None:
