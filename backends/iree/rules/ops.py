@@ -30,6 +30,7 @@ from fx_rewrites.backends.iree.rules import (
     lowerings,
     mask_put,
     moe,
+    scaled_mm,
     scatters,
     topk,
 )
@@ -295,6 +296,7 @@ RULES = RuleSet(
         *int_matmul.RULES,
         *conv_tbc.RULES,
         *mask_put.RULES,
+        *scaled_mm.RULES,
         *lowerings.RULES,
         *scatters.RULES,
         *moe.RULES,
