@@ -20,8 +20,9 @@ may read the tensor's memory as is);
 `write_archive` writes them to an .irpa, which `iree-run-module
 --parameters=model=model.irpa` or `load_parameters` reads. Smaller tensors
 (and one-element and bool ones) stay inline, where IREE folds and packs them
-at compile time, except float8 and bfloat16 ones (`NEVER_INLINE`); `embed_parameters` puts the parameters back into the text,
-for a self-contained .vmfb.
+at compile time, except float8 and bfloat16 ones (`NEVER_INLINE`);
+`embed_parameters` puts the parameters back into the text, for a
+self-contained .vmfb.
 """
 
 from __future__ import annotations
