@@ -17,6 +17,7 @@ from torch.fx import Node
 from fx_rewrites.backends.iree import legality_data
 from fx_rewrites.backends.iree.legality import illegal_ops
 from fx_rewrites.backends.iree.rules import (
+    adaptive_max_indices,
     byte_casts,
     float32_trig,
     float64_atan,
@@ -145,6 +146,7 @@ LEGALIZE = RuleSet(
         *live_scatters.RULES,
         *steps.RULES,
         *pooling.RULES,
+        *adaptive_max_indices.RULES,
         *float64_math.RULES,
         *float64_atan.RULES,
         *float32_trig.RULES,

@@ -6,8 +6,8 @@ or without indices; static maps compile and match. To (1, 1), torch's own
 decomposition (amax, argmax of the flattened map) compiles and matches at
 every size. Other output sizes, the indices unused, are max over torch's
 adaptive row windows then column windows (backends/iree/rules/pooling.py); with the indices
-used they stay a compile error. The "without the rule" tests fail once IREE
-compiles it.
+used, each window flattened, amax and argmax (backends/iree/rules/adaptive_max_indices.py).
+The "without the rule" tests fail once IREE compiles it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ aten = torch.ops.aten
 IREE = backends.get("iree")
 RULE = "decompose_adaptive_max_pool2d_for_iree"
 VALUES = "adaptive_max_pool2d_values_for_iree"
+INDICES = "adaptive_max_pool2d_indices_for_iree"
 
 
 class Pool(torch.nn.Module):
@@ -93,18 +94,40 @@ def test_values_with_dim_sizes_match_eager(output_size):
         torch.testing.assert_close(fn(*args), module(*args))
 
 
+@pytest.mark.parametrize("output_size", [(3, 2), 2])
+def test_indices_with_dim_sizes_match_eager(output_size):
+    """Any output size, the indices used: each adaptive window flattened, amax and argmax
+    (adaptive_max_pool2d_indices_for_iree); ties (small integers) pick torch's first maximum."""
+    module = Pool(output_size, True)
+    ep = _export(module)
+    without = fx_rewrites.apply(ep, IREE.rules.without(INDICES)).program
+    with pytest.raises(Exception, match=r"failed to legalize operation 'torch\.aten\.max_pool2d_with_indices"):
+        IREE.compile(without, _x(6))
+    result = fx_rewrites.apply(ep, IREE.rules)
+    rt.assert_fired(result, INDICES, times=1)
+    rt.assert_not_fired(result, VALUES)
+    rt.assert_ops(result, present=[aten.argmax.default], absent=[aten.adaptive_max_pool2d.default])
+    rt.assert_idempotent(result, IREE.rules)
+    ties = (torch.randint(0, 3, (3, 3, 9, 7), generator=torch.Generator().manual_seed(5)).float(),)
+    rt.assert_matches_eager(result, module, [_x(11, seed=1), _x(7, batch=3, seed=2), ties], rtol=0, atol=0)
+    fn = IREE.compile(result.program, _x(6))
+    for args in [_x(size, batch=3, seed=size) for size in (6, 7, 9, 11)] + [ties]:
+        for got, expected in _pairs(fn(*args), module(*args)):
+            assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize(
     ("module", "dims"),
-    [(Pool(1, True), None), (Pool(2, True), DIMS)],
-    ids=["static", "output-2-with-dims"],
+    [(Pool(1, True), None), (Pool(2, True), None), (Pool(2, False), DIMS)],
+    ids=["static", "static-output-2", "values-only-with-dims"],
 )
 def test_left_alone(module, dims):
-    """Static maps compile as they are; other outputs with Dim sizes and indices stay a compile error naming
-    the op."""
+    """Static maps compile as they are (and match); the values alone with Dim sizes are VALUES's."""
     result = fx_rewrites.apply(_export(module, dims), IREE.rules)
     rt.assert_not_fired(result, RULE)
-    rt.assert_not_fired(result, VALUES)
-    if dims is not None:
-        match = r"node 'adaptive_max_pool2d' \(`aten\.adaptive_max_pool2d\.default`, which the importer turned into"
-        with pytest.raises(Exception, match=match):
-            IREE.compile(result.program, _x(6))
+    rt.assert_not_fired(result, INDICES)
+    if dims is None:
+        rt.assert_not_fired(result, VALUES)
+        fn = IREE.compile(result.program, _x(6))
+        for got, expected in _pairs(fn(*_x(6, seed=3)), module(*_x(6, seed=3))):
+            assert torch.equal(got, expected)
