@@ -1,14 +1,18 @@
-"""Statically empty tensors reshaped: iree-compile 3.13 crashes on them.
+"""Statically empty tensors reshaped or sorted: iree-compile 3.13 crashes on them.
 
 `x.view(0, 32)` of an x of shape [0, 24, 32] (what dynamo specialises for an
 empty adapter batch) crashes iree-compile with no diagnostic, alone or read
 by anything; element-wise ops on the same empty tensor compile. An empty
 tensor holds no values, so the reshape is a fresh empty tensor of the new
-shape (`aten.zeros`), which IREE compiles.
+shape (`aten.zeros`), which IREE compiles. A sort of an empty tensor whose
+indices are unused (`x[:, :0].sort(1)[0]`) crashes iree-compile the same way
+(with the indices used, and argsort, it compiles); its values are an empty
+tensor of their shape too.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -52,4 +56,37 @@ def empty_reshape_as_fresh_for_iree(node: Node, rw: Rewriter) -> Any:
     rw.replace(node, rw.call(aten.zeros.default, list(out.shape), dtype=out.dtype, device=out.device))
 
 
-RULES = RuleSet([empty_reshape_as_fresh_for_iree], name="iree-empty")
+#: the sort IREE lowers (legalize decomposes sort.stable)
+SORTS = (aten.sort.default,)
+
+
+def _empty_sort(node: Node) -> bool | Miss:
+    if not _statically_empty(node.args[0].meta.get("val")):
+        return Miss("the input is not statically empty")
+    if any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users):
+        return Miss("its indices are used (IREE compiles that form)")
+    return True
+
+
+@rule(
+    roots=SORTS,
+    when=_empty_sort,
+    tags={"iree", "guard"},
+    doc=(
+        "A sort of a statically empty tensor, its indices unused (`x[:, :0].sort(1)[0]`), becomes aten.zeros of "
+        "each result's shape and dtype: there is nothing to sort. iree-compile 3.13 crashes on it with no "
+        "diagnostic (with the indices used it compiles)."
+    ),
+)
+def empty_sort_as_fresh_for_iree(node: Node, rw: Rewriter) -> Any:
+    x = node.args[0]
+    sizes = [rw.size(x, d) for d in range(x.meta["val"].dim())]
+    outputs = node.meta["val"]
+    fresh = [
+        rw.call(aten.zeros.default, sizes, dtype=v.dtype, device=v.device)
+        for v in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))
+    ]
+    rw.replace(node, fresh if isinstance(outputs, (list, tuple)) else fresh[0])
+
+
+RULES = RuleSet([empty_reshape_as_fresh_for_iree, empty_sort_as_fresh_for_iree], name="iree-empty")

@@ -148,6 +148,8 @@ def _softmax_in_float32(node: Node) -> bool | Miss:
         return Miss("half_to_float or a dtype argument: the output is another dtype")
     if named["dim"] not in (-1, x.dim() - 1):
         return Miss(f"softmax over dim {named['dim']}, not the last (measured over the last only)")
+    if any(isinstance(size, int) and size == 0 for size in x.shape):
+        return Miss("a statically empty input (its amax over an empty dim has no value; the result is empty)")
     return True
 
 

@@ -1,5 +1,5 @@
-"""A statically empty tensor reshaped (backends/iree/rules/empty.py): iree-compile 3.13 crashes on it.
-The "without the rule" test fails once IREE compiles the reshape itself."""
+"""A statically empty tensor reshaped or sorted (backends/iree/rules/empty.py): iree-compile 3.13 crashes on
+it. The "without the rule" tests fail once IREE compiles the reshape or sort itself."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree.rules.empty import empty_reshape_as_fresh_for_iree as RULE
+from fx_rewrites.backends.iree.rules.empty import empty_sort_as_fresh_for_iree as SORT
 
 aten = torch.ops.aten
 IREE = backends.get("iree")
@@ -57,3 +58,40 @@ def test_a_reshape_to_a_symbolic_size_or_of_a_full_tensor_is_left_alone():
     rt.assert_not_fired(result, RULE)
     reasons = {a.reason for a in result.report.explain(RULE.name) if not a.fired}
     assert reasons == {"when: the result has a symbolic size", "when: the input is not statically empty"}
+
+
+def sort_empty_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[:, :0].sort(1, descending=True)[0] + 1, x[:, 2:2].sort(1)[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_sort_of_an_empty_tensor_becomes_fresh(dynamic):
+    """The values of x[:, :0].sort(1): iree-compile crashes on them; after the rule, empty results
+    of torch's shapes and dtypes."""
+    inputs = [(torch.randn(3, 5),), (torch.randn(6 if dynamic else 3, 5),)]
+    ep = rt.export(sort_empty_rows, *inputs[0], dynamic_shapes=[{0: Dim("b")}] if dynamic else None)
+    without = fx_rewrites.apply(ep, IREE.rules.without(SORT.name)).program
+    with pytest.raises(Exception, match=r"without an error diagnostic|crash"):
+        IREE.compile(without, inputs[0])
+    result = fx_rewrites.apply(ep, IREE.rules)
+    rt.assert_fired(result, SORT, times=2)
+    rt.assert_ops(result, absent=[aten.sort.default])
+    rt.assert_matches_eager(result, sort_empty_rows, inputs)
+    fn = IREE.compile(result.program, inputs[0])
+    for args in inputs:
+        for got, want in zip(fn(*args), sort_empty_rows(*args)):
+            assert got.shape == want.shape and got.dtype == want.dtype and got.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.sort(1)[0], lambda x: x[:, :0].sort(1), lambda x: torch.argsort(x[:, :0], 1)],
+    ids=["non-empty", "indices-used", "argsort"],
+)
+def test_sorts_that_compile_are_left_alone(fn):
+    x = torch.randn(3, 5)
+    result = fx_rewrites.apply(rt.export(fn, x), IREE.rules)
+    rt.assert_not_fired(result, SORT)
+    got, want = IREE.compile(result.program, (x,))(x), fn(x)
+    for g, w in zip(got if isinstance(want, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)

@@ -97,6 +97,22 @@ def test_softmax_as_exp_times_reciprocal_declines_other_dtypes_and_dims():
         rt.assert_not_fired(result, softmax_as_exp_times_reciprocal)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_softmax_of_an_empty_input_is_left_to_iree(dynamic):
+    """x[:, :0].softmax(-1): the written-out form's amax over an empty dim failed the rule (RuleError, "reducing
+    over zero-size dimension"); IREE's own softmax returns the empty result."""
+    fn = lambda x: x[:, :0].softmax(-1) + 1
+    inputs = [(_randn(0, 3, 5),), (_randn(1, 6 if dynamic else 3, 5),)]
+    iree = backends.get("iree")
+    ep = rt.export(fn, *inputs[0], dynamic_shapes=[{0: Dim("b")}] if dynamic else None)
+    result = fx_rewrites.apply(ep, iree.rules)
+    rt.assert_not_fired(result, softmax_as_exp_times_reciprocal)
+    compiled = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        got, want = compiled(*args), fn(*args)
+        assert got.shape == want.shape == (args[0].shape[0], 0)
+
+
 def test_softmax_as_exp_times_reciprocal_on_iree():
     """Through the default route, -inf keys and a row all -inf included (NaN there, as eager)."""
     iree = backends.get("iree")
