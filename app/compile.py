@@ -80,8 +80,9 @@ class Compiled:
         self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None, cpu: str | None = None
     ) -> None:
         """Write the compiled module (IREE: a .vmfb `iree-run-module` runs; with `params`, the module as
-        compiled and its weights of 64 KiB or more in that IREE parameter archive, .irpa, the way for large
-        models; without, one self-contained file, compiled once more with the weights inside).
+        compiled and its weights of 64 KiB or more (float8 and bfloat16 ones whatever their size) in that IREE
+        parameter archive, .irpa, the way for large models; without, one self-contained file, compiled once
+        more with the weights inside; float8 weights cannot be inside).
         `fx_rewrites.load(path)` reads it back. `cpu`: write code for that CPU ("x86-64-v3": any AVX2
         machine; "aarch64"; docs/deploy.md), compiled again from the program for it when it is not the one
         compiled for; the file records the CPU and the features it needs."""

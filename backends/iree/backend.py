@@ -25,7 +25,7 @@ from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflec
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
 from fx_rewrites.backends.iree.encoding import packer
-from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, compile_error
+from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeUnsupportedError, compile_error
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
@@ -241,6 +241,14 @@ class IreeBackend:
         `save(path)` without `params=`; the import is not repeated)."""
         iree = iree_modules()
         parameters = artifact.parameters or {}
+        float8 = sorted(key for key, t in parameters.items() if "float8" in str(t.dtype))
+        if float8:
+            raise IreeUnsupportedError(
+                f"a self-contained .vmfb cannot hold float8 weights ({', '.join(float8[:3])}"
+                f"{', ...' if len(float8) > 3 else ''}): IREE 3.13 fails to compile them inside the module "
+                '("unhandled float element bit width 8"); fix: save the weights beside it: '
+                "compiled.save('model.vmfb', params='model.irpa')"
+            )
         weights = sum(nbytes(t) for t in parameters.values())
         memory.check(
             "iree-compile",

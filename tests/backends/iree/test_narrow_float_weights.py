@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.export import Dim
 
+import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.iree import IreeCompileError, parameters
+from fx_rewrites.backends.iree import IreeCompileError, IreeUnsupportedError, parameters
 
 
 class Weighted(torch.nn.Module):
@@ -58,3 +59,16 @@ def test_narrow_float_weights_compile_as_parameters(name, dynamic, monkeypatch):
     for (x,) in inputs:
         # the same float32 ops on the same widened weights, in another summation order
         torch.testing.assert_close(compiled(x), module(x), rtol=4 * torch.finfo().eps, atol=4 * torch.finfo().eps * k)
+
+
+def test_float8_weights_save_beside_the_module_and_refuse_inside(tmp_path):
+    """Saved with params=, the float8 weights go to the .irpa and load back; a self-contained .vmfb would embed
+    them, which IREE 3.13 cannot compile: a named error with the fix."""
+    module = Weighted(16, 24, torch.float8_e4m3fn).eval()
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(2))
+    compiled = fx_rewrites.compile(module, (x,))
+    compiled.save(tmp_path / "m.vmfb", params=tmp_path / "m.irpa")
+    loaded = fx_rewrites.load(tmp_path / "m.vmfb", params=tmp_path / "m.irpa")
+    assert torch.equal(loaded(x), compiled(x))
+    with pytest.raises(IreeUnsupportedError, match=r"float8 weights \(b, w\).*fix: save the weights beside it"):
+        compiled.save(tmp_path / "inside.vmfb")
