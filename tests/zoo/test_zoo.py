@@ -16,7 +16,6 @@ from torch.utils import _pytree as pytree
 
 from tests.zoo import registry
 from tests.zoo.conftest import model_params
-from tests.zoo.registry import assert_matches
 
 pytestmark = [
     pytest.mark.zoo,
@@ -40,7 +39,7 @@ def test_rules_converge_and_keep_eager_numerics(zoo, name):
     assert _informative(case.eager(registry.SEEDS[0])), "eager outputs are ~constant: fix the config's scale"
     with case.expect("export", "rules"):
         for seed in registry.SEEDS:
-            assert_matches(case.run(case.result.program.module(), seed), case.eager(seed), case.entry.tolerance)
+            case.assert_matches(case.run(case.result.program.module(), seed), seed)
 
 
 @pytest.mark.parametrize("name", model_params("export", "iree"))
@@ -49,4 +48,4 @@ def test_iree_matches_eager(zoo, name):
     compiled = case.compiled
     with case.expect("export", "iree"):
         for seed in registry.SEEDS:
-            assert_matches(case.run(compiled, seed), case.eager(seed), case.entry.tolerance)
+            case.assert_matches(case.run(compiled, seed), seed)

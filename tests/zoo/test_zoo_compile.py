@@ -13,7 +13,6 @@ import pytest
 
 from tests.zoo import registry
 from tests.zoo.conftest import model_params
-from tests.zoo.registry import assert_matches
 
 pytestmark = [
     pytest.mark.zoo,
@@ -35,4 +34,4 @@ def test_compiled_matches_eager(zoo, name):
             report = graph.result.report
             assert report.converged and not report.skips, (report.stop_reason, report.skips)
         for seed in registry.SEEDS:
-            assert_matches(run.outputs[seed], case.eager(seed), case.entry.tolerance)
+            case.assert_matches(run.outputs[seed], seed)
