@@ -45,8 +45,8 @@ from torch.utils import _pytree as pytree
 import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
-from tests.zoo import registry
-from tests.zoo.float64 import float64_outputs
+from tests.zoo import float64, registry
+from tests.zoo.spec import leaves
 
 
 def _calls(program: torch.export.ExportedProgram) -> int:
@@ -92,7 +92,7 @@ def _compare(fn: Any, model: Any, entry: registry.ZooModel) -> tuple[str, float,
             got, expected = fn(*a, **k), model(*a, **k)
             diffs.append(_max_diff(got, expected))
             try:
-                exact = functools.partial(float64_outputs, model, a, k)  # float noise told from faults
+                exact = functools.partial(float64.reference, model, a, k, flatten=leaves)  # noise or fault
                 registry.assert_matches(got, expected, entry.tolerance, exact=exact)
             except AssertionError as e:
                 verdict, error = "differs", error or str(e)[:300]

@@ -30,7 +30,7 @@ import torch
 import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
-from tests.zoo import float64, registry
+from tests.zoo import float64, registry, spec
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -199,12 +199,12 @@ class Case:
                 self._eager[seed] = self.model(*args, **kwargs)
         return self._eager[seed]
 
-    def exact(self, seed: int) -> Any:
-        """The model's outputs on input set `seed` run in float64 (the reference that tells float noise from a
-        fault: tests/zoo/float64.py); computed when a float32 output is not close to eager, then kept."""
+    def exact(self, seed: int) -> float64.Reference:
+        """The model's outputs on input set `seed` run in float64 and torch float32's error around them (what
+        tells float noise from a fault: tests/zoo/float64.py); made when an output is not close to eager."""
         if seed not in self._exact:
             args, kwargs = self.inputs(seed)
-            self._exact[seed] = float64.float64_outputs(self.model, args, kwargs)
+            self._exact[seed] = float64.reference(self.model, args, kwargs, flatten=spec.leaves)
         return self._exact[seed]
 
     def assert_matches(self, got: Any, seed: int) -> None:

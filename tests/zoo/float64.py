@@ -3,28 +3,37 @@
 Two float32 programs of one model (eager, and the rewritten or compiled one) round in different orders, so
 both are off the exact result by torch's own float32 error; where that error is near the zoo's tolerance,
 they can differ from each other by more than it on a few elements while neither is wrong. The exact
-reference is the same model and inputs in float64 (`float64_outputs`). A float32 output that is not close
-to eager is float noise when it is no further from float64 than `FLOAT64_K` times eager's own float32 error
-against float64 (largest absolute error, per output); further than that, it is a fault (`judge` raises
+reference is the same model and inputs in float64 (`float64_outputs`). torch's own float32 error on an
+input is itself a draw: the same model on the input changed by at most one ulp per element (inputs float32
+cannot tell apart) lands up to 3x further from float64 (measured on MobileViTV2), so the noise band is the
+largest error of torch float32 against float64 over the input and PERTURBATIONS such neighbours
+(`reference`). A float32 output that is not close to eager is float noise when it is no further from float64
+than FLOAT64_K times that band (largest absolute error, per output); further, it is a fault (`judge` raises
 naming both errors). The tolerance against eager is never widened: this only tells the two cases apart.
 
 Measured (benchmarks/zoo_float64.py, docs/zoo.md), the two rows issue 36 found at the edge of the tolerance:
-the zoo's MobileViTV2 on its three routes is off float64 by 0.32-1.33x eager's own error (1.42x uncalibrated),
-torchvision's RAFT rewritten and run by torch by 0.62-1.25x; eager itself lies outside the tolerance from
-float64 on up to 25 of RAFT's 32,768 outputs.
+a MobileViTV2 and torchvision's RAFT (rewritten and run by torch) are off float64 by 0.3-1.3x eager's own
+error on most inputs; on one MobileViTV2 input (width 0.5, seed 5) the rewritten program is off by 3.0x
+eager's error but 1.22x the band, eager itself lying between 1.6e-5 and 4.7e-5 from float64 over its
+neighbours.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-#: how many times eager's float32 error against float64 (largest absolute, per output) a float32 result may
-#: be off float64 and still count as float noise: the largest ratio measured on the rows above is 1.42
+#: how many times torch's float32 error against float64 (largest absolute, per output, over the input and its
+#: neighbours) a float32 result may be off float64 and still count as float noise; the ratios measured on the
+#: rows above reach 1.45 (docs/zoo.md)
 FLOAT64_K = 2.0
+#: how many neighbours of the input (each float element moved by -1, 0 or +1 ulp) torch's band is taken over
+PERTURBATIONS = 4
 
 
 def _double(value: Any) -> Any:
@@ -44,19 +53,59 @@ def float64_outputs(model: torch.nn.Module, args: tuple, kwargs: dict | None = N
         torch.set_default_dtype(previous)
 
 
-def errors(got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """(largest |eager - exact|, largest |got - exact|), in float64."""
-    exact = exact.double()
-    return (eager.double() - exact).abs().max().item(), (got.double() - exact).abs().max().item()
+def neighbour(value: Any, draw: int) -> Any:
+    """`value` with each float32 element moved to its neighbour below, kept, or moved to its neighbour above
+    (`torch.nextafter`), drawn from seed `draw`."""
+    generator = torch.Generator().manual_seed(draw)
+
+    def move(t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32):
+            return t
+        steps = torch.randint(-1, 2, t.shape, generator=generator)
+        toward = torch.where(steps > 0, torch.inf, -torch.inf).to(t.dtype)
+        return torch.where(steps == 0, t, torch.nextafter(t, toward))
+
+    return pytree.tree_map(move, value)
 
 
-def judge(index: int, got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, mismatch: str) -> None:
-    """Raise AssertionError unless `got` (float32 output `index`, not close to `eager`: `mismatch` says how)
-    is no further from float64 `exact` than FLOAT64_K x eager's own error."""
-    assert exact.shape == got.shape, f"output {index}: float64 reference {list(exact.shape)} != {list(got.shape)}"
-    torch_error, error = errors(got, eager, exact)
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The model's outputs in float64 (`exact`, flattened) and, per output, torch float32's largest error
+    against them over the input and its neighbours (`torch_error`; None for outputs that are not float)."""
+
+    exact: list[Any]
+    torch_error: list[float | None]
+
+
+def reference(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    flatten: Callable[[Any], list[Any]] = pytree.tree_leaves,
+) -> Reference:
+    """The float64 reference of `model` on (`args`, `kwargs`) and torch float32's noise band around it."""
+    kwargs = kwargs or {}
+    exact = [t.double() if isinstance(t, torch.Tensor) else t for t in flatten(float64_outputs(model, args, kwargs))]
+    worst: list[float | None] = [None] * len(exact)
+    with torch.no_grad():
+        runs = [(args, kwargs)] + [neighbour((args, kwargs), draw) for draw in range(PERTURBATIONS)]
+        for a, k in runs:
+            for i, (t, x) in enumerate(zip(flatten(model(*a, **k)), exact, strict=True)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and x.shape == t.shape:
+                    error = (t.double() - x).abs().max().item() if t.numel() else 0.0
+                    worst[i] = max(error, worst[i] or 0.0)
+    return Reference(exact, worst)
+
+
+def judge(index: int, got: torch.Tensor, reference: Reference, mismatch: str) -> None:
+    """Raise AssertionError unless `got` (float32 output `index`, not close to eager: `mismatch` says how)
+    is no further from float64 than FLOAT64_K x torch's own float32 error there."""
+    exact, torch_error = reference.exact[index], reference.torch_error[index]
+    assert torch_error is not None, f"output {index}: {mismatch}\n(no float64 reference of its shape to judge it by)"
+    error = (got.double() - exact).abs().max().item() if got.numel() else 0.0
     assert error <= FLOAT64_K * torch_error, (
         f"output {index}: {mismatch}\nAgainst the model run in float64 it is a fault, not float noise: off by "
-        f"{error:.3g} where torch's own float32 is off by {torch_error:.3g} (allowed: {FLOAT64_K} x that). "
+        f"{error:.3g} where torch's own float32 is off by up to {torch_error:.3g} (the input and "
+        f"{PERTURBATIONS} neighbours within an ulp; allowed: {FLOAT64_K} x that). "
         f"Find the op: fx_rewrites.localize (docs/localize.md)"
     )

@@ -240,14 +240,22 @@ def _plain(outputs: Any) -> Any:
     return pytree.tree_map(plain, outputs)
 
 
+def leaves(outputs: Any) -> list[Any]:
+    """The outputs' leaves as `assert_matches` compares them (a transformers cache as its tensors)."""
+    return pytree.tree_leaves(_plain(outputs))
+
+
 def assert_matches(
-    got: Any, expected: Any, tolerance: tuple[float, float] | None = None, exact: Callable[[], Any] | None = None
+    got: Any,
+    expected: Any,
+    tolerance: tuple[float, float] | None = None,
+    exact: Callable[[], float64.Reference] | None = None,
 ) -> None:
     """Same output structure, dtypes and shapes; floats within TOLERANCE (or `tolerance` for float32), the rest equal.
 
-    `exact` (the model's outputs run in float64, computed only when needed) tells float noise from a fault
-    where a float32 output is not close to eager: `float64.judge`."""
-    exact_leaves: list[Any] | None = None
+    `exact` (`float64.reference` of the model on these inputs, called only when needed) tells float noise from
+    a fault where a float32 output is not close to eager: `float64.judge`."""
+    reference: float64.Reference | None = None
     got_leaves, got_spec = pytree.tree_flatten(_plain(got))
     exp_leaves, exp_spec = pytree.tree_flatten(_plain(expected))
     assert got_spec == exp_spec, f"output structure {got_spec} != eager {exp_spec}"
@@ -267,11 +275,11 @@ def assert_matches(
             except AssertionError as mismatch:
                 if exact is None or e.dtype != torch.float32:
                     raise
-                if exact_leaves is None:
+                if reference is None:
                     try:
-                        exact_leaves = pytree.tree_leaves(_plain(exact()))
+                        reference = exact()
                     except Exception as why:  # the model does not run in float64: the mismatch stands
                         raise AssertionError(f"{mismatch}\n(no float64 reference to judge it by: {why})") from why
-                float64.judge(i, g, e, exact_leaves[i], str(mismatch))
+                float64.judge(i, g, reference, str(mismatch))
         else:
             assert torch.equal(g, e), f"output {i} ({e.dtype}) differs from eager"

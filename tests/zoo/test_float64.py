@@ -1,12 +1,13 @@
 """Float noise told from faults (tests/zoo/float64.py): a float32 result not close to eager passes only when
-it is no further from the float64 result than FLOAT64_K x eager's own float32 error."""
+it is no further from the float64 result than FLOAT64_K x torch's own float32 error (over the input and its
+neighbours within an ulp)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.zoo.float64 import FLOAT64_K, float64_outputs
+from tests.zoo.float64 import FLOAT64_K, PERTURBATIONS, float64_outputs, neighbour, reference
 from tests.zoo.spec import assert_matches
 
 
@@ -41,20 +42,34 @@ def test_a_float32_order_closer_to_float64_than_eager_is_noise(seed):
     got = a + (b - b)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches(got, eager)  # the tolerance against eager is not widened
-    assert_matches(got, eager, exact=lambda: float64_outputs(model, (a, b)))
+    assert_matches(got, eager, exact=lambda: reference(model, (a, b)))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_result_further_from_float64_than_eager_is_a_fault(seed):
+def test_a_result_further_from_float64_than_torchs_band_is_a_fault(seed):
     model = Cancel()
     a, b = _inputs(seed)
     eager = model(a, b)
-    exact = float64_outputs(model, (a, b))
-    torch_error = (eager.double() - exact).abs().max().item()
+    ref = reference(model, (a, b))
+    band = ref.torch_error[0]
+    assert band >= (eager.double() - ref.exact[0]).abs().max().item() > 1e-5  # eager's own error, past atol
     got = eager.clone()
-    got[7] = exact[7].float() + 1.5 * FLOAT64_K * torch_error  # one element off by more than FLOAT64_K x torch's
+    got[7] = ref.exact[0][7].float() + 1.5 * FLOAT64_K * band  # one element off by more than FLOAT64_K x the band
     with pytest.raises(AssertionError, match=r"output 0: .*not close(.|\n)*a fault, not float noise"):
-        assert_matches(got, eager, exact=lambda: exact)
+        assert_matches(got, eager, exact=lambda: ref)
+    got[7] = ref.exact[0][7].float() + 0.9 * FLOAT64_K * band  # within the band's FLOAT64_K: noise
+    assert_matches(got, eager, exact=lambda: ref)
+
+
+def test_neighbours_move_float32_inputs_by_at_most_an_ulp_and_depend_on_the_draw_only():
+    x, ids = torch.randn(64, 8), torch.arange(5)
+    moved, same_ids = neighbour((x, ids), 3)
+    assert same_ids is ids and moved.dtype == torch.float32
+    up, down = torch.nextafter(x, torch.tensor(torch.inf)), torch.nextafter(x, torch.tensor(-torch.inf))
+    assert ((moved == x) | (moved == up) | (moved == down)).all()
+    assert (moved == up).any() and (moved == down).any() and (moved == x).any()
+    assert torch.equal(neighbour((x, ids), 3)[0], moved) and not torch.equal(neighbour((x, ids), 4)[0], moved)
+    assert PERTURBATIONS >= 1
 
 
 def test_without_a_float64_reference_the_mismatch_stands():
