@@ -79,16 +79,18 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
         want_tokens = model.generate(ids, max_new_tokens=new, do_sample=False)
         want_short = model.generate(ids[:, :2], max_new_tokens=4, do_sample=False)
     weights = _nbytes(model.state_dict().values())
-    # the unsplit model's archive, saved the same way (packed as its module reads the weights): what a rank's
-    # archive is compared with
-    whole = Path(tmp) / f"whole.rank{rank}.vmfb"
-    fx_rewrites.compile_lm(model, max_cache_len=PROMPT + new).save(whole)
-    unsplit_irpa = os.path.getsize(whole.with_suffix(".irpa"))
+    # the unsplit model's archive, saved the same way (packed as its module reads the weights): what every rank's
+    # archive is compared with. The same for every rank: rank 0 compiles it once
+    unsplit_irpa = None
+    if rank == 0:
+        whole = Path(tmp) / "whole.vmfb"
+        fx_rewrites.compile_lm(model, max_cache_len=PROMPT + new).save(whole)
+        unsplit_irpa = os.path.getsize(whole.with_suffix(".irpa"))
     split(model, world)
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     out: dict[str, Any] = {"weights": weights, "local_weights": _nbytes(local), "want_tokens": want_tokens}
     out["buffers"] = _nbytes(model.buffers())  # rotary frequencies: read by the module, not split
-    out["unsplit_irpa"] = unsplit_irpa
+    out["unsplit_irpa"] = unsplit_irpa  # rank 0's; None on the others
 
     graphs: list[Any] = []
     compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append, strict=True))
