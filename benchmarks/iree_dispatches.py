@@ -80,8 +80,12 @@ def _calls_per_run(stream: str) -> collections.Counter:
     return calls
 
 
-def profile(mlir: str, flags: list[str], workdir: Path) -> list[Dispatch]:
-    """Every executable of torch-dialect `mlir` compiled for llvm-cpu with `flags`, most costly first."""
+def profile(
+    mlir: str, flags: list[str], workdir: Path, *, repetitions: int = 5, min_time: str | None = None
+) -> list[Dispatch]:
+    """Every executable of torch-dialect `mlir` compiled for llvm-cpu with `flags`, most costly first: the median
+    of `repetitions` (at least 2) runs of iree-benchmark-module each, run for `min_time` (`"0.01s"`; default
+    google benchmark's) each."""
     source = workdir / "module.mlir"
     source.write_text(mlir)
     compile_ = [_tool("iree-compile"), "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
@@ -99,9 +103,9 @@ def profile(mlir: str, flags: list[str], workdir: Path) -> list[Dispatch]:
             why = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[-1])
             print(f"(not timed: {bench.name}: {why.split('error:', 1)[-1].strip()[:160]})", file=sys.stderr)
             continue
-        out = _run(
-            [_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-sync", "--benchmark_repetitions=5"]
-        ).stdout
+        timing = [f"--benchmark_repetitions={max(2, repetitions)}"]  # the median needs two
+        timing += [f"--benchmark_min_time={min_time}"] if min_time else []
+        out = _run([_tool("iree-benchmark-module"), f"--module={vmfb}", "--device=local-sync", *timing]).stdout
         for executable, function, time, unit in MEDIAN.findall(out):
             if calls.get(executable):  # an executable only an initializer runs costs nothing per call
                 found.append(Dispatch(function, calls[executable], float(time) * UNITS[unit]))
