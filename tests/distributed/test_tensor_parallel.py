@@ -48,18 +48,9 @@ def test_two_ranks_tiny_llama_both_routes() -> None:
     _check_routes(results, 2, 8, 2)
 
 
-def test_four_ranks_tiny_llama_both_routes() -> None:
-    """CI: the same on 4 ranks (4 processes on this machine's 2 cores): hidden 64, 2 layers, 8 heads / 4 KV
-    heads (one KV head per rank), a quarter of each split matrix per rank, and the short prompt padded to the
-    length DTensor guards on 4 ranks."""
-    results = run_ranks(ranks.llama_routes, 4, 64, 2, 8, 4, 8)
-    _check_routes(results, 4, 8, 2)
-
-
-# The issue's sizes (issue 35): what the tiny tests above prove, at hidden 256 and 512 and 24 tokens (2-4 minutes
-# each on 2 cores). Marked slow and zoo (a second size of a model CI runs small): not in CI, run with -m slow.
+# The issue's sizes (issue 35, whose done-when keeps them in CI): what the tiny test above proves, at hidden 256 on
+# 2 ranks and 512 on 4 ranks, 24 tokens (2-4 minutes each on 2 cores). Marked slow: left out of a plain pytest.
 @pytest.mark.slow
-@pytest.mark.zoo
 def test_two_ranks_llama_256() -> None:
     """The issue's model: hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 512, 24 greedy tokens, 2 ranks."""
     results = run_ranks(ranks.llama_routes, 2, 256, 4, 8, 4, 24)
@@ -67,7 +58,6 @@ def test_two_ranks_llama_256() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.zoo
 def test_four_ranks_llama_512() -> None:
     """The same on 4 ranks with hidden 512 (4 processes on this machine's 2 cores)."""
     results = run_ranks(ranks.llama_routes, 4, 512, 4, 8, 4, 24)
