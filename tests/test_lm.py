@@ -221,3 +221,26 @@ def test_errors_say_what_to_change(lm1):
         lm1.generate(ids, max_new_tokens=4)
     with pytest.raises(ValueError, match="cache positions"):
         lm1.generate(ids[:1], max_new_tokens=CACHE)
+
+
+def test_a_decode_step_attends_to_the_written_positions_only(llama):
+    """The cache is written as one slice at the call's position (not transformers' index_copy_, a scatter IREE runs
+    as a copy of the whole cache); a decode step's attention reads the positions written so far (a length read
+    from `cache_position`), a prompt's the whole cache."""
+    from fx_rewrites.app.lm.export import CachedLM, export_lm
+
+    programs = export_lm(CachedLM(llama, max_cache_len=CACHE, batch_size=1))
+    aten = torch.ops.aten
+
+    def key_lengths(program) -> list:
+        nodes = program.graph_module.graph.nodes
+        return [n.args[1].meta["val"].shape[-2] for n in nodes if n.target == aten.scaled_dot_product_attention.default]
+
+    assert key_lengths(programs["prefill"]) == [CACHE] * llama.config.num_hidden_layers
+    decode = key_lengths(programs["decode"])
+    assert len(decode) == llama.config.num_hidden_layers
+    assert all(isinstance(k, torch.SymInt) for k in decode), decode
+    for name, program in programs.items():
+        targets = {n.target for n in program.graph_module.graph.nodes}
+        assert aten.index_copy_.default not in targets and aten.index_copy.default not in targets, name
+        assert aten.slice_scatter.default in targets, name

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.views import slice_bound
@@ -162,9 +163,13 @@ def _one_innermost_element(node: Node) -> dict[str, Any] | Miss:
         return Miss("not the innermost dim, or a dim of one or of a symbolic size")
     if node.target == aten.select.int:
         index, drops = named["index"], True
-    elif node.target == aten.narrow.default and named["length"] == 1:
+    elif node.target == aten.narrow.default and statically_known_true(named["length"] == 1):
         index, drops = named["start"], False
-    elif node.target == aten.slice.Tensor and named.get("step", 1) == 1 and node.meta["val"].shape[dim] == 1:
+    elif (
+        node.target == aten.slice.Tensor
+        and named.get("step", 1) == 1
+        and statically_known_true(node.meta["val"].shape[dim] == 1)  # no guard on a size read from the data
+    ):
         index, drops = slice_bound(named.get("start"), size, 0), False
     else:
         return Miss("not one element of the dim with step 1 (a step has its own rule)")

@@ -254,3 +254,25 @@ def test_one_innermost_element_gathered_matches_eager(iree, case, dynamic):
 )
 def test_other_reads_of_one_element_are_left_alone(iree, fn):
     _left_alone_and_exact(iree, fn, one_innermost_element_read_by_gather_for_iree)
+
+
+class _DataLongSlice(torch.nn.Module):
+    """A slice of the innermost dim as long as a value in the data says (`x[..., :n.item() + 1]`: one element when
+    n is 0, which a match must not guard on), read by an index: a decode step's attention mask sized to the
+    positions written so far (app/lm/export.py)."""
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        end = n.item()
+        torch._check(end >= 0)
+        torch._check(end < x.shape[-1])
+        return x[..., : end + 1][_two(x)]
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_a_slice_as_long_as_the_data_says_is_left_alone(iree, n):
+    module = _DataLongSlice()
+    program = torch.export.export(module, (torch.randn(3, 4, 8), torch.tensor(3)))
+    result = rt.apply_rules(program, iree.rules)  # raised GuardOnDataDependentSymNode before the rule's fix
+    rt.assert_not_fired(result, one_innermost_element_read_by_gather_for_iree)
+    x = torch.randn(3, 4, 8)
+    torch.testing.assert_close(result.program.module()(x, torch.tensor(n)), module(x, torch.tensor(n)), rtol=0, atol=0)
