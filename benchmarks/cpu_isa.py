@@ -63,25 +63,32 @@ def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
 
 
 def resolve(isa: str) -> str:
-    """`isa` with "host" replaced by this host's ISA ("avx512", "avx2"; "" for another CPU)."""
-    from fx_rewrites.backends.iree.targets import host_isa
+    """`isa` with "host" replaced by the ISA the library builds for by default: this host's ("avx512", "avx2"; ""
+    for another CPU), or the one `FX_REWRITES_IREE_ISA` names (the suite run as an AVX2 machine would run it, on an
+    AVX-512 host)."""
+    if isa != "host":
+        return isa
+    from fx_rewrites.backends.iree.targets import _isa_from_environment, host_isa
 
-    return host_isa() if isa == "host" else isa
+    chosen = _isa_from_environment()
+    return host_isa() if chosen == "host" else chosen
 
 
 def emulated(isa: str) -> bool:
     """Whether `isa` is narrower than this host's: measured with torch held to it (AVX2 on an AVX-512 host)."""
-    host = resolve("host")
-    return resolve(isa) == "avx2" and host == "avx512"
+    from fx_rewrites.backends.iree.targets import host_isa
+
+    return resolve(isa) == "avx2" and host_isa() == "avx512"
 
 
 def run_in_child(isa: str, script: str, argv: Sequence[str] | None) -> int | None:
     """Where `isa` must be emulated and this process's torch runs wider, run `script` with `argv` again in a child
     with `AVX2_ENV` and return its exit status; None where this process measures `isa` itself. Raises where
     the host cannot run `isa` at all."""
+    from fx_rewrites.backends.iree.targets import host_isa
+
     wanted = resolve(isa)
-    host = resolve("host")
-    if isa != "host" and wanted == "avx512" and host != "avx512":
+    if isa != "host" and wanted == "avx512" and host_isa() != "avx512":
         raise SystemExit(f"--isa avx512: this CPU ({cpu_model()}) has no AVX-512; measure it on an AVX-512 host")
     if not emulated(isa) or all(os.environ.get(k) == v for k, v in AVX2_ENV.items()):
         return None
@@ -121,7 +128,7 @@ def target(isa: str) -> Any:
     """The llvm-cpu `IreeTarget` for `isa` (`targets.llvm_cpu`)."""
     from fx_rewrites.backends.iree.targets import llvm_cpu
 
-    return llvm_cpu(isa)
+    return llvm_cpu(resolve(isa) or "host")
 
 
 def backend(isa: str, **kwargs: Any) -> Any:
