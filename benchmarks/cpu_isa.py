@@ -68,10 +68,9 @@ def resolve(isa: str) -> str:
     AVX-512 host)."""
     if isa != "host":
         return isa
-    from fx_rewrites.backends.iree.targets import _isa_from_environment, host_isa
+    from fx_rewrites.backends.iree.targets import TARGETS
 
-    chosen = _isa_from_environment()
-    return host_isa() if chosen == "host" else chosen
+    return TARGETS["llvm-cpu"].isa or ""  # the default target's ISA: read from the variable once, at import
 
 
 def emulated(isa: str) -> bool:
