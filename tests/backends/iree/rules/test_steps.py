@@ -268,11 +268,15 @@ class _DataLongSlice(torch.nn.Module):
         return x[..., : end + 1][_two(x)]
 
 
-@pytest.mark.parametrize("n", [0, 5])
-def test_a_slice_as_long_as_the_data_says_is_left_alone(iree, n):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_a_slice_as_long_as_the_data_says_is_left_alone(iree, dynamic):
     module = _DataLongSlice()
-    program = torch.export.export(module, (torch.randn(3, 4, 8), torch.tensor(3)))
+    shapes = ({0: Dim("rows", min=2, max=16)}, None) if dynamic else None
+    program = torch.export.export(module, (torch.randn(3, 4, 8), torch.tensor(3)), dynamic_shapes=shapes)
     result = rt.apply_rules(program, iree.rules)  # raised GuardOnDataDependentSymNode before the rule's fix
     rt.assert_not_fired(result, one_innermost_element_read_by_gather_for_iree)
-    x = torch.randn(3, 4, 8)
-    torch.testing.assert_close(result.program.module()(x, torch.tensor(n)), module(x, torch.tensor(n)), rtol=0, atol=0)
+    for rows, n in ((3, 0), (5 if dynamic else 3, 5)):
+        x = torch.randn(rows, 4, 8)
+        torch.testing.assert_close(
+            result.program.module()(x, torch.tensor(n)), module(x, torch.tensor(n)), rtol=0, atol=0
+        )
