@@ -6,6 +6,13 @@ import os
 import shutil
 import tempfile
 
+# OpenMP's threads wait for work asleep, not spinning (read once, when torch loads its OpenMP runtime: so before
+# the import below; the tests' child processes inherit it). A spinning thread holds its core between torch's
+# parallel regions, and these tests run torch beside IREE's own threads, child processes and, under `-n`,
+# another pytest worker: two processes of two torch threads each on this 2-core machine ran a small matmul loop
+# 18x slower spinning (330 s against 18). The thread count, and so every eager reference, is unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -19,9 +26,13 @@ from tests.zoo import torchvision_cpu
 # give, so no result depends on which test compiled it first, or on an earlier session. A test that asserts a
 # compile happens (or not from the cache) uses the `no_compile_cache` fixture; the tests of the cache give it a
 # tmp directory of their own.
+# Under pytest-xdist (`-n`), the workers share the controller's directory (its entries are written whole, by
+# rename) and only the controller removes it.
 CACHE_ENV = "FX_REWRITES_IREE_CACHE"  # backends/iree/cache.py (not imported here: conftest loads no backend)
-_SESSION_CACHE = tempfile.mkdtemp(prefix="fx-rewrites-tests-iree-")
-os.environ[CACHE_ENV] = _SESSION_CACHE
+_SHARED_CACHE_ENV = "FX_REWRITES_TESTS_SESSION_CACHE"
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_SESSION_CACHE = (_WORKER and os.environ.get(_SHARED_CACHE_ENV)) or tempfile.mkdtemp(prefix="fx-rewrites-tests-iree-")
+os.environ[CACHE_ENV] = os.environ[_SHARED_CACHE_ENV] = _SESSION_CACHE
 # A torch.compile graph the backend cannot compile raises in the tests (strict mode), where a user's runs on eager
 # with a warning: a test of the torch.compile route then fails instead of passing on eager. The tests of the
 # fallback turn it off themselves (tests/backends/test_dynamo.py).
@@ -76,8 +87,23 @@ def _torch_threads_kept():
     )
 
 
+#: the memory one worker may take at its peak (a tiny LM's compile, a zoo model and its eager reference)
+_WORKER_MEMORY = 6 << 30
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker per CPU this process may run on, as many as the memory holds (6 GiB each), 1 at least."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = _WORKER_MEMORY * cpus
+    return max(1, min(cpus, memory // _WORKER_MEMORY))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    if not _WORKER:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
