@@ -58,7 +58,9 @@ class ModuleBackend(Protocol):
       one copy; a buffer they update under one name is one state every function reads and writes.
       `metadata`: function -> {key: text} carried in the file and given back by `read_metadata`;
       `weights_as_parameters`: every weight in the parameter file, none inside the module; `same_state`:
-      refuse programs that do not all update the same buffers.
+      refuse programs that do not all update the same buffers; `state_restarts`: the state may start over from
+      its initial values between uses (each use writes it before reading it: a KV cache every generate fills
+      from its prefill), so a save may move the module onto the files it wrote.
     - `read_metadata(path)`: each function of the module file at `path` -> its metadata.
     - `load_file(path, names, params=, driver=)`: the module at `path` with functions `names`, its weights
       from `params` (default: beside it).
@@ -73,6 +75,7 @@ class ModuleBackend(Protocol):
         metadata: Mapping[str, Mapping[str, str]] | None = None,
         weights_as_parameters: bool = False,
         same_state: bool = False,
+        state_restarts: bool = False,
     ) -> Module: ...
 
     def read_metadata(self, path: str | os.PathLike[str]) -> dict[str, dict[str, str]]: ...

@@ -139,6 +139,9 @@ def compile_lm(
             # starts from parameters of its own names whatever the limit)
             weights_as_parameters=True,
             same_state=True,
+            # every generate starts with a prefill that writes the cache it reads: after save(params=) the module
+            # may start over on the archive it wrote (`runtime.reopen`), its own packed copy freed
+            state_restarts=True,
         )
     reports = {name: result.report for name, result in results.items()}
     compiled = CompiledLM(info, module, programs, reports, cpu=getattr(target, "cpu", None))

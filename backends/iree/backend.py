@@ -347,15 +347,18 @@ class IreeBackend:
         metadata: Mapping[str, Mapping[str, str]] | None = None,
         weights_as_parameters: bool = False,
         same_state: bool = False,
+        state_restarts: bool = False,
     ) -> IreeModule:
         """`programs` (function name -> ExportedProgram, rules applied) compiled into one module
         (`functions.compile_functions`) and loaded: one copy of the weights, one mutable global per buffer
         they update. `metadata` goes into each function's `iree.reflection`; `weights_as_parameters`: every
-        weight a parameter, whatever its size (else from `parameters.inline_limit()` bytes)."""
+        weight a parameter, whatever its size (else from `parameters.inline_limit()` bytes); `state_restarts`:
+        the state may start over between uses, so a `save(params=)` moves even a module that keeps state onto
+        the archive it wrote (`runtime.reopen`; its state then starts from its initial values)."""
         functions = compile_functions(
             self, programs, extra=metadata, limit=0 if weights_as_parameters else None, same_state=same_state
         )
-        return loaded(self, functions, next(iter(programs.values())).graph_module)
+        return loaded(self, functions, next(iter(programs.values())).graph_module, state_restarts=state_restarts)
 
     def read_metadata(self, path: str | os.PathLike[str]) -> dict[str, dict[str, str]]:
         """Each public function of the .vmfb at `path` -> its `iree.reflection` entries."""

@@ -226,17 +226,22 @@ class IreeModule:
             reopen(self.functions, packed, Path(params))
 
 
-def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> IreeModule:
+def loaded(
+    backend: Any, functions: IreeFunctions, graph_module: Any = None, *, state_restarts: bool = False
+) -> IreeModule:
     """`functions` loaded on `backend`'s device: an `IreeCompiled` per function, in one VM context.
     `graph_module` names nodes in the errors of a later self-contained compile (`embedded`). Code for a CPU
-    this host cannot run is not loaded: it saves, and a call raises `cpus.IreeCpuError`."""
+    this host cannot run is not loaded: it saves, and a call raises `cpus.IreeCpuError`. A `save(params=)`
+    moves the module onto the archive it wrote (`runtime.reopen`) where it keeps no state, or where
+    `state_restarts` says its state may start over (`compile_lm`: every generate fills the KV cache it reads)."""
     refused = None
     try:
         bound = backend.load_module(functions.vmfb, functions.parameters)
     except IreeCpuError as e:  # built for another CPU (`IreeBackend.for_cpu`): saved, it runs there
         bound, refused = dict.fromkeys(functions.plans), e
     calls = {}
-    stateless = not any(functions.state.values())  # else a new context would start the state over
+    # a new context starts the state over: only where it keeps none, or where that is allowed
+    movable = state_restarts or not any(functions.state.values())
     for name, plan in functions.plans.items():
         why = reflection(plan, backend.driver).get(UNSUPPORTED_KEY, "")
         calls[name] = IreeCompiled(
@@ -249,7 +254,7 @@ def loaded(backend: Any, functions: IreeFunctions, graph_module: Any = None) -> 
             why,
             parameters=functions.parameters,
             refused=refused,
-            reopen=backend.load_module if stateless else None,
+            reopen=backend.load_module if movable else None,
         )
     embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
     unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")

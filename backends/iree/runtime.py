@@ -123,7 +123,8 @@ class IreeCompiled:
     refused: Exception | None = attrs.field(default=None, repr=False)
     #: loads a module's bytes with its weights read in place from a mapped archive, `(vmfb, archive=path)` ->
     #: its functions by name: how `save(params=)` moves the module onto the archive it wrote (`reopen`); None
-    #: where the module stays as it is (it keeps state between calls, which a new context would start over)
+    #: where the module stays as it is (it keeps state between calls, which a new context would start over, and
+    #: was not compiled with `state_restarts`)
     reopen: Callable[..., Mapping[str, Any]] | None = attrs.field(default=None, repr=False)
     #: the archive the module reads its weights from since a `save(params=)` moved it there (None: its own)
     reads: Path | None = None
@@ -238,7 +239,8 @@ def reopen(calls: Mapping[str, IreeCompiled], packed: bytes, archive: Path) -> N
     weights packed from `archive` (a save's `encoding.pack`), mapped: the pages a later `fx_rewrites.load` of
     the saved files reads too, shared with the page cache. The copy of the weights the module packed when it
     started (their size again, beside the model's tensors) is freed, and the devices' caching allocators give
-    back what was freed. A module that keeps state between calls, or is not loaded, stays as it is.
+    back what was freed. A module that keeps state between calls (unless it may start over: `compile_module(...,
+    state_restarts=True)`), or is not loaded, stays as it is.
     `encoding.pack` renames each new archive into place (`archive.replacing`): a later save to the same path
     leaves the mapped file as it was."""
     first = next(iter(calls.values()))

@@ -3,7 +3,8 @@
 `runtime.reopen`: a module compiled in this process packs a copy of its weights when it starts (data tiling,
 `encoding.py`); once the save has written them packed, the module is re-opened on that archive, mapped, and
 its own copy freed, so compile + save + load in one process holds the weights' pages once more, not twice.
-A module that keeps state between calls stays as it is (a new context would start its state over).
+A module that keeps state between calls stays as it is (a new context would start its state over), unless it
+was compiled with `state_restarts=True` (`compile_lm`'s: each generate fills the KV cache it reads).
 """
 
 from __future__ import annotations
@@ -96,6 +97,26 @@ def test_a_module_that_keeps_state_is_not_reopened(tmp_path):
         compiled.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
         assert compiled.runtime.reads is None
         torch.testing.assert_close(compiled(x), net.linear(x) * 2, rtol=1e-5, atol=1e-5)  # its state went on
+
+
+def test_a_module_whose_state_may_start_over_is_reopened(tmp_path):
+    """`compile_module(..., state_restarts=True)` (`compile_lm`'s): the save moves even a module that keeps state
+    onto its archive, and the state starts over from its initial value; without it the state goes on."""
+    torch.manual_seed(0)
+    net, x = Counter().eval(), torch.randn(8, 256)
+    backend = IreeBackend()
+    program = fx_rewrites.apply(export(net, (x,)), backend.rules).program  # rules applied, as compile_module takes
+    kept = backend.compile_module({"main": program})
+    moved = backend.compile_module({"main": program}, state_restarts=True)
+    with torch.no_grad():
+        for name, module in (("kept", kept), ("moved", moved)):
+            module.functions["main"](x)
+            module.save(tmp_path / f"{name}.vmfb", params=tmp_path / f"{name}.irpa")
+        assert kept.functions["main"].reads is None
+        assert moved.functions["main"].reads == (tmp_path / "moved.irpa").resolve()
+        assert mapped((tmp_path / "moved.irpa").resolve())
+        torch.testing.assert_close(kept.functions["main"](x), net.linear(x) * 2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moved.functions["main"](x), net.linear(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_module_of_several_functions_is_reopened_as_one(model, tmp_path):
