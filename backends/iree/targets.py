@@ -60,6 +60,13 @@ _CHANNELS_LAST = (
 #: tiling. ResNet-50, one thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids): AVX2 (znver3) 5.2x -> 1.0x
 #: eager, AVX-512 1.41x -> 1.08x (docs/performance.md, "Per ISA")
 _IM2COL = "--iree-global-opt-use-im2col-for-convs"
+#: the data-tiled matmuls (`linalg.mmt4d`) through IREE's hand-written microkernel instead of its generated code.
+#: AVX-512 only: one thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids), exploration at load 7-10, over
+#: eager: runtime.py's resnet 1.96 -> 1.77x, ViT 0.75 -> 0.70, BERT 0.68 -> 0.61, MobileNetV2 0.55 -> 0.52,
+#: ResNet-50 1.17 -> 1.17; the 1x1 convolution 2.43 -> 1.98, the linear 1.64 -> 1.40. On AVX2 (znver3) level
+#: within 2% on every model (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75): not taken there (docs/performance.md,
+#: "Forms and flags per ISA")
+_MMT4D_UKERNEL = "--iree-llvmcpu-enable-ukernels=mmt4d"
 
 
 @attrs.frozen
@@ -103,7 +110,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
-        (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
+        (_DATA_TILING, _IM2COL, _CHANNELS_LAST, _MMT4D_UKERNEL),
         (*_TRANSFORMER_RULES, *_CONV_RULES),
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a

@@ -52,6 +52,7 @@ def test_ablation_names_each_performance_piece(benchmarks):
         "-iree-global-opt-data-tiling",
         "-iree-global-opt-use-im2col-for-convs",
         "-iree-preprocessing-convert-conv-to-channels-last",
+        *(["-iree-llvmcpu-enable-ukernels"] if backend.target.isa == "avx512" else []),  # AVX-512's mmt4d ukernel
     }
     before = routes["iree_before"]
     assert before.perf_flags == () and "attention_as_matmul_softmax" not in before.rules
