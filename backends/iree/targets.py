@@ -61,11 +61,12 @@ _CHANNELS_LAST = (
 #: eager, AVX-512 1.41x -> 1.08x (docs/performance.md, "Per ISA")
 _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: the data-tiled matmuls (`linalg.mmt4d`) through IREE's hand-written microkernel instead of its generated code.
-#: AVX-512 only: one thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids), exploration at load 7-10, over
-#: eager: runtime.py's resnet 1.96 -> 1.77x, ViT 0.75 -> 0.70, BERT 0.68 -> 0.61, MobileNetV2 0.55 -> 0.52,
-#: ResNet-50 1.17 -> 1.17; the 1x1 convolution 2.43 -> 1.98, the linear 1.64 -> 1.40. On AVX2 (znver3) level
-#: within 2% on every model (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75): not taken there (docs/performance.md,
-#: "Forms and flags per ISA")
+#: AVX-512 only. One thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids), unlocked probes at load 6-10, IREE
+#: over eager without -> with it: runtime.py's resnet 1.96 -> 1.77, ViT 0.75 -> 0.70, BERT 0.68 -> 0.61, Llama
+#: 0.60 -> 0.55, GPT-2 0.46 -> 0.44, Whisper encoder 0.90 -> 0.83, MobileNetV2 0.55 -> 0.52, ResNet-50 1.17 -> 1.17;
+#: under the lock, a 1x1 convolution 2.43 -> 1.98, the linear 1.64 -> 1.40. On AVX2 (znver3) the models are level
+#: within 2% (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75) and ResNet-50 read slower: not taken there
+#: (docs/performance.md, "Forms and flags per ISA")
 _MMT4D_UKERNEL = "--iree-llvmcpu-enable-ukernels=mmt4d"
 
 
