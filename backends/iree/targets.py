@@ -65,7 +65,9 @@ _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: over eager without -> with it: runtime.py's resnet 1.96 -> 1.77, ViT 0.75 -> 0.70, BERT 0.68 -> 0.61, Llama
 #: 0.60 -> 0.55, GPT-2 0.46 -> 0.44, Whisper encoder 0.90 -> 0.83, MobileNetV2 0.55 -> 0.52, ResNet-50 1.17 -> 1.17;
 #: under the lock, a 1x1 convolution 2.43 -> 1.98, the linear 1.64 -> 1.40. On AVX2 (znver3) the models are level
-#: within 2% (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75) and ResNet-50 read slower: not taken there
+#: within 2% (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75) and ResNet-50 read slower: not taken there. A locked run on
+#: AVX-512 (load 5-8): text models 7-19% faster, MobileNetV2 6%, ResNet-50 level, ViT and resnet +3-6% (level over
+#: the two runs)
 #: (docs/performance.md, "Forms and flags per ISA")
 _MMT4D_UKERNEL = "--iree-llvmcpu-enable-ukernels=mmt4d"
 
