@@ -252,6 +252,58 @@ class Int4Pairs(Int4UnpackedTwo):
         return _sum_by_pairs(scaled, 2).reshape(r, self.n)
 
 
+class Int4GroupTiles(Int4UnpackedTwo):
+    """`int4_halves` over the weight laid out [N/16, G/t, group, t, 16]: t groups' 16 channels side by side at each
+    position of the group, so the matvec's vector tile (t groups x 16 channels, the group's values in turn) reads
+    one contiguous run of bytes; the partials come out [rows, N/16, G, 16] as before."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, tile: int) -> None:
+        super().__init__(q, scale, zero, group)
+        self.tile = tile
+        nb, g = self.n // BLOCK, self.g
+        self.b = self.b.view(nb, g // tile, tile, group, BLOCK).permute(0, 1, 3, 2, 4).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        xs = x.view(r, 1, g // t, t, group).transpose(3, 4).reshape(r, 1, g // t, group, t, 1)
+        partial = (xs * self.b.to(torch.float32)).sum(3).reshape(r, self.n // BLOCK, g, BLOCK)
+        sums = x.view(r, 1, g, group).sum(3, keepdim=True)
+        scaled = (partial - self.z.to(torch.float32) * sums) * self.s
+        return _sum_by_halves(scaled, 2).reshape(r, self.n)
+
+
+class Int4GroupTilesFused(Int4GroupTiles):
+    """`int4_tiles4` with the epilogue in the partials' own [rows, N/16, G/t, t, 16] shape (scales and zero points
+    viewed alike), so IREE fuses it into the matvec; the groups summed by halves over G/t, then over t."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        nb = self.n // BLOCK
+        xs = x.view(r, 1, g // t, t, group).transpose(3, 4).reshape(r, 1, g // t, group, t, 1)
+        partial = (xs * self.b.to(torch.float32)).sum(3)  # [r, N/16, G/t, t, 16]
+        sums = x.view(r, 1, g // t, t, group).sum(4, keepdim=True)
+        z = self.z.to(torch.float32).view(nb, g // t, t, BLOCK)
+        scaled = (partial - z * sums) * self.s.view(nb, g // t, t, BLOCK)
+        return _sum_by_halves(_sum_by_halves(scaled, 2), 2).reshape(r, self.n)
+
+
+class Int4PositionMajor(Int4UnpackedTwo):
+    """`int4_halves` over the weight laid out [N/16, group, G, 16]: at each position of the group, every group's
+    16 channels side by side (all of a block's groups read together, the group's values in turn)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> None:
+        super().__init__(q, scale, zero, group)
+        self.b = self.b.view(self.n // BLOCK, self.g, group, BLOCK).transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group = x.shape[0], self.g, self.group
+        xs = x.view(r, 1, g, group).transpose(2, 3).reshape(r, 1, group, g, 1)
+        partial = (xs * self.b.to(torch.float32)).sum(2)  # [r, N/16, G, 16]
+        sums = x.view(r, 1, g, group).sum(3, keepdim=True)
+        scaled = (partial - self.z.to(torch.float32) * sums) * self.s
+        return _sum_by_halves(scaled, 2).reshape(r, self.n)
+
+
 FORMS = {
     "f32": lambda w, q, q8, s8, s, z, g: F32(w),
     "int8_blocked": lambda w, q, q8, s8, s, z, g: Int8Blocked(q8, s8),
@@ -265,6 +317,12 @@ FORMS = {
     "int4_pairs": lambda w, q, q8, s8, s, z, g: Int4Pairs(q, s, z, g),
     "int4_packed_one": lambda w, q, q8, s8, s, z, g: Int4PackedOne(q, s, z, g),
     "int4_packed_prescaled": lambda w, q, q8, s8, s, z, g: Int4PackedPrescaled(q, s, z, g),
+    "int4_tiles2": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 2),
+    "int4_tiles4": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 4),
+    "int4_tiles8": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 8),
+    "int4_tiles4_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 4),
+    "int4_tiles2_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 2),
+    "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
 }
 
 
