@@ -178,7 +178,7 @@ def _grouped_product(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, z
     channels side by side, the group's values in turn, so each tile reads one contiguous run of bytes, and the
     scaling runs in the partials' own [rows, N/16, G/t, t, 16] shape, fused into it. On a 32000x1024 int4 g32
     weight (the lm_head of issue 33's Llama) the groups in turn ([N/16, G, group, 16], read 512 bytes apart)
-    took 7.7-11 ms, this layout 3.3-4.1 ms (int8 per channel 1.5); on 2816x1024 0.28 -> 0.19 ms
+    took 7.9-11.4 ms, this layout 3.3-4.2 ms (int8 per channel 1.5-2.1); on 2816x1024 0.28 -> 0.19 ms
     (benchmarks/int4_forms.py)."""
     weight, scale = node.args[0], node.args[2]
     n, k = _val(weight).shape
