@@ -20,6 +20,12 @@ by `iree-benchmark-module` (`local-sync`: one thread, median CPU time of the rep
 - `int4_groups_last`: the second stage over scales in their [N, G] layout, the partials transposed to it.
 - `int4_halves`: `int4_unpacked_two` with the groups summed by adding halves (what the rule writes).
 - `int4_pairs`: the same, each step a sum over an axis of 2.
+- `int4_tiles2`, `int4_tiles4`, `int4_tiles8`: `int4_halves` over the weight laid out [N/16, G/t, group, t, 16]
+  (t groups' 16 channels side by side at each position of the group), the scaling after a reshape to
+  [rows, N/16, G, 16] (its own dispatch).
+- `int4_tiles2_fused`, `int4_tiles4_fused` (**what the rule writes**, t = 4): the same, the scaling in the partials'
+  own [rows, N/16, G/t, t, 16] shape (fused into the matvec), the groups summed by halves over G/t, then t.
+- `int4_position_major`: [N/16, group, G, 16], every group's 16 channels side by side at each position.
 
 IREE hoists the unpacking of packed bytes out of the call (const-eval of inlined weights, const-expr hoisting of
 parameters at load), which stores the unpacked values again; `--flags=--iree-opt-const-expr-hoisting=false,
@@ -36,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FUSION = "--iree-dispatch-creation-enable-aggressive-fusion"
 BLOCK = 16
@@ -252,6 +260,73 @@ class Int4Pairs(Int4UnpackedTwo):
         return _sum_by_pairs(scaled, 2).reshape(r, self.n)
 
 
+class Int4GroupTiles(Int4UnpackedTwo):
+    """`int4_halves` over the weight laid out [N/16, G/t, group, t, 16]: t groups' 16 channels side by side at each
+    position of the group, so the matvec's vector tile (t groups x 16 channels, the group's values in turn) reads
+    one contiguous run of bytes; the partials come out [rows, N/16, G, 16] as before."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, tile: int) -> None:
+        super().__init__(q, scale, zero, group)
+        self.tile = tile
+        nb, g = self.n // BLOCK, self.g
+        self.b = self.b.view(nb, g // tile, tile, group, BLOCK).permute(0, 1, 3, 2, 4).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        xs = x.view(r, 1, g // t, t, group).transpose(3, 4).reshape(r, 1, g // t, group, t, 1)
+        partial = (xs * self.b.to(torch.float32)).sum(3).reshape(r, self.n // BLOCK, g, BLOCK)
+        sums = x.view(r, 1, g, group).sum(3, keepdim=True)
+        scaled = (partial - self.z.to(torch.float32) * sums) * self.s
+        return _sum_by_halves(scaled, 2).reshape(r, self.n)
+
+
+class Int4GroupTilesFused(Int4GroupTiles):
+    """(What the rule writes, with t = 4.) `int4_tiles4` with the scaling in the partials' own
+    [rows, N/16, G/t, t, 16] shape (scales and zero points viewed alike), so IREE fuses it into the matvec; the
+    groups summed by halves over G/t, then over t."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        nb = self.n // BLOCK
+        xs = x.view(r, 1, g // t, t, group, 1).permute(0, 1, 2, 4, 3, 5)  # [r, 1, G/t, group, t, 1]
+        partial = (xs * self.b.to(torch.float32)).sum(3)  # [r, N/16, G/t, t, 16]
+        sums = x.view(r, 1, g // t, t, group).sum(4, keepdim=True)
+        z = self.z.to(torch.float32).view(nb, g // t, t, BLOCK)
+        scaled = (partial - z * sums) * self.s.view(nb, g // t, t, BLOCK)
+        return _sum_by_halves(_sum_by_halves(scaled, 2), 2).reshape(r, self.n)
+
+
+class Int4GroupTilesOne(Int4GroupTiles):
+    """The layout of `int4_tiles4`, torchao's dequantize ((w - z) * s) inside one reduction over the groups and
+    their values: [rows, N/16, t, 16] out, then summed over t by halves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        nb = self.n // BLOCK
+        xs = x.view(r, 1, g // t, t, group, 1).permute(0, 1, 2, 4, 3, 5)  # [r, 1, G/t, group, t, 1]
+        z = self.z.to(torch.float32).view(nb, g // t, 1, t, BLOCK)
+        s = self.s.view(nb, g // t, 1, t, BLOCK)
+        partial = (xs * ((self.b.to(torch.float32) - z) * s)).sum([2, 3])  # [r, N/16, t, 16]
+        return _sum_by_halves(partial, 2).reshape(r, self.n)
+
+
+class Int4PositionMajor(Int4UnpackedTwo):
+    """`int4_halves` over the weight laid out [N/16, group, G, 16]: at each position of the group, every group's
+    16 channels side by side (all of a block's groups read together, the group's values in turn)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> None:
+        super().__init__(q, scale, zero, group)
+        self.b = self.b.view(self.n // BLOCK, self.g, group, BLOCK).transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group = x.shape[0], self.g, self.group
+        xs = x.view(r, 1, g, group).transpose(2, 3).reshape(r, 1, group, g, 1)
+        partial = (xs * self.b.to(torch.float32)).sum(2)  # [r, N/16, G, 16]
+        sums = x.view(r, 1, g, group).sum(3, keepdim=True)
+        scaled = (partial - self.z.to(torch.float32) * sums) * self.s
+        return _sum_by_halves(scaled, 2).reshape(r, self.n)
+
+
 FORMS = {
     "f32": lambda w, q, q8, s8, s, z, g: F32(w),
     "int8_blocked": lambda w, q, q8, s8, s, z, g: Int8Blocked(q8, s8),
@@ -265,6 +340,13 @@ FORMS = {
     "int4_pairs": lambda w, q, q8, s8, s, z, g: Int4Pairs(q, s, z, g),
     "int4_packed_one": lambda w, q, q8, s8, s, z, g: Int4PackedOne(q, s, z, g),
     "int4_packed_prescaled": lambda w, q, q8, s8, s, z, g: Int4PackedPrescaled(q, s, z, g),
+    "int4_tiles2": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 2),
+    "int4_tiles4": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 4),
+    "int4_tiles8": lambda w, q, q8, s8, s, z, g: Int4GroupTiles(q, s, z, g, 8),
+    "int4_tiles4_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 4),
+    "int4_tiles2_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 2),
+    "int4_tiles4_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesOne(q, s, z, g, 4),
+    "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
 }
 
 
@@ -287,7 +369,8 @@ def reference(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int, x: 
 
 
 def run(argv: list[str] | None = None) -> int:
-    from fx_rewrites import backends
+    from cpu_isa import backend, cpu_model
+
     from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -298,6 +381,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--repetitions", type=int, default=10, help="at least 2 (the median is of repetitions)")
     parser.add_argument("--keep", default="", help="a folder to keep each form's .mlir and .vmfb in")
+    parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"), help="avx2: IREE for znver3")
     parser.add_argument("--flags", default="", help="extra iree-compile flags, comma separated")
     args = parser.parse_args(argv)
     if args.repetitions < 2:
@@ -305,7 +389,8 @@ def run(argv: list[str] | None = None) -> int:
     w, q, q8, s8, s, z = weights(args.n, args.k, args.group)
     x = torch.randn(args.rows, args.k)
     ref = reference(q, s, z, args.group, x)
-    iree = backends.get("iree")
+    iree = backend(args.isa)
+    print(f"CPU: {cpu_model()}; IREE target {' '.join(iree.flags[:1])}; {args.n} x {args.k}, rows {args.rows}")
     flags = [*iree.flags, *iree.perf_flags, FUSION, *filter(None, args.flags.split(","))]
     print("| form | ms (CPU, median) | weight bytes | max abs diff (int4 vs float64) |\n|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as scratch:

@@ -31,25 +31,35 @@ FUSION_FLAGS = ("--iree-dispatch-creation-enable-aggressive-fusion",)
 
 
 @torch.library.custom_op("fx_rewrites::blocked_rows", mutates_args=())
-def blocked_rows(weight: torch.Tensor, block: int) -> torch.Tensor:
-    """`weight` [N, K] as [N / block, K, block]: out[b, k, j] = weight[b * block + j, k] (a copy)."""
+def blocked_rows(weight: torch.Tensor, block: int, group: int = 0, tile: int = 1) -> torch.Tensor:
+    """`weight` [N, K] as [N / block, K, block]: out[b, k, j] = weight[b * block + j, k] (a copy). With a `group`,
+    K's groups of `group` taken `tile` at a time and interleaved: [N / block, K / (group tile), group, tile,
+    block], out[b, h, i, t, j] = weight[b * block + j, (h * tile + t) * group + i], so a kernel that reduces
+    `tile` groups side by side reads one contiguous run of bytes (`rules/quantized_matmul.py`)."""
     rows, cols = weight.shape
-    return weight.reshape(rows // block, block, cols).permute(0, 2, 1).contiguous()
+    out = weight.reshape(rows // block, block, cols).permute(0, 2, 1)
+    if group:
+        out = out.reshape(rows // block, cols // (group * tile), tile, group, block).transpose(2, 3)
+    return out.contiguous()
 
 
 @blocked_rows.register_fake
-def _(weight: torch.Tensor, block: int) -> torch.Tensor:
+def _(weight: torch.Tensor, block: int, group: int = 0, tile: int = 1) -> torch.Tensor:
     rows, cols = weight.shape
+    if group:
+        return weight.new_empty((rows // block, cols // (group * tile), group, tile, block))
     return weight.new_empty((rows // block, cols, block))
 
 
 BLOCKED_ROWS = torch.ops.fx_rewrites.blocked_rows.default
 
-#: source tensor -> (its version, block, its blocks): a weight re-laid once per content, and the same blocks
-#: object for every function of a module that reads it (parameters are shared by identity; torchao's flattened
-#: weights are a new tensor object per exported program, over the same memory). A tensor written in place since
-#: (its `_version` moved) is re-laid again; entries go with their source tensor.
-_BLOCKS: weakref.WeakKeyDictionary[torch.Tensor, tuple[int, int, torch.Tensor]] = weakref.WeakKeyDictionary()
+#: source tensor -> (its version, its layout's (block, group, tile), its blocks): a weight re-laid once per
+#: content, and the same blocks object for every function of a module that reads it (parameters are shared by
+#: identity; torchao's flattened weights are a new tensor object per exported program, over the same memory). A
+#: tensor written in place since (its `_version` moved) is re-laid again; entries go with their source tensor.
+_BLOCKS: weakref.WeakKeyDictionary[torch.Tensor, tuple[int, tuple[int, ...], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,16 +73,16 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _blocks(tensor: torch.Tensor, block: int) -> torch.Tensor:
+def _blocks(tensor: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
     held = _BLOCKS.get(tensor)
-    if held is None:
-        held = next((v for k, v in list(_BLOCKS.items()) if v[1] == block and _same_memory(k, tensor)), None)
-    if held is not None and held[0] == tensor._version and held[1] == block:
+    if held is None or held[1] != layout:
+        held = next((v for k, v in list(_BLOCKS.items()) if v[1] == layout and _same_memory(k, tensor)), None)
+    if held is not None and held[0] == tensor._version and held[1] == layout:
         _BLOCKS[tensor] = held
         return held[2]
     with torch.no_grad():
-        out = blocked_rows(tensor.detach(), block)
-    _BLOCKS[tensor] = (tensor._version, block, out)
+        out = blocked_rows(tensor.detach(), *layout)
+    _BLOCKS[tensor] = (tensor._version, layout, out)
     return out
 
 
@@ -87,7 +97,7 @@ def fold_blocked_rows(program: ExportedProgram) -> ExportedProgram:
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target is not BLOCKED_ROWS:
             continue
-        source, block = node.args
+        source, *layout = node.args
         spec = specs.get(source.name) if isinstance(source, Node) else None
         if spec is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             continue
@@ -97,7 +107,7 @@ def fold_blocked_rows(program: ExportedProgram) -> ExportedProgram:
         if spec.target not in table:
             continue
         key = spec.target + SUFFIX
-        table[key] = _blocks(table[spec.target], block)
+        table[key] = _blocks(table[spec.target], tuple(layout))
         if not any(s.target == spec.target for s in input_specs if s is not spec):
             table.pop(spec.target)
         input_specs[input_specs.index(spec)] = dataclasses.replace(spec, target=key)

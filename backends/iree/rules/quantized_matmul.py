@@ -32,6 +32,9 @@ aten = torch.ops.aten
 
 #: output channels side by side in a block: one AVX-512 vector of float32 (measured against 64, 128, 256)
 BLOCK = 16
+#: groups of a grouped weight interleaved in its layout, their 16 channels side by side: IREE 3.13's matvec over
+#: them reads 4 x 16 bytes a step (measured against 2 and 8 on AVX-512: benchmarks/int4_forms.py)
+GROUP_TILE = 4
 #: the integer types a weight may be stored in
 _INTEGER = (torch.int8, torch.uint8)
 
@@ -158,27 +161,45 @@ def _grouped_ops() -> tuple[Any, ...]:
     return (ops["dequantize_affine"],) if "dequantize_affine" in ops else ()
 
 
+def _group_tile(groups: int) -> int:
+    """How many groups the weight's layout interleaves (`GROUP_TILE`, or the largest power of 2 below it that
+    divides `groups`)."""
+    tile = GROUP_TILE
+    while groups % tile:
+        tile //= 2
+    return tile
+
+
 def _grouped_product(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, zero: Node | None) -> Node:
     """x [rows, K] times torchao's dequantized weight ((w - zero) * scale per group of `group`) as [rows, N]:
     per group the int8 products are summed first, then the zero point's share (zero x the group's sum of x) is
-    taken off and the group's scale applied, then the groups summed by halves. One reduction over both K axes
-    with the scale inside compiles to 1.56 ms on a 2816x1024 int4 g32 weight, two reductions to 0.30 ms, the
-    groups by halves to 0.25 ms (float32: 0.43 ms, int8 per channel 0.13; benchmarks/int4_forms.py)."""
+    taken off and the group's scale applied, then the groups summed by halves. The weight is laid out
+    [N/16, G/t, group, t, 16] (`blocked_rows(w, 16, group, t)`): IREE's matvec reduces t = 4 groups x 16
+    channels side by side, the group's values in turn, so each tile reads one contiguous run of bytes, and the
+    scaling runs in the partials' own [rows, N/16, G/t, t, 16] shape, fused into it. On a 32000x1024 int4 g32
+    weight (the lm_head of issue 33's Llama) the groups in turn ([N/16, G, group, 16], read 512 bytes apart)
+    took 7.9-11.4 ms, this layout 3.3-4.2 ms (int8 per channel 1.5-2.1); on 2816x1024 0.28 -> 0.19 ms
+    (benchmarks/int4_forms.py)."""
     weight, scale = node.args[0], node.args[2]
     n, k = _val(weight).shape
     groups = k // group
-    values = rw.call(aten.view.default, _blocked_float(rw, weight), [n // BLOCK, groups, group, BLOCK])
+    tile = _group_tile(groups)
+    layout = [n // BLOCK, groups // tile, tile, BLOCK]  # of the partials, scales and zero points
+    blocks = rw.call(aten._to_copy.default, rw.call(BLOCKED_ROWS, weight, BLOCK, group, tile), dtype=torch.float32)
+    values = rw.call(aten.view.default, blocks, [n // BLOCK, groups // tile, group, tile, BLOCK])
 
     def per_group(part: Node) -> Node:
         blocks = rw.call(aten._to_copy.default, rw.call(BLOCKED_ROWS, part, BLOCK), dtype=torch.float32)
-        return rw.call(aten.view.default, blocks, [n // BLOCK, groups, BLOCK])
+        return rw.call(aten.view.default, blocks, layout)
 
-    xs = rw.call(aten.view.default, x, [rows, 1, groups, group, 1])
-    partial = rw.call(aten.sum.dim_IntList, rw.call(aten.mul.Tensor, xs, values), [3])  # [rows, N/16, G, 16]
+    x_groups = rw.call(aten.view.default, x, [rows, 1, groups // tile, tile, group, 1])
+    xs = rw.call(aten.permute.default, x_groups, [0, 1, 2, 4, 3, 5])  # [rows, 1, G/t, group, t, 1]
+    partial = rw.call(aten.sum.dim_IntList, rw.call(aten.mul.Tensor, xs, values), [3])  # [rows, N/16, G/t, t, 16]
     if zero is not None:
-        sums = rw.call(aten.sum.dim_IntList, rw.call(aten.view.default, x, [rows, 1, groups, group]), [3], True)
+        sums = rw.call(aten.sum.dim_IntList, rw.call(aten.view.default, x, [rows, 1, *layout[1:3], group]), [4], True)
         partial = rw.call(aten.sub.Tensor, partial, rw.call(aten.mul.Tensor, per_group(zero), sums))
-    reduced = _sum_by_halves(rw, rw.call(aten.mul.Tensor, partial, per_group(scale)), 2, groups)
+    scaled = rw.call(aten.mul.Tensor, partial, per_group(scale))
+    reduced = _sum_by_halves(rw, _sum_by_halves(rw, scaled, 2, groups // tile), 3, tile)
     return rw.call(aten.view.default, reduced, [rows, n])
 
 

@@ -93,13 +93,19 @@ def test_grouped_linear_sums_its_groups_by_halves(scheme: str, dynamic: bool, in
     result = rt.apply_rules(program, DEFAULT + rule)
     rt.assert_fired(result, rule.name, times=1)
     nodes = [n for n in result.graph_module.graph.nodes if n.op == "call_function"]
-    # the partial sums [rows, N/16, G, 16] are summed over the groups (axis 2) by halves, not reduced over it
+    groups = in_features // 32
+    tile = {7: 1, 8: 4}[groups]  # 4 groups interleaved where 4 divide them, else none
+    # the weight laid out [N/16, G/t, 32, t, 16]: t groups' 16 channels side by side at each position of a group
+    layouts = [tuple(n.meta["val"].shape) for n in nodes if n.target is BLOCKED_ROWS and n.meta["val"].dim() == 5]
+    assert layouts == [(48 // 16, groups // tile, 32, tile, 16)], layouts
+    # the partial sums [rows, N/16, G/t, t, 16] are summed over the groups (axes 2 and 3) by halves, not reduced
     reduced = [n.args[1] for n in nodes if n.target is aten.sum.dim_IntList]
     assert [2] not in reduced, reduced
-    halves = [n for n in nodes if n.target is aten.slice.Tensor and n.args[1] == 2]
-    groups = in_features // 32
-    # 7 groups: 3 + 3 (one aside), 1 + 1 (one aside) = 6 slices; 8 groups: 4 + 4, 2 + 2, 1 + 1 = 6 slices
-    assert len(halves) == {7: 6, 8: 6}[groups], [n.args for n in halves]
+    halves = {axis: [n for n in nodes if n.target is aten.slice.Tensor and n.args[1] == axis] for axis in (2, 3)}
+    # 7 groups (t = 1): 3 + 3 (one aside), 1 + 1 (one aside) = 6 slices on axis 2, none on axis 3 (of size 1);
+    # 8 groups (t = 4): 1 + 1 on axis 2 (of size 2), 2 + 2, 1 + 1 on axis 3
+    expected = {7: (6, 0), 8: (2, 4)}[groups]
+    assert (len(halves[2]), len(halves[3])) == expected, {a: [n.args for n in h] for a, h in halves.items()}
     adds = [n for n in nodes if n.target is aten.add.Tensor]
     assert len(adds) >= {7: 4, 8: 3}[groups]
     rows = (5, 23) if dynamic else (5, 5)
@@ -136,7 +142,9 @@ def test_iree_reads_int8_blocks_and_writes_no_float_weight(scheme: str, monkeypa
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=2e-5)
     params = compiled.runtime.parameters
     blocks = [v for k, v in params.items() if k.endswith(".blocked_rows") and v.dtype == torch.int8]
-    assert any(tuple(v.shape) == (96 // 16, 64, 16) for v in blocks), {k: v.shape for k, v in params.items()}
+    # per channel [N/16, K, 16]; in 2 groups of 32, both interleaved: [N/16, G/2, 32, 2, 16]
+    layout = (96 // 16, 64, 16) if scheme == "int8_wo" else (96 // 16, 1, 32, 2, 16)
+    assert any(tuple(v.shape) == layout for v in blocks), {k: v.shape for k, v in params.items()}
     assert not any(v.dtype == torch.float32 and v.numel() == 96 * 64 for v in params.values())
     mlir = compiled.runtime.mlir
     assert extra_flags(mlir) == FUSION_FLAGS
