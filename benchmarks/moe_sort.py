@@ -21,7 +21,8 @@ Prefill: the time of a generate of 1 new token; decode: `--decode N` more tokens
 generate of 1 + N tokens less the prefill's. One thread each (torch.set_num_threads(1), IREE local-sync), CPU
 time (time.process_time), prompts interleaved round after round, medians; round 0 warms up. Peak RSS: the
 process's high-water mark reset (/proc/self/clear_refs) before a prompt's warm-up calls and read after them
-(the compile's peak is not counted; per route only without `--interleave`). Every route's tokens are printed
+(the compile's peak is not counted; per route only without `--interleave`); `resident_before_mb`: the resident
+set at that reset (what the calls add is the peak less it). Every route's tokens are printed
 (a route whose tokens differ from eager's says so).
 `--isa avx2`: the children run torch with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and IREE compiled
 for znver3 (AVX2, no AVX-512), the way an AVX2 machine runs both.
