@@ -21,7 +21,8 @@ Prefill: the time of a generate of 1 new token; decode: `--decode N` more tokens
 generate of 1 + N tokens less the prefill's. One thread each (torch.set_num_threads(1), IREE local-sync), CPU
 time (time.process_time), prompts interleaved round after round, medians; round 0 warms up. Peak RSS: the
 process's high-water mark reset (/proc/self/clear_refs) before a prompt's warm-up calls and read after them
-(the compile's peak is not counted; per route only without `--interleave`). Every route's tokens are printed
+(the compile's peak is not counted; per route only without `--interleave`); `resident_before_mb`: the resident
+set at that reset (what the calls add is the peak less it). Every route's tokens are printed
 (a route whose tokens differ from eager's says so).
 `--isa avx2`: the children run torch with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and IREE compiled
 for znver3 (AVX2, no AVX-512), the way an AVX2 machine runs both.
@@ -53,9 +54,10 @@ def _hwm_reset() -> None:
         f.write("5")
 
 
-def _hwm_mb() -> float:
+def _hwm_mb(field: str = "VmHWM") -> float:
+    """The process's resident-set high-water mark (`VmRSS`: its resident set now), MB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -139,12 +141,14 @@ def child(args: argparse.Namespace) -> None:
     prefill: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     decode: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     peaks: dict[tuple[str, int], float] = {}
+    resident: dict[tuple[str, int], float] = {}  # the resident set at the reset: the calls add what is above it
     tokens: dict[tuple[str, int], list[int]] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (and measures the peak)
         for route, p in cases:
             ids = _prompt(p)
             if r == 0:
                 _hwm_reset()
+                resident[route, p] = _hwm_mb("VmRSS")
             start = time.process_time()
             first = runs[route](ids, 1)
             prefill_s = time.process_time() - start
@@ -164,7 +168,8 @@ def child(args: argparse.Namespace) -> None:
         if args.decode:
             row["decode_tok_s"] = round(args.decode / statistics.median(decode[route, p]), 2)
         same = tokens[route, p] == tokens.get(("eager", p), tokens[route, p])
-        row |= {"peak_mb": round(peaks[route, p]), "tokens_equal_eager": same, "tokens": tokens[route, p][:8]}
+        row |= {"peak_mb": round(peaks[route, p]), "resident_before_mb": round(resident[route, p])}
+        row |= {"tokens_equal_eager": same, "tokens": tokens[route, p][:8]}
         print(json.dumps(row), flush=True)
 
 

@@ -15,8 +15,8 @@ dispatch reads, never a gathered copy), both exact in their work:
   IREE's data tiling packs each expert's weight once, when the module loads (a copy of the experts' weights
   for the module's lifetime); an expert without rows costs dispatches that do nothing.
 - `grouped_mm_per_row_for_iree` (decode: a few rows, static): each row's expert read as an integer, the row
-  multiplied by that expert's weight as a multiply and a sum (one matrix-vector dispatch a row, the weight read
-  at a dynamic offset and not packed).
+  multiplied by that expert's weight as a multiply and a sum along the dimension the weight holds contiguously
+  (one matrix-vector dispatch a row, the weight read at a dynamic offset and not packed).
 
 Measured in benchmarks/moe_block.py and benchmarks/moe_sort.py; docs/performance.md (MoE sections). The limit
 between the forms (`PER_ROW_LIMIT`) is a choice, not a measurement.
@@ -115,6 +115,13 @@ def _few_rows(node: Node) -> Grouped | Miss:
     return found
 
 
+def _k_contiguous(weight: Node) -> bool:
+    """Whether the [E, K, N] `weight` holds K contiguously (a transpose of an [E, N, K] tensor, as transformers
+    passes its experts' weights), by the strides torch.export recorded."""
+    val = weight.meta["val"]
+    return val.stride(1) == 1 and val.stride(2) != 1
+
+
 def _integer(rw: Rewriter, tensor: Node, index: int) -> Node:
     """`tensor[index].item()`: an integer the program reads at run time (an unbacked symbol)."""
     return rw.call(aten.item.default, rw.call(aten.select.int, tensor, 0, index))
@@ -202,14 +209,19 @@ def grouped_mm_per_row_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> 
     expert = rw.call(aten.sum.dim_IntList, started, [1], dtype=torch.int64)  # E for a row past the last offset
     inside = rw.call(aten.lt.Scalar, expert, found.experts)
     expert = rw.call(aten.clamp.default, expert, None, found.experts - 1)
+    # the sum runs along the dimension the weight holds contiguously: transformers stores [E, N, K] and passes
+    # its transpose, and a sum over K as the outer dimension of [K, N] reads the weight strided (IREE 3.13:
+    # 2.3-4.3x slower, benchmarks/moe_rows.py)
+    stored_nk = _k_contiguous(found.weight)
+    weights = rw.call(aten.transpose.int, found.weight, 1, 2) if stored_nk else found.weight
     products = []
     for r in range(int(found.rows)):
         e = _integer(rw, expert, r)
         torch._check(e.meta["val"] >= 0)
         torch._check(e.meta["val"] < found.experts)
-        weight = rw.call(aten.select.int, found.weight, 0, e)  # [K, N], read at a run-time offset
-        row = rw.call(aten.unsqueeze.default, rw.call(aten.select.int, found.x, 0, r), 1)  # [K, 1]
-        products.append(rw.call(aten.sum.dim_IntList, rw.call(aten.mul.Tensor, weight, row), [0]))
+        weight = rw.call(aten.select.int, weights, 0, e)  # [N, K] or [K, N], read at a run-time offset
+        row = rw.call(aten.unsqueeze.default, rw.call(aten.select.int, found.x, 0, r), 0 if stored_nk else 1)
+        products.append(rw.call(aten.sum.dim_IntList, rw.call(aten.mul.Tensor, weight, row), [1 if stored_nk else 0]))
     out = rw.call(aten.stack.default, products)
     zero = rw.call(aten.scalar_tensor.default, 0.0, dtype=xv.dtype)
     rw.replace(node, rw.call(aten.where.self, rw.call(aten.unsqueeze.default, inside, 1), out, zero))

@@ -99,6 +99,43 @@ def test_grouped_mm_with_few_static_rows_becomes_a_product_per_row():
         _close_to_reference(compiled(*args), module, *args)
 
 
+class ExpertsStoredKN(torch.nn.Module):
+    """The grouped matmul over a weight stored [E, K, N] and passed as is (N contiguous)."""
+
+    def __init__(self, experts: int = 4, k: int = 4, n: int = 5) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.weight = torch.nn.Parameter(torch.randn(experts, k, n, generator=g), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.transformers.grouped_mm_fallback(x, self.weight, offs) * 2.0
+
+
+@pytest.mark.parametrize("stored", ["NK", "KN"])
+def test_products_per_row_sum_along_the_dimension_the_weight_holds_contiguously(stored):
+    """transformers stores [E, N, K] and passes the transpose: the sum runs over K as the last dimension of the
+    stored [N, K] slice (over [K, N] as the outer dimension IREE read the weight strided, 2.3-4.3x slower); a
+    weight stored [E, K, N] keeps the sum over its first dimension."""
+    module = Experts(experts=4) if stored == "NK" else ExpertsStoredKN()
+    inputs = [(_x(3, 0), torch.tensor([1, 1, 2, 2])), (_x(3, 1), torch.tensor([0, 1, 2, 3]))]
+    ep = rt.export(module, *inputs[0])
+    result = _rewritten(ep, per_row_for_iree)
+    rt.assert_fired(result, PER_ROW, times=1)
+    sums = [
+        n
+        for n in result.program.graph.nodes
+        if n.target == aten.sum.dim_IntList and n.meta["val"].dtype.is_floating_point
+    ]
+    assert len(sums) == 3 and {tuple(n.args[1]) for n in sums} == ({(1,)} if stored == "NK" else {(0,)})
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
+    compiled = backends.get("iree").compile(rt.apply_rules(ep, backends.get("iree").rules).program, inputs[0])
+    weight_nk = module.weight if stored == "NK" else module.weight.transpose(1, 2)
+    for x, offs in inputs:
+        reference = _reference(x, weight_nk, offs)
+        eager_error = (module(x, offs).double() - reference).abs().max().item()
+        assert (compiled(x, offs).double() - reference).abs().max().item() <= 4 * eager_error + 1e-6
+
+
 def test_each_form_declines_the_other_ones_rows():
     few = rt.apply_rules(rt.export(Experts(experts=4), _x(3, 0), torch.tensor([1, 1, 2, 3])), per_expert_for_iree)
     many = rt.apply_rules(rt.export(Experts(), _x(7, 0), torch.tensor([2, 2, 6])), per_row_for_iree, explain=True)
