@@ -174,6 +174,13 @@ def _repack(src: Path, dst: Path) -> None:
             zout.writestr(info, data)
 
 
+@pytest.fixture(autouse=True)
+def _tables_at_the_width_of_a_pipe(monkeypatch):
+    """The commands' tables go to capsys as to a pipe: 120 columns, whatever $COLUMNS the run inherited (a
+    terminal's, or pytest-xdist's workers' 80, where a long tmp path wrapped 'pool_stride_defaults x1' in two)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def _run(capsys, *argv) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out = capsys.readouterr()
