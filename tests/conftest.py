@@ -110,3 +110,34 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def no_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """No on-disk compile cache in this test: what it compiles, it compiles (a fresh backend's memory aside)."""
     monkeypatch.setenv(CACHE_ENV, "off")
+
+
+#: where each test's CPU seconds go, when set: one JSON line per test phase, appended to `<path>.<worker>`
+_CPU_LOG = os.environ.get("FX_REWRITES_TESTS_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With `FX_REWRITES_TESTS_CPU_LOG` set, record each test's CPU time (this process and the children it
+    waited for: iree-compile, ranks, benchmark children) beside its wall time. On a loaded machine wall time
+    says little about what a test costs; CPU seconds add up to what CI's cores spend."""
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    start_cpu, start_wall = cpu(), time.perf_counter()
+    yield
+    row = {
+        "test": item.nodeid,
+        "cpu_s": round(cpu() - start_cpu, 2),
+        "wall_s": round(time.perf_counter() - start_wall, 2),
+    }
+    with open(f"{_CPU_LOG}.{_WORKER or 'main'}", "a") as log:
+        log.write(json.dumps(row) + "\n")
