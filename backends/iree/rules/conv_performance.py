@@ -12,6 +12,9 @@
 - `depthwise_conv_as_taps`: a depthwise 2-D convolution of at most 3x3
   taps as a sum of shifted windows times per-channel weights, fused
   element-wise dispatches (IREE's depthwise convolution: 2-3x eager).
+- `depthwise_conv_as_row_partials`: a larger one (up to 7x7, stride 1) as
+  a width partial per kernel row, its rows shifted, summed (7x7: IREE's
+  convolution 3.5-4.6x eager, the partials about 1.2x).
 - `grouped_conv_as_convs`: a grouped convolution as one convolution per
   group, concatenated (IREE's grouped convolution: 12x eager).
 
