@@ -90,7 +90,12 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
 
 
 def measure(
-    make: Callable[[], Any], rounds: int, inductor: bool, isa: str = "host", also_without: str = ""
+    make: Callable[[], Any],
+    rounds: int,
+    inductor: bool,
+    isa: str = "host",
+    also_without: str = "",
+    before: bool = True,
 ) -> dict[str, Any]:
     from scale_cnn import _before
 
@@ -110,7 +115,7 @@ def measure(
             ind = torch.compile(model)
             ind(x)
             fns["Inductor"] = lambda: ind(x)
-        routes = {"export route": backend, "before": _before(backend)}
+        routes = {"export route": backend, **({"before": _before(backend)} if before else {})}
         routes.update({f"export route {k}": v for k, v in cpu_isa.without(backend, also_without).items()})
         for label, b in routes.items():
             result = fx_rewrites.apply(torch.export.export(model, (x,)), b.rules)
@@ -147,7 +152,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     for name, row in rows.items():
         ms = row["ms"]
         cells = " | ".join(f"{ms[k][0]:.2f} ({ms[k][1]:.2f}-{ms[k][2]:.2f})" for k in labels)
-        route, eager, before = ms["export route"][0], ms["eager"][0], ms["before"][0]
+        route, eager, before = ms["export route"][0], ms["eager"][0], ms.get("before", (float("nan"),))[0]
         rules = ", ".join(f for f in row["fired"] if f in PERFORMANCE) or "-"
         extra = "".join(f"{ms[k][0] / eager:.2f} | " for k in labels if k.startswith("export route -"))
         lines.append(f"| {name} | {cells} | {route / eager:.2f} | {route / before:.2f} | {extra}{rules} |")
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
+    parser.add_argument("--no-before", dest="before", action="store_false", help="not the route without the rules")
     cpu_isa.add_argument(parser, both=True)
     cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     try:
         for name, make in chosen.items():
-            rows[name] = measure(make, args.rounds, args.inductor, args.isa, args.also_without)
+            rows[name] = measure(make, args.rounds, args.inductor, args.isa, args.also_without, args.before)
             print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
