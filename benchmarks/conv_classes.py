@@ -89,7 +89,14 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
 }
 
 
-def measure(make: Callable[[], Any], rounds: int, inductor: bool, isa: str = "host") -> dict[str, Any]:
+def measure(
+    make: Callable[[], Any],
+    rounds: int,
+    inductor: bool,
+    isa: str = "host",
+    also_without: str = "",
+    before: bool = True,
+) -> dict[str, Any]:
     from scale_cnn import _before
 
     import fx_rewrites
@@ -108,7 +115,9 @@ def measure(make: Callable[[], Any], rounds: int, inductor: bool, isa: str = "ho
             ind = torch.compile(model)
             ind(x)
             fns["Inductor"] = lambda: ind(x)
-        for label, b in (("export route", backend), ("before", _before(backend))):
+        routes = {"export route": backend, **({"before": _before(backend)} if before else {})}
+        routes.update({f"export route {k}": v for k, v in cpu_isa.without(backend, also_without).items()})
+        for label, b in routes.items():
             result = fx_rewrites.apply(torch.export.export(model, (x,)), b.rules)
             fired |= {k for k, v in result.report.rewrites.items() if v}
             fn = b.compile(result.program, (x,))
@@ -133,15 +142,20 @@ def measure(make: Callable[[], Any], rounds: int, inductor: bool, isa: str = "ho
 def table(rows: dict[str, dict[str, Any]]) -> str:
     labels = list(next(iter(rows.values()))["ms"])
     lines = [
-        "| op | " + " | ".join(f"{label} ms" for label in labels) + " | route / eager | route / before | rules |",
-        "|---|" + "---:|" * (len(labels) + 2) + "---|",
+        "| op | "
+        + " | ".join(f"{label} ms" for label in labels)
+        + " | route / eager | route / before | "
+        + "".join(f"{label} / eager | " for label in labels if label.startswith("export route -"))
+        + "rules |",
+        "|---|" + "---:|" * (len(labels) + 2 + sum(k.startswith("export route -") for k in labels)) + "---|",
     ]
     for name, row in rows.items():
         ms = row["ms"]
         cells = " | ".join(f"{ms[k][0]:.2f} ({ms[k][1]:.2f}-{ms[k][2]:.2f})" for k in labels)
-        route, eager, before = ms["export route"][0], ms["eager"][0], ms["before"][0]
+        route, eager, before = ms["export route"][0], ms["eager"][0], ms.get("before", (float("nan"),))[0]
         rules = ", ".join(f for f in row["fired"] if f in PERFORMANCE) or "-"
-        lines.append(f"| {name} | {cells} | {route / eager:.2f} | {route / before:.2f} | {rules} |")
+        extra = "".join(f"{ms[k][0] / eager:.2f} | " for k in labels if k.startswith("export route -"))
+        lines.append(f"| {name} | {cells} | {route / eager:.2f} | {route / before:.2f} | {extra}{rules} |")
     return "\n".join(lines)
 
 
@@ -156,9 +170,12 @@ def table_both(runs: dict[str, dict[str, Any]]) -> str:
         cells = []
         for isa in isas:
             ms = {k: v[0] for k, v in runs[isa]["rows"][name]["ms"].items()}
-            keys = ("Inductor", "export route", "before")
+            keys = ("Inductor", "export route", "before", *(k for k in ms if k.startswith("export route -")))
             ratio = {k: f"{ms[k] / ms['eager']:.2f}" if k in ms else "-" for k in keys}
-            cells += [f"{ms['eager']:.2f}", ratio["Inductor"], f"**{ratio['export route']}**", ratio["before"]]
+            route = f"**{ratio['export route']}**" + "".join(
+                f" ({k.removeprefix('export route ')}: {ratio[k]})" for k in keys[3:]
+            )
+            cells += [f"{ms['eager']:.2f}", ratio["Inductor"], route, ratio["before"]]
         fired = sorted({f for isa in isas for f in runs[isa]["rows"][name]["fired"] if f in PERFORMANCE})
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {', '.join(fired) or '-'} |")
     return "\n".join(lines)
@@ -175,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
+    parser.add_argument("--no-before", dest="before", action="store_false", help="not the route without the rules")
     cpu_isa.add_argument(parser, both=True)
+    cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
     PERFORMANCE.update(performance.ALL.names())
     if args.isa == "both":
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     try:
         for name, make in chosen.items():
-            rows[name] = measure(make, args.rounds, args.inductor, args.isa)
+            rows[name] = measure(make, args.rounds, args.inductor, args.isa, args.also_without, args.before)
             print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads

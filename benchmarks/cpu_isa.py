@@ -62,6 +62,36 @@ def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
         parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
 
 
+def add_without_argument(parser: argparse.ArgumentParser) -> None:
+    """`--also-without FLAG[,FLAG]`: also the route without the ISA's performance flags that contain each FLAG (a
+    substring: `im2col`, `ukernels`), timed in the same interleaved rounds (`without`)."""
+    parser.add_argument(
+        "--also-without",
+        default="",
+        metavar="FLAG[,FLAG]",
+        help="also time the route without each of the ISA's performance flags containing FLAG (e.g. im2col), "
+        "in the same rounds",
+    )
+
+
+def without(backend: Any, spec: str) -> dict[str, Any]:
+    """For each comma-separated substring of `spec`: the label `-<substring>` and `backend` without the performance
+    flags containing it (a fresh compile cache). Raises where a substring names none of its flags."""
+    import attrs
+
+    from fx_rewrites.backends.iree import CompileCache
+
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        kept = tuple(f for f in backend.perf_flags if part not in f)
+        if len(kept) == len(backend.perf_flags):
+            raise SystemExit(f"--also-without {part}: none of the ISA's flags contains it: {backend.perf_flags}")
+        out[f"-{part}"] = attrs.evolve(backend, perf_flags=kept, cache=CompileCache())
+    return out
+
+
 def resolve(isa: str) -> str:
     """`isa` with "host" replaced by the ISA the library builds for by default: this host's ("avx512", "avx2"; ""
     for another CPU), or the one `FX_REWRITES_IREE_ISA` names (the suite run as an AVX2 machine would run it, on an

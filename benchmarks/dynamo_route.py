@@ -120,7 +120,13 @@ VARIANTS = {
 
 
 def measure(
-    name: str, make: Callable[[], Any], repeat: int, parameters: bool, variants: list[str], isa: str = "host"
+    name: str,
+    make: Callable[[], Any],
+    repeat: int,
+    parameters: bool,
+    variants: list[str],
+    isa: str = "host",
+    also_without: str = "",
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     made = make()
@@ -131,21 +137,26 @@ def measure(
     compile_s: dict[str, float] = {}
     with torch.no_grad():
         expected = output(model(*args, **kwargs))
-        for label in variants:
-            freeze, fold = VARIANTS[label]
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend=dynamo_backend(backend, freeze=freeze, strict=True))
+        backends = {"": backend, **{f" {k}": v for k, v in cpu_isa.without(backend, also_without).items()}}
+        for suffix, each in backends.items():
+            for variant in variants:
+                freeze, fold = VARIANTS[variant]
+                label = variant + suffix
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend=dynamo_backend(each, freeze=freeze, strict=True))
+                start = time.perf_counter()
+                with _folding(fold):
+                    compiled(*args, **kwargs)  # compiles
+                compile_s[label] = time.perf_counter() - start
+                fns[label] = lambda compiled=compiled: compiled(*args, **kwargs)
+        routes = {}
+        for suffix, each in backends.items():
             start = time.perf_counter()
-            with _folding(fold):
-                compiled(*args, **kwargs)  # compiles
-            compile_s[label] = time.perf_counter() - start
-            fns[label] = lambda compiled=compiled: compiled(*args, **kwargs)
-        start = time.perf_counter()
-        ep = torch.export.export(model, args, kwargs)
-        program = apply(ep, backend.rules).program
-        exported = backend.compile(program, args)
-        compile_s["export route"] = time.perf_counter() - start
-        fns["export route"] = lambda: exported(*args, **kwargs)
+            ep = torch.export.export(model, args, kwargs)
+            routes[suffix] = each.compile(apply(ep, each.rules).program, args)
+            compile_s["export route" + suffix] = time.perf_counter() - start
+            fns["export route" + suffix] = lambda route=routes[suffix]: route(*args, **kwargs)
+        exported = routes[""]
         if parameters:
             import fx_rewrites
             from fx_rewrites.backends.iree.errors import IreeCompileError
@@ -226,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"';'-separated torch.compile variants, of {list(VARIANTS)}",
     )
     cpu_isa.add_argument(parser)
+    cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for name, make in chosen.items():
-        row = measure(name, make, args.repeat, args.parameters, variants, args.isa)
+        row = measure(name, make, args.repeat, args.parameters, variants, args.isa, args.also_without)
         print(name, "ms", {k: round(v, 3) for k, v in row["ms"].items()})
         print("  compile s", {k: round(v, 1) for k, v in row["compile_s"].items()})
         print(

@@ -79,8 +79,9 @@ def perf_phase(backend: IreeBackend) -> Any:
     return performance.for_target(backend.target.name, backend.target.isa)
 
 
-def variants(backend: IreeBackend, fired: set[str], ablation: bool) -> dict[str, IreeBackend]:
-    """The IREE routes to measure: default, before the performance phase, and the default without each piece."""
+def variants(backend: IreeBackend, fired: set[str], ablation: bool, also_without: str = "") -> dict[str, IreeBackend]:
+    """The IREE routes to measure: default, before the performance phase, the default without each piece (with
+    `ablation`), and without the flags `also_without` names (`cpu_isa.without`)."""
     perf = perf_phase(backend)
     before = [s for s in backend.rules.sets if s is not perf]
     out = {
@@ -94,6 +95,7 @@ def variants(backend: IreeBackend, fired: set[str], ablation: bool) -> dict[str,
         for flag in backend.perf_flags:
             rest = tuple(f for f in backend.perf_flags if f != flag)
             out[f"-{flag_name(flag)}"] = attrs.evolve(backend, perf_flags=rest, cache=CompileCache())
+    out.update(cpu_isa.without(backend, also_without))
     return out
 
 
@@ -177,7 +179,7 @@ def measure(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     row["perf_fired"] = sorted(fired & set(perf_phase(backend).names()))
     fns: dict[str, Callable[[], Any]] = {"eager": lambda: model(*pos, **kw)}
     row["numerics"] = {}
-    for name, variant in variants(backend, fired, args.ablation).items():
+    for name, variant in variants(backend, fired, args.ablation, args.also_without).items():
         compiled = fn if name == "iree" else compile_iree(variant, program, pos)[0]
         got, got1 = compiled(*pos, **kw), compiled(*pos1, **kw1)
         row["numerics"][name] = (max(max_diff(got, expected), max_diff(got1, expected1)), close(got, expected))
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", dest="write", action="store_false", help="print only")
     parser.add_argument("--plot", type=Path, default=None, help="plot path (default: docs/runtime-<mode>.png)")
     cpu_isa.add_argument(parser)
+    cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:

@@ -57,7 +57,9 @@ def _before(backend: Any) -> Any:
     return attrs.evolve(backend, rules=Phases(*sets, perf), cache=CompileCache())
 
 
-def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True, isa: str = "host") -> dict[str, Any]:
+def cnn_row(
+    rounds: int = 11, before: bool = False, inductor: bool = True, isa: str = "host", also_without: str = ""
+) -> dict[str, Any]:
     """ResNet-50's steps, peak and steady calls (see the module's docstring), as a JSON-able dict."""
     sys.path.insert(0, str(ROOT))
     from tests.zoo import torchvision_cpu
@@ -115,6 +117,9 @@ def cnn_row(rounds: int = 11, before: bool = False, inductor: bool = True, isa: 
             program = fx_rewrites.apply(torch.export.export(model, (x,)), _before(backend).rules).program
             old = _before(backend).compile(program, (x,))
             fns["export route, before"] = lambda: old(x)
+        for label, other in cpu_isa.without(backend, also_without).items():
+            fn = other.compile(fx_rewrites.apply(torch.export.export(model, (x,)), other.rules).program, (x,))
+            fns[f"export route {label}"] = lambda fn=fn: fn(x)
         expected = model(x).last_hidden_state
         scale = expected.abs().max().item()
         row["max_abs_diff"] = {}
@@ -178,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--out", type=Path, help="write the row as JSON here")
     cpu_isa.add_argument(parser)
+    cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:
         return rc
-    row = cnn_row(args.rounds, args.before, args.inductor, args.isa)
+    row = cnn_row(args.rounds, args.before, args.inductor, args.isa, args.also_without)
     if args.out:
         args.out.write_text(json.dumps(row))
     print(cnn_table(row, cpu_isa.header(args.isa)))

@@ -108,6 +108,8 @@ _CONV_RULES = (
     "grouped_conv_as_convs",
     "depthwise_conv_as_taps",
 )
+# not on for either ISA yet: `depthwise_conv_as_row_partials` (a 7x7 depthwise 3-4x faster as one op, ConvNeXt-T
+# level on AVX2 in one unlocked run, not measured on AVX-512's: docs/performance.md, "im2col with the ukernel")
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",

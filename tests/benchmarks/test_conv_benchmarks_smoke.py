@@ -66,3 +66,19 @@ def test_avx2_is_measured_in_a_child_held_to_avx2():
     assert "CPU: " in out and "avx512f" in out, out  # the CPU and its vector extensions
     assert "ISA measured: AVX2" in out and "target-cpu=znver3" in out and "torch AVX2 kernels" in out, out
     assert "| linear 1024->1024, 128 rows |" in out and "not close" not in out, out
+
+
+def test_also_without_drops_the_named_flags(modules):
+    """`--also-without data-tiling`: the route without the ISA's flags containing it, the rest kept; a name that is
+    none of its flags is an error that lists them."""
+    import cpu_isa
+
+    backend = cpu_isa.backend("avx2")
+    routes = cpu_isa.without(backend, "data-tiling, channels-last")
+    assert set(routes) == {"-data-tiling", "-channels-last"}
+    assert routes["-data-tiling"].perf_flags == tuple(f for f in backend.perf_flags if "data-tiling" not in f)
+    assert len(routes["-channels-last"].perf_flags) == len(backend.perf_flags) - 1
+    assert routes["-data-tiling"].rules is backend.rules and routes["-data-tiling"].cache is not backend.cache
+    assert cpu_isa.without(backend, "") == {}
+    with pytest.raises(SystemExit, match="--also-without no-such-flag: none of the ISA's flags"):
+        cpu_isa.without(backend, "no-such-flag")

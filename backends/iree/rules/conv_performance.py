@@ -12,6 +12,10 @@
 - `depthwise_conv_as_taps`: a depthwise 2-D convolution of at most 3x3
   taps as a sum of shifted windows times per-channel weights, fused
   element-wise dispatches (IREE's depthwise convolution: 2-3x eager).
+- `depthwise_conv_as_row_partials`: a larger one (up to 7x7, stride 1) as
+  a width partial per kernel row, its rows shifted, summed (7x7: IREE's
+  convolution 3.5-4.6x eager, the partials about 1.2x). On for no ISA yet
+  (`targets.CPU_ISAS`): ConvNeXt-T was level with it in one unlocked run.
 - `grouped_conv_as_convs`: a grouped convolution as one convolution per
   group, concatenated (IREE's grouped convolution: 12x eager).
 
@@ -224,7 +228,8 @@ MAX_DEPTHWISE_TAPS = 9
 TAPS_PER_SUM = 7
 
 
-def _depthwise(node: Node) -> dict[str, Any] | Miss:
+def _any_depthwise(node: Node) -> dict[str, Any] | Miss:
+    """A static depthwise 2-D convolution's arguments (`_conv`), or why not."""
     c = _conv(node)
     if isinstance(c, Miss):
         return c
@@ -233,11 +238,19 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    out_channels, per_group, kh, kw = _val(c["weight"]).shape
+    out_channels, per_group = _val(c["weight"]).shape[:2]
     if not (c["groups"] == _val(c["input"]).shape[1] == out_channels and per_group == 1):
         return Miss(f"groups={c['groups']}, weight {list(_val(c['weight']).shape)}: not depthwise")
+    return c
+
+
+def _depthwise(node: Node) -> dict[str, Any] | Miss:
+    c = _any_depthwise(node)
+    if isinstance(c, Miss):
+        return c
+    kh, kw = _val(c["weight"]).shape[2:]
     if kh * kw > MAX_DEPTHWISE_TAPS:
-        return Miss(f"a {kh}x{kw} kernel: more than {MAX_DEPTHWISE_TAPS} taps")
+        return Miss(f"a {kh}x{kw} kernel: more than {MAX_DEPTHWISE_TAPS} taps (depthwise_conv_as_row_partials)")
     return c
 
 
@@ -278,6 +291,59 @@ def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -
     total = chains[0]
     for more in chains[1:]:
         total = rw.call(aten.add.Tensor, more, total)
+    if found["bias"] is not None:
+        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
+    rw.replace(node, total)
+
+
+#: the most kernel taps `depthwise_conv_as_row_partials` writes out: 7x7 (ConvNeXt), the size measured
+MAX_ROW_PARTIAL_TAPS = 49
+
+
+def _large_depthwise(node: Node) -> dict[str, Any] | Miss:
+    c = _any_depthwise(node)
+    if isinstance(c, Miss):
+        return c
+    kh, kw = _val(c["weight"]).shape[2:]
+    if kh * kw <= MAX_DEPTHWISE_TAPS:
+        return Miss(f"a {kh}x{kw} kernel: at most {MAX_DEPTHWISE_TAPS} taps (depthwise_conv_as_taps)")
+    if kh * kw > MAX_ROW_PARTIAL_TAPS:
+        return Miss(f"a {kh}x{kw} kernel: more than {MAX_ROW_PARTIAL_TAPS} taps, not measured")
+    if c["stride"] != [1, 1]:
+        return Miss(f"stride {c['stride']}: only stride 1 measured (each partial spans every input row)")
+    return c
+
+
+@rule(
+    roots=_CONVS,
+    when=_large_depthwise,
+    tags={"iree", "performance", "convolution"},
+    doc=(
+        "A depthwise 2-D convolution of more than 3x3 taps, up to 7x7 (ConvNeXt), stride 1, is a sum over its "
+        "kernel's rows of a partial: that row's taps summed along the width over every (padded) input row, then "
+        "the partial's rows shifted by the kernel row. IREE 3.13 on llvm-cpu fuses each partial into one "
+        "dispatch; 7x7 on 96 channels, 56x56: IREE's convolution 3.5-4.6x eager, the partials 1.2x (AVX2 and "
+        "AVX-512), the taps in chains of 7 1.5-1.8x."
+    ),
+)
+def depthwise_conv_as_row_partials(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
+    channels, _, kh, kw = _val(w).shape
+    height, width = _val(x).shape[2:]
+    (ph, pw), (dh, dw) = found["padding"], found["dilation"]
+    rows, cols = _out_size(height, kh, 1, ph, dh), _out_size(width, kw, 1, pw, dw)
+    if ph or pw:
+        x = rw.call(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0)
+    taps = rw.call(aten.reshape.default, w, [channels, kh * kw, 1, 1])
+    total = None
+    for i in range(kh):
+        partial = None
+        for j in range(kw):
+            tap = rw.call(aten.select.int, taps, 1, i * kw + j)  # [C, 1, 1]
+            term = rw.call(aten.mul.Tensor, _window(rw, x, 3, j * dw, cols, 1), tap)
+            partial = term if partial is None else rw.call(aten.add.Tensor, partial, term)
+        shifted = _window(rw, partial, 2, i * dh, rows, 1)
+        total = shifted if total is None else rw.call(aten.add.Tensor, total, shifted)
     if found["bias"] is not None:
         total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
     rw.replace(node, total)
@@ -331,6 +397,12 @@ def grouped_conv_as_convs(node: Node, rw: Rewriter, *, found: dict[str, Any]) ->
 
 
 #: the rules of this module (performance.ALL; which are on for an ISA: targets.CPU_ISAS)
-RULES = (strided_pointwise_conv_as_slice, conv3d_as_conv2d_over_frames, grouped_conv_as_convs, depthwise_conv_as_taps)
+RULES = (
+    strided_pointwise_conv_as_slice,
+    conv3d_as_conv2d_over_frames,
+    grouped_conv_as_convs,
+    depthwise_conv_as_taps,
+    depthwise_conv_as_row_partials,
+)
 #: their names (benchmarks/scale_cnn.py measures the route without them)
 NAMES: tuple[str, ...] = tuple(r.name for r in RULES)

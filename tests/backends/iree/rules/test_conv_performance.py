@@ -19,6 +19,7 @@ from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.rules.conv_performance import (
     TAPS_PER_SUM,
     conv3d_as_conv2d_over_frames,
+    depthwise_conv_as_row_partials,
     depthwise_conv_as_taps,
     grouped_conv_as_convs,
     strided_pointwise_conv_as_slice,
@@ -193,6 +194,20 @@ MORE = {
         2,
         (6, 13, 14),
     ),
+    "depthwise_7x7_pad3": (  # ConvNeXt's
+        depthwise_conv_as_row_partials,
+        lambda: torch.nn.Conv2d(6, 6, 7, padding=3, groups=6),
+        6,
+        2,
+        (6, 10, 9),
+    ),
+    "depthwise_5x3_dilated_no_bias": (
+        depthwise_conv_as_row_partials,
+        lambda: torch.nn.Conv2d(6, 6, (5, 3), padding=(3, 1), dilation=(2, 1), groups=6, bias=False),
+        6,
+        2,
+        (6, 12, 7),
+    ),
     "grouped_2d_g4": (
         grouped_conv_as_convs,
         lambda: torch.nn.Conv2d(8, 12, 3, padding=1, groups=4),
@@ -237,6 +252,15 @@ def test_conv_class_rules(name, dynamic):
         assert sum(n.target == aten.mul.Tensor for n in nodes) == taps
         joins = [n for n in nodes if n.target == aten.add.Tensor and n.args[1].target == aten.add.Tensor]
         assert len(joins) == -(-taps // TAPS_PER_SUM) - 1, "chains of TAPS_PER_SUM taps, then added"
+    elif rule is depthwise_conv_as_row_partials:  # a width partial per kernel row, its rows shifted, summed
+        assert not convs
+        nodes = list(rt.graph_module(result).graph.nodes)
+        (kh, kw), (dh, _) = module.conv.kernel_size, module.conv.dilation
+        assert sum(n.target == aten.mul.Tensor for n in nodes) == kh * kw
+        shifts = [n.args[2] for n in nodes if n.target == aten.slice.Tensor and n.args[1] == 2]
+        assert shifts == [i * dh for i in range(kh)], "each kernel row's partial shifted by its row"
+        partials = [n for n in nodes if n.target == aten.slice.Tensor and n.args[1] == 2]
+        assert all(p.args[0].target in (aten.add.Tensor, aten.mul.Tensor) for p in partials)
     else:  # one ungrouped convolution per group
         assert len(convs) == module.conv.groups and all(n.args[8] == 1 for n in convs)
     rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
@@ -249,8 +273,12 @@ def test_conv_class_rules_decline():
         (conv3d_as_conv2d_over_frames, torch.nn.Conv3d(4, 4, 1, stride=2, padding=(1, 0, 0)), (1, 4, 1, 4, 4)),
         (depthwise_conv_as_taps, torch.nn.Conv2d(4, 8, 3, groups=4), (1, 4, 8, 8)),  # a channel multiplier
         (depthwise_conv_as_taps, torch.nn.Conv1d(4, 4, 3, groups=4), (1, 4, 8)),
-        (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, 7, groups=4), (1, 4, 12, 12)),  # 49 taps: slower (ConvNeXt)
+        (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, 7, groups=4), (1, 4, 12, 12)),  # 49 taps: row partials
         (depthwise_conv_as_taps, torch.nn.Conv2d(4, 4, (1, 11), groups=4), (1, 4, 12, 12)),  # 11 taps
+        (depthwise_conv_as_row_partials, torch.nn.Conv2d(4, 4, 3, groups=4), (1, 4, 8, 8)),  # 9 taps: taps
+        (depthwise_conv_as_row_partials, torch.nn.Conv2d(4, 4, 7, stride=2, groups=4), (1, 4, 12, 12)),  # strided
+        (depthwise_conv_as_row_partials, torch.nn.Conv2d(4, 4, 9, groups=4), (1, 4, 12, 12)),  # 81 taps
+        (depthwise_conv_as_row_partials, torch.nn.Conv2d(4, 8, 7, groups=4), (1, 4, 12, 12)),  # a multiplier
         (grouped_conv_as_convs, torch.nn.Conv2d(4, 4, 3), (1, 4, 8, 8)),
         (grouped_conv_as_convs, torch.nn.Conv2d(4, 4, 3, groups=4), (1, 4, 8, 8)),  # depthwise: taps
         (grouped_conv_as_convs, torch.nn.Conv2d(66, 66, 1, groups=33), (1, 66, 4, 4)),  # too many groups
@@ -274,6 +302,22 @@ def test_conv_class_rules_on_iree(name, isa):
     iree = backends.get("iree") if isa == "host" else IreeBackend(target=targets.llvm_cpu(isa))
     result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
     rt.assert_fired(result, rule)
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        torch.testing.assert_close(fn(*args), module(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ["host", "avx2"])
+def test_depthwise_row_partials_on_iree(isa):
+    """`depthwise_conv_as_row_partials` (on for no ISA yet: applied first, then the `iree` rules and flags of this
+    host's ISA and of AVX2): a 7x7 depthwise convolution compiles and IREE matches eager on two inputs."""
+    if isa != "host" and targets.host_isa() == "":
+        pytest.skip("AVX2 code runs on an x86-64 host with AVX2 only")
+    rule, module, inputs, first = _more("depthwise_7x7_pad3", dynamic=False)
+    rt.assert_fired(first, rule, times=1)
+    iree = backends.get("iree") if isa == "host" else IreeBackend(target=targets.llvm_cpu(isa))
+    result = fx_rewrites.apply(first.program, iree.rules)
+    rt.assert_ops(result, absent=list(CONVS))
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(fn(*args), module(*args), rtol=1e-5, atol=1e-5)
