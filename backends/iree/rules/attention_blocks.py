@@ -2,13 +2,14 @@
 
 A causal prefill over a static cache (`compile_lm`: queries D, keys the whole cache) written out as one
 matmul, softmax, matmul computes every score, masked ones included: half of them at a full prompt, most at a
-short one. `attention_by_key_blocks` cuts the keys into static blocks of `KEY_BLOCK`; for each block it reads
-from the mask the first query row that the block lets any key through to (an integer the program reads at run
-time), and computes that block's scores for the rows from there on only; the rows before it have every key of
-the block masked, so leaving them out changes no number. The blocks' partial results are combined as flash
-attention combines them (each block's row max, its exponentials' sum and product with the values, rescaled to
-the overall max). Exact for any mask; the saving comes from masks whose allowed keys start late for early rows
-(causal, a prompt shorter than the cache). A row that masks every key gives 0, as torch 2.13 CPU eager.
+short one. `attention_by_key_blocks` cuts the keys into 2 to `MAX_BLOCKS` static blocks of at least
+`KEY_BLOCK`; for each block it reads from the mask the first query row that the block lets any key through to
+(an integer the program reads at run time), and computes that block's scores for the rows from there on only;
+the rows before it have every key of the block masked, so leaving them out changes no number. The blocks'
+partial results are combined as flash attention combines them (each block's row max, its exponentials' sum
+and product with the values, rescaled to the overall max). Exact for any mask; the saving comes from masks
+whose allowed keys start late for early rows (causal, a prompt shorter than the cache). A row that masks
+every key gives 0, as torch 2.13 CPU eager.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
 
-#: keys a block (each block's scores: heads x rows x KEY_BLOCK). The prefill's attention of
-#: benchmarks/moe_sort.py's model (8 heads of 64, 2048 queries, 2081 keys, causal), IREE local-sync, one thread,
-#: CPU ms: 413 written out whole, 196 in blocks of 256 (eager SDPA with the mask: 154)
+#: the fewest keys a block: an attention over fewer than two such blocks is left whole
 KEY_BLOCK = 256
+#: the most blocks: each adds a block's run-time row count to the dispatch that combines them, and IREE 3.13's
+#: llvm-cpu runtime refuses a dispatch of more than 64 constants ("dispatch requiring 68 constants exceeds limit
+#: of 64" at 9 blocks of 2081 keys)
+MAX_BLOCKS = 4
 NEG_INF = float("-inf")
 
 
@@ -70,7 +73,9 @@ def _key_blocks(node: Node) -> KeyBlocks | Miss:
         return Miss(f"a mask of shape {tuple(mask.shape)} is not one row a query over every key")
     if q.shape[-3] != k.shape[-3] and not (a.enable_gqa and isinstance(q.shape[-3], int)):
         return Miss("query and key heads differ without enable_gqa")
-    return KeyBlocks(a, tuple((s, min(keys, s + KEY_BLOCK)) for s in range(0, keys, KEY_BLOCK)))
+    count = min(MAX_BLOCKS, keys // KEY_BLOCK)
+    size = -(-keys // count)
+    return KeyBlocks(a, tuple((s, min(keys, s + size)) for s in range(0, keys, size)))
 
 
 def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
