@@ -15,7 +15,8 @@ route), or all of a config's in one child, interleaved (`--interleave`):
 - `counting` / `ranks`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + decode + 1)` on IREE
   local-sync (the prefill one function with a Dim on the sequence; the experts as backends/iree/rules/moe.py
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
-  (`counting_sort_for_iree` left out);
+  (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
+  (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
 One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
 at each token it receives): prefill = the time to the first token, decode = each later token's step (the
@@ -109,6 +110,8 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     if isa == "avx2":
         flags = tuple(f"--iree-llvmcpu-target-cpu={AVX2_CPU}" if "target-cpu=" in f else f for f in flags)
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
+    if sort == "whole-attention":  # the rules before attention_by_key_blocks
+        rules = backend.rules.without("attention_by_key_blocks")
     return IreeBackend(driver="local-sync", rules=rules, flags=flags)
 
 
@@ -264,7 +267,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--top", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--routes", nargs="+", choices=["counting", "ranks", "eager"], default=["counting", "eager"])
+    parser.add_argument(
+        "--routes", nargs="+", choices=["counting", "ranks", "whole-attention", "eager"], default=["counting", "eager"]
+    )
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true")

@@ -35,6 +35,11 @@ KEY_BLOCK = 256
 #: llvm-cpu runtime refuses a dispatch of more than 64 constants ("dispatch requiring 68 constants exceeds limit
 #: of 64" at 9 blocks of 2081 keys)
 MAX_BLOCKS = 4
+#: the fewest keys per unit of head size: each block adds work on [heads, rows, head size] (its product, padded and
+#: rescaled) against the scores it skips ([heads, rows, keys / 2] at a causal prefill). One prefill attention,
+#: IREE llvm-cpu local-sync, one thread, CPU ms, load 27-35 (docs/performance.md): 8 heads of 64 over 2081 keys
+#: (32.5 keys per unit) 759 -> 392; 32 heads of 128 over 1041 keys (8.1) 719 -> 1130, slower: left whole
+MIN_KEYS_PER_HEAD_SIZE = 32
 NEG_INF = float("-inf")
 
 
@@ -66,6 +71,10 @@ def _key_blocks(node: Node) -> KeyBlocks | Miss:
         return Miss(f"{keys} keys: fewer than two blocks of {KEY_BLOCK} (or symbolic)")
     if not isinstance(size, int) or (a.scale is None and size <= 0):
         return Miss("a symbolic head size")
+    if keys < MIN_KEYS_PER_HEAD_SIZE * size:
+        return Miss(
+            f"{keys} keys for a head size of {size}: fewer than {MIN_KEYS_PER_HEAD_SIZE} a unit (measured slower)"
+        )
     rows = q.shape[-2]
     if isinstance(rows, int) and rows < KEY_BLOCK:
         return Miss(f"{rows} static query rows: too few to skip a block's share of")
@@ -95,12 +104,13 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
     when=_key_blocks,
     tags={"iree", "performance", "attention"},
     doc=(
-        "float32 scaled_dot_product_attention with a bool mask over at least two blocks of 256 static keys "
-        "(compile_lm's prefill over its static cache) is written out a block of keys at a time: each block's "
-        "scores only for the query rows from the first one the block's mask lets through (read at run time; the "
-        "rows before have every key of the block masked), the blocks combined by their row maxima as flash "
-        "attention does; a fully masked row gives 0. A causal prefill computes about half the scores: 2048 "
-        "queries over 2081 keys, 8 heads of 64, IREE 3.13 llvm-cpu 413 -> 196 ms."
+        "float32 scaled_dot_product_attention with a bool mask over at least two blocks of 256 static keys and "
+        "at least 32 keys a unit of head size (compile_lm's prefill over its static cache) is written out a block "
+        "of keys at a time: each block's scores only for the query rows from the first one the block's mask lets "
+        "through (read at run time; the rows before have every key of the block masked), the blocks combined by "
+        "their row maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about "
+        "half the scores: 2048 queries over 2081 keys, 8 heads of 64, IREE 3.13 llvm-cpu 759 -> 392 ms (32 heads "
+        "of 128 over 1041 keys ran slower: left whole)."
     ),
 )
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:

@@ -111,12 +111,14 @@ def test_declines():
     short = (q, k[:, :, :300], v[:, :, :300], torch.ones(1, 1, 300, 300, dtype=torch.bool))
     one_query = (q[:, :, :1], k, v, mask[:, :, :1])
     float_mask = (q, k, v, torch.zeros(1, 1, 300, KEYS))
+    wide_heads = (torch.cat([q, q], -1), torch.cat([k, k], -1), torch.cat([v, v], -1), mask)  # 600 keys, size 32
     sdpa = torch.nn.functional.scaled_dot_product_attention
     cases = [
         (lambda q, k, v: sdpa(q, k, v), (q, k, v)),  # no mask
         (AnyMask(), short),  # fewer than two blocks of keys
         (AnyMask(), one_query),  # a decode step: one static query
         (AnyMask(), float_mask),
+        (AnyMask(), wide_heads),  # fewer than 32 keys a unit of head size
         (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m[:, :, :1]), (q, k, v, mask)),  # one mask row for all queries
     ]
     for module, inputs in cases:
