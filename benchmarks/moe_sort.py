@@ -15,11 +15,15 @@ route), or all of a config's in one child, interleaved (`--interleave`):
 - `counting` / `ranks`: `fx_rewrites.compile_lm(model, max_cache_len=max prompt + decode + 1)` on IREE
   local-sync (the prefill one function with a Dim on the sequence; the experts as backends/iree/rules/moe.py
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
-  (`counting_sort_for_iree` left out);
+  (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
+  (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
-Prefill: the time of a generate of 1 new token; decode: `--decode N` more tokens, tokens/s from the time of a
-generate of 1 + N tokens less the prefill's. One thread each (torch.set_num_threads(1), IREE local-sync), CPU
-time (time.process_time), prompts interleaved round after round, medians; round 0 warms up. Peak RSS: the
+One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
+at each token it receives): prefill = the time to the first token, decode = each later token's step (the
+module's call and the host's choice of the token); tokens/s = 1 / the median step over all rounds' steps, with
+the steps' 10th-90th percentiles and each round's own tokens/s (the spread). One thread each
+(torch.set_num_threads(1), IREE local-sync), CPU time (time.process_time), prompts interleaved round after round,
+medians; round 0 warms up. Peak RSS: the
 process's high-water mark reset (/proc/self/clear_refs) before a prompt's warm-up calls and read after them
 (the compile's peak is not counted; per route only without `--interleave`); `resident_before_mb`: the resident
 set at that reset (what the calls add is the peak less it). Every route's tokens are printed
@@ -106,6 +110,8 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     if isa == "avx2":
         flags = tuple(f"--iree-llvmcpu-target-cpu={AVX2_CPU}" if "target-cpu=" in f else f for f in flags)
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
+    if sort == "whole-attention":  # the rules before attention_by_key_blocks
+        rules = backend.rules.without("attention_by_key_blocks")
     return IreeBackend(driver="local-sync", rules=rules, flags=flags)
 
 
@@ -113,10 +119,15 @@ def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
     """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`."""
     if route == "eager":
 
-        def run(ids: torch.Tensor, n: int) -> torch.Tensor:
+        def run(ids: torch.Tensor, n: int, clock: StepClock | None = None) -> torch.Tensor:
             with torch.no_grad():
                 return model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, disable_compile=True
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    disable_compile=True,
+                    streamer=clock,
                 )
 
         return run
@@ -128,7 +139,7 @@ def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
         f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
     } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
     print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
-    return lambda ids, n: lm.generate(ids, max_new_tokens=n)
+    return lambda ids, n, clock=None: lm.generate(ids, max_new_tokens=n, streamer=clock)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -139,7 +150,7 @@ def child(args: argparse.Namespace) -> None:
     runs = {route: _runner(route, model, max_len, args.isa) for route in args.routes}
     cases = [(route, p) for p in args.prompts for route in args.routes]
     prefill: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
-    decode: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    decode: dict[tuple[str, int], list[list[float]]] = {case: [] for case in cases}
     peaks: dict[tuple[str, int], float] = {}
     resident: dict[tuple[str, int], float] = {}  # the resident set at the reset: the calls add what is above it
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -149,28 +160,51 @@ def child(args: argparse.Namespace) -> None:
             if r == 0:
                 _hwm_reset()
                 resident[route, p] = _hwm_mb("VmRSS")
+            clock = StepClock()
             start = time.process_time()
-            first = runs[route](ids, 1)
-            prefill_s = time.process_time() - start
-            if args.decode:
-                start = time.process_time()
-                out = runs[route](ids, 1 + args.decode)
-                decode_s = time.process_time() - start - prefill_s
+            out = runs[route](ids, 1 + args.decode, clock)
             if r == 0:
                 peaks[route, p] = _hwm_mb()
-                tokens[route, p] = (out if args.decode else first)[0, p:].tolist()
+                tokens[route, p] = out[0, p:].tolist()
             else:
-                prefill[route, p].append(prefill_s)
-                if args.decode:
-                    decode[route, p].append(decode_s)
+                prefill[route, p].append(clock.times[0] - start)
+                decode[route, p].append(clock.steps())
     for route, p in cases:
         row: dict[str, Any] = {"route": route, "prompt": p, "ms": round(1e3 * statistics.median(prefill[route, p]), 1)}
+        row["prefill_ms_rounds"] = [round(1e3 * t) for t in prefill[route, p]]
         if args.decode:
-            row["decode_tok_s"] = round(args.decode / statistics.median(decode[route, p]), 2)
+            steps = sorted(itertools.chain.from_iterable(decode[route, p]))
+            deciles = statistics.quantiles(steps, n=10) if len(steps) > 1 else steps * 9
+            row["decode_tok_s"] = round(1 / statistics.median(steps), 2)
+            spread = (deciles[0], statistics.median(steps), deciles[-1])
+            row["step_ms_p10_p50_p90"] = [round(1e3 * t, 1) for t in spread]
+            row["decode_tok_s_rounds"] = [round(len(s) / sum(s), 2) for s in decode[route, p]]
         same = tokens[route, p] == tokens.get(("eager", p), tokens[route, p])
         row |= {"peak_mb": round(peaks[route, p]), "resident_before_mb": round(resident[route, p])}
         row |= {"tokens_equal_eager": same, "tokens": tokens[route, p][:8]}
         print(json.dumps(row), flush=True)
+
+
+class StepClock:
+    """A streamer (transformers' `BaseStreamer` protocol: `put`, `end`) that keeps the CPU time at which each
+    new token arrives; the prompt's `put` (first) is not a token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.process_time())
+
+    def end(self) -> None:
+        pass
+
+    def steps(self) -> list[float]:
+        """Each decode step's CPU seconds: between consecutive tokens."""
+        return [b - a for a, b in itertools.pairwise(self.times)]
 
 
 class _Sorts(torch.nn.Module):
@@ -233,7 +267,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--top", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--routes", nargs="+", choices=["counting", "ranks", "eager"], default=["counting", "eager"])
+    parser.add_argument(
+        "--routes", nargs="+", choices=["counting", "ranks", "whole-attention", "eager"], default=["counting", "eager"]
+    )
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true")

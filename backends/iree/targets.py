@@ -96,6 +96,7 @@ class CpuIsa:
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
 _TRANSFORMER_RULES = (
     "attention_by_head_groups",
+    "attention_by_key_blocks",
     "attention_as_matmul_softmax",
     "softmax_matmul_normalized_after",
     "softmax_as_exp_times_reciprocal",

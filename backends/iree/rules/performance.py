@@ -10,6 +10,10 @@ on every model it fires on (docs/performance.md has the table).
   Its scores are scaled after `q @ k^T` and its softmax comes before `@ v`.
 - `attention_by_head_groups`: llvm-cpu. Attention whose scores exceed a
   core's cache is computed in groups of heads whose scores fit (Whisper).
+- `attention_by_key_blocks` (backends/iree/rules/attention_blocks.py):
+  llvm-cpu. Masked attention over long static keys, a block of keys at a
+  time over the query rows the block's mask lets in (a causal prefill over
+  compile_lm's static cache computes half its scores).
 - `softmax_matmul_normalized_after`: llvm-cpu. `softmax(s) @ v` scales the
   product's rows instead of the weights, the row sums from a matrix-vector
   product: IREE's row reductions are slow (Whisper's attention 1.14x).
@@ -44,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
+from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
@@ -384,6 +389,7 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
 ALL = RuleSet(
     [
         attention_by_head_groups,
+        attention_by_key_blocks,
         attention_as_matmul_softmax,
         softmax_matmul_normalized_after,
         softmax_as_exp_times_reciprocal,

@@ -1,0 +1,138 @@
+"""attention_by_key_blocks (backends/iree/rules/attention_blocks.py): masked attention a block of keys at a time.
+
+Real exports (static and with a Dim on the queries, as compile_lm's prefill), the graph after (a run-time row
+count a block, no softmax), numerics against eager on two input sets (a causal mask over a static cache from
+position 0 and a shorter prompt at position 5 with padding; a random mask with fully masked rows), declines, and
+the default llvm-cpu route end to end on IREE. (Its speed: docs/performance.md, not here.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import backends
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
+
+aten = torch.ops.aten
+KEYS = 600  # two blocks of 300
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class CachedCausal(torch.nn.Module):
+    """A prefill's attention as transformers writes it over a static cache: the bool mask of the positions each
+    query may see (its own and earlier ones, not padding), key heads repeated or passed with enable_gqa."""
+
+    def __init__(self, gqa: bool = False) -> None:
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q, k, v, positions, keep):
+        allowed = (torch.arange(k.shape[-2])[None, :] <= positions[:, None]) & keep[None, :].bool()
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[None, None], enable_gqa=self.gqa
+        )
+
+
+def _causal_inputs(rows: int, start: int, pad: int, seed: int, kv_heads: int = 2):
+    keep = torch.ones(KEYS, dtype=torch.long)
+    keep[:pad] = 0
+    return (
+        _randn(seed, 1, 2, rows, 16),
+        _randn(seed + 1, 1, kv_heads, KEYS, 16),
+        _randn(seed + 2, 1, kv_heads, KEYS, 16),
+        torch.arange(start, start + rows),
+        keep,
+    )
+
+
+#: a full prompt from position 0; a short one at position 5 after 2 padded positions (the second block lets no row in)
+CAUSAL = [_causal_inputs(300, 0, 0, 0), _causal_inputs(40, 5, 2, 10)]
+QUERIES = Dim("queries", min=2, max=KEYS)
+CAUSAL_DIMS = ({2: QUERIES}, None, None, {0: QUERIES}, None)
+
+
+def _check(module, inputs, dynamic_shapes):
+    ep = rt.export(module, *inputs[0], dynamic_shapes=dynamic_shapes)
+    result = rt.apply_rules(ep, attention_by_key_blocks)
+    rt.assert_fired(result, attention_by_key_blocks)
+    rt.assert_ops(
+        result, present=[aten.item.default, aten.exp.default], absent=[aten.scaled_dot_product_attention.default]
+    )
+    items = [n for n in result.graph_module.graph.nodes if n.target is aten.item.default]
+    assert len(items) == 2  # one row count a block of keys
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
+    rt.assert_idempotent(result, attention_by_key_blocks)
+    return result
+
+
+def test_causal_over_a_static_cache_with_a_dim():
+    _check(CachedCausal(), CAUSAL, CAUSAL_DIMS)
+
+
+def test_causal_over_a_static_cache_static():
+    _check(CachedCausal(), [CAUSAL[0], _causal_inputs(300, 7, 3, 20)], None)
+
+
+def test_grouped_query_heads():
+    inputs = [_causal_inputs(300, 0, 0, 0, kv_heads=1), _causal_inputs(40, 5, 2, 10, kv_heads=1)]
+    _check(CachedCausal(gqa=True), inputs, CAUSAL_DIMS)
+
+
+class AnyMask(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_any_mask_with_fully_masked_rows():
+    """The blocks are exact for any mask: a random one (each block's first row let in varies), with two rows
+    masked whole, which give 0 as torch's CPU kernel gives."""
+    inputs = []
+    for seed in (0, 10):
+        q, k, v = _randn(seed, 1, 2, 300, 16), _randn(seed + 1, 1, 2, KEYS, 16), _randn(seed + 2, 1, 2, KEYS, 16)
+        mask = torch.rand(1, 2, 300, KEYS, generator=torch.Generator().manual_seed(seed + 3)) < 0.05
+        mask[..., :120, :300] = False  # rows 0-119 see only the last block
+        mask[0, 1, 7] = False
+        mask[0, 0, 250] = False
+        inputs.append((q, k, v, mask))
+    queries = Dim("queries", min=2, max=KEYS)
+    _check(AnyMask(), inputs, ({2: queries}, None, None, {2: queries}))
+    assert (AnyMask()(*inputs[0])[0, 1, 7] == 0).all()
+
+
+def test_declines():
+    q, k, v = CAUSAL[0][:3]
+    mask = torch.ones(1, 1, 300, KEYS, dtype=torch.bool)
+    short = (q, k[:, :, :300], v[:, :, :300], torch.ones(1, 1, 300, 300, dtype=torch.bool))
+    one_query = (q[:, :, :1], k, v, mask[:, :, :1])
+    float_mask = (q, k, v, torch.zeros(1, 1, 300, KEYS))
+    wide_heads = (torch.cat([q, q], -1), torch.cat([k, k], -1), torch.cat([v, v], -1), mask)  # 600 keys, size 32
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cases = [
+        (lambda q, k, v: sdpa(q, k, v), (q, k, v)),  # no mask
+        (AnyMask(), short),  # fewer than two blocks of keys
+        (AnyMask(), one_query),  # a decode step: one static query
+        (AnyMask(), float_mask),
+        (AnyMask(), wide_heads),  # fewer than 32 keys a unit of head size
+        (lambda q, k, v, m: sdpa(q, k, v, attn_mask=m[:, :, :1]), (q, k, v, mask)),  # one mask row for all queries
+    ]
+    for module, inputs in cases:
+        result = rt.apply_rules(rt.export(module, *inputs), attention_by_key_blocks)
+        rt.assert_not_fired(result, attention_by_key_blocks)
+
+
+def test_on_iree_with_a_dim():
+    """The default `iree` route (llvm-cpu, performance phase on): the rule fires on the prefill's form and IREE
+    matches eager at both prompt lengths of one compiled module."""
+    iree = backends.get("iree")
+    assert "attention_by_key_blocks" in [r.name for r in iree.rules.rules]
+    result = fx_rewrites.apply(rt.export(CachedCausal(), *CAUSAL[0], dynamic_shapes=CAUSAL_DIMS), iree.rules)
+    rt.assert_fired(result, attention_by_key_blocks)
+    fn = iree.compile(result.program, CAUSAL[0])
+    for args in CAUSAL:
+        torch.testing.assert_close(fn(*args), CachedCausal()(*args), rtol=1e-4, atol=1e-4)
