@@ -14,9 +14,12 @@ their local shards (plain parameters) with the redistributions as functional col
 (`backends/segments.py`); the backend compiles its segments as the functions of one module (weights once,
 a KV cache shared), and `SegmentedModule` runs them with the collectives on torch.distributed in between.
 
-The module file carries, as JSON in its first function's metadata, the rank and world size it was built
-for and each public function's plan (segments, host collectives, call convention): `load` refuses another
-rank's file and a different world size by name.
+The module file carries, as JSON in its first function's metadata, the world size it was built for and each
+public function's plan (segments, host collectives, call convention): the same on every rank, so that the
+ranks' programs, which differ in their weights only (parameters, outside the module text), are one compile
+(the compile cache's key; concurrent ranks wait for the first: `cache.compiling`). What makes a rank's files
+its own is its archive: its shards, and a record (`RANK_KEY`) of its rank and world size, which `load` checks
+before anything is loaded: another rank's file, or one from a world of another size, is refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -38,8 +42,10 @@ from fx_rewrites.backends import collectives, convention
 from fx_rewrites.backends.base import ArtifactError
 from fx_rewrites.backends.segments import PREFIX, Plan, Segmented, segment_program
 
-#: metadata key (on a rank's module) holding its rank, world size and plans (JSON)
+#: metadata key (on a rank's module) holding its world size and plans (JSON)
 TP_KEY = "fx_rewrites.tp"
+#: record (in a rank's parameter archive) holding its rank and world size (JSON)
+RANK_KEY = "fx_rewrites.tp.rank"
 
 
 class RankMismatch(ArtifactError):
@@ -229,9 +235,13 @@ class SegmentedModule:
         return self.functions["main"](*args, **kwargs)
 
     def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
-        """Write this rank's module to `path` (.vmfb) and, with `params`, its weights (this rank's shards) to that
-        .irpa; `fx_rewrites.load(path)` on the same rank of a world of the same size reads it back."""
-        self.module.save(path, params=params)
+        """Write this rank's module to `path` (.vmfb) and its weights (this rank's shards) with its rank and world
+        size to `params` (.irpa, default beside it); `fx_rewrites.load(path)` on the same rank of a world of the
+        same size reads it back. The .vmfb is the same on every rank: the archive is the rank's own."""
+        path = Path(path)
+        params = Path(params) if params is not None else path.with_suffix(".irpa")
+        record = json.dumps({"rank": self.rank, "world": self.world}, separators=(",", ":"))
+        self.module.save(path, params=params, records={RANK_KEY: record})
 
     @property
     def host_seconds(self) -> float:
@@ -262,8 +272,7 @@ def compile_segmented(
         plan, pieces = segment_program(program)
         plans[public] = plan
         segments.update({_segment_name(public, name): p for name, p in pieces.items()})
-    doc = {
-        "rank": rank,
+    doc = {  # no rank: the module text is the same on every rank (the rank goes into its archive at save)
         "world": world,
         "functions": {
             public: {"plan": plans[public].to_json(), "call": _convention_json(_convention(programs[public]))}
@@ -276,16 +285,16 @@ def compile_segmented(
         metadata={first: {TP_KEY: json.dumps(doc, separators=(",", ":")), **(metadata or {})}},
         weights_as_parameters=weights_as_parameters,
     )
-    return _assemble(doc, module)
+    return _assemble(doc, module, rank)
 
 
-def _assemble(doc: Mapping[str, Any], module: Any) -> SegmentedModule:
+def _assemble(doc: Mapping[str, Any], module: Any, rank: int) -> SegmentedModule:
     functions = {}
     for public, entry in doc["functions"].items():
         plan = Plan.from_json(entry["plan"])
         calls = {name: module.functions[_segment_name(public, name)] for name in plan.functions}
         functions[public] = SegmentedFunction(Segmented(plan, calls), _convention_from_json(entry["call"]))
-    return SegmentedModule(functions, module, int(doc["rank"]), int(doc["world"]))
+    return SegmentedModule(functions, module, rank, int(doc["world"]))
 
 
 def find_tp(metadata: Mapping[str, Mapping[str, str]]) -> tuple[str, dict[str, Any]] | None:
@@ -327,15 +336,17 @@ def load_segmented(
         raise ArtifactError(f"{path} holds no tensor-parallel plans ({TP_KEY})")
     doc = found[1]
     rank, world = rank_and_world()
-    if int(doc["world"]) != world:
+    archive = Path(params) if params is not None else Path(path).with_suffix(".irpa")
+    saved = _saved_rank(doc, target, path, params, archive)
+    if int(doc["world"]) != world or int(saved["world"]) != world:
         raise RankMismatch(
-            f"{path} was compiled for a world of {doc['world']} ranks (rank {doc['rank']}); this one has {world}. "
-            f"Fix: launch {doc['world']} ranks (torchrun --nproc-per-node {doc['world']}), or compile and save the "
-            f"model again split over {world}"
+            f"{path} was compiled for a world of {doc['world']} ranks ({archive}: rank {saved['rank']} of "
+            f"{saved['world']}); this one has {world}. Fix: launch {doc['world']} ranks (torchrun --nproc-per-node "
+            f"{doc['world']}), or compile and save the model again split over {world}"
         )
-    if int(doc["rank"]) != rank:
+    if int(saved["rank"]) != rank:
         raise RankMismatch(
-            f"{path} is rank {doc['rank']}'s module (its shard of the weights and its collectives), loaded on rank "
+            f"{path} is rank {saved['rank']}'s module ({archive} holds its shard of the weights), loaded on rank "
             f"{rank}. Fix: each rank loads its own file, e.g. fx_rewrites.load(f'model.rank{{rank}}.vmfb') with "
             "rank = torch.distributed.get_rank()"
         )
@@ -343,11 +354,27 @@ def load_segmented(
     _check_groups(plans, path)
     names = [_segment_name(public, name) for public, plan in plans.items() for name in plan.functions]
     module = target.load_file(path, names, params=params, driver=driver)
-    return _assemble(doc, module)
+    return _assemble(doc, module, rank)
+
+
+def _saved_rank(doc: Mapping[str, Any], target: Any, path: Any, params: Any, archive: Path) -> dict[str, Any]:
+    """The rank and world size a rank's files were saved by: from its archive's record (a file written before
+    the record moved there carries them in the module's metadata)."""
+    if "rank" in doc:
+        return {"rank": doc["rank"], "world": doc["world"]}
+    text = target.read_record(path, RANK_KEY, params=params)
+    if text is None:
+        raise RankMismatch(
+            f"{path} is a rank's module, and {archive} (its weights) holds no record of the rank it belongs to "
+            f"({RANK_KEY}{'' if archive.is_file() else ': there is no such file'}). Fix: load it with the archive it "
+            "was saved with (params='model.rank{rank}.irpa'), or save the rank's module again"
+        )
+    return json.loads(text)
 
 
 __all__ = [
     "PREFIX",
+    "RANK_KEY",
     "TP_KEY",
     "RankMismatch",
     "SegmentedFunction",

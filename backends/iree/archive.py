@@ -98,3 +98,29 @@ def reserve(entries: Iterable[tuple[str, int, int]], path: str | os.PathLike[str
         f.write(head)
         f.truncate(size)
     return offsets
+
+
+def read_entry(path: str | os.PathLike[str], key: str) -> bytes | None:
+    """The bytes of entry `key` of the .irpa at `path` (as `layout` and IREE's builder lay it out), or None
+    where the archive has no such entry; read without mapping the weights."""
+    with Path(path).open("rb") as f:
+        head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            return None
+        magic, _, _, _, _, _, count, table_at, _, names_at, _, storage_at, _ = _HEADER.unpack(head)
+        if magic != MAGIC:
+            return None
+        stride = _align(_ENTRY.size, ENTRY_ALIGNMENT)
+        f.seek(table_at)
+        table = f.read(stride * count)
+        wanted = key.encode()
+        for i in range(count):
+            fields = _ENTRY.unpack_from(table, i * stride)
+            name_at, name_length, offset, length = fields[3], fields[4], fields[8], fields[9]
+            if fields[1] != _DATA or name_length != len(wanted):
+                continue
+            f.seek(names_at + name_at)
+            if f.read(name_length) == wanted:
+                f.seek(storage_at + offset)
+                return f.read(length)
+    return None

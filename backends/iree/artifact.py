@@ -169,7 +169,8 @@ def save(
     parameters: Mapping[str, torch.Tensor] | None = None,
     embed: Callable[[], bytes] | None = None,
     archive: Path | None = None,
-    pack: Callable[[Path], bytes | None] | None = None,
+    pack: Callable[[Path, Mapping[str, torch.Tensor]], bytes | None] | None = None,
+    records: Mapping[str, str] | None = None,
 ) -> bytes | None:
     """Write `vmfb` to `path`. `parameters` are the weights it reads (key -> tensor; None for a module that
     takes its weights as inputs or was loaded from a self-contained file): with `params`, they go to that
@@ -177,11 +178,18 @@ def save(
     given, writes them there as the module reads them (packed, `encoding.py`) and returns that module (None:
     it could not, the plain archive is written); without `params`, `embed` compiles the self-contained module
     written instead. A module loaded with its archive copies that. Returns the module written when it reads
-    the archive at `params` packed (None otherwise)."""
+    the archive at `params` packed (None otherwise). `records`: short texts (key -> text) written into the
+    archive beside the weights, which the module does not read (`read_record`): what tells apart files whose
+    compiled code is the same (a tensor-parallel model's ranks); they need `params`."""
     from fx_rewrites.backends.iree.parameters import write_archive
 
     if unsupported:
         raise ArtifactError(f"cannot save this compiled program: {unsupported}.")
+    if records and params is None:
+        raise ArtifactError(
+            f"this module is saved with records ({', '.join(records)}) that go into its parameter archive. Fix: "
+            "pass params='NAME.irpa' to save its weights and the records beside it"
+        )
     path = Path(path)
     if archive is not None:
         if params is None:
@@ -189,6 +197,12 @@ def save(
                 f"this module reads its weights from {archive}. Fix: pass params='NAME.irpa' to save a copy with it."
             )
         path.write_bytes(vmfb)
+        for key, text in (records or {}).items():
+            if read_record(archive, key) != text:
+                raise ArtifactError(
+                    f"this module was loaded from {archive}, whose record {key!r} is {read_record(archive, key)!r}, "
+                    f"not {text!r}; a copy of that archive cannot say otherwise. Fix: compile it again to save it"
+                )
         if Path(params).resolve() != archive.resolve():
             with replacing(params) as new:  # not into the file a module may map (`archive.replacing`)
                 shutil.copyfile(archive, new)
@@ -200,9 +214,12 @@ def save(
                 "ExportedProgram) can put its weights in a parameter archive; this one takes them as inputs or "
                 "holds them itself. Fix: save without params="
             )
-        packed = pack(Path(params)) if pack is not None and parameters else None
+        extra = {
+            key: torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) for key, text in (records or {}).items()
+        }
+        packed = pack(Path(params), extra) if pack is not None and parameters else None
         if packed is None:
-            write_archive(parameters, params)
+            write_archive({**parameters, **extra}, params)
         path.write_bytes(vmfb if packed is None else packed)
         return packed
     if parameters:
@@ -214,3 +231,11 @@ def save(
         vmfb = embed()
     path.write_bytes(vmfb)
     return None
+
+
+def read_record(archive: str | Path, key: str) -> str | None:
+    """The record `key` saved into the parameter archive at `archive` (`save(records=)`); None if it has none."""
+    from fx_rewrites.backends.iree.archive import read_entry
+
+    data = read_entry(archive, key)
+    return None if data is None else data.decode()

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from fx_rewrites.backends.iree import memory, refusals
-from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
+from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, read_record, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
 from fx_rewrites.backends.iree.encoding import packer
@@ -375,6 +375,14 @@ class IreeBackend:
         """The module a `save` wrote to `path` with its functions `names` (weights from `params`, default the
         .irpa beside it; `driver` overrides the one it was compiled for)."""
         return from_file(path, tuple(names), params=params, driver=driver)
+
+    def read_record(
+        self, path: str | os.PathLike[str], key: str, *, params: str | os.PathLike[str] | None = None
+    ) -> str | None:
+        """The record `key` saved with the module at `path` (`IreeModule.save(records=)`) in its archive
+        (`params`, default the .irpa beside it); None where the archive or the record is missing."""
+        archive = Path(params) if params is not None else Path(path).with_suffix(".irpa")
+        return read_record(archive, key) if archive.is_file() else None
 
     def refusal(self, graph_module: GraphModule) -> str:
         """Why this backend refuses `graph_module`: a form IREE 3.13 computes wrong (`wrong_forms`) or cannot

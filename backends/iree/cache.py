@@ -18,7 +18,7 @@ import hashlib
 import os
 import platform
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -87,20 +87,39 @@ class CompileCache:
         directory = self._dir()
         path = directory / f"{key}.vmfb" if directory is not None else None
         vmfb = self._read(path) if path is not None else None
-        cached = vmfb is not None
-        if vmfb is not None:
-            self.hits += 1
-            self.disk_hits += 1
-        else:
-            vmfb = compile_fn()
-            self.misses += 1
-            if path is not None:
-                self._write(path, vmfb)
-                self._evict(path.parent, keep=path)
+        if vmfb is None and path is not None:
+            with compiling(path):  # another process compiling this key: wait for it, then read its module
+                vmfb = self._read(path)
+                if vmfb is None:
+                    vmfb = self._compile(key, compile_fn)
+                    self._write(path, vmfb)
+                    self._evict(path.parent, keep=path)
+                    return vmfb, False
+        elif vmfb is None:
+            return self._compile(key, compile_fn), False
+        self.hits += 1
+        self.disk_hits += 1
+        self._remember(key, vmfb)
+        return vmfb, True
+
+    def _compile(self, key: str, compile_fn: Callable[[], bytes]) -> bytes:
+        vmfb = compile_fn()
+        self.misses += 1
+        self._remember(key, vmfb)
+        return vmfb
+
+    def put(self, key: str, vmfb: bytes) -> None:
+        """Store `vmfb` under `key` (a module compiled along with another: the encoder of `encoding.compile_split`),
+        so that a process waiting for the other finds it too."""
+        directory = self._dir()
+        if directory is not None:
+            self._write(directory / f"{key}.vmfb", vmfb)
+        self._remember(key, vmfb)
+
+    def _remember(self, key: str, vmfb: bytes) -> None:
         self._memory[key] = vmfb
         while len(self._memory) > self.max_entries:
             self._memory.popitem(last=False)
-        return vmfb, cached
 
     @staticmethod
     def _read(path: Path) -> bytes | None:
@@ -146,6 +165,32 @@ class CompileCache:
         """Forget the in-memory entries and reset the counters (the disk is left alone)."""
         self._memory.clear()
         self.hits = self.disk_hits = self.misses = 0
+
+
+@contextlib.contextmanager
+def compiling(path: Path) -> Iterator[None]:
+    """Held while this process looks for, or compiles, the module cached at `path`: a process compiling the same
+    key (the ranks of a tensor-parallel model compile one program) waits here and then reads the module the
+    first one wrote, instead of compiling it too. An exclusive `flock` on `<key>.lock` beside it, removed by the
+    process that made it; best effort (no lock where the directory cannot be written or there is no `fcntl`):
+    at worst two processes compile the same module, each writing it whole."""
+    lock = path.with_suffix(".lock")
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, or the process dies
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:  # still the file this process locked
+                os.unlink(lock)
+        os.close(fd)
 
 
 def _host() -> str:

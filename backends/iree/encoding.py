@@ -67,16 +67,24 @@ def packer(
     return functools.partial(pack, backend, mlir, parameters, gm)
 
 
-def pack(backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor], gm: Any, path: Path) -> bytes | None:
-    """Write `parameters` to the .irpa at `path` as the module reads them and return that module; None, with
-    a warning, where IREE cannot split the packing out."""
+def pack(
+    backend: Any,
+    mlir: str,
+    parameters: Mapping[str, torch.Tensor],
+    gm: Any,
+    path: Path,
+    also: Mapping[str, torch.Tensor] | None = None,
+) -> bytes | None:
+    """Write `parameters` to the .irpa at `path` as the module reads them, with `also` (key -> tensor, which
+    the module does not read) as they are, and return that module; None, with a warning, where IREE cannot
+    split the packing out."""
     from fx_rewrites.backends.iree.importing import iree_modules
 
     iree = iree_modules()
     try:
         main, encoder = compile_split(backend, iree, mlir, gm)
         # what the module still reads by its own key (a weight the encoder left out, a state's initial value)
-        kept = {key: parameters[key] for key in read_by_key(main, parameters)}
+        kept = {key: parameters[key] for key in read_by_key(main, parameters)} | dict(also or {})
         with archive.replacing(path) as new:  # a module mapping the file now at `path` keeps its pages
             run_encoder(backend, encoder, parameters, new, kept)
     except NothingToPack:
@@ -119,6 +127,8 @@ def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None) -> tuple[b
             made["encoder"] = run_iree_compile(
                 iree, text.read_text(), backend.target.name, flags, backend.compile_timeout_s
             )
+        # cached before the module is: a process that waited for this compile (`cache.compiling`) finds both
+        backend.cache.put(key + "-encoder", made["encoder"])
         return main
 
     main, _ = backend.cache.get_or_compile(key, both)

@@ -207,11 +207,19 @@ class IreeModule:
     embed: Callable[[], bytes] | None = attrs.field(default=None, repr=False)
     unsupported: str = ""
     #: writes the parameters packed as the module reads them and returns that module (`encoding.pack`)
-    pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
+    pack: Callable[[Path, Mapping[str, torch.Tensor]], bytes | None] | None = attrs.field(default=None, repr=False)
 
-    def save(self, path: str | os.PathLike[str], *, params: str | os.PathLike[str] | None = None) -> None:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        params: str | os.PathLike[str] | None = None,
+        records: Mapping[str, str] | None = None,
+    ) -> None:
         """Write the module to `path` (.vmfb) and, with `params`, its weights to that .irpa (else inside it); a
-        module of no state then reads them from that archive, as `IreeCompiled.save` says."""
+        module of no state then reads them from that archive, as `IreeCompiled.save` says. `records`: short
+        texts written into the archive, not into the module (`artifact.save`; read back by the backend's
+        `read_record`)."""
         packed = save(
             self.vmfb,
             path,
@@ -221,6 +229,7 @@ class IreeModule:
             embed=self.embed,
             archive=self.archive,
             pack=self.pack,
+            records=records,
         )
         if packed is not None and params is not None:  # this module then reads the saved archive too
             reopen(self.functions, packed, Path(params))

@@ -118,7 +118,7 @@ class IreeCompiled:
     archive: Path | None = None
     #: writes the parameters to an .irpa packed as the module reads them and returns that module
     #: (`encoding.pack`; None: the module packs nothing when it loads)
-    pack: Callable[[Path], bytes | None] | None = attrs.field(default=None, repr=False)
+    pack: Callable[[Path, Mapping[str, torch.Tensor]], bytes | None] | None = attrs.field(default=None, repr=False)
     #: why it was not loaded, raised by a call: built for a CPU this host cannot run (`cpus.IreeCpuError`)
     refused: Exception | None = attrs.field(default=None, repr=False)
     #: loads a module's bytes with its weights read in place from a mapped archive, `(vmfb, archive=path)` ->

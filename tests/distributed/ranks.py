@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import warnings
@@ -68,8 +69,11 @@ def _nbytes(tensors: Any) -> int:
 
 
 def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, heads: int, kv: int, new: int) -> dict:
-    """Both routes on one rank of a Llama split over `world` ranks, against the unsplit model's eager results."""
+    """Both routes on one rank of a Llama split over `world` ranks, against the unsplit model's eager results;
+    then the named refusals of another rank's files (each rank saves its own first)."""
     import fx_rewrites
+    from fx_rewrites import backends
+    from fx_rewrites.app.distributed import RankMismatch
     from fx_rewrites.backends.dynamo import dynamo_backend
 
     model = llama(hidden, layers, heads, kv)
@@ -79,18 +83,12 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
         want_tokens = model.generate(ids, max_new_tokens=new, do_sample=False)
         want_short = model.generate(ids[:, :2], max_new_tokens=4, do_sample=False)
     weights = _nbytes(model.state_dict().values())
-    # the unsplit model's archive, saved the same way (packed as its module reads the weights): what every rank's
-    # archive is compared with. The same for every rank: rank 0 compiles it once
-    unsplit_irpa = None
-    if rank == 0:
-        whole = Path(tmp) / "whole.vmfb"
-        fx_rewrites.compile_lm(model, max_cache_len=PROMPT + new).save(whole)
-        unsplit_irpa = os.path.getsize(whole.with_suffix(".irpa"))
     split(model, world)
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     out: dict[str, Any] = {"weights": weights, "local_weights": _nbytes(local), "want_tokens": want_tokens}
     out["buffers"] = _nbytes(model.buffers())  # rotary frequencies: read by the module, not split
-    out["unsplit_irpa"] = unsplit_irpa  # rank 0's; None on the others
+    # the static KV cache's initial state (keys and values of every layer, this rank's KV heads): in the archive too
+    out["kv_cache"] = 2 * layers * (kv // world) * (PROMPT + new) * (hidden // heads) * 4
 
     graphs: list[Any] = []
     compiled = torch.compile(model, backend=dynamo_backend("iree", on_graph=graphs.append, strict=True))
@@ -110,6 +108,8 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
         for g in graphs
     ]
 
+    cache = backends.get("iree").cache
+    before = cache.hits, cache.misses
     start = time.perf_counter()
     lm = fx_rewrites.compile_lm(model, max_cache_len=PROMPT + new)
     out["lm_seconds"] = time.perf_counter() - start
@@ -121,11 +121,33 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
     out["module_state"] = _nbytes(held.values())
     path = Path(tmp) / f"lm.rank{rank}.vmfb"
     lm.save(path)
+    # the compiles of the module and of its packed form at save: the same programs on every rank (the weights
+    # are parameters, the rank is in the archive), each compiled by one rank while the others wait for it
+    out["lm_compiles"] = cache.misses - before[1]
+    out["lm_lookups"] = cache.hits + cache.misses - sum(before)
+    out["vmfb"] = hashlib.sha256(path.read_bytes()).hexdigest()
     out["irpa"] = os.path.getsize(path.with_suffix(".irpa"))
     loaded = fx_rewrites.load(path)
     out["loaded_tokens"] = loaded.generate(ids, max_new_tokens=new)
     out["lm_plans"] = {k: (f.run.plan.functions, f.run.plan.collectives) for k, f in lm.module.functions.items()}
+    torch.distributed.barrier()  # every rank's files are written
+    theirs = Path(tmp) / f"lm.rank{(rank + 1) % world}.vmfb"
+    for what, call in {
+        "other_file": lambda: fx_rewrites.load(theirs),  # another rank's files
+        "other_archive": lambda: fx_rewrites.load(path, params=theirs.with_suffix(".irpa")),  # its archive
+    }.items():
+        try:
+            call()
+            out[what] = "loaded"
+        except RankMismatch as e:
+            out[what] = str(e)
     return out
+
+
+def tiny_llama(rank: int, world: int, tmp: str) -> dict:
+    """One launch for the tiny model's checks: both routes (`llama_routes`, hidden 64, 2 layers, 8 tokens) and
+    `fx_rewrites.compile`'s save + load with its refusals (`wrong_rank`)."""
+    return {"routes": llama_routes(rank, world, tmp, 64, 2, 4, 2, 8), "compile": wrong_rank(rank, world, tmp)}
 
 
 def wrong_rank(rank: int, world: int, tmp: str) -> dict:

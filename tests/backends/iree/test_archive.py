@@ -86,3 +86,16 @@ def test_reserve_leaves_room_the_encoder_fills(tmp_path):
     assert sorted(entries) == ["parameter0", "x"]
     assert len(np.array(entries["parameter0"].file_view)) == 1000
     assert offsets[1] - offsets[0] == 1024 and offsets[0] % 64 == 0
+
+
+@pytest.mark.parametrize("case", ["one", "mixed"])
+def test_an_entry_read_back_from_iree_s_own_file(case, tmp_path):
+    """`read_entry` over a file IREE's builder wrote: each entry's bytes, None for a key it lacks."""
+    tensors = CASES[case]
+    iree_archive(tensors, tmp_path / "iree.irpa")
+    for key, tensor in tensors.items():
+        assert archive.read_entry(tmp_path / "iree.irpa", key) == _bytes(tensor).tobytes(), key
+    assert archive.read_entry(tmp_path / "iree.irpa", "fc.weigh") is None  # a prefix of a key is not the key
+    assert archive.read_entry(tmp_path / "iree.irpa", "absent") is None
+    (tmp_path / "not.irpa").write_bytes(b"not an archive")
+    assert archive.read_entry(tmp_path / "not.irpa", "a") is None
