@@ -45,6 +45,8 @@ import cpu_isa
 CALIBRATION = 4
 #: the rule whose absence the `IREE, dq conv` route measures (PT2E convs as float convs of dequantized operands)
 INT_MM_RULE = "quantized_conv_as_int_mm_for_iree"
+#: the compiled routes (`--routes`: a subset; the eager ones always run)
+COMPILED = ("IREE float", "IREE", "IREE, dq conv", "Inductor")
 
 
 def _untied_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +110,11 @@ def inductor(quantized: torch.nn.Module, example: torch.Tensor) -> Callable[[tor
     return compiled
 
 
-def routes(isa: str, use_inductor: bool, example: torch.Tensor) -> tuple[dict[str, Any], dict[str, float]]:
-    """name -> callable (or why the route failed), and the compile seconds of the compiled routes."""
+def routes(
+    isa: str, use_inductor: bool, example: torch.Tensor, compiled: tuple[str, ...] = COMPILED
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """name -> callable (or why the route failed), and the compile seconds of the compiled routes (those of
+    `compiled` that are built; Inductor's only with `use_inductor`)."""
     import fx_rewrites
 
     model = resnet18()
@@ -128,6 +133,8 @@ def routes(isa: str, use_inductor: bool, example: torch.Tensor) -> tuple[dict[st
     if use_inductor:
         builders["Inductor"] = lambda: inductor(quantized, example)
     for name, build in builders.items():
+        if name not in compiled:
+            continue
         start = time.perf_counter()
         try:
             out[name] = build()
@@ -161,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--no-inductor", action="store_true")
+    parser.add_argument("--routes", nargs="+", default=list(COMPILED), choices=COMPILED, help="compiled routes")
     cpu_isa.add_argument(parser)
     args = parser.parse_args(argv)
     if (rc := cpu_isa.run_in_child(args.isa, __file__, argv)) is not None:
         return rc
     torch.set_num_threads(1)
     example = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(2))
-    runs, seconds = routes(args.isa, not args.no_inductor, example)
+    runs, seconds = routes(args.isa, not args.no_inductor, example, tuple(args.routes))
     x = torch.randn(example.shape, generator=torch.Generator().manual_seed(3))
     results = measure(runs, x, args.rounds)
     print(f"# ResNet-18 {tuple(x.shape)}, PT2E int8 (X86 quantizer), 1 thread, CPU time, median of {args.rounds}")

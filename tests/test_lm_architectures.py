@@ -82,6 +82,17 @@ def _expected(name: str) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
     return model, ids, expected[0].tolist()
 
 
+#: the architectures also saved and loaded: each weight and state form the save's parameter encoder meets (a save
+#: compiles the module again, its weights' packing split out: ~40% of a case's CPU). Left out: qwen3, mistral and
+#: phi3, whose weights are llama's `nn.Linear`s (phi3's fused, qwen3's with 1-d norms) and whose cache is llama's.
+SAVED = {
+    "llama",  # nn.Linear weights, a KV cache
+    "gemma3",  # a sliding-window layer's cache beside a full one
+    "gpt2",  # Conv1D weights ([in, out], used as x @ w)
+    "qwen3_moe",  # stacked expert weights; the router's, which the encoder refuses to pack, read by its own key
+    "mamba2",  # a recurrent state, no KV cache
+}
+
 #: the seed of the second prompt of the padded pair where seed 2 leads to a near tie (mamba2: 7e-4 at step 2)
 SECOND_PROMPT = {"mamba2": 3}
 
@@ -109,12 +120,14 @@ def _padded_pair(model: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_tokens_match_generate(name, tmp_path):
     """One module for 2 sequences: a batch of 2 left-padded, a batch of 1 (the filler row finished), and both
-    again after save + load, each token for token as `model.generate`."""
+    again after save + load (the `SAVED` architectures), each token for token as `model.generate`."""
     model, ids, expected = _expected(name)
     lm = fx_rewrites.compile_lm(model, max_cache_len=MAX_CACHE, batch_size=2)
     assert lm.generate(ids, max_new_tokens=lm_models.NEW)[0, ids.shape[1] :].tolist() == expected
     pair, mask, sequences = _padded_pair(model, name)
     assert torch.equal(lm.generate(pair, attention_mask=mask, max_new_tokens=lm_models.NEW), sequences)
+    if name not in SAVED:
+        return
     lm.save(tmp_path / "lm.vmfb")
     loaded = fx_rewrites.load(tmp_path / "lm.vmfb")
     assert torch.equal(loaded.generate(pair, attention_mask=mask, max_new_tokens=lm_models.NEW), sequences)
