@@ -150,6 +150,23 @@ def test_save_and_load(llama, lm2, saved):
     assert torch.equal(lm2.generate(ids, attention_mask=mask, max_new_tokens=NEW), want)
 
 
+def test_saved_weights_are_written_once(llama, saved):
+    """The archive holds each weight once, though prefill and decode both read it packed: IREE hoists a packing
+    per function and merges them after the encoder is split out (docs/iree-3.13-findings.md "3X"), so without
+    `encoding.SHARE_PACKED` the encoder wrote every packed weight twice (1.9x the weights here)."""
+    from iree.runtime import ParameterIndex
+
+    index = ParameterIndex()
+    index.load(str(saved.with_suffix(".irpa")))
+    entries = dict(index.items())
+    weights = sum(p.numel() * p.element_size() for p in llama.parameters())
+    cache = [key for key in entries if key.startswith("cache_")]
+    assert len(cache) == 4 and all(entries[k].length < weights / 4 for k in cache)  # keys and values, 2 layers
+    written = sum(entry.length for key, entry in entries.items() if key not in cache)
+    assert written < 1.2 * weights, f"{written} bytes of weights written for {weights}: {sorted(entries)}"
+    assert written >= weights  # and none left out (the loaded module's tokens: the next tests)
+
+
 def test_load_in_a_fresh_process(llama, saved, tmp_path):
     """`fx_rewrites.load` in a new Python process (nothing of this one's state): the same tokens."""
     ids, mask = prompts(2)

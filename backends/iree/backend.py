@@ -408,9 +408,12 @@ class IreeBackend:
                 raise
             return self._run_compiler(iree, mlir, gm, self.flags)
 
-    def _run_compiler(self, iree: Any, mlir: str, gm: GraphModule, flags: Sequence[str]) -> bytes:
+    def _run_compiler(
+        self, iree: Any, mlir: str, gm: GraphModule, flags: Sequence[str], between: str | None = None
+    ) -> bytes:
+        """`run_iree_compile` with this backend's target and limit; its failure named by `gm`'s nodes."""
         flags = (*flags, *extra_flags(mlir))  # re-laid quantized weights: the fusion that reads them
         try:
-            return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s)
+            return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s, between=between)
         except IreeCompilerFailed as e:
             raise compile_error(e.diagnostics.strip(), mlir, gm) from None

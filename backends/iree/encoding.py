@@ -47,14 +47,23 @@ DATA_TILING = "--iree-global-opt-data-tiling"
 #: the encoder writes the weights it packs or passes through into the scope the module reads them from, so
 #: a packed .irpa is run as any other (`--parameters=model=model.irpa`)
 _SPLIT = ("--iree-parameter-encoder-mode=consolidate", f"--iree-parameter-encoder-output-scope={SCOPE}")
+#: a module of several functions (`compile_lm`'s prefill and decode) hoists the packing of a weight they share once
+#: per function, into initializers of their own; iree-compile merges them in its stream phase, after the encoder
+#: is split out, so the encoder would write each weight packed once per function (docs/iree-3.13-findings.md
+#: "3X"). Run after global optimization, this merges them first: the initializers as one, equal packings as one
+#: value (cse), the globals it is stored into as one.
+SHARE_PACKED = (
+    "builtin.module(iree-util-combine-initializers,util.initializer(cse),iree-util-fuse-globals,"
+    "iree-util-fold-globals,symbol-dce)"
+)
 
 
 def packer(
-    backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor] | None, gm: Any = None
+    backend: Any, mlir: str, parameters: Mapping[str, torch.Tensor] | None, gm: Any = None, *, functions: int = 1
 ) -> Callable[[Path], bytes | None] | None:
-    """`artifact.save`'s `pack` for a module compiled by `backend` from `mlir`, reading `parameters`: None
-    where the module packs nothing when it loads (no data tiling), or is built for a CPU this host cannot run
-    (the encoder is built for it too: the module packs its weights where it runs)."""
+    """`artifact.save`'s `pack` for a module compiled by `backend` from `mlir` (of that many public `functions`),
+    reading `parameters`: None where the module packs nothing when it loads (no data tiling), or is built for a
+    CPU this host cannot run (the encoder is built for it too: the module packs its weights where it runs)."""
     if not parameters or backend.target.name != "llvm-cpu" or DATA_TILING not in backend.perf_flags:
         return None
     if extra_flags(mlir):
@@ -64,7 +73,7 @@ def packer(
         return None
     if why_not_here(backend.cpu_requirement()) is not None:  # the encoder is code for that CPU: it runs there
         return None
-    return functools.partial(pack, backend, mlir, parameters, gm)
+    return functools.partial(pack, backend, mlir, parameters, gm, shared=functions > 1)
 
 
 def pack(
@@ -74,15 +83,18 @@ def pack(
     gm: Any,
     path: Path,
     also: Mapping[str, torch.Tensor] | None = None,
+    *,
+    shared: bool = False,
 ) -> bytes | None:
     """Write `parameters` to the .irpa at `path` as the module reads them, with `also` (key -> tensor, which
     the module does not read) as they are, and return that module; None, with a warning, where IREE cannot
-    split the packing out."""
+    split the packing out. `shared`: the module has several functions reading the same weights (each packed
+    weight written once: `SHARE_PACKED`)."""
     from fx_rewrites.backends.iree.importing import iree_modules
 
     iree = iree_modules()
     try:
-        main, encoder = compile_split(backend, iree, mlir, gm)
+        main, encoder = compile_split(backend, iree, mlir, gm, shared=shared)
         # what the module still reads by its own key (a weight the encoder left out, a state's initial value)
         kept = {key: parameters[key] for key in read_by_key(main, parameters)} | dict(also or {})
         with archive.replacing(path) as new:  # a module mapping the file now at `path` keeps its pages
@@ -110,18 +122,20 @@ class NothingToPack(Exception):
     """The module packs no weight when it starts: the archive is written as it is."""
 
 
-def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None) -> tuple[bytes, bytes]:
+def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None, *, shared: bool = False) -> tuple[bytes, bytes]:
     """`mlir` compiled by `backend` with its weights' packing split out: the module (reading the packed
-    weights) and the encoder module, each kept in the backend's compile cache."""
+    weights) and the encoder module, each kept in the backend's compile cache. `shared`: a weight several
+    functions pack alike is packed once (`SHARE_PACKED`)."""
     flags = (*backend.flags, *backend.perf_flags)
-    key = cache_key(mlir, (backend.target.name, *flags, *_SPLIT))
+    between = SHARE_PACKED if shared else None
+    key = cache_key(mlir, (backend.target.name, *flags, *_SPLIT, *([between] if between else [])))
     made: dict[str, bytes] = {}
 
     def both() -> bytes:
         with tempfile.TemporaryDirectory(prefix="fx-rewrites-encoder-") as tmp:
             text = Path(tmp) / "encoder.mlir"
             split = (*flags, *_SPLIT, f"--iree-parameter-encoder-output-file={text}")
-            main = backend._run_compiler(iree, mlir, gm, split)
+            main = backend._run_compiler(iree, mlir, gm, split, between=between)
             if not text.exists():  # IREE found nothing to pack (no matmul weights): no encoder
                 raise NothingToPack
             made["encoder"] = run_iree_compile(

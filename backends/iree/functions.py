@@ -267,7 +267,7 @@ def loaded(
         )
     embed = functools.partial(embedded, backend, functions, graph_module) if functions.parameters else None
     unsupported = next((c.unsupported for c in calls.values() if c.unsupported), "")
-    pack = packer(backend, functions.mlir, functions.parameters, graph_module)
+    pack = packer(backend, functions.mlir, functions.parameters, graph_module, functions=len(functions.plans))
     return IreeModule(calls, functions.vmfb, functions.mlir, functions.parameters, None, embed, unsupported, pack)
 
 

@@ -66,8 +66,22 @@ def default_timeout() -> float | None:
     return seconds
 
 
-def run_iree_compile(iree: Any, mlir: str, target_backend: str, flags: Sequence[str], timeout_s: float | None) -> bytes:
+#: the phase after which `run_iree_compile(between=...)` stops the compile, runs its passes and goes on
+BETWEEN_PHASE = "global-optimization"
+
+
+def run_iree_compile(
+    iree: Any,
+    mlir: str,
+    target_backend: str,
+    flags: Sequence[str],
+    timeout_s: float | None,
+    *,
+    between: str | None = None,
+) -> bytes:
     """The vmfb of `mlir` (torch dialect) built for `target_backend` with `flags`, within `timeout_s` seconds.
+    `between`: an `iree-opt` pass pipeline run on the module as it stands after `BETWEEN_PHASE` (the compile
+    then runs as iree-compile to that phase, iree-opt, and iree-compile from it, within the same limit).
 
     Raises `IreeCompilerFailed` (the compiler's stderr) when it exits with an
     error, `IreeCompileTimeout` when it runs past the limit, `IreeMemoryError`
@@ -83,7 +97,22 @@ def run_iree_compile(iree: Any, mlir: str, target_backend: str, flags: Sequence[
             if kept:
                 with open(kept, "w") as f:
                     f.write(text)
-        stdout, stderr, returncode = _communicate(command, mlir.encode(), timeout_s, mlir)
+        if between is None:
+            return _run(command, mlir.encode(), timeout_s, mlir)
+        start = time.monotonic()
+
+        def left() -> float | None:
+            return None if timeout_s is None else max(timeout_s - (time.monotonic() - start), 0.0)
+
+        middle = _run([*command, f"--compile-to={BETWEEN_PHASE}"], mlir.encode(), left(), mlir)
+        optimizer = core.find_tool("iree-opt")
+        middle = _run([optimizer, "-", f"--pass-pipeline={between}", "--mlir-print-debuginfo"], middle, left(), mlir)
+        return _run([*command, f"--compile-from={BETWEEN_PHASE}"], middle, left(), mlir)
+
+
+def _run(command: list[str], data: bytes, timeout_s: float | None, mlir: str) -> bytes:
+    """What `command` writes to stdout given `data`, within `timeout_s` seconds (`run_iree_compile`'s errors)."""
+    stdout, stderr, returncode = _communicate(command, data, timeout_s, mlir)
     if returncode == -signal.SIGKILL:  # not our limit (that raised already): the OOM killer, most likely
         raise killed_error(returncode)
     if returncode != 0:

@@ -80,6 +80,25 @@ def test_the_archive_holds_the_weights_packed_and_loads_mapped(model, tmp_path, 
     assert call["parameters"] == {"scope": "model"}
 
 
+def test_two_functions_reading_one_weight_save_it_once(model, tmp_path):
+    """Two functions (8 rows and 1 row, as prefill and decode) of one module read the same weights, each packed:
+    IREE hoists a packing per function and merges them only after the encoder is split out, so without
+    `encoding.SHARE_PACKED` the archive held each weight twice (docs/iree-3.13-findings.md "3X")."""
+    net, x = model
+    iree = fx_rewrites.backends.get("iree")
+    rows = {"many": x, "one": x[:1]}
+    programs = {name: fx_rewrites.apply(torch.export.export(net, (v,)), iree.rules).program for name, v in rows.items()}
+    module = iree.compile_module(programs, weights_as_parameters=True)
+    module.save(tmp_path / "net.vmfb", params=tmp_path / "net.irpa")
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    written = (tmp_path / "net.irpa").stat().st_size
+    assert weights <= written < 1.2 * weights, f"{written} bytes written for {weights} of weights"
+    loaded = iree.load_file(tmp_path / "net.vmfb", tuple(rows))
+    with torch.no_grad():
+        for name, v in rows.items():
+            torch.testing.assert_close(loaded.functions[name](v + 1), net(v + 1), rtol=1e-5, atol=1e-5)
+
+
 class Router(torch.nn.Module):
     """A Linear(256, 256) IREE packs, then a Linear(256, 4) as an MoE's router: packed for 2 rows (a decode
     step), its 4 rows pad to a tile of 16 (4x its size, past the 1.2x growth IREE's encoder accepts), so the
