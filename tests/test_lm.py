@@ -152,7 +152,7 @@ def test_save_and_load(llama, lm2, saved):
 
 def test_saved_weights_are_written_once(llama, saved):
     """The archive holds each weight once, though prefill and decode both read it packed: IREE hoists a packing
-    per function and merges them after the encoder is split out (docs/iree-3.13-findings.md "3X"), so without
+    per function and merges them after the encoder is split out (docs/iree-3.13-findings.md section 33), so without
     `encoding.SHARE_PACKED` the encoder wrote every packed weight twice (1.9x the weights here)."""
     from iree.runtime import ParameterIndex
 

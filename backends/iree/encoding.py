@@ -50,7 +50,7 @@ _SPLIT = ("--iree-parameter-encoder-mode=consolidate", f"--iree-parameter-encode
 #: a module of several functions (`compile_lm`'s prefill and decode) hoists the packing of a weight they share once
 #: per function, into initializers of their own; iree-compile merges them in its stream phase, after the encoder
 #: is split out, so the encoder would write each weight packed once per function (docs/iree-3.13-findings.md
-#: "3X"). Run after global optimization, this merges them first: the initializers as one, equal packings as one
+#: section 33). Run after global optimization, this merges them first: the initializers as one, equal packings as one
 #: value (cse), the globals it is stored into as one.
 SHARE_PACKED = (
     "builtin.module(iree-util-combine-initializers,util.initializer(cse),iree-util-fuse-globals,"

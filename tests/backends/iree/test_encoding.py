@@ -83,7 +83,7 @@ def test_the_archive_holds_the_weights_packed_and_loads_mapped(model, tmp_path, 
 def test_two_functions_reading_one_weight_save_it_once(model, tmp_path):
     """Two functions (8 rows and 1 row, as prefill and decode) of one module read the same weights, each packed:
     IREE hoists a packing per function and merges them only after the encoder is split out, so without
-    `encoding.SHARE_PACKED` the archive held each weight twice (docs/iree-3.13-findings.md "3X")."""
+    `encoding.SHARE_PACKED` the archive held each weight twice (docs/iree-3.13-findings.md section 33)."""
     net, x = model
     iree = fx_rewrites.backends.get("iree")
     rows = {"many": x, "one": x[:1]}
