@@ -120,7 +120,8 @@ _CPU_LOG = os.environ.get("FX_REWRITES_TESTS_CPU_LOG")
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With `FX_REWRITES_TESTS_CPU_LOG` set, record each test's CPU time (this process and the children it
     waited for: iree-compile, ranks, benchmark children) beside its wall time. On a loaded machine wall time
-    says little about what a test costs; CPU seconds add up to what CI's cores spend."""
+    says little about what a test costs; CPU seconds add up to what CI's cores spend. Each row also names the
+    phases that failed, so a long run's failures can be read while it goes on."""
     if not _CPU_LOG:
         yield
         return
@@ -138,6 +139,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         "test": item.nodeid,
         "cpu_s": round(cpu() - start_cpu, 2),
         "wall_s": round(time.perf_counter() - start_wall, 2),
+        "failed": item.stash.get(_FAILED_PHASES, []),
     }
     with open(f"{_CPU_LOG}.{_WORKER or 'main'}", "a") as log:
         log.write(json.dumps(row) + "\n")
+
+
+_FAILED_PHASES = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """The phases (setup, call, teardown) of `item` that failed, for the CPU log's row."""
+    report = (yield).get_result()
+    if _CPU_LOG and report.failed:
+        item.stash.setdefault(_FAILED_PHASES, []).append(report.when)
