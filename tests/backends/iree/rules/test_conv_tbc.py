@@ -44,7 +44,8 @@ def test_conv_tbc_exports_with_every_size_specialised():
 @pytest.mark.parametrize("pad", [0, 1])
 def test_conv_tbc_as_convolution(pad):
     module = TimeBatchChannels(pad).eval()
-    inputs = [(torch.randn(7, 2, 4),), (torch.randn(7, 2, 4) * 3 - 1,)]  # static sizes (see the test above)
+    g = torch.Generator().manual_seed(1)  # seeded: no input (and no error bound) depends on what ran before
+    inputs = [(torch.randn(7, 2, 4, generator=g),), (torch.randn(7, 2, 4, generator=g) * 3 - 1,)]  # static sizes
     ep = rt.export(module, *inputs[0])
     iree = backends.get("iree")
     with pytest.raises(IreeCompileError, match="doesn't match function result type"):
