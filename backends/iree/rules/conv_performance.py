@@ -254,6 +254,27 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     return c
 
 
+def _depthwise_operands(rw: Rewriter, found: dict[str, Any]) -> tuple[Node, Node, int, int]:
+    """A depthwise convolution's input padded, its weight as one [C, 1, 1] tap per kernel position ([C, kh kw,
+    1, 1]) and its output's rows and columns."""
+    x, w = found["input"], found["weight"]
+    channels, _, kh, kw = _val(w).shape
+    height, width = _val(x).shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = found["stride"], found["padding"], found["dilation"]
+    rows, cols = _out_size(height, kh, sh, ph, dh), _out_size(width, kw, sw, pw, dw)
+    if ph or pw:
+        x = rw.call(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0)
+    return x, rw.call(aten.reshape.default, w, [channels, kh * kw, 1, 1]), rows, cols
+
+
+def _replace_with_bias(node: Node, rw: Rewriter, total: Node, found: dict[str, Any]) -> None:
+    """`node` replaced by `total` plus the convolution's bias (per channel), if it has one."""
+    if found["bias"] is not None:
+        channels = _val(found["weight"]).shape[0]
+        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
+    rw.replace(node, total)
+
+
 @rule(
     roots=_CONVS,
     when=_depthwise,
@@ -267,14 +288,9 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     ),
 )
 def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
-    x, w = found["input"], found["weight"]
-    channels, _, kh, kw = _val(w).shape
-    height, width = _val(x).shape[2:]
-    (sh, sw), (ph, pw), (dh, dw) = found["stride"], found["padding"], found["dilation"]
-    rows, cols = _out_size(height, kh, sh, ph, dh), _out_size(width, kw, sw, pw, dw)
-    if ph or pw:
-        x = rw.call(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0)
-    taps = rw.call(aten.reshape.default, w, [channels, kh * kw, 1, 1])
+    x, taps, rows, cols = _depthwise_operands(rw, found)
+    kh, kw = _val(found["weight"]).shape[2:]
+    (sh, sw), (dh, dw) = found["stride"], found["dilation"]
     chains: list[Node] = []
     chain, length = None, 0
     for i in range(kh):
@@ -291,9 +307,7 @@ def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -
     total = chains[0]
     for more in chains[1:]:
         total = rw.call(aten.add.Tensor, more, total)
-    if found["bias"] is not None:
-        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
-    rw.replace(node, total)
+    _replace_with_bias(node, rw, total, found)
 
 
 #: the most kernel taps `depthwise_conv_as_row_partials` writes out: 7x7 (ConvNeXt), the size measured
@@ -327,14 +341,9 @@ def _large_depthwise(node: Node) -> dict[str, Any] | Miss:
     ),
 )
 def depthwise_conv_as_row_partials(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
-    x, w = found["input"], found["weight"]
-    channels, _, kh, kw = _val(w).shape
-    height, width = _val(x).shape[2:]
-    (ph, pw), (dh, dw) = found["padding"], found["dilation"]
-    rows, cols = _out_size(height, kh, 1, ph, dh), _out_size(width, kw, 1, pw, dw)
-    if ph or pw:
-        x = rw.call(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0)
-    taps = rw.call(aten.reshape.default, w, [channels, kh * kw, 1, 1])
+    x, taps, rows, cols = _depthwise_operands(rw, found)  # stride 1 (`_large_depthwise`)
+    kh, kw = _val(found["weight"]).shape[2:]
+    dh, dw = found["dilation"]
     total = None
     for i in range(kh):
         partial = None
@@ -344,9 +353,7 @@ def depthwise_conv_as_row_partials(node: Node, rw: Rewriter, *, found: dict[str,
             partial = term if partial is None else rw.call(aten.add.Tensor, partial, term)
         shifted = _window(rw, partial, 2, i * dh, rows, 1)
         total = shifted if total is None else rw.call(aten.add.Tensor, total, shifted)
-    if found["bias"] is not None:
-        total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
-    rw.replace(node, total)
+    _replace_with_bias(node, rw, total, found)
 
 
 # ----------------------------------------------------------------------------- grouped as one per group
