@@ -134,5 +134,6 @@ def test_on_iree_with_a_dim():
     result = fx_rewrites.apply(rt.export(CachedCausal(), *CAUSAL[0], dynamic_shapes=CAUSAL_DIMS), iree.rules)
     rt.assert_fired(result, attention_by_key_blocks)
     fn = iree.compile(result.program, CAUSAL[0])
+    # measured: IREE within 2.4e-7 of eager, and as close to a float64 run (5.1e-7) as torch's float32 (4.1e-7)
     for args in CAUSAL:
-        torch.testing.assert_close(fn(*args), CachedCausal()(*args), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fn(*args), CachedCausal()(*args), rtol=1e-5, atol=1e-5)
