@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.pooling import _per_dim, _times, _window_bounds
+from fx_rewrites.backends.iree.rules.pooling import per_dim, times, window_bounds
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
@@ -30,7 +30,7 @@ def _indices_used_on_dim_map(node: Node, *, args: Mapping[str, Any]) -> dict[str
     x = args["self"].meta["val"]
     if all(isinstance(size, int) for size in x.shape[-2:]):
         return Miss("static map sizes (IREE lowers it)")
-    output_size = _per_dim(args["output_size"], 2, [])
+    output_size = per_dim(args["output_size"], 2, [])
     if not all(isinstance(size, int) for size in output_size) or output_size == [1, 1]:
         return Miss(f"output size {output_size}: (1, 1) is torch's decomposition's (legalize.PARTIAL_FORMS)")
     if not any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users):
@@ -69,19 +69,19 @@ def adaptive_max_pool2d_indices_for_iree(node: Node, rw: Rewriter, *, found: dic
     lead = [rw.size(x, d) for d in range(rank - 2)]
     height, width = rw.size(x, rank - 2), rw.size(x, rank - 1)
     values, indices = [], []
-    for top, bottom in _window_bounds(rw, height, out_h):
+    for top, bottom in window_bounds(rw, height, out_h):
         band = rw.call(aten.slice.Tensor, x, rank - 2, top, bottom)
-        for left, right in _window_bounds(rw, width, out_w):
+        for left, right in window_bounds(rw, width, out_w):
             window = rw.call(aten.slice.Tensor, band, rank - 1, left, right)
             window = rw.call(aten.clone.default, window, memory_format=torch.contiguous_format)
             wide = _minus(rw, right, left)
-            flat = rw.call(aten.reshape.default, window, [*lead, _times(rw, _minus(rw, bottom, top), wide)])
+            flat = rw.call(aten.reshape.default, window, [*lead, times(rw, _minus(rw, bottom, top), wide)])
             values.append(rw.call(aten.amax.default, flat, [-1], True))
             k = rw.call(aten.argmax.default, flat, -1, True)
             row = rw.call(aten.div.Scalar_mode, k, wide, rounding_mode="floor")
             col = rw.call(aten.remainder.Scalar, k, wide)
             index = rw.call(aten.add.Tensor, rw.call(aten.mul.Scalar, row, width), col)
-            start = _plus(rw, 0 if top == 0 else _times(rw, top, width), left)  # the window's first position
+            start = _plus(rw, 0 if top == 0 else times(rw, top, width), left)  # the window's first position
             indices.append(index if isinstance(start, int) and start == 0 else rw.call(aten.add.Scalar, index, start))
 
     def grid(cells: list[Node]) -> Node:

@@ -55,7 +55,7 @@ _MAX_POOLS_WITH_INDICES = {
 POOLS_BY_RANK = {**_POOLS, **_MAX_POOLS_WITH_INDICES}
 
 
-def _per_dim(value: Any, n: int, default: list[int]) -> list[int]:
+def per_dim(value: Any, n: int, default: list[int]) -> list[int]:
     """A pooling argument (int, or list of 1 or n) as n ints; `default` when empty."""
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return list(default)
@@ -82,10 +82,10 @@ def _ceil_pool(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
     if not args.get("ceil_mode", False):
         return Miss("ceil_mode=False")
     n = _POOLS[node.target]
-    kernel = _per_dim(args["kernel_size"], n, [])
-    stride = _per_dim(args.get("stride"), n, kernel)
-    pad = _per_dim(args.get("padding", 0), n, [0] * n)
-    dilation = _per_dim(args.get("dilation", 1), n, [1] * n)
+    kernel = per_dim(args["kernel_size"], n, [])
+    stride = per_dim(args.get("stride"), n, kernel)
+    pad = per_dim(args.get("padding", 0), n, [0] * n)
+    dilation = per_dim(args.get("dilation", 1), n, [1] * n)
     span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
     sizes = args["self"].meta["val"].shape[-n:]
     # a window wider than the padded input: one output, over all of it (torch allows no second one)
@@ -193,10 +193,10 @@ def _pool_args(node: Node) -> dict[str, Any]:
     """A pooling's arguments by name, with kernel, stride, padding, dilation and window span as n ints."""
     named = schema.arguments(node)
     n = POOLS_BY_RANK[node.target]
-    kernel = _per_dim(named["kernel_size"], n, [])
-    stride = _per_dim(named.get("stride"), n, kernel)
-    pad = _per_dim(named.get("padding", 0), n, [0] * n)
-    dilation = _per_dim(named.get("dilation", 1), n, [1] * n)
+    kernel = per_dim(named["kernel_size"], n, [])
+    stride = per_dim(named.get("stride"), n, kernel)
+    pad = per_dim(named.get("padding", 0), n, [0] * n)
+    dilation = per_dim(named.get("dilation", 1), n, [1] * n)
     span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
     return {**named, "n": n, "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation, "span": span}
 
@@ -241,7 +241,8 @@ def _single_window(node: Node) -> dict[str, Any] | Miss:
     return {**found, "dims": dims}
 
 
-def _times(rw: Rewriter, a: Any, b: Any) -> Any:
+def times(rw: Rewriter, a: Any, b: Any) -> Any:
+    """a * b: an int where both are, else an operator.mul node (a symbolic size)."""
     return a * b if isinstance(a, int) and isinstance(b, int) else rw.call(operator.mul, a, b)
 
 
@@ -264,7 +265,7 @@ def _reindex(rw: Rewriter, index: Node, cut: list[Any], full: list[Any], shift: 
     for coord, size in zip(reversed(coords), reversed(full)):
         term = coord if isinstance(stride, int) and stride == 1 else rw.call(aten.mul.Scalar, coord, stride)
         flat = term if flat is None else rw.call(aten.add.Tensor, flat, term)
-        stride = _times(rw, stride, size)
+        stride = times(rw, stride, size)
     return flat
 
 
@@ -312,7 +313,7 @@ def pool_single_window_for_iree(node: Node, rw: Rewriter, *, found: dict[str, An
 def _adaptive_values_only(node: Node, *, args: Mapping[str, Any]) -> dict[str, Any] | Miss:
     if all(isinstance(size, int) for size in args["self"].meta["val"].shape[-2:]):
         return Miss("static map sizes (IREE lowers it)")
-    output_size = _per_dim(args["output_size"], 2, [])
+    output_size = per_dim(args["output_size"], 2, [])
     if not all(isinstance(size, int) for size in output_size) or output_size == [1, 1]:
         return Miss(f"output size {output_size}: (1, 1) is torch's decomposition's (legalize.PARTIAL_FORMS)")
     if any(user.target is not operator.getitem or (user.args[1] != 0 and user.users) for user in node.users):
@@ -320,7 +321,7 @@ def _adaptive_values_only(node: Node, *, args: Mapping[str, Any]) -> dict[str, A
     return args
 
 
-def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
+def window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
     """torch's adaptive windows over `size` positions: [floor(i * size / out), ceil((i + 1) * size / out))."""
 
     def floordiv(a: Any, b: int) -> Any:
@@ -330,7 +331,7 @@ def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
         return a + b if isinstance(a, int) or b == 0 else rw.call(operator.add, a, b)
 
     return [
-        (floordiv(_times(rw, i, size), out), floordiv(plus(_times(rw, i + 1, size), out - 1), out)) for i in range(out)
+        (floordiv(times(rw, i, size), out), floordiv(plus(times(rw, i + 1, size), out - 1), out)) for i in range(out)
     ]
 
 
@@ -348,15 +349,15 @@ def _window_bounds(rw: Rewriter, size: Any, out: int) -> list[tuple[Any, Any]]:
 def adaptive_max_pool2d_values_for_iree(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> None:
     x = found["self"]
     rank = x.meta["val"].dim()
-    out_h, out_w = _per_dim(found["output_size"], 2, [])
+    out_h, out_w = per_dim(found["output_size"], 2, [])
     rows = [
         rw.call(aten.amax.default, rw.call(aten.slice.Tensor, x, rank - 2, start, end), [rank - 2], True)
-        for start, end in _window_bounds(rw, rw.size(x, rank - 2), out_h)
+        for start, end in window_bounds(rw, rw.size(x, rank - 2), out_h)
     ]
     y = rw.call(aten.cat.default, rows, rank - 2) if len(rows) > 1 else rows[0]
     cols = [
         rw.call(aten.amax.default, rw.call(aten.slice.Tensor, y, rank - 1, start, end), [rank - 1], True)
-        for start, end in _window_bounds(rw, rw.size(x, rank - 1), out_w)
+        for start, end in window_bounds(rw, rw.size(x, rank - 1), out_w)
     ]
     y = rw.call(aten.cat.default, cols, rank - 1) if len(cols) > 1 else cols[0]
     for user in list(node.users):
