@@ -22,6 +22,7 @@ from torch.fx import Node
 from fx_rewrites.backends.iree.rules import (
     arguments,
     attention,
+    complex_fills,
     conv_tbc,
     counting_sort,
     empty,
@@ -292,6 +293,7 @@ RULES = RuleSet(
         select_scatter_index_for_iree,
         *arguments.RULES,
         *empty.RULES,
+        *complex_fills.RULES,
         *float_scalars.RULES,
         *int_matmul.RULES,
         *conv_tbc.RULES,
