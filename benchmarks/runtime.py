@@ -40,13 +40,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cpu_isa
-
-os.environ["FX_REWRITES_IREE_CACHE"] = "off"  # compile times from an empty cache (the disk cache is on by default)
-
 import attrs
+import cpu_isa
 import torch
 from runtime_models import MODELS, QUICK, Spec
 from torch.utils import _pytree as pytree
@@ -318,6 +316,14 @@ def write_docs(text: str, mode: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Compile times from an empty cache: the disk cache (on by default) is off while this runs, and the
+    environment is restored after it (a test that imports this module and calls `main` in its process keeps its
+    own cache for the tests after it)."""
+    with mock.patch.dict(os.environ, {"FX_REWRITES_IREE_CACHE": "off"}):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--mode", choices=("wall", "cpu1"), default="cpu1")

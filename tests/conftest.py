@@ -87,6 +87,22 @@ def _torch_threads_kept():
     )
 
 
+@pytest.fixture(autouse=True)
+def _session_compile_cache_kept():
+    """A test that changes `FX_REWRITES_IREE_CACHE` for good takes the session's compile cache from every test
+    after it in its process, and from the processes they start: once benchmarks/runtime.py, imported by a test,
+    turned it off at import, and every later test of that pytest worker compiled from scratch (the
+    tensor-parallel ranks each compiled their common module, with no cache to wait on). Put back, and the test
+    fails naming it."""
+    yield
+    left = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = _SESSION_CACHE
+    assert left == _SESSION_CACHE, (
+        f"the test left {CACHE_ENV}={left!r}, not the session's compile cache {_SESSION_CACHE!r}: set it with "
+        "monkeypatch.setenv (or the no_compile_cache fixture), which puts it back"
+    )
+
+
 #: the memory one worker may take at its peak (a tiny LM's compile, a zoo model and its eager reference)
 _WORKER_MEMORY = 6 << 30
 
