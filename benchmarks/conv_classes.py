@@ -86,6 +86,8 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
     "mobilenet_v2 (depthwise 3x3), 1x3x224x224": _torchvision("mobilenet_v2", (1, 3, 224, 224)),
     "convnext_tiny (depthwise 7x7), 1x3x224x224": _torchvision("convnext_tiny", (1, 3, 224, 224)),
     "resnext50_32x4d (grouped, 32 groups), 1x3x224x224": _torchvision("resnext50_32x4d", (1, 3, 224, 224)),
+    "efficientnet_b0 (depthwise 3x3, 5x5), 1x3x224x224": _torchvision("efficientnet_b0", (1, 3, 224, 224)),
+    "mobilenet_v3_large (depthwise 3x3, 5x5), 1x3x224x224": _torchvision("mobilenet_v3_large", (1, 3, 224, 224)),
 }
 
 

@@ -63,31 +63,43 @@ def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
 
 
 def add_without_argument(parser: argparse.ArgumentParser) -> None:
-    """`--also-without FLAG[,FLAG]`: also the route without the ISA's performance flags that contain each FLAG (a
-    substring: `im2col`, `ukernels`), timed in the same interleaved rounds (`without`)."""
+    """`--also-without FLAG|RULE[,...]`: also the route without the ISA's performance flags that contain each FLAG (a
+    substring: `im2col`, `ukernels`), or without the performance rule named RULE, timed in the same interleaved
+    rounds (`without`)."""
     parser.add_argument(
         "--also-without",
         default="",
-        metavar="FLAG[,FLAG]",
-        help="also time the route without each of the ISA's performance flags containing FLAG (e.g. im2col), "
-        "in the same rounds",
+        metavar="FLAG|RULE[,...]",
+        help="also time the route without each of the ISA's performance flags containing FLAG (e.g. im2col), or "
+        "without the ISA's performance rule RULE (e.g. depthwise_conv_as_row_partials), in the same rounds",
     )
 
 
 def without(backend: Any, spec: str) -> dict[str, Any]:
-    """For each comma-separated substring of `spec`: the label `-<substring>` and `backend` without the performance
-    flags containing it (a fresh compile cache). Raises where a substring names none of its flags."""
+    """For each comma-separated part of `spec`: the label `-<part>` and `backend` without the ISA's performance rule
+    of that name, or else without its performance flags containing it (a substring), with a fresh compile cache.
+    Raises where a part names none of its rules and none of its flags."""
     import attrs
 
     from fx_rewrites.backends.iree import CompileCache
+    from fx_rewrites.backends.iree.rules import performance
+    from fx_rewrites.ruleset import Phases
 
+    perf = performance.for_target(backend.target.name, backend.target.isa)
     out: dict[str, Any] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        if part in perf.names():  # a rule: the phases with the ISA's performance set less that rule
+            sets = [perf.without(part) if s is perf else s for s in backend.rules.sets]
+            out[f"-{part}"] = attrs.evolve(backend, rules=Phases(*sets, name=backend.rules.name), cache=CompileCache())
+            continue
         kept = tuple(f for f in backend.perf_flags if part not in f)
         if len(kept) == len(backend.perf_flags):
-            raise SystemExit(f"--also-without {part}: none of the ISA's flags contains it: {backend.perf_flags}")
+            raise SystemExit(
+                f"--also-without {part}: no performance rule of the ISA has that name ({perf.names()}) and none of "
+                f"its flags contains it ({backend.perf_flags})"
+            )
         out[f"-{part}"] = attrs.evolve(backend, perf_flags=kept, cache=CompileCache())
     return out
 

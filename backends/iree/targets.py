@@ -58,7 +58,11 @@ _CHANNELS_LAST = (
 )
 #: 2-D convolutions as im2col + matmul (iree-org/iree#22674), in GlobalOptimization: the matmul then takes data
 #: tiling. ResNet-50, one thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids): AVX2 (znver3) 5.2x -> 1.0x
-#: eager, AVX-512 1.41x -> 1.08x (docs/performance.md, "Per ISA")
+#: eager, AVX-512 1.41x -> 1.08x (docs/performance.md, "Per ISA"). On both ISAs by the locked model runs (with the
+#: mmt4d ukernel on AVX-512), without -> with it: ResNet-50 1.21 -> 0.89 (AVX-512), 6.06 -> 0.93 (AVX2), ResNeXt-50
+#: 2.94 -> 1.21 and 2.11 -> 1.13, ConvNeXt-T level; MobileNetV2 5-9% slower with it (0.63-0.75 -> 0.69-0.80). On
+#: AVX-512 it slows 3x3 and 7x7 convolutions alone and speeds the 1x1s over many channels (1024->256 on 14x14: 8.5x
+#: -> 1.24x eager): a scope finer than the ISA (docs/performance.md, "im2col and the row partials per ISA, models")
 _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: the data-tiled matmuls (`linalg.mmt4d`) through IREE's hand-written microkernel instead of its generated code.
 #: AVX-512 only. One thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids), unlocked probes at load 6-10, IREE
@@ -108,9 +112,11 @@ _CONV_RULES = (
     "conv3d_as_conv2d_over_frames",
     "grouped_conv_as_convs",
     "depthwise_conv_as_taps",
+    "depthwise_conv_as_row_partials",
 )
-# not on for either ISA yet: `depthwise_conv_as_row_partials` (a 7x7 depthwise 3-4x faster as one op, ConvNeXt-T
-# level on AVX2 in one unlocked run, not measured on AVX-512's: docs/performance.md, "im2col with the ukernel")
+# `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
+# without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
+# 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",

@@ -80,5 +80,22 @@ def test_also_without_drops_the_named_flags(modules):
     assert len(routes["-channels-last"].perf_flags) == len(backend.perf_flags) - 1
     assert routes["-data-tiling"].rules is backend.rules and routes["-data-tiling"].cache is not backend.cache
     assert cpu_isa.without(backend, "") == {}
-    with pytest.raises(SystemExit, match="--also-without no-such-flag: none of the ISA's flags"):
+    with pytest.raises(SystemExit, match="--also-without no-such-flag: no performance rule of the ISA has that name"):
         cpu_isa.without(backend, "no-such-flag")
+
+
+def test_also_without_a_rule_drops_that_rule_only(modules):
+    """`--also-without depthwise_conv_as_taps`: the route with the ISA's performance phase less that rule, the
+    other phases and the flags kept."""
+    import cpu_isa
+
+    from fx_rewrites.backends.iree.rules import performance
+
+    backend = cpu_isa.backend("avx512")
+    perf = performance.for_target("llvm-cpu", "avx512")
+    route = cpu_isa.without(backend, "depthwise_conv_as_taps")["-depthwise_conv_as_taps"]
+    assert route.perf_flags == backend.perf_flags and route.cache is not backend.cache
+    names = [rule.name for rule in route.rules]
+    assert names == [rule.name for rule in backend.rules if rule.name != "depthwise_conv_as_taps"]
+    assert "depthwise_conv_as_taps" in perf.names() and "depthwise_conv_as_taps" not in names
+    assert route.rules.name == backend.rules.name and len(route.rules.sets) == len(backend.rules.sets)

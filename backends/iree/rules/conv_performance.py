@@ -14,8 +14,9 @@
   element-wise dispatches (IREE's depthwise convolution: 2-3x eager).
 - `depthwise_conv_as_row_partials`: a larger one (up to 7x7, stride 1) as
   a width partial per kernel row, its rows shifted, summed (7x7: IREE's
-  convolution 3.5-4.6x eager, the partials about 1.2x). On for no ISA yet
-  (`targets.CPU_ISAS`): ConvNeXt-T was level with it in one unlocked run.
+  convolution 3.5-4.6x eager, the partials about 1.2x). On for both ISAs
+  (`targets.CPU_ISAS`): ConvNeXt-T, EfficientNet-B0 and MobileNetV3-L
+  faster with it (AVX2's ConvNeXt-T by 1-4%, the others 11-19%).
 - `grouped_conv_as_convs`: a grouped convolution as one convolution per
   group, concatenated (IREE's grouped convolution: 12x eager).
 

@@ -29,6 +29,29 @@ def test_every_isa_names_rules_that_exist_and_flags_iree_takes():
     assert performance.for_target("vulkan-spirv").names() == ["attention_as_matmul_softmax"]
 
 
+#: what the model runs chose per ISA (docs/performance.md, "im2col and the depthwise row partials per ISA, whole
+#: models"): the flag or rule, and whether each ISA takes it
+MEASURED_CHOICES = {
+    "--iree-global-opt-use-im2col-for-convs": {"avx512": True, "avx2": True},  # ResNet-50 1.4x / 6.5x slower without
+    "--iree-llvmcpu-enable-ukernels=mmt4d": {"avx512": True, "avx2": False},  # level or slower on AVX2
+    "depthwise_conv_as_row_partials": {"avx512": True, "avx2": True},  # ConvNeXt-T faster with it on both
+}
+
+
+@pytest.mark.parametrize("choice", list(MEASURED_CHOICES))
+def test_each_isa_takes_the_flags_and_rules_measured_for_it(choice):
+    """The llvm-cpu target of each ISA, and a backend built on it, carry the flags and performance rules its own
+    measurements chose: `llvm_cpu("avx2")` and `llvm_cpu("avx512")` differ where the measurements did."""
+    for isa, taken in MEASURED_CHOICES[choice].items():
+        backend = IreeBackend(target=t.llvm_cpu(isa))
+        if choice.startswith("--"):
+            assert (choice in t.llvm_cpu(isa).perf_flags) is taken, (isa, t.llvm_cpu(isa).perf_flags)
+            assert (choice in backend.perf_flags) is taken, (isa, backend.perf_flags)
+        else:
+            assert (choice in performance.for_target("llvm-cpu", isa).names()) is taken, isa
+            assert (choice in [rule.name for rule in backend.rules]) is taken, isa
+
+
 def test_the_target_of_an_isa_compiles_for_this_cpu_where_it_has_the_isa():
     host = t.host_isa()
     for name, isa in t.CPU_ISAS.items():
