@@ -17,6 +17,8 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
+  `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
+  the weights run in each call instead of once at load into copies the module keeps);
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
 One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
 at each token it receives): prefill = the time to the first token, decode = each later token's step (the
@@ -112,7 +114,8 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks
         rules = backend.rules.without("attention_by_key_blocks")
-    return IreeBackend(driver="local-sync", rules=rules, flags=flags)
+    perf = (*backend.perf_flags, "--iree-opt-const-expr-hoisting=false") if sort == "no-hoist" else backend.perf_flags
+    return IreeBackend(driver="local-sync", rules=rules, flags=flags, perf_flags=perf)
 
 
 def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
@@ -268,7 +271,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument(
-        "--routes", nargs="+", choices=["counting", "ranks", "whole-attention", "eager"], default=["counting", "eager"]
+        "--routes",
+        nargs="+",
+        choices=["counting", "ranks", "whole-attention", "no-hoist", "eager"],
+        default=["counting", "eager"],
     )
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
     parser.add_argument("--rounds", type=int, default=3)
