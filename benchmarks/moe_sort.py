@@ -30,8 +30,9 @@ process's high-water mark reset (/proc/self/clear_refs) before a prompt's warm-u
 (the compile's peak is not counted; per route only without `--interleave`); `resident_before_mb`: the resident
 set at that reset (what the calls add is the peak less it). Every route's tokens are printed
 (a route whose tokens differ from eager's says so).
-`--isa avx2`: the children run torch with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and IREE compiled
-for znver3 (AVX2, no AVX-512), the way an AVX2 machine runs both.
+`--isa avx2`: the children run torch held to AVX2 and IREE compiled for the AVX2 target, as `benchmarks/cpu_isa.py`
+does it (znver3 without AMD's SSE4a, `cpu_isa.AVX2_ENV`; the child checks torch's capability), the way an AVX2
+machine runs both.
 `--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of the flattened
 ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt, ranks vs counting.
 """
@@ -50,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +79,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                           head_dim=128, intermediate_size=6144, moe_intermediate_size=768),
 }  # fmt: skip
 
-#: --isa avx2: what the children run with
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-AVX2_CPU = "znver3"
-
 
 def build(experts: int, top: int, max_len: int, impl: str = "grouped_mm", shape: str = "small") -> Any:
     sys.path.insert(0, str(ROOT))
@@ -104,18 +102,20 @@ def _prompt(length: int) -> torch.Tensor:
 
 def iree_backend(sort: str, isa: str = "host") -> Any:
     """IREE local-sync with the experts' sort as a counting sort (`counting`, the default rules) or as ranks
-    (`ranks`: the counting sort left out, as before it existed); `isa` avx2: code for znver3."""
+    (`ranks`: the counting sort left out, as before it existed); `isa` avx2: `cpu_isa`'s AVX2 target (znver3
+    without SSE4a: with it LLVM emits AMD's `insertq`, and the module died of SIGILL on this Intel host)."""
     from fx_rewrites.backends.iree import IreeBackend
 
-    backend = IreeBackend(driver="local-sync")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import cpu_isa
+
+    backend = cpu_isa.backend("avx2", driver="local-sync") if isa == "avx2" else IreeBackend(driver="local-sync")
     flags = backend.flags
-    if isa == "avx2":
-        flags = tuple(f"--iree-llvmcpu-target-cpu={AVX2_CPU}" if "target-cpu=" in f else f for f in flags)
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks
         rules = backend.rules.without("attention_by_key_blocks")
     perf = (*backend.perf_flags, "--iree-opt-const-expr-hoisting=false") if sort == "no-hoist" else backend.perf_flags
-    return IreeBackend(driver="local-sync", rules=rules, flags=flags, perf_flags=perf)
+    return attrs.evolve(backend, rules=rules, flags=flags, perf_flags=perf)
 
 
 def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
@@ -148,6 +148,10 @@ def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
 def child(args: argparse.Namespace) -> None:
     """Every route of `args.routes` on one model, interleaved: round after round, prompt after prompt."""
     torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import cpu_isa
+
+    cpu_isa.check(args.isa)  # torch at the ISA's width (the child's environment took)
     max_len = max(args.prompts) + args.decode + 1
     model = build(args.experts[0], args.top[0], max_len, args.impl, args.shape)
     runs = {route: _runner(route, model, max_len, args.isa) for route in args.routes}
@@ -290,7 +294,10 @@ def main() -> None:
     if args.micro:
         return micro(args)
     print(f"# {_cpu()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
-    env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import cpu_isa
+
+    env = {**os.environ, **(cpu_isa.AVX2_ENV if args.isa == "avx2" else {})}
     for experts in args.experts:
         for top in args.top:
             for routes in [args.routes] if args.interleave else [[route] for route in args.routes]:
