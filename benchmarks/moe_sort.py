@@ -18,7 +18,8 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
-  the weights run in each call instead of once at load into copies the module keeps);
+  the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
+  rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`;
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
 One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
 at each token it receives): prefill = the time to the first token, decode = each later token's step (the
@@ -114,7 +115,9 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks
         rules = backend.rules.without("attention_by_key_blocks")
-    perf = (*backend.perf_flags, "--iree-opt-const-expr-hoisting=false") if sort == "no-hoist" else backend.perf_flags
+    extra = {"no-hoist": ("--iree-opt-const-expr-hoisting=false",),
+             "min-peak-memory": ("--iree-stream-partitioning-favor=min-peak-memory",)}  # fmt: skip
+    perf = (*backend.perf_flags, *extra.get(sort, ()))
     return attrs.evolve(backend, rules=rules, flags=flags, perf_flags=perf)
 
 
@@ -277,7 +280,7 @@ def main() -> None:
     parser.add_argument(
         "--routes",
         nargs="+",
-        choices=["counting", "ranks", "whole-attention", "no-hoist", "eager"],
+        choices=["counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "eager"],
         default=["counting", "eager"],
     )
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
