@@ -56,6 +56,10 @@ import attrs
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import cpu_isa  # noqa: E402
+from benchmarks.cpu_isa import AVX2_ENV  # noqa: E402  (--isa avx2: what the children run with; moe_block.py too)
 
 
 def _hwm_reset() -> None:
@@ -107,9 +111,6 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     without SSE4a: with it LLVM emits AMD's `insertq`, and the module died of SIGILL on this Intel host)."""
     from fx_rewrites.backends.iree import IreeBackend
 
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import cpu_isa
-
     backend = cpu_isa.backend("avx2", driver="local-sync") if isa == "avx2" else IreeBackend(driver="local-sync")
     flags = backend.flags
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
@@ -151,9 +152,6 @@ def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
 def child(args: argparse.Namespace) -> None:
     """Every route of `args.routes` on one model, interleaved: round after round, prompt after prompt."""
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import cpu_isa
-
     cpu_isa.check(args.isa)  # torch at the ISA's width (the child's environment took)
     max_len = max(args.prompts) + args.decode + 1
     model = build(args.experts[0], args.top[0], max_len, args.impl, args.shape)
@@ -297,10 +295,7 @@ def main() -> None:
     if args.micro:
         return micro(args)
     print(f"# {_cpu()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import cpu_isa
-
-    env = {**os.environ, **(cpu_isa.AVX2_ENV if args.isa == "avx2" else {})}
+    env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
     for experts in args.experts:
         for top in args.top:
             for routes in [args.routes] if args.interleave else [[route] for route in args.routes]:
