@@ -99,6 +99,7 @@ class CpuIsa:
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
 _TRANSFORMER_RULES = (
+    "attention_one_query_as_grouped_sums",
     "attention_by_head_groups",
     "attention_by_key_blocks",
     "attention_as_matmul_softmax",

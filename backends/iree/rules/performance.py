@@ -10,6 +10,9 @@ on every model it fires on (docs/performance.md has the table).
   Its scores are scaled after `q @ k^T` and its softmax comes before `@ v`.
 - `attention_by_head_groups`: llvm-cpu. Attention whose scores exceed a
   core's cache is computed in groups of heads whose scores fit (Whisper).
+- `attention_one_query_as_grouped_sums` (backends/iree/rules/attention_decode.py):
+  llvm-cpu. One query row (a decode step) per key-value head as multiplies
+  and sums over the cache in place: no repeat of the keys, no packing.
 - `attention_by_key_blocks` (backends/iree/rules/attention_blocks.py):
   llvm-cpu. Masked attention over long static keys, a block of keys at a
   time over the query rows the block's mask lets in (a causal prefill over
@@ -49,6 +52,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
+from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
@@ -388,6 +392,7 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
 #: every performance rule, by name (benchmarks/runtime.py measures each)
 ALL = RuleSet(
     [
+        attention_one_query_as_grouped_sums,
         attention_by_head_groups,
         attention_by_key_blocks,
         attention_as_matmul_softmax,
