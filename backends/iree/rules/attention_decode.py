@@ -7,7 +7,7 @@ per key-value head, the query heads of its group as rows: the scores `(q * k).su
 `(p * v).sum(-2)`, which IREE runs as reductions reading the keys and values where they lie (no copy, no pack), with
 the softmax's maximum and sum between, normalized after; a row whose mask lets no key through gives 0, as torch 2.13
 CPU eager. One decode attention alone (benchmarks/decode_attention.py, docs/performance.md): 8 heads over 4 of 64,
-2049 keys, 2.30 -> 0.79 ms; 32 heads over 4 of 128, 1041 keys, 18.4 -> 0.96 ms.
+2049 keys, 2.34 -> 0.78 ms; 32 heads over 4 of 128, 1041 keys, 18.6 -> 0.90 ms (eager 0.37, 0.65).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _one_query(node: Node) -> Attention | Miss:
         "grouped-query heads by enable_gqa) is written per key-value head with the query heads of its group as rows: "
         "scores (q * k).sum(-1), output (p * v).sum(-2) over the keys and values in place (IREE 3.13 then neither "
         "repeats them per query head nor packs them every step), the softmax normalized after; a fully masked row "
-        "gives 0. One decode attention, IREE llvm-cpu: 8 heads over 4 of 64, 2049 keys 2.30 -> 0.79 ms; 32 over 4 of "
-        "128, 1041 keys 18.4 -> 0.96 ms (eager 0.36, 0.69)."
+        "gives 0. One decode attention, IREE llvm-cpu: 8 heads over 4 of 64, 2049 keys 2.34 -> 0.78 ms; 32 over 4 of "
+        "128, 1041 keys 18.6 -> 0.90 ms (eager 0.37, 0.65)."
     ),
 )
 def attention_one_query_as_grouped_sums(node: Node, rw: Rewriter, *, found: Attention) -> Any:
