@@ -26,10 +26,10 @@ def modules():
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_conv_classes_one_op(modules, capsys):
+def test_conv_classes_one_op(modules, capfd):
     conv_classes, _ = modules
     assert conv_classes.main(["--cases", "g8", "--rounds", "1", "--no-inductor"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| grouped"))
     assert "grouped_conv_as_convs" in row and "not close" not in out, out
 

@@ -26,13 +26,13 @@ def benchmarks():
 
 
 @pytest.mark.slow
-def test_quick_run_prints_the_table_and_plots(benchmarks, capsys, tmp_path):
+def test_quick_run_prints_the_table_and_plots(benchmarks, capfd, tmp_path):
     runtime, _ = benchmarks
     plot = tmp_path / "runtime.png"
     threads = torch.get_num_threads()
     assert runtime.main(["--quick", "--models", "bert", "--plot", str(plot)]) == 0
     assert torch.get_num_threads() == threads  # the zoo's eager references ran on one thread after it once
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| bert |")]
     assert len(rows) == 2, out  # the times row and the compile-stages row
     assert "| yes (" in rows[0] and "attention_as_matmul_softmax" in rows[0], rows[0]
