@@ -14,6 +14,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
+from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
 aten = torch.ops.aten
 RULE = attention_one_query_as_grouped_sums
@@ -45,16 +46,6 @@ def _inputs(keys: int, seed: int, heads: int = 8, kv_heads: int = 2, batch: int 
     )
 
 
-def _assert_within_torch_error(got_of, module, inputs) -> None:
-    """On each input set, `got_of(*args)` is as near a float64 run of `module` as eager float32 is, within a step."""
-    for args in inputs:
-        exact = module(*(a.double() if a.is_floating_point() else a for a in args))
-        torch_error = (module(*args).double() - exact).abs().max().item()
-        step = torch.finfo(torch.float32).eps * exact.abs().max().item()
-        error = (got_of(*args).double() - exact).abs().max().item()
-        assert error <= torch_error + step, (error, torch_error, step)
-
-
 KEYS = Dim("keys", min=4, max=64)
 DIMS = (None, {2: KEYS}, {2: KEYS}, {3: KEYS})
 
@@ -69,7 +60,7 @@ def _check(module, inputs, dynamic_shapes):
         absent=[aten.scaled_dot_product_attention.default, aten.matmul.default, aten.bmm.default],
     )
     # measured: the rewritten graph within 2.4e-7 of eager and 1.7e-7 of a float64 run (eager's own: 2.4e-7)
-    _assert_within_torch_error(result.program.module(), module, inputs)
+    assert_within_torch_error(result.program.module(), module, inputs)
     rt.assert_idempotent(result, RULE)
     return result
 
@@ -128,4 +119,4 @@ def test_on_iree_with_a_dim():
     result = fx_rewrites.apply(rt.export(Decode(), *inputs[0], dynamic_shapes=DIMS), iree.rules)
     rt.assert_fired(result, RULE)
     fn = iree.compile(result.program, inputs[0])
-    _assert_within_torch_error(fn, Decode(), inputs)
+    assert_within_torch_error(fn, Decode(), inputs)
