@@ -12,7 +12,10 @@ without AMD's SSE4a, which an Intel host lacks; with that ISA's measured
 flags and performance rules). torch runs at the
 ISA's width: on an AVX-512 host, AVX2 is measured in a child process of the
 same script whose ATen kernels (`ATEN_CPU_CAPABILITY=avx2`), oneDNN
-(`ONEDNN_MAX_CPU_ISA=AVX2`), MKL's sgemm (`MKL_ENABLE_INSTRUCTIONS=AVX2`) and
+(`ONEDNN_MAX_CPU_ISA=AVX2_VNNI`: AVX2's float kernels; on a VNNI host plain
+`AVX2` would give `_int_mm` oneDNN's AVX2 int8 GEMM, whose 16-bit sums
+overflow, pytorch#136746, where a real AVX2 CPU takes torch's exact
+reference kernel), MKL's sgemm (`MKL_ENABLE_INSTRUCTIONS=AVX2`) and
 Inductor's C++ (`ATEN_CPU_CAPABILITY` picks its vector width,
 `TORCHINDUCTOR_CPP_MARCH=znver3` its `-march`) are held to AVX2; `header`
 checks torch's capability in that child, and
@@ -39,7 +42,7 @@ BOTH = ("avx512", "avx2")
 #: what holds torch to AVX2 on a wider CPU (read when torch, oneDNN and MKL start: set before the process)
 AVX2_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     "TORCHINDUCTOR_CPP_MARCH": "znver3",
 }

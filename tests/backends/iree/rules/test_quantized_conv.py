@@ -87,7 +87,7 @@ def _pt2e_parameters(quantized: torch.nn.Module) -> dict:
 class _Record(Interpreter):
     """Runs a graph module and keeps every node's value. Its `aten._int_mm` is the exact int64 product cast to
     int32: torch's own kernel overflows where oneDNN runs without VNNI on a host torch sees with AVX-512 VNNI
-    (pytorch#136746; the suite held to AVX2 by `ONEDNN_MAX_CPU_ISA=AVX2`, README), and the rule is checked here,
+    (pytorch#136746: with `ONEDNN_MAX_CPU_ISA=AVX2`; the README's simulation says `AVX2_VNNI`), and the rule is checked here,
     not torch's kernel (IREE's product is checked against the float64 reference below)."""
 
     def call_function(self, target, args, kwargs):
