@@ -2,6 +2,7 @@
 
     python benchmarks/iree_dispatches.py whisper_encoder          # a benchmarks/runtime_models.py model
     python benchmarks/iree_dispatches.py vit --quick --top 10
+    python benchmarks/iree_dispatches.py vit --isa avx2       # the code IREE makes for an AVX2 CPU (znver3)
 
 The model is exported and rewritten by the default `iree` rules, then
 compiled with the backend's flags and performance flags twice:
@@ -122,13 +123,15 @@ def table(dispatches: list[Dispatch], top: int) -> str:
     return "\n".join(lines)
 
 
-def model_mlir(name: str, quick: bool) -> tuple[str, list[str]]:
-    """A benchmark model exported, rewritten by the `iree` rules, imported; and the backend's compile flags."""
+def model_mlir(name: str, quick: bool, isa: str = "host") -> tuple[str, list[str]]:
+    """A benchmark model exported, rewritten by the rules of IREE's llvm-cpu target for `isa` (benchmarks/cpu_isa.py),
+    imported; and that target's compile flags. Only IREE's code depends on the ISA: no torch kernel is timed here,
+    so any host profiles either ISA's code (AVX-512 code needs an AVX-512 host to run)."""
+    import cpu_isa
     import torch
     from runtime_models import MODELS
 
     import fx_rewrites
-    from fx_rewrites import backends
     from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
 
     if name not in MODELS:
@@ -136,7 +139,7 @@ def model_mlir(name: str, quick: bool) -> tuple[str, list[str]]:
     spec = MODELS[name]
     pos, kw = spec.inputs(quick, 0)
     program = torch.export.export(spec.model(quick), pos, kw)
-    iree = backends.get("iree")
+    iree = cpu_isa.backend(isa)
     rewritten = fx_rewrites.apply(program, iree.rules).program
     mlir = import_mlir(iree_modules(), prepare_program(rewritten)[0])
     return str(mlir), [*iree.flags, *iree.perf_flags]
@@ -147,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a benchmarks/runtime_models.py model (bert, vit, whisper_encoder, ...)")
     parser.add_argument("--quick", action="store_true", help="the model at its tiny --quick size")
     parser.add_argument("--top", type=int, default=25, help="rows to print (default 25)")
+    parser.add_argument(
+        "--isa",
+        choices=("host", "avx2", "avx512"),
+        default="host",
+        help="whose code: this CPU's, or IREE's for an AVX2 CPU (znver3) or an AVX-512 one (x86-64-v4)",
+    )
     args = parser.parse_args(argv)
-    mlir, flags = model_mlir(args.model, args.quick)
+    mlir, flags = model_mlir(args.model, args.quick, args.isa)
     with tempfile.TemporaryDirectory() as tmp:
         print(table(profile(mlir, flags, Path(tmp)), args.top))
     return 0
