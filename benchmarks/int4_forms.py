@@ -26,6 +26,10 @@ by `iree-benchmark-module` (`local-sync`: one thread, median CPU time of the rep
 - `int4_tiles2_fused`, `int4_tiles4_fused` (**what the rule writes**, t = 4): the same, the scaling in the partials'
   own [rows, N/16, G/t, t, 16] shape (fused into the matvec), the groups summed by halves over G/t, then t.
 - `int4_position_major`: [N/16, group, G, 16], every group's 16 channels side by side at each position.
+- `int4_tiles4_symmetric` (**what the rule writes for symmetric weights**), `int4_tiles4_symmetric_bf16`:
+  `int4_tiles4_fused` without the zero point's share (zero points all zero, torchao's default), the scales
+  float32 or bfloat16; `int4_tiles4_scaled_one`: the same, the groups summed inside the matvec (x * w * s
+  reduced over (G/t, group): no partials written back). These read q as if its zero points were 0.
 
 IREE hoists the unpacking of packed bytes out of the call (const-eval of inlined weights, const-expr hoisting of
 parameters at load), which stores the unpacked values again; `--flags=--iree-opt-const-expr-hoisting=false,
@@ -296,6 +300,38 @@ class Int4GroupTilesFused(Int4GroupTiles):
         return _sum_by_halves(_sum_by_halves(scaled, 2), 2).reshape(r, self.n)
 
 
+class Int4GroupTilesSymmetric(Int4GroupTiles):
+    """`int4_tiles4_fused` for symmetric weights (zero points all zero: torchao's default `IntxWeightOnlyConfig`):
+    the zero point's share and the sums of x dropped; scales read in `scale_dtype` (float32, or bfloat16 converted
+    in the kernel)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int, tile: int, scale_dtype: torch.dtype) -> None:
+        super().__init__(q, scale, torch.zeros_like(scale, dtype=torch.int8), group, tile)
+        del self.z
+        self.s = self.s.to(scale_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        nb = self.n // BLOCK
+        xs = x.view(r, 1, g // t, t, group, 1).permute(0, 1, 2, 4, 3, 5)  # [r, 1, G/t, group, t, 1]
+        partial = (xs * self.b.to(torch.float32)).sum(3)  # [r, N/16, G/t, t, 16]
+        scaled = partial * self.s.view(nb, g // t, t, BLOCK).to(torch.float32)
+        return _sum_by_halves(_sum_by_halves(scaled, 2), 2).reshape(r, self.n)
+
+
+class Int4GroupTilesScaledOne(Int4GroupTilesSymmetric):
+    """Symmetric weights, the groups summed inside the matvec: one reduction over (G/t, group) of x * w * s, the
+    scale constant along the group's values (no partials written back): [rows, N/16, t, 16], then t by halves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        nb = self.n // BLOCK
+        xs = x.view(r, 1, g // t, t, group, 1).permute(0, 1, 2, 4, 3, 5)  # [r, 1, G/t, group, t, 1]
+        s = self.s.view(nb, g // t, 1, t, BLOCK).to(torch.float32)
+        partial = (xs * self.b.to(torch.float32) * s).sum([2, 3])  # [r, N/16, t, 16]
+        return _sum_by_halves(partial, 2).reshape(r, self.n)
+
+
 class Int4GroupTilesOne(Int4GroupTiles):
     """The layout of `int4_tiles4`, torchao's dequantize ((w - z) * s) inside one reduction over the groups and
     their values: [rows, N/16, t, 16] out, then summed over t by halves."""
@@ -346,6 +382,9 @@ FORMS = {
     "int4_tiles4_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 4),
     "int4_tiles2_fused": lambda w, q, q8, s8, s, z, g: Int4GroupTilesFused(q, s, z, g, 2),
     "int4_tiles4_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesOne(q, s, z, g, 4),
+    "int4_tiles4_symmetric": lambda w, q, q8, s8, s, z, g: Int4GroupTilesSymmetric(q, s, g, 4, torch.float32),
+    "int4_tiles4_symmetric_bf16": lambda w, q, q8, s8, s, z, g: Int4GroupTilesSymmetric(q, s, g, 4, torch.bfloat16),
+    "int4_tiles4_scaled_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesScaledOne(q, s, g, 4, torch.float32),
     "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
 }
 
@@ -389,6 +428,7 @@ def run(argv: list[str] | None = None) -> int:
     w, q, q8, s8, s, z = weights(args.n, args.k, args.group)
     x = torch.randn(args.rows, args.k)
     ref = reference(q, s, z, args.group, x)
+    ref0 = reference(q, s, torch.zeros_like(z), args.group, x)  # the symmetric forms read q as if z were 0
     iree = backend(args.isa)
     print(f"CPU: {cpu_model()}; IREE target {' '.join(iree.flags[:1])}; {args.n} x {args.k}, rows {args.rows}")
     flags = [*iree.flags, *iree.perf_flags, FUSION, *filter(None, args.flags.split(","))]
@@ -399,7 +439,8 @@ def run(argv: list[str] | None = None) -> int:
         for name in args.forms.split(","):
             module = FORMS[name](w, q, q8, s8, s, z, args.group).eval()
             got = module(x)
-            diff = (got.double() - ref).abs().max().item() if name.startswith("int4") else float("nan")
+            want = ref0 if "symmetric" in name or "scaled_one" in name else ref
+            diff = (got.double() - want).abs().max().item() if name.startswith("int4") else float("nan")
             nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
             program = torch.export.export(module, (x,))
             mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))

@@ -9,7 +9,12 @@
 Model: a seeded random `LlamaForCausalLM` (benchmarks/generate.py's `seeded_for_greedy`: randn x 0.05, eos off);
 `160m`: hidden 1024, 8 layers, 16 / 8 heads, MLP 2816, vocab 32000 (the issue's shape); `1b`: TinyLlama's.
 Schemes (torchao 0.18 `quantize_` on a copy): `int8_wo` Int8WeightOnlyConfig, `w8a8`
-Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, PerGroup(32)).
+Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, PerGroup(32)) (symmetric: its zero
+points are all 0 and the module drops them, `weight_layout.fold_blocked_rows`); `int4_g32_zp` the same model compiled
+with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like).
+`--routes compile_lm` leaves out the eager rows (the 1B shape: its eager int4 takes minutes a token); `peak RSS`
+after each scheme is this process's (`ru_maxrss`, cumulative: run one scheme a process for each one's own) and its
+children's (iree-compile).
 Routes: `eager` (transformers' generate, DynamicCache) and `compile_lm` (IREE local-sync). Prefill = a generate
 of 1 new token; decode tokens/s = (N - 1) / (time(N) - time(1)); one thread, CPU time of this process
 (`time.process_time`), routes interleaved round by round, medians. `match`: the tokens equal the same scheme's
@@ -27,6 +32,7 @@ Without a build the column says why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,8 @@ SIZES = {
     "1b": gen.SIZES["1b"],
 }  # fmt: skip
 SCHEMES = ("float32", "int8_wo", "w8a8", "int4_g32")
+#: a scheme measured as another one's model compiled differently: name -> (the scheme it quantizes as, how)
+VARIANTS = {"int4_g32_zp": "int4_g32"}
 #: llama-bench's repetitions per run
 REPEATS = 3
 
@@ -81,7 +90,7 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         "int4_g32": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
     }
     out = copy.deepcopy(model)
-    quantize_(out, configs[scheme]())
+    quantize_(out, configs[VARIANTS.get(scheme, scheme)]())
     return out
 
 
@@ -103,14 +112,38 @@ def backend(isa: str) -> Any:
     return IreeBackend(driver="local-sync", flags=(*cpu, *flags))
 
 
-def routes(model: torch.nn.Module, max_len: int, isa: str = "host") -> tuple[dict[str, Any], float | None]:
-    """eager and compile_lm generators for `model`; the compile_lm module's .irpa size in MB."""
+@contextlib.contextmanager
+def zero_points_kept(scheme: str) -> Iterator[None]:
+    """For `int4_g32_zp`: `fold_blocked_rows` keeps zero points of 0 and their share (its drop turned off)."""
+    if scheme != "int4_g32_zp":
+        yield
+        return
+    from fx_rewrites.backends.iree import weight_layout
+
+    drop = weight_layout._drop_zero_zero_points
+    weight_layout._drop_zero_zero_points = lambda program, tables: False
+    try:
+        yield
+    finally:
+        weight_layout._drop_zero_zero_points = drop
+
+
+def routes(
+    model: torch.nn.Module, max_len: int, isa: str = "host", names: tuple[str, ...] = ("eager", "compile_lm"),
+    scheme: str = "",
+) -> tuple[dict[str, Any], float | None]:  # fmt: skip
+    """eager and compile_lm generators for `model` (those in `names`); the compile_lm module's .irpa size in MB."""
     import fx_rewrites
 
-    out: dict[str, Any] = {"eager": gen.hf_generate(model, static=False, max_len=max_len)}
+    out: dict[str, Any] = {}
+    if "eager" in names:
+        out["eager"] = gen.hf_generate(model, static=False, max_len=max_len)
     irpa = None
+    if "compile_lm" not in names:
+        return out, irpa
     try:
-        lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
+        with zero_points_kept(scheme):
+            lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
         out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
         with tempfile.TemporaryDirectory() as tmp:
             lm.save(Path(tmp) / "lm.vmfb")
@@ -133,7 +166,8 @@ def measure(gens: dict[str, Any], prompt: torch.Tensor, new: int, rounds: int) -
     for name in tokens:
         first, full = statistics.median(times[name][1]), statistics.median(times[name][new])
         rate = (new - 1) / (full - first) if full > first else float("nan")
-        results[name] = (first * 1e3, rate, torch.equal(tokens[name], tokens["eager"]))
+        same = torch.equal(tokens[name], tokens["eager"]) if "eager" in tokens else None
+        results[name] = (first * 1e3, rate, same)
     return results
 
 
@@ -221,7 +255,8 @@ def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: in
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="160m", choices=sorted(SIZES))
-    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"of {', '.join([*SCHEMES, *VARIANTS])}")
+    parser.add_argument("--routes", default="eager,compile_lm", help="eager,compile_lm or one of them")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -249,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     base = None
     for scheme in schemes:
         variant = quantize(model, scheme)
-        gens, irpa = routes(variant, max_len, args.isa)
+        gens, irpa = routes(variant, max_len, args.isa, tuple(args.routes.split(",")), scheme)
         results = measure(gens, prompt, args.new, args.rounds)
         for name, value in results.items():
             if isinstance(value, str):
@@ -259,8 +294,13 @@ def main(argv: list[str] | None = None) -> None:
                 base = value[1]
             ratio = f"{value[1] / base:.2f}" if base else "-"
             size = f"{irpa:.0f}" if name == "compile_lm" and irpa else "-"
-            match = "yes" if value[2] else "NO"
+            match = {True: "yes", False: "NO", None: "-"}[value[2]]
             print(f"| {scheme} | {name} | {value[0]:.1f} | {value[1]:.2f} | {ratio} | {match} | {size} |", flush=True)
+        del gens, variant
+        own, children = (
+            resource.getrusage(who).ru_maxrss / 1e6 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        print(f"# peak RSS after {scheme}: this process {own:.2f} GB, its children {children:.2f} GB", flush=True)
     if args.llama_cpp:
         paths = llama_cpp_paths(args.llama_cpp_dir, args.llama_cpp_src)
         results = {"llama.cpp": paths} if isinstance(paths, str) else llama_cpp(model, paths, args.prompt, args.new)

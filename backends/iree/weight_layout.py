@@ -52,6 +52,7 @@ def _(weight: torch.Tensor, block: int, group: int = 0, tile: int = 1) -> torch.
 
 
 BLOCKED_ROWS = torch.ops.fx_rewrites.blocked_rows.default
+aten = torch.ops.aten
 
 #: source tensor -> (its version, its layout's (block, group, tile), its blocks): a weight re-laid once per
 #: content, and the same blocks object for every function of a module that reads it (parameters are shared by
@@ -86,14 +87,77 @@ def _blocks(tensor: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
+def _zero_point_share(blocks: Node) -> Node | None:
+    """The `sub(partial, mul(view(_to_copy(blocks)), sums))` that takes a group's zero point's share off, as
+    `rules/quantized_matmul.py` writes it over `blocks` (a `blocked_rows` of zero points), else None."""
+    node, chain = blocks, (aten._to_copy.default, aten.view.default, aten.mul.Tensor)
+    for target in chain:
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        if node.target is not target:
+            return None
+    share = next(iter(node.users)) if len(node.users) == 1 else None
+    if share is None or share.target is not aten.sub.Tensor or share.args[1] is not node or len(share.args) != 2:
+        return None
+    return share
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:
+    """Erase `nodes` and, upward, the calls that only they read (aten ops of the rules: no side effects)."""
+    while nodes:
+        node = nodes.pop()
+        if node.op != "call_function" or node.users:
+            continue
+        inputs = [n for n in node.all_input_nodes if n.op == "call_function"]
+        graph.erase_node(node)
+        nodes.extend(inputs)
+
+
+def _drop_zero_zero_points(program: ExportedProgram, tables: tuple[dict, dict]) -> bool:
+    """Take out each grouped product's zero point's share where the zero points are a frozen tensor of zeros
+    (torchao's default, symmetric `IntxWeightOnlyConfig`): `partial - 0 * sums` is `partial`, and the kernel
+    no longer reads the zero points nor sums x per group. Only here are the values known; a rule sees shapes.
+    The zero points' placeholder, now unread, is removed with its input spec (and its tensor, when no other
+    spec names it). True when anything was dropped."""
+    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    graph, dropped = program.graph, []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not BLOCKED_ROWS or len(node.args) != 2:
+            continue
+        source = node.args[0]
+        spec = specs.get(source.name) if isinstance(source, Node) else None
+        if spec is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            continue
+        value = tables[spec.kind == InputKind.CONSTANT_TENSOR].get(spec.target)
+        if value is None or value.is_floating_point() or value.is_complex() or bool(value.any()):
+            continue
+        share = _zero_point_share(node)
+        if share is None:
+            continue
+        share.replace_all_uses_with(share.args[0])
+        _erase_unused(graph, [share])
+        if not source.users:
+            dropped.append(spec)
+            graph.erase_node(source)
+    if dropped:
+        kept = [s for s in program.graph_signature.input_specs if s not in dropped]
+        program.graph_signature.input_specs[:] = kept
+        for spec in dropped:
+            if not any(s.target == spec.target for s in kept):
+                tables[spec.kind == InputKind.CONSTANT_TENSOR].pop(spec.target, None)
+    return bool(dropped)
+
+
 def fold_blocked_rows(program: ExportedProgram) -> ExportedProgram:
     """`program` (a private copy: `prepare_program`'s) with each `blocked_rows` of a frozen parameter,
     buffer or constant replaced by a state tensor of its own holding the blocks; its graph is edited in
-    place, its state dicts are new dicts. A call on anything else is left (the backend's error names it)."""
-    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    place, its state dicts are new dicts. A call on anything else is left (the backend's error names it).
+    Zero points that are all zero are dropped first, with the share they take off (`_drop_zero_zero_points`)."""
     state, constants = dict(program.state_dict), dict(program.constants)
+    folded = _drop_zero_zero_points(program, (state, constants))
+    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
     input_specs = list(program.graph_signature.input_specs)
-    folded = False
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target is not BLOCKED_ROWS:
             continue

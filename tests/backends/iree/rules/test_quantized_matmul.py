@@ -162,9 +162,78 @@ def test_iree_reads_int8_blocks_and_writes_no_float_weight(scheme: str, monkeypa
         sources = {p.name: p.read_text() for p in Path(tmp).glob("*.mlir")}
     main = {name: text for name, text in sources.items() if "main" in name}
     # the int8 weight is read where it is reduced: per channel one dispatch, in groups the partial sums per
-    # group (N/16 x G x 16 floats, a 32nd of the weight) and their scaling; none stores a float32 weight
-    assert len(main) == (1 if scheme == "int8_wo" else 3), sorted(sources)
+    # group (N/16 x G x 16 floats, a 32nd of the weight) scaled, then the groups summed; none stores a float32
+    # weight. torchao's int4 g32 is symmetric: its zero points (all 0) are dropped with their share, so no
+    # dispatch sums x per group for it (it had 3 dispatches with them)
+    assert len(main) == (1 if scheme == "int8_wo" else 2), sorted(sources)
+    assert not any(v.dtype == torch.int8 and v.dim() == 3 and v.shape[1] == 2 for v in params.values()), {
+        k: v.shape for k, v in params.items()
+    }  # no zero points [N/16, G, 16]
     for text in main.values():
         stored = [math.prod(map(int, s.split("x"))) for s in re.findall(r"writeonly:tensor<([0-9x]+)xf32>", text)]
         assert all(size < 96 * 64 for size in stored), stored
     assert os.environ[INLINE_ENV] == "0"
+
+
+def _dequantized_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """The quantized Linear's weight dequantized in float64 from torchao's own int values, scales and zero
+    points ((q - z) * s per group): the exact product the quantized model stands for."""
+    w = model[0].weight
+    q, s, z = w.qdata.double(), w.scale.double(), w.zero_point.double()
+    n, k = q.shape
+    exact = ((q.view(n, -1, 32) - z[..., None]) * s[..., None]).view(n, k)
+    bias = model[0].bias.detach().double()
+    return lambda x: torch.nn.functional.linear(x.double(), exact, bias)
+
+
+def _run_prepared(prepared: torch.export.ExportedProgram, x: torch.Tensor) -> torch.Tensor:
+    """The prepared program's graph on `x`, its state (the folded blocks: plain tensors) bound by input spec."""
+    state = {**prepared.state_dict, **prepared.constants}
+    specs = prepared.graph_signature.input_specs
+    args = [x if s.kind.name == "USER_INPUT" else state[s.target] for s in specs]
+    return prepared.graph_module(*args)[0]
+
+
+@pytest.mark.parametrize("mapping", ["SYMMETRIC", "ASYMMETRIC"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_zero_points_of_zero_are_dropped_where_the_weight_is_folded(mapping: str, dynamic: bool) -> None:
+    """torchao's default int4 g32 is symmetric: its zero points are all 0 and `fold_blocked_rows`, which sees
+    the values, takes the zero point's share out of the product (no zero-point parameter, no `sub`); an
+    asymmetric weight's zero points are not all 0 and keep it. Both as near the float64 dequantized product as
+    the quantized eager model is, within a float32 step."""
+    from torchao.quantization.quant_primitives import MappingType
+
+    from fx_rewrites.backends.iree.importing import prepare_program
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 48)).eval()
+    config = quantization.IntxWeightOnlyConfig(
+        weight_dtype=torch.int4, granularity=PerGroup(32), mapping_type=MappingType[mapping]
+    )
+    quantization.quantize_(model, config)
+    zeros = bool((model[0].weight.zero_point == 0).all())
+    assert zeros == (mapping == "SYMMETRIC")  # the premise: torchao's symmetric mapping stores zero points of 0
+    shapes = {"input": {1: torch.export.Dim("rows", min=2, max=64)}} if dynamic else None
+    program = torch.export.export(model, (_x(5, 0, 128),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, DEFAULT + grouped_linear_for_iree)
+    rt.assert_fired(result, grouped_linear_for_iree.name, times=1)
+    prepared, _ = prepare_program(result.program)
+    nodes = [n for n in prepared.graph.nodes if n.op == "call_function"]
+    subs = [n for n in nodes if n.target is aten.sub.Tensor]
+    int8_state = {k: tuple(v.shape) for k, v in prepared.state_dict.items() if v.dtype == torch.int8}
+    groups = {k: shape for k, shape in int8_state.items() if shape == (48 // 16, 4, 16)}  # [N/16, G, 16]
+    if zeros:
+        assert not subs and not groups, (subs, int8_state)
+        assert not any(n.target is BLOCKED_ROWS for n in nodes)
+    else:
+        assert len(subs) == 1 and len(groups) == 1, (subs, int8_state)
+    rows = (5, 23) if dynamic else (5, 5)
+    inputs = [(_x(rows[0], 1, 128),), (_x(rows[1], 2, 128),)]
+    exact = _dequantized_float64(model)
+    with torch.no_grad():
+        for (x,) in inputs:
+            want = exact(x)
+            eager_error = (model(x).double() - want).abs().max().item()
+            step = torch.finfo(torch.float32).eps * want.abs().max().item()
+            error = (_run_prepared(prepared, x).double() - want).abs().max().item()
+            assert error <= eager_error + step, (error, eager_error, step)
