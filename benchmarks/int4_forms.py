@@ -29,7 +29,8 @@ by `iree-benchmark-module` (`local-sync`: one thread, median CPU time of the rep
 - `int4_tiles4_symmetric` (**what the rule writes for symmetric weights**), `int4_tiles4_symmetric_bf16`:
   `int4_tiles4_fused` without the zero point's share (zero points all zero, torchao's default), the scales
   float32 or bfloat16; `int4_tiles4_scaled_one`: the same, the groups summed inside the matvec (x * w * s
-  reduced over (G/t, group): no partials written back). These read q as if its zero points were 0.
+  reduced over (G/t, group): no partials written back); `int4_tiles4_partials`: the symmetric form's first
+  dispatch alone (the scaled partials its output, not summed). These read q as if its zero points were 0.
 
 IREE hoists the unpacking of packed bytes out of the call (const-eval of inlined weights, const-expr hoisting of
 parameters at load), which stores the unpacked values again; `--flags=--iree-opt-const-expr-hoisting=false,
@@ -319,6 +320,17 @@ class Int4GroupTilesSymmetric(Int4GroupTiles):
         return _sum_by_halves(_sum_by_halves(scaled, 2), 2).reshape(r, self.n)
 
 
+class Int4GroupTilesPartials(Int4GroupTilesSymmetric):
+    """`int4_tiles4_symmetric`'s first dispatch alone: the scaled partials [rows, N/16, G/t, t, 16] are the output
+    (not summed: not the product; what the second stage costs is the difference)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, g, group, t = x.shape[0], self.g, self.group, self.tile
+        xs = x.view(r, 1, g // t, t, group, 1).permute(0, 1, 2, 4, 3, 5)  # [r, 1, G/t, group, t, 1]
+        partial = (xs * self.b.to(torch.float32)).sum(3)  # [r, N/16, G/t, t, 16]
+        return partial * self.s.view(self.n // BLOCK, g // t, t, BLOCK).to(torch.float32)
+
+
 class Int4GroupTilesScaledOne(Int4GroupTilesSymmetric):
     """Symmetric weights, the groups summed inside the matvec: one reduction over (G/t, group) of x * w * s, the
     scale constant along the group's values (no partials written back): [rows, N/16, t, 16], then t by halves."""
@@ -384,6 +396,7 @@ FORMS = {
     "int4_tiles4_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesOne(q, s, z, g, 4),
     "int4_tiles4_symmetric": lambda w, q, q8, s8, s, z, g: Int4GroupTilesSymmetric(q, s, g, 4, torch.float32),
     "int4_tiles4_symmetric_bf16": lambda w, q, q8, s8, s, z, g: Int4GroupTilesSymmetric(q, s, g, 4, torch.bfloat16),
+    "int4_tiles4_partials": lambda w, q, q8, s8, s, z, g: Int4GroupTilesPartials(q, s, g, 4, torch.float32),
     "int4_tiles4_scaled_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesScaledOne(q, s, g, 4, torch.float32),
     "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
 }
@@ -440,7 +453,8 @@ def run(argv: list[str] | None = None) -> int:
             module = FORMS[name](w, q, q8, s8, s, z, args.group).eval()
             got = module(x)
             want = ref0 if "symmetric" in name or "scaled_one" in name else ref
-            diff = (got.double() - want).abs().max().item() if name.startswith("int4") else float("nan")
+            product = name.startswith("int4") and not name.endswith("_partials")
+            diff = (got.double() - want).abs().max().item() if product else float("nan")
             nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
             program = torch.export.export(module, (x,))
             mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))

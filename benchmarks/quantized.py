@@ -11,7 +11,8 @@ Model: a seeded random `LlamaForCausalLM` (benchmarks/generate.py's `seeded_for_
 Schemes (torchao 0.18 `quantize_` on a copy): `int8_wo` Int8WeightOnlyConfig, `w8a8`
 Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, PerGroup(32)) (symmetric: its zero
 points are all 0 and the module drops them, `weight_layout.fold_blocked_rows`); `int4_g32_zp` the same model compiled
-with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like).
+with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like);
+`int4_g32_bf16s` the same config with `scale_dtype=torch.bfloat16` (other scales: other tokens than int4_g32's).
 `--routes compile_lm` leaves out the eager rows (the 1B shape: its eager int4 takes minutes a token); `peak RSS`
 after each scheme is this process's (`ru_maxrss`, cumulative: run one scheme a process for each one's own) and its
 children's (iree-compile).
@@ -88,6 +89,9 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         "int8_wo": Int8WeightOnlyConfig,
         "w8a8": Int8DynamicActivationInt8WeightConfig,
         "int4_g32": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+        "int4_g32_bf16s": lambda: IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=PerGroup(32), scale_dtype=torch.bfloat16
+        ),
     }
     out = copy.deepcopy(model)
     quantize_(out, configs[VARIANTS.get(scheme, scheme)]())

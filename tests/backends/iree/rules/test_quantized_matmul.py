@@ -44,6 +44,12 @@ SCHEMES = {
         lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
         grouped_linear_for_iree,
     ),
+    "int4_g32_bf16_scales": (
+        lambda: quantization.IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=PerGroup(32), scale_dtype=torch.bfloat16
+        ),
+        grouped_linear_for_iree,
+    ),
     "int8_g32": (
         lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)),
         grouped_linear_for_iree,
@@ -132,7 +138,7 @@ def test_an_int8_weight_that_is_an_input_is_left_alone() -> None:
     rt.assert_not_fired(result, int8_weight_mm_as_blocked_reduction_for_iree)
 
 
-@pytest.mark.parametrize("scheme", ["int8_wo", "int4_g32"])
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_g32", "int4_g32_bf16_scales"])
 def test_iree_reads_int8_blocks_and_writes_no_float_weight(scheme: str, monkeypatch) -> None:
     monkeypatch.setenv(INLINE_ENV, "0")  # every weight a parameter, as a real model's are
     model = _linear(scheme, out_features=96)
@@ -146,6 +152,9 @@ def test_iree_reads_int8_blocks_and_writes_no_float_weight(scheme: str, monkeypa
     layout = (96 // 16, 64, 16) if scheme == "int8_wo" else (96 // 16, 1, 32, 2, 16)
     assert any(tuple(v.shape) == layout for v in blocks), {k: v.shape for k, v in params.items()}
     assert not any(v.dtype == torch.float32 and v.numel() == 96 * 64 for v in params.values())
+    if scheme == "int4_g32_bf16_scales":  # the scales stay bfloat16 (blocked [N/16, G, 16]), converted in the kernel
+        scales = [v for v in params.values() if v.dtype == torch.bfloat16]
+        assert [tuple(v.shape) for v in scales] == [(96 // 16, 2, 16)], {k: v.shape for k, v in params.items()}
     mlir = compiled.runtime.mlir
     assert extra_flags(mlir) == FUSION_FLAGS
     from fx_rewrites.backends.iree.importing import iree_modules
