@@ -10,8 +10,10 @@ against 0.49 ms for the float32 matmul and 1.2 ms for the two dispatches (benchm
 The rules (`rules/quantized_matmul.py`) write `fx_rewrites::blocked_rows(w, block)` on a weight that is
 program state; `fold_blocked_rows` (run by `importing.prepare_program`) replaces each such call on a frozen
 parameter or buffer by a parameter holding the re-laid bytes, so the module's `.irpa` holds int8 blocks and
-no layout op runs per call. The fusion needs `--iree-dispatch-creation-enable-aggressive-fusion`, which
-`extra_flags` adds to a module that reads such a parameter (and to no other).
+no layout op runs per call. Where a grouped weight's zero points are all 0 (torchao's symmetric default), the
+share the rule takes off for them is dropped here, where the values are known. The fusion needs
+`--iree-dispatch-creation-enable-aggressive-fusion`, which `extra_flags` adds to a module that reads such a
+parameter (and to no other).
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ def _grouped_product(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, z
     scaling runs in the partials' own [rows, N/16, G/t, t, 16] shape, fused into it. On a 32000x1024 int4 g32
     weight (the lm_head of issue 33's Llama) the groups in turn ([N/16, G, group, 16], read 512 bytes apart)
     took 7.9-11.4 ms, this layout 3.3-4.2 ms (int8 per channel 1.5-2.1); on 2816x1024 0.28 -> 0.19 ms
-    (benchmarks/int4_forms.py)."""
+    (benchmarks/int4_forms.py). Zero points that turn out all 0 (torchao's symmetric default) are dropped with
+    their share when the weight is folded (`weight_layout.fold_blocked_rows`: only there are the values known)."""
     weight, scale = node.args[0], node.args[2]
     n, k = _val(weight).shape
     groups = k // group
