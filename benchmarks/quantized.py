@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import generate as gen  # benchmarks/generate.py: model building, timing helpers
-from cpu_isa import cpu_model  # benchmarks/cpu_isa.py: the CPU line every table names
+from cpu_isa import AVX2_ENV, cpu_model  # benchmarks/cpu_isa.py: the CPU line every table names, AVX2's env
 
 SIZES = {
     "tiny": gen.SIZES["tiny"],
@@ -100,8 +100,6 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
 
 #: what `--isa avx2` compiles IREE's code for (an AVX2 CPU without AVX-512), as on the issue's AMD EPYC Zen 3
 AVX2_CPU = "znver3"
-#: the environment torch's kernels are limited to AVX2 by (read when torch is imported: set for a child)
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def backend(isa: str) -> Any:
