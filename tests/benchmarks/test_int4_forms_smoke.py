@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "int4_forms.py"
-FORMS = ("f32", "int4_halves", "int4_packed_two", "int4_tiles4_fused")
+FORMS = ("f32", "int4_halves", "int4_packed_two", "int4_tiles4_fused", "int4_tiles4_symmetric")
 
 
 @pytest.mark.slow  # four IREE compiles: about a minute on the shared machine
