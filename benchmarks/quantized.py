@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's F32 / Q8_0 / Q4_0 columns")
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
     parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the decode tokens/s as bars (a .png)")
     args = parser.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
     print("|---|---|---:|---:|---:|---|---:|")
     base = None
+    bars: list[tuple[str, float]] = []  # (route, decode tokens/s) for --plot
     for scheme in schemes:
         variant = quantize(model, scheme)
         gens, irpa = routes(variant, max_len, args.isa, tuple(args.routes.split(",")), scheme)
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             ratio = f"{value[1] / base:.2f}" if base else "-"
             size = f"{irpa:.0f}" if name == "compile_lm" and irpa else "-"
             match = {True: "yes", False: "NO", None: "-"}[value[2]]
+            bars.append((f"{scheme}, {name}", value[1]))
             print(f"| {scheme} | {name} | {value[0]:.1f} | {value[1]:.2f} | {ratio} | {match} | {size} |", flush=True)
         del gens, variant
         own, children = (
@@ -312,7 +315,30 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 ratio = f"{value[1] / base:.2f}" if base else "-"
                 cells = f"{value[0]:.1f} | {value[1]:.2f} | {ratio} | - | {value[2]:.0f}"
+                bars.append((f"llama.cpp {kind}", value[1]))
                 print(f"| llama.cpp {kind} | llama-bench (decode: CPU time; wall {value[3]:.2f}) | {cells} |")
+    if args.plot:
+        plot(bars, f"decode tokens/s: {setting}\n{cpu_model()}", args.plot)
+
+
+def plot(bars: list[tuple[str, float]], title: str, path: Path) -> None:
+    """Decode tokens/s of each route as a horizontal bar, largest at the top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = zip(*sorted(bars, key=lambda b: b[1])) if bars else ((), ())
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(bars) + 1.5))
+    colors = ["tab:gray" if "llama.cpp" in x else "tab:blue" if "compile_lm" in x else "tab:orange" for x in labels]
+    ax.barh(labels, values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("decode tokens/s (higher is better)")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"# plot: {path}")
 
 
 if __name__ == "__main__":
