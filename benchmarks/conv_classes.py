@@ -3,6 +3,8 @@
     python benchmarks/conv_classes.py                     # every class, 11 rounds
     python benchmarks/conv_classes.py --cases depthwise,conv3d --rounds 21
     python benchmarks/conv_classes.py --models            # torchvision models holding those classes
+    python benchmarks/conv_classes.py --shapes --im2col-every-shape --also-without \
+        conv_as_im2col_matmul,conv_as_im2col_matmul+im2col   # ResNet-50's convolutions: im2col per shape
     python benchmarks/conv_classes.py --isa avx2           # AVX2 (on an AVX-512 host: emulated, benchmarks/cpu_isa.py)
     python benchmarks/conv_classes.py --isa both           # AVX-512 and AVX2, each in a child, side by side
 
@@ -62,6 +64,47 @@ CASES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
         torch.nn.Linear(1024, 1024),
         torch.randn(128, 1024, generator=torch.Generator().manual_seed(1)),
     ),
+}
+
+
+class _ConvBnRelu(torch.nn.Sequential):
+    """A ResNet layer: convolution (no bias), batch norm with running statistics that are not the identity, ReLU."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int = 1) -> None:
+        super().__init__(
+            torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False),
+            torch.nn.BatchNorm2d(cout),
+            torch.nn.ReLU(),
+        )
+        with torch.no_grad():
+            self[1].running_mean.uniform_(-0.5, 0.5)
+            self[1].running_var.uniform_(0.5, 1.5)
+
+
+def _layer(cin: int, cout: int, k: int, size: int, stride: int = 1) -> Callable[[], Any]:
+    return lambda: (
+        _ConvBnRelu(cin, cout, k, stride),
+        torch.randn(1, cin, size, size, generator=torch.Generator().manual_seed(1)),
+    )
+
+
+#: `--shapes`: each distinct convolution of ResNet-50 (torchvision's and transformers' v1.5: the stride on the
+#: 3x3), + BN + ReLU, batch 1 at 224x224; what rules/im2col.py's threshold is chosen over
+SHAPES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
+    "stem 7x7/2 3->64, 224x224": _layer(3, 64, 7, 224, 2),
+    "3x3 64->64, 56x56": _layer(64, 64, 3, 56),
+    "3x3 128->128, 28x28": _layer(128, 128, 3, 28),
+    "3x3 256->256, 14x14": _layer(256, 256, 3, 14),
+    "3x3 512->512, 7x7": _layer(512, 512, 3, 7),
+    "3x3/2 128->128, 56x56": _layer(128, 128, 3, 56, 2),
+    "3x3/2 256->256, 28x28": _layer(256, 256, 3, 28, 2),
+    "3x3/2 512->512, 14x14": _layer(512, 512, 3, 14, 2),
+    "1x1 64->256, 56x56": _layer(64, 256, 1, 56),
+    "1x1 256->64, 56x56": _layer(256, 64, 1, 56),
+    "1x1 512->128, 28x28": _layer(512, 128, 1, 28),
+    "1x1 1024->256, 14x14": _layer(1024, 256, 1, 14),
+    "1x1 2048->512, 7x7": _layer(2048, 512, 1, 7),
+    "1x1/2 1024->2048, 14x14": _layer(1024, 2048, 1, 14, 2),
 }
 
 
@@ -193,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="comma-separated substrings of the case names")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--models", action="store_true", help="whole torchvision models instead of single ops")
+    parser.add_argument("--shapes", action="store_true", help="ResNet-50's convolutions (+ BN + ReLU) one by one")
+    parser.add_argument(
+        "--im2col-every-shape",
+        action="store_true",
+        help="conv_as_im2col_matmul takes every shape (its threshold off, in this process): the form on each",
+    )
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--no-before", dest="before", action="store_false", help="not the route without the rules")
     cpu_isa.add_argument(parser, both=True)
@@ -208,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     wanted = [c for c in args.cases.split(",") if c]
-    pool = MODELS if args.models else CASES
+    pool = MODELS if args.models else SHAPES if args.shapes else CASES
+    if args.im2col_every_shape:
+        from fx_rewrites.backends.iree.rules import im2col
+
+        im2col.MIN_IM2COL_CHANNELS, im2col.MAX_IM2COL_POSITIONS = 0, sys.maxsize
     chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
     header = f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds"
     print(header)

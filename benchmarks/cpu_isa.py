@@ -68,7 +68,8 @@ def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
 def add_without_argument(parser: argparse.ArgumentParser) -> None:
     """`--also-without FLAG|RULE[,...]`: also the route without the ISA's performance flags that contain each FLAG (a
     substring: `im2col`, `ukernels`), or without the performance rule named RULE, timed in the same interleaved
-    rounds (`without`)."""
+    rounds (`without`). `RULE+FLAG`: without the rule and with the performance flag of any ISA's table containing
+    FLAG (`conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col instead of the rule)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -80,7 +81,8 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
 
 def without(backend: Any, spec: str) -> dict[str, Any]:
     """For each comma-separated part of `spec`: the label `-<part>` and `backend` without the ISA's performance rule
-    of that name, or else without its performance flags containing it (a substring), with a fresh compile cache.
+    of that name (`RULE+FLAG`: and with the performance flag of any ISA containing FLAG), or else without its
+    performance flags containing it (a substring), with a fresh compile cache.
     Raises where a part names none of its rules and none of its flags."""
     import attrs
 
@@ -93,10 +95,18 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        part, *added = part.split("+")
         if part in perf.names():  # a rule: the phases with the ISA's performance set less that rule
             sets = [perf.without(part) if s is perf else s for s in backend.rules.sets]
-            out[f"-{part}"] = attrs.evolve(backend, rules=Phases(*sets, name=backend.rules.name), cache=CompileCache())
+            out["+".join((f"-{part}", *added))] = attrs.evolve(
+                backend,
+                rules=Phases(*sets, name=backend.rules.name),
+                perf_flags=(*backend.perf_flags, *(_any_isa_flag(a) for a in added)),
+                cache=CompileCache(),
+            )
             continue
+        if added:
+            raise SystemExit(f"--also-without {part}+...: '+FLAG' follows a rule's name only")
         kept = tuple(f for f in backend.perf_flags if part not in f)
         if len(kept) == len(backend.perf_flags):
             raise SystemExit(
@@ -105,6 +115,16 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
             )
         out[f"-{part}"] = attrs.evolve(backend, perf_flags=kept, cache=CompileCache())
     return out
+
+
+def _any_isa_flag(part: str) -> str:
+    """The one performance flag of any ISA's table (`targets.CPU_ISAS`) containing `part`."""
+    from fx_rewrites.backends.iree.targets import CPU_ISAS
+
+    found = sorted({f for isa in CPU_ISAS.values() for f in isa.perf_flags if part in f})
+    if len(found) != 1:
+        raise SystemExit(f"--also-without RULE+{part}: {len(found)} performance flags contain {part!r}: {found}")
+    return found[0]
 
 
 def resolve(isa: str) -> str:

@@ -115,6 +115,8 @@ _CONV_RULES = (
     "depthwise_conv_as_taps",
     "depthwise_conv_as_row_partials",
 )
+#: AVX-512: convolutions as im2col + matmul per shape (rules/im2col.py) instead of IREE's global flag
+_AVX512_CONV_RULES = (*_CONV_RULES, "conv_as_im2col_matmul")
 # `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
 # without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
 # 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")
@@ -123,8 +125,8 @@ CPU_ISAS: dict[str, CpuIsa] = {
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
-        (_DATA_TILING, _IM2COL, _CHANNELS_LAST, _MMT4D_UKERNEL),
-        (*_TRANSFORMER_RULES, *_CONV_RULES),
+        (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
+        (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES),
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a
     # Llama decoder's module died of SIGILL on an Intel Xeon before this)

@@ -50,6 +50,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
+from fx_rewrites.backends.iree.rules import im2col
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
@@ -401,6 +402,7 @@ ALL = RuleSet(
         patch_conv_as_matmul,
         conv1d_as_matmul,
         *conv.RULES,
+        *im2col.RULES,
     ],
     name="iree-performance",
 )

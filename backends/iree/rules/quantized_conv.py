@@ -25,14 +25,13 @@ The dequantizes are matched as PT2E's ops or as the ATen torch's own kernels low
 
 from __future__ import annotations
 
-import operator
-import sys
 from typing import Any
 
 import attrs
 import torch
 from torch.fx import Node
 
+from fx_rewrites.backends.iree.rules import im2col
 from fx_rewrites.backends.iree.rules.conv import _conv_args
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.kinds import rule
@@ -180,34 +179,6 @@ def _quantized_conv(node: Node) -> QuantizedConv | Miss:
     )
 
 
-def _windows(rw: Rewriter, x: Node, conv: QuantizedConv, kernel: tuple[int, int]) -> list[Node]:
-    """Each kernel tap's window of `x` (NHWC, padded): x[:, i d : .. : s, j d : .. : s, :], [N, OH, OW, C] (and a
-    trailing 1 per strided dim)."""
-    out = []
-    for i in range(kernel[0]):
-        rows = _strided(rw, x, 1, i, kernel[0], conv.dilation[0], conv.stride[0])
-        out.extend(_strided(rw, rows, 2, j, kernel[1], conv.dilation[1], conv.stride[1]) for j in range(kernel[1]))
-    return out
-
-
-def _strided(rw: Rewriter, x: Node, dim: int, tap: int, taps: int, dilation: int, stride: int) -> Node:
-    """The positions of tap `tap` of `taps` along `dim`: from tap d to (padded size - (taps-1-tap) d), every
-    s-th (static bounds, symbolic sizes welcome). A step is an `unfold` of windows of one, its trailing size-1
-    dim kept: torch's meta guards on a symbolic size's parity for a stepped `slice` (`16*s < 32*((s + 1)//2)`)
-    and for a `select` of that dim alike; the views after the copy take the trailing dims away."""
-    start, cut = tap * dilation, (taps - 1 - tap) * dilation
-    if start or cut:
-        x = rw.call(aten.slice.Tensor, x, dim, start, -cut if cut else sys.maxsize)
-    if stride == 1:
-        return x
-    return rw.call(aten.unfold.default, x, dim, 1, stride)
-
-
-def _product(rw: Rewriter, a: Any, b: Any) -> Any:
-    """a * b, an int or a symbolic size's node (IREE needs a collapse's sizes spelled out, not -1)."""
-    return a * b if isinstance(a, int) and isinstance(b, int) else rw.call(operator.mul, a, b)
-
-
 @rule(
     roots=(aten.conv2d.default, aten.conv2d.padding, aten.convolution.default),
     when=_quantized_conv,
@@ -234,18 +205,7 @@ def quantized_conv_as_int_mm_for_iree(node: Node, rw: Rewriter, *, found: Quanti
     if any(conv.padding):  # padded with the zero point: 0 once dequantized
         pad_h, pad_w = conv.padding
         x = rw.call(aten.constant_pad_nd.default, x, [0, 0, pad_w, pad_w, pad_h, pad_h], conv.zero - shift)
-    windows = _windows(rw, x, conv, (kernel[0], kernel[1]))
-    first = windows[0]
-    batch, rows_out, cols_out = rw.size(first, 0), rw.size(first, 1), rw.size(first, 2)
-    positions = _product(rw, _product(rw, batch, rows_out), cols_out)
-    if len(windows) == 1:  # a contiguous copy (a view of the strided window would guard on the sizes)
-        stacked = rw.call(aten.clone.default, windows[0], memory_format=torch.contiguous_format)
-    else:
-        stacked = rw.call(aten.stack.default, windows, 3)
-    # the taps and channels first (static), then the positions: IREE 3.13 fails to collapse both at once
-    # ("'tensor.collapse_shape' op expected dimension 1 of collapsed type to be static")
-    stacked = rw.call(aten.view.default, stacked, [batch, rows_out, cols_out, reduction])
-    columns = rw.call(aten.view.default, stacked, [positions, reduction])  # [N OH OW, kh kw C]
+    columns, (batch, rows_out, cols_out) = im2col.columns(rw, x, (kernel[0], kernel[1]), conv.stride, conv.dilation)
     weights = rw.call(aten.reshape.default, rw.call(aten.permute.default, conv.weight, [2, 3, 1, 0]), [reduction, -1])
     acc = rw.call(aten._int_mm.default, columns, weights)
     excess = shift - conv.zero  # x_q - z_a = x' + excess

@@ -32,7 +32,10 @@ def test_every_isa_names_rules_that_exist_and_flags_iree_takes():
 #: what the model runs chose per ISA (docs/performance.md, "im2col and the depthwise row partials per ISA, whole
 #: models"): the flag or rule, and whether each ISA takes it
 MEASURED_CHOICES = {
-    "--iree-global-opt-use-im2col-for-convs": {"avx512": True, "avx2": True},  # ResNet-50 1.4x / 6.5x slower without
+    # AVX2: ResNet-50 6.5x slower without; AVX-512: im2col per shape by the rule instead (docs/performance.md, "im2col
+    # per convolution shape")
+    "--iree-global-opt-use-im2col-for-convs": {"avx512": False, "avx2": True},
+    "conv_as_im2col_matmul": {"avx512": True, "avx2": False},
     "--iree-llvmcpu-enable-ukernels=mmt4d": {"avx512": True, "avx2": False},  # level or slower on AVX2
     "depthwise_conv_as_row_partials": {"avx512": True, "avx2": True},  # ConvNeXt-T faster with it on both
 }
