@@ -68,8 +68,9 @@ def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
 def add_without_argument(parser: argparse.ArgumentParser) -> None:
     """`--also-without FLAG|RULE[,...]`: also the route without the ISA's performance flags that contain each FLAG (a
     substring: `im2col`, `ukernels`), or without the performance rule named RULE, timed in the same interleaved
-    rounds (`without`). `RULE+FLAG`: without the rule and with the performance flag of any ISA's table containing
-    FLAG (`conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col instead of the rule)."""
+    rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
+    containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
+    instead of the rules)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -81,7 +82,8 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
 
 def without(backend: Any, spec: str) -> dict[str, Any]:
     """For each comma-separated part of `spec`: the label `-<part>` and `backend` without the ISA's performance rule
-    of that name (`RULE+FLAG`: and with the performance flag of any ISA containing FLAG), or else without its
+    of that name (`RULE/RULE2+FLAG`: without those rules, with the performance flag of any ISA containing FLAG), or
+    else without its
     performance flags containing it (a substring), with a fresh compile cache.
     Raises where a part names none of its rules and none of its flags."""
     import attrs
@@ -96,8 +98,8 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
         if not part:
             continue
         part, *added = part.split("+")
-        if part in perf.names():  # a rule: the phases with the ISA's performance set less that rule
-            sets = [perf.without(part) if s is perf else s for s in backend.rules.sets]
+        if all(name in perf.names() for name in part.split("/")):  # rules: the ISA's performance set less them
+            sets = [perf.without(*part.split("/")) if s is perf else s for s in backend.rules.sets]
             out["+".join((f"-{part}", *added))] = attrs.evolve(
                 backend,
                 rules=Phases(*sets, name=backend.rules.name),

@@ -116,7 +116,7 @@ _CONV_RULES = (
     "depthwise_conv_as_row_partials",
 )
 #: AVX-512: convolutions as im2col + matmul per shape (rules/im2col.py) instead of IREE's global flag
-_AVX512_CONV_RULES = (*_CONV_RULES, "conv_as_im2col_matmul")
+_AVX512_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_im2col_matmul")
 # `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
 # without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
 # 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")

@@ -102,15 +102,17 @@ def test_also_without_a_rule_drops_that_rule_only(modules):
 
 
 def test_also_without_a_rule_plus_a_flag(modules):
-    """`--also-without conv_as_im2col_matmul+im2col`: AVX-512's route less that rule, plus the performance flag of
-    any ISA's table containing `im2col` (AVX2's IREE im2col flag): the route the rule replaced, in the same rounds."""
+    """`--also-without pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512's route less those rules, plus
+    the performance flag of any ISA's table containing `im2col` (AVX2's IREE im2col flag): the route the rules
+    replaced, in the same rounds."""
     import cpu_isa
 
     backend = cpu_isa.backend("avx512")
-    route = cpu_isa.without(backend, "conv_as_im2col_matmul+im2col")["-conv_as_im2col_matmul+im2col"]
+    spec = "pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col"
+    route = cpu_isa.without(backend, spec)[f"-{spec}"]
     assert route.perf_flags == (*backend.perf_flags, "--iree-global-opt-use-im2col-for-convs")
-    assert "conv_as_im2col_matmul" not in [rule.name for rule in route.rules]
-    assert "conv_as_im2col_matmul" in [rule.name for rule in backend.rules]
+    for name in ("pointwise_conv_as_matmul", "conv_as_im2col_matmul"):
+        assert name not in [rule.name for rule in route.rules] and name in [rule.name for rule in backend.rules]
     with pytest.raises(SystemExit, match="0 performance flags contain 'no-such-flag'"):
         cpu_isa.without(backend, "conv_as_im2col_matmul+no-such-flag")
     with pytest.raises(SystemExit, match="follows a rule's name only"):
@@ -119,10 +121,20 @@ def test_also_without_a_rule_plus_a_flag(modules):
 
 @pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is AVX-512's (targets.CPU_ISAS)")
 def test_conv_classes_shapes_names_the_im2col_rule(modules, capfd):
-    """`--shapes`: ResNet-50's convolutions one by one; a 1x1 over 1024 channels on 14x14 takes the rule."""
+    """`--shapes`: ResNet-50's convolutions one by one; a 3x3 over 512 channels on 7x7 takes the rule."""
     conv_classes, _ = modules
-    argv = ["--shapes", "--cases", "1x1 1024", "--rounds", "1", "--no-inductor", "--no-before", "--isa", "avx512"]
+    argv = [
+        "--shapes",
+        "--cases",
+        "3x3 512->512, 7x7",
+        "--rounds",
+        "1",
+        "--no-inductor",
+        "--no-before",
+        "--isa",
+        "avx512",
+    ]
     assert conv_classes.main(argv) == 0
     out = capfd.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("| 1x1 1024->256"))
+    row = next(line for line in out.splitlines() if line.startswith("| 3x3 512->512, 7x7"))
     assert "conv_as_im2col_matmul" in row and "not close" not in out, out

@@ -150,5 +150,38 @@ def conv_as_im2col_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) ->
     rw.replace(node, rw.call(aten.permute.default, y, [0, 3, 1, 2]))
 
 
+def _pointwise(node: Node) -> dict[str, Any] | Miss:
+    c = _im2col_conv(node)
+    if isinstance(c, Miss):
+        return c
+    if tuple(_val(c["weight"]).shape[2:]) != (1, 1):
+        return Miss("not a 1x1 kernel (conv_as_im2col_matmul)")
+    if c["stride"] != [1, 1] or any(c["padding"]):
+        return Miss(f"stride {c['stride']}, padding {c['padding']} (strided_pointwise_conv_as_slice first)")
+    return c
+
+
+@rule(
+    roots=(aten.conv2d.default, aten.convolution.default),
+    when=_pointwise,
+    priority=1,  # before conv_as_im2col_matmul, which takes a 1x1 channels last
+    tags={"iree", "performance", "convolution"},
+    doc=(
+        "A float 1x1 2-D convolution of one group, stride 1, no padding, is a matmul over the channels in place: "
+        "the weight as [O, C] times the input as [N, C, H W], + the bias per row, viewed [N, O, H, W]; no layout "
+        "change (conv_as_im2col_matmul's form permutes to channels last and back)."
+    ),
+)
+def pointwise_conv_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    x, w = found["input"], found["weight"]
+    out_channels, channels = _val(w).shape[:2]
+    height, width = _val(x).shape[2:]
+    rows = rw.call(aten.reshape.default, x, [-1, channels, height * width])
+    y = rw.call(aten.matmul.default, rw.call(aten.reshape.default, w, [out_channels, channels]), rows)
+    if found["bias"] is not None:
+        y = rw.call(aten.add.Tensor, y, rw.call(aten.reshape.default, found["bias"], [out_channels, 1]))
+    rw.replace(node, rw.call(aten.reshape.default, y, [-1, out_channels, height, width]))
+
+
 #: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)
-RULES = (conv_as_im2col_matmul,)
+RULES = (pointwise_conv_as_matmul, conv_as_im2col_matmul)

@@ -36,6 +36,7 @@ MEASURED_CHOICES = {
     # per convolution shape")
     "--iree-global-opt-use-im2col-for-convs": {"avx512": False, "avx2": True},
     "conv_as_im2col_matmul": {"avx512": True, "avx2": False},
+    "pointwise_conv_as_matmul": {"avx512": True, "avx2": False},
     "--iree-llvmcpu-enable-ukernels=mmt4d": {"avx512": True, "avx2": False},  # level or slower on AVX2
     "depthwise_conv_as_row_partials": {"avx512": True, "avx2": True},  # ConvNeXt-T faster with it on both
 }

@@ -17,7 +17,13 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
-from fx_rewrites.backends.iree.rules.im2col import MAX_IM2COL_POSITIONS, MIN_IM2COL_CHANNELS, conv_as_im2col_matmul
+from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
+from fx_rewrites.backends.iree.rules.im2col import (
+    MAX_IM2COL_POSITIONS,
+    MIN_IM2COL_CHANNELS,
+    conv_as_im2col_matmul,
+    pointwise_conv_as_matmul,
+)
 from fx_rewrites.ruleset import Phases
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
@@ -135,6 +141,34 @@ def test_conv_as_im2col_matmul_declines():
     rt.assert_not_fired(rt.apply_rules(ep, conv_as_im2col_matmul), conv_as_im2col_matmul)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_pointwise_conv_as_matmul(dynamic):
+    """A 1x1 convolution, stride 1: the weight as [O, C] times the input as [N, C, H W], no permute."""
+    module, inputs = _module("1x1"), _inputs("1x1")
+    ep = rt.export(module, *inputs[0], dynamic_shapes=({0: Dim("batch", min=2, max=16)},) if dynamic else None)
+    result = rt.apply_rules(ep, pointwise_conv_as_matmul, conv_as_im2col_matmul)
+    rt.assert_fired(result, pointwise_conv_as_matmul, times=1)
+    rt.assert_not_fired(result, conv_as_im2col_matmul)  # it goes first on a 1x1
+    rt.assert_ops(result, present=[aten.matmul.default], absent=[*CONVS, aten.permute.default])
+    (matmul,) = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.matmul.default]
+    assert tuple(matmul.args[0].meta["val"].shape) == (12, 8), "the weight as [O, C]"
+    assert tuple(matmul.args[1].meta["val"].shape[1:]) == (8, 5 * 6), "the input as [N, C, H W]"
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
+    _assert_within_torch_error(result.program.module(), module, inputs)
+    rt.assert_idempotent(result, pointwise_conv_as_matmul)
+
+
+def test_pointwise_conv_as_matmul_declines():
+    cases = [
+        (torch.nn.Conv2d(8, 8, 1, stride=2), (1, 8, 6, 6)),  # strided: strided_pointwise_conv_as_slice first
+        (torch.nn.Conv2d(8, 8, 1, padding=1), (1, 8, 6, 6)),  # padded
+        (torch.nn.Conv2d(MIN_IM2COL_CHANNELS, 8, 3), (1, MIN_IM2COL_CHANNELS, 5, 5)),  # 3x3: conv_as_im2col_matmul
+    ]
+    for conv, shape in cases:
+        ep = rt.export(conv.eval(), _randn(0, *shape))
+        rt.assert_not_fired(rt.apply_rules(ep, pointwise_conv_as_matmul), pointwise_conv_as_matmul)
+
+
 def _error(fn, module: torch.nn.Module, x: torch.Tensor) -> float:
     return (fn(x).double() - _in_float64(module)(x.double())).abs().max().item()
 
@@ -155,13 +189,13 @@ def test_conv_as_im2col_matmul_on_iree(name, dynamic):
     direct = fx_rewrites.apply(ep, iree.rules)
     if targets.host_isa() == "avx512":
         result = direct  # the AVX-512 rules take it
-        rt.assert_fired(result, conv_as_im2col_matmul, times=1)
-        sets = [
-            s.without(conv_as_im2col_matmul) if conv_as_im2col_matmul.name in s.names() else s for s in iree.rules.sets
-        ]
+        rt.assert_fired(result, pointwise_conv_as_matmul if name.startswith("1x1") else conv_as_im2col_matmul, times=1)
+        ours = (pointwise_conv_as_matmul.name, conv_as_im2col_matmul.name)
+        sets = [s.without(*ours) if ours[0] in s.names() else s for s in iree.rules.sets]
         direct = fx_rewrites.apply(ep, Phases(*sets))
     else:
-        result = fx_rewrites.apply(rt.apply_rules(ep, conv_as_im2col_matmul).program, iree.rules)
+        rewritten = rt.apply_rules(ep, strided_pointwise_conv_as_slice, pointwise_conv_as_matmul, conv_as_im2col_matmul)
+        result = fx_rewrites.apply(rewritten.program, iree.rules)
     rt.assert_ops(result, absent=list(CONVS))
     assert set(rt.targets(direct)) & set(CONVS), "the route without the rule keeps its convolution"
     fn, fn_direct = iree.compile(result.program, inputs[0]), iree.compile(direct.program, inputs[0])
