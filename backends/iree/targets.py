@@ -62,7 +62,10 @@ _CHANNELS_LAST = (
 #: mmt4d ukernel on AVX-512), without -> with it: ResNet-50 1.21 -> 0.89 (AVX-512), 6.06 -> 0.93 (AVX2), ResNeXt-50
 #: 2.94 -> 1.21 and 2.11 -> 1.13, ConvNeXt-T level; MobileNetV2 5-9% slower with it (0.63-0.75 -> 0.69-0.80). On
 #: AVX-512 it slows 3x3 and 7x7 convolutions alone and speeds the 1x1s over many channels (1024->256 on 14x14: 8.5x
-#: -> 1.24x eager): a scope finer than the ISA (docs/performance.md, "im2col and the row partials per ISA, models")
+#: -> 1.24x eager): a scope finer than the ISA (docs/performance.md, "im2col and the row partials per ISA, models").
+#: So AVX-512 takes im2col per convolution shape in the graph instead (`pointwise_conv_as_matmul`,
+#: `conv_as_im2col_matmul`: 1x1s and kxk over 256 channels or more; the rest IREE's direct convolution), AVX2 the flag
+#: (docs/performance.md, "im2col per convolution shape")
 _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: the data-tiled matmuls (`linalg.mmt4d`) through IREE's hand-written microkernel instead of its generated code.
 #: AVX-512 only. One thread, CPU time, interleaved, Intel Xeon (Sapphire Rapids), unlocked probes at load 6-10, IREE

@@ -2,14 +2,18 @@
 
 - `columns`: the im2col matrix of a channels-last, padded input, [N OH OW, kh kw C], from one strided window
   per kernel tap. Shared by `conv_as_im2col_matmul` (float) and `quantized_conv.py` (int8 `_int_mm`).
+- `pointwise_conv_as_matmul`: llvm-cpu, AVX-512. A 1x1 convolution, stride 1, over more than one position:
+  the weight as [O, C] times the input as [N, C, H W], in place (no layout change).
 - `conv_as_im2col_matmul`: llvm-cpu, AVX-512. A 2-D convolution of one group whose shape IREE 3.13 runs
-  faster as a matmul than as its direct convolution (`im2col_wins`: every 1x1, a matmul over the channels;
-  a kxk one over at least `MIN_IM2COL_CHANNELS` input channels at most `MAX_IM2COL_POSITIONS` output
-  positions) becomes the im2col matrix times the weight as [O, kh kw C]. On AVX-512 it replaces IREE's global
-  `--iree-global-opt-use-im2col-for-convs`, which turns every convolution into im2col + matmul: with the
-  mmt4d ukernel, IREE's direct convolution beats that on the 3x3s and 7x7s at large images (3x3 64->64 on
-  56x56: 1.06x eager against 2.13x) and loses 7x on the 1x1s over many channels (1024->256 on 14x14: 8.5x
-  eager against 1.24x). docs/performance.md, "im2col per convolution shape".
+  faster as a matmul than as its direct convolution (`im2col_wins`: a 1x1 the rule above leaves, strided or
+  padded; a kxk one over at least `MIN_IM2COL_CHANNELS` input channels to at most `MAX_IM2COL_POSITIONS`
+  output positions) becomes the im2col matrix times the weight as [O, kh kw C].
+
+On AVX-512 the two replace IREE's global `--iree-global-opt-use-im2col-for-convs`, which turns every
+convolution into im2col + matmul: with the mmt4d ukernel, IREE's direct convolution beats that below 256
+input channels (3x3 64->64 on 56x56: 0.86x eager against 1.98x, the 7x7/2 stem 0.71 against 1.46) and loses
+2-7x on the 1x1s and the wide kxk ones (1x1 1024->256 on 14x14: 7.1x eager against 1.21x; 3x3 256->256 on
+14x14: 2.0 against 1.1). docs/performance.md, "im2col per convolution shape".
 """
 
 from __future__ import annotations
@@ -88,11 +92,16 @@ MIN_IM2COL_CHANNELS = 256
 MAX_IM2COL_POSITIONS = 14 * 14
 
 
+#: a 1x1 convolution goes through a matmul from this many output positions: one position (squeeze-and-excitation's
+#: 1x1s over a pooled map, EfficientNet's) stays IREE's convolution
+MIN_POINTWISE_POSITIONS = 2
+
+
 def im2col_wins(kernel: tuple[int, int], channels: int, positions: int) -> bool:
     """Whether IREE 3.13 (AVX-512, data tiling, mmt4d ukernel) runs a 2-D convolution of this kernel over
     `channels` input channels to `positions` output positions faster as im2col + matmul than directly."""
     if kernel == (1, 1):
-        return True
+        return positions >= MIN_POINTWISE_POSITIONS
     return channels >= MIN_IM2COL_CHANNELS and positions <= MAX_IM2COL_POSITIONS
 
 
@@ -128,12 +137,12 @@ def _im2col_conv(node: Node) -> dict[str, Any] | Miss:
     when=_im2col_conv,
     tags={"iree", "performance", "convolution"},
     doc=(
-        "A float 2-D convolution of one group, every 1x1 and the kxk ones over at least 256 input channels to at "
-        "most 14x14 outputs, is im2col + matmul: the input channels last, padded, one strided window per kernel "
-        "tap stacked to [N OH OW, kh kw C], times the weight as [O, kh kw C] (linear, with the bias), back to "
-        "[N, O, OH, OW]. IREE 3.13 on llvm-cpu (AVX-512, mmt4d ukernel) runs those shapes 2-7x faster as the "
-        "data-tiled matmul than as its direct convolution (1x1 1024->256 on 14x14: 8.5x eager -> 1.24x), and "
-        "the other shapes faster directly; this rule, not IREE's global im2col flag, picks per shape."
+        "A float 2-D convolution of one group, a 1x1 over more than one position or a kxk one over at least 256 "
+        "input channels to at most 14x14 outputs, is im2col + matmul: the input channels last, padded, one "
+        "strided window per kernel tap stacked to [N OH OW, kh kw C], times the weight as [O, kh kw C] (linear, "
+        "with the bias), back to [N, O, OH, OW]. IREE 3.13 on llvm-cpu (AVX-512, mmt4d ukernel) runs those shapes "
+        "2-7x faster as the data-tiled matmul than as its direct convolution (3x3 256->256 on 14x14: 2.0x eager "
+        "-> 1.1x), and the others faster directly; this rule, not IREE's global im2col flag, picks per shape."
     ),
 )
 def conv_as_im2col_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:

@@ -28,6 +28,10 @@ on every model it fires on (docs/performance.md has the table).
 - `conv1d_as_matmul`: llvm-cpu. A 1-D convolution (Whisper's audio stem)
   is shifted row slices side by side and one matmul; IREE's 1-D convolution
   runs at 1 to 2 GFLOP/s.
+- im2col.py: llvm-cpu, AVX-512. 1x1 convolutions as a matmul over the
+  channels, wide kxk ones (256 channels or more, small maps) as im2col +
+  matmul, the rest left to IREE's direct convolution: im2col per shape, in
+  place of IREE's global im2col flag.
 - conv_performance.py: llvm-cpu. Strided 1x1, 3-D, depthwise and grouped
   convolutions, which IREE 3.13 lowers 3-12x slower than eager, in forms it
   runs well (ResNet-50 1.76x eager -> 0.79x).

@@ -128,6 +128,7 @@ def test_conv_as_im2col_matmul_declines():
         (torch.nn.Conv2d(wide // 2, 8, 3, padding=1), (1, wide // 2, 4, 4)),  # too few channels: direct
         (torch.nn.Conv2d(wide, 8, 3, padding=1), (1, wide, side, side)),  # too many positions: direct
         (torch.nn.Conv2d(8, 8, 2, stride=2), (1, 8, 8, 8)),  # a patch convolution: patch_conv_as_matmul
+        (torch.nn.Conv2d(8, 4, 1), (1, 8, 1, 1)),  # one position (squeeze-and-excitation's): a convolution
         (torch.nn.Conv2d(8, 8, 1, groups=2), (1, 8, 4, 4)),  # grouped: grouped_conv_as_convs
         (torch.nn.Conv1d(8, 8, 1), (1, 8, 4)),  # 1-D: conv1d_as_matmul
         (torch.nn.Conv3d(8, 8, 1), (1, 8, 2, 4, 4)),
@@ -162,6 +163,7 @@ def test_pointwise_conv_as_matmul_declines():
     cases = [
         (torch.nn.Conv2d(8, 8, 1, stride=2), (1, 8, 6, 6)),  # strided: strided_pointwise_conv_as_slice first
         (torch.nn.Conv2d(8, 8, 1, padding=1), (1, 8, 6, 6)),  # padded
+        (torch.nn.Conv2d(8, 4, 1), (2, 8, 1, 1)),  # one position (squeeze-and-excitation's)
         (torch.nn.Conv2d(MIN_IM2COL_CHANNELS, 8, 3), (1, MIN_IM2COL_CHANNELS, 5, 5)),  # 3x3: conv_as_im2col_matmul
     ]
     for conv, shape in cases:
