@@ -70,7 +70,7 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     substring: `im2col`, `ukernels`), or without the performance rule named RULE, timed in the same interleaved
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
-    instead of the rules)."""
+    instead of the rules; `+im2col`: the route plus that flag)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -98,8 +98,9 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
         if not part:
             continue
         part, *added = part.split("+")
-        if all(name in perf.names() for name in part.split("/")):  # rules: the ISA's performance set less them
-            sets = [perf.without(*part.split("/")) if s is perf else s for s in backend.rules.sets]
+        names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag
+        if (names or added) and all(name in perf.names() for name in names):  # the ISA's performance set less them
+            sets = [perf.without(*names) if s is perf else s for s in backend.rules.sets]
             out["+".join((f"-{part}", *added))] = attrs.evolve(
                 backend,
                 rules=Phases(*sets, name=backend.rules.name),
