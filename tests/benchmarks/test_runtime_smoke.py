@@ -50,9 +50,10 @@ def test_ablation_names_each_performance_piece(benchmarks):
         "iree_before",
         "-attention_as_matmul_softmax",
         "-iree-global-opt-data-tiling",
-        "-iree-global-opt-use-im2col-for-convs",
         "-iree-preprocessing-convert-conv-to-channels-last",
-        *(["-iree-llvmcpu-enable-ukernels"] if backend.target.isa == "avx512" else []),  # AVX-512's mmt4d ukernel
+        # AVX-512: the mmt4d ukernel, and im2col per shape by its rules instead of IREE's global im2col flag
+        *(["-iree-llvmcpu-enable-ukernels"] if backend.target.isa == "avx512" else []),
+        *(["-iree-global-opt-use-im2col-for-convs"] if backend.target.isa != "avx512" else []),
     }
     before = routes["iree_before"]
     assert before.perf_flags == () and "attention_as_matmul_softmax" not in before.rules
