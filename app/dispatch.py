@@ -43,6 +43,7 @@ from fx_rewrites.app.branch_cost import dispatch_cost
 from fx_rewrites.backends.base import ArtifactError, ModuleBackend
 from fx_rewrites.backends.convention import positional_leaves
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import FunctionRule
 from fx_rewrites.subgraphs import subgraph
 
@@ -85,7 +86,7 @@ def size_conds(program: ExportedProgram) -> list[SizeCond]:
             continue
         if subgraph(node.args[1]) is None or subgraph(node.args[2]) is None:
             continue
-        pred = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+        pred = fake_value(node.args[0])
         if not isinstance(pred, torch.SymBool) or statically_known_true(pred) or statically_known_false(pred):
             continue
         expr = pred.node.expr

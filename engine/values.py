@@ -79,6 +79,18 @@ def attr_of(node: Any) -> Any:
         return None
 
 
+def fake_value(arg: Any) -> Any:
+    """The value recorded for a graph node (its `meta["val"]`: a FakeTensor, a SymInt, ...); None for an argument
+    that is not a node, or a node without one."""
+    return arg.meta.get("val") if isinstance(arg, Node) else None
+
+
+def fake_tensor(arg: Any) -> torch.Tensor | None:
+    """`fake_value(arg)` where it is a tensor, else None."""
+    value = fake_value(arg)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def node_value(arg: Any) -> Any:
     """Replace every Node inside `arg` by its fake value. A get_attr of a
     subgraph (the body of a higher-order op) stands for the module itself."""

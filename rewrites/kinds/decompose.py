@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites import decompositions, schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds.base import RuleBase, as_tuple
 
 
@@ -106,7 +107,7 @@ def _inlinable(node: Node) -> Miss | None:
     if any(isinstance(t, torch.ListType) for t in returns) and len(returns) > 1:
         return Miss("it returns a tensor list inside a tuple, which a replacement cannot stand for")
     for arg in pytree.tree_leaves((node.args, dict(node.kwargs))):
-        val = arg.meta.get("val") if isinstance(arg, Node) else None
+        val = fake_value(arg)
         if isinstance(val, torch.Tensor) and val.layout != torch.strided:
             return Miss(f"a {val.layout} input (decompositions trace strided tensors only)")
     return None

@@ -25,18 +25,15 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
 
-def _val(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, Node) else None
-
-
 def _is_bool_tensor(arg: Any) -> bool:
-    val = _val(arg)
+    val = fake_value(arg)
     return isinstance(val, torch.Tensor) and val.dtype == torch.bool
 
 
@@ -50,14 +47,14 @@ def _mask_position(indices: Any) -> tuple[int, Node] | Miss:
     if len(given) != 1:
         return Miss("a bool mask mixed with other tensor indices")
     dim, mask = given[0]
-    if _val(mask).dim() == 0:
+    if fake_value(mask).dim() == 0:
         return Miss("a 0-d bool index (x[True]) adds a dimension; not handled")
     return dim, mask
 
 
 def _size(rw: Rewriter, node: Node, dim: int) -> Any:
     """`node.shape[dim]` as an int, or a `sym_size.int` node when symbolic."""
-    size = _val(node).shape[dim]
+    size = fake_value(node).shape[dim]
     if isinstance(size, torch.SymInt):
         maybe = size.node.maybe_as_int()
         return maybe if maybe is not None else rw.call(aten.sym_size.int, node, dim)
@@ -74,7 +71,7 @@ def _contiguous(val: torch.Tensor) -> bool:
 def _flatten(rw: Rewriter, node: Node, start: int, end: int) -> Node:
     """`node` with dims start..end (inclusive) merged into one (core ATen:
     `view`, after a contiguous `clone` when the layout is not known to allow it)."""
-    val = _val(node)
+    val = fake_value(node)
     if start == end and val.dim() > 0:
         return node
     shape = [_size(rw, node, d) for d in range(start)] + [-1] + [_size(rw, node, d) for d in range(end + 1, val.dim())]
@@ -87,7 +84,7 @@ def _flatten(rw: Rewriter, node: Node, start: int, end: int) -> Node:
 def _gather(rw: Rewriter, x: Node, mask: Node, dim: int, old_size: Any) -> Node:
     """`x[(slice(None),) * dim + (mask,)]` as an integer gather; its size
     along `dim` reuses the replaced node's unbacked symbol `old_size`."""
-    k = _val(mask).dim()
+    k = fake_value(mask).dim()
     flat_x = _flatten(rw, x, dim, dim + k - 1)
     flat_mask = _flatten(rw, mask, 0, k - 1)
     nonzero = rw.call(aten.nonzero.default, flat_mask)  # [u, 1] int64
@@ -106,7 +103,7 @@ def _reuse_symbol(rw: Rewriter, nonzero: Node, old_size: Any) -> None:
     fresh symbol for a value it already has (`ShapeEnv._rename_unbacked_to`).
     """
     shape_env = getattr(rw.fake_mode, "shape_env", None)
-    new_size = _val(nonzero).shape[0]
+    new_size = fake_value(nonzero).shape[0]
     if shape_env is None or not isinstance(old_size, torch.SymInt) or not isinstance(new_size, torch.SymInt):
         return
     old_s, new_s = old_size.node.expr, new_size.node._expr
@@ -140,10 +137,10 @@ def mask_index_to_gather(node: Node, rw: Rewriter) -> Any:
     if isinstance(found, Miss):
         return found
     dim, mask = found
-    xv, mv = _val(x), _val(mask)
+    xv, mv = fake_value(x), fake_value(mask)
     if xv is None or xv.dim() < dim + mv.dim():
         return Miss("the mask has more dims than x has after it")
-    old_size = _val(node).shape[dim]
+    old_size = fake_value(node).shape[dim]
     rw.replace(node, _gather(rw, x, mask, dim, old_size), same_shape=False)
     return None
 
@@ -158,7 +155,7 @@ def mask_index_to_gather(node: Node, rw: Rewriter) -> Any:
 )
 def masked_select_to_gather(node: Node, rw: Rewriter) -> Any:
     x, mask = node.args[0], node.args[1]
-    xv, mv = _val(x), _val(mask)
+    xv, mv = fake_value(x), fake_value(mask)
     if not isinstance(xv, torch.Tensor) or not isinstance(mv, torch.Tensor):
         return Miss("x or mask has no tensor value")
     if mv.dtype != torch.bool:
@@ -168,7 +165,7 @@ def masked_select_to_gather(node: Node, rw: Rewriter) -> Any:
         shape = torch.Size([1])
 
     def expanded(n: Node) -> Node:
-        v = _val(n)
+        v = fake_value(n)
         if v.dim() == len(shape) and all(statically_known_true(a == b) for a, b in zip(v.shape, shape)):
             return n
         sizes = [_broadcast_size(rw, (x, mask), d, len(shape)) for d in range(len(shape))]
@@ -177,7 +174,7 @@ def masked_select_to_gather(node: Node, rw: Rewriter) -> Any:
     bx, bm = expanded(x), expanded(mask)
     flat_x = _flatten(rw, bx, 0, len(shape) - 1)
     flat_mask = _flatten(rw, bm, 0, len(shape) - 1)
-    rw.replace(node, _gather(rw, flat_x, flat_mask, 0, _val(node).shape[0]), same_shape=False)
+    rw.replace(node, _gather(rw, flat_x, flat_mask, 0, fake_value(node).shape[0]), same_shape=False)
     return None
 
 
@@ -185,7 +182,7 @@ def _broadcast_size(rw: Rewriter, nodes: tuple[Node, ...], d: int, rank: int) ->
     """Size of broadcast dim `d` (of `rank`), read from an input that has it."""
     fallback: Any = 1
     for n in nodes:
-        v = _val(n)
+        v = fake_value(n)
         i = d - (rank - v.dim())
         if i < 0:
             continue
@@ -212,7 +209,7 @@ def mask_index_put_to_where(node: Node, rw: Rewriter) -> Any:
     if isinstance(found, Miss):
         return found
     dim, mask = found
-    xv, mv, vv = _val(x), _val(mask), _val(values)
+    xv, mv, vv = fake_value(x), fake_value(mask), fake_value(values)
     if not isinstance(vv, torch.Tensor):
         return Miss("values have no tensor value")
     k = mv.dim()

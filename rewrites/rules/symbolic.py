@@ -43,6 +43,7 @@ from torch.fx.node import map_arg
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine import values as fake_values
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 from fx_rewrites.symbolic_sizes import SYM_TYPES, is_scalar_type, is_scalar_value, is_tensor_type
@@ -185,10 +186,10 @@ def sym_scalar_in_tensor_slot(node: Node, rw: Rewriter) -> Any:
 
 def _pow_match(node: Node) -> Any:
     base, exponent = node.args[0], node.args[1]
-    val = exponent.meta.get("val") if isinstance(exponent, Node) else None
+    val = fake_value(exponent)
     if not isinstance(val, torch.SymInt):
         return Miss("the exponent is not a SymInt (a constant exponent lowers fine)")
-    bval = base.meta.get("val") if isinstance(base, Node) else None
+    bval = fake_value(base)
     if not isinstance(bval, torch.Tensor) or not bval.dtype.is_floating_point:
         return Miss("the base is not a floating-point tensor")
     if base.target is aten.abs.default:

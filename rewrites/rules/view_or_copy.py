@@ -23,6 +23,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -32,7 +33,7 @@ aten = torch.ops.aten
 def _is_contiguous(node: Node) -> bool | Miss:
     """Whether `contiguous(x)` returns `x` itself, from x's fake value (a Miss when it depends on sizes)."""
     x = node.args[0]
-    val = x.meta.get("val") if isinstance(x, Node) else None
+    val = fake_value(x)
     if not isinstance(val, torch.Tensor):
         return Miss("the input has no tensor value")
     memory_format = node.kwargs.get("memory_format", torch.contiguous_format)

@@ -17,6 +17,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -31,7 +32,7 @@ _SATURATED = 10.0
 def _tanh_gelu_of_float32(node: Node, *, args: Mapping[str, Any]) -> bool | Miss:
     if args.get("approximate", "none") != "tanh":
         return Miss("approximate='none': IREE's erf form was not measured wrong")
-    val = args["self"].meta.get("val") if isinstance(args["self"], Node) else None
+    val = fake_value(args["self"])
     if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
         return Miss("not a float32 tensor (only float32 was measured)")
     return True

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fx_rewrites import decompositions, schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.kinds.decompose import trace_decomposition
 from fx_rewrites.ruleset import RuleSet
@@ -78,10 +79,6 @@ def bind(node: Node) -> Attention:
     )
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
 # ----------------------------------------------------------------------------- one form
 
 
@@ -95,7 +92,7 @@ def _logsumexp_unread(node: Node) -> bool | Miss:
 def _sdpa_can_stand_for(node: Node) -> bool | Miss:
     """Whether the CPU kernel's attention output is what SDPA computes from the same arguments."""
     named = schema.arguments(node)
-    mask, query, key = _val(named.get("attn_mask")), _val(named["query"]), _val(named["key"])
+    mask, query, key = fake_value(named.get("attn_mask")), fake_value(named["query"]), fake_value(named["key"])
     if query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         # the kernel serves grouped-query heads itself; SDPA would need enable_gqa, left to IREE as it came
         return Miss(f"{query.shape[-3]} query heads and {key.shape[-3]} key heads")
@@ -191,15 +188,15 @@ def _mask_from_no_input(node: Node) -> Node | Miss:
             return Miss(f"the mask reads {n.name} ({n.op}): it depends on the inputs")
         if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
             return Miss(f"{n.name} ({n.target}) is random: one evaluation says nothing of the next")
-        val = _val(n)
+        val = fake_value(n)
         if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
             return Miss(f"{n.name} has a symbolic size: the mask cannot be evaluated once for every size")
         behind[n] = None
         if len(behind) > MAX_MASK_NODES:
             return Miss(f"more than {MAX_MASK_NODES} nodes compute the mask")
         todo.extend(n.all_input_nodes)
-    if _val(mask).numel() > MAX_MASK_ELEMENTS:
-        return Miss(f"a mask of {_val(mask).numel()} elements")
+    if fake_value(mask).numel() > MAX_MASK_ELEMENTS:
+        return Miss(f"a mask of {fake_value(mask).numel()} elements")
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     values: dict[Node, Any] = {}
     try:
@@ -249,14 +246,14 @@ def is_guarded(node: Node) -> bool:
 
 def row_has_key(rw: Rewriter, mask: Node) -> Node:
     """A bool tensor, the mask's shape with its last dim 1: whether that row lets any key through."""
-    if _val(mask).dtype == torch.bool:
+    if fake_value(mask).dtype == torch.bool:
         return rw.call(aten.any.dim, mask, -1, True)
     return rw.call(aten.gt.Scalar, rw.call(aten.amax.default, mask, [-1], True), float("-inf"))
 
 
 def zero_fully_masked_rows(rw: Rewriter, out: Node, mask: Node) -> Node:
     """`where(row has a key, out, 0)`: what torch 2.13 CPU eager gives for a row that masks every key."""
-    zero = rw.call(aten.scalar_tensor.default, 0.0, dtype=_val(out).dtype)
+    zero = rw.call(aten.scalar_tensor.default, 0.0, dtype=fake_value(out).dtype)
     return rw.call(aten.where.self, row_has_key(rw, mask), out, zero)
 
 
@@ -265,8 +262,8 @@ def _maskable(node: Node, *, args: Mapping[str, Any]) -> Node | Miss:
     mask = args.get("attn_mask")
     if not isinstance(mask, Node):
         return Miss("no mask: no row can be fully masked (is_causal keeps the diagonal)")
-    if _val(mask).dtype != torch.bool and not _val(mask).dtype.is_floating_point:
-        return Miss(f"a {_val(mask).dtype} mask")
+    if fake_value(mask).dtype != torch.bool and not fake_value(mask).dtype.is_floating_point:
+        return Miss(f"a {fake_value(mask).dtype} mask")
     if is_guarded(node):
         return Miss("already guarded")
     return mask
@@ -294,7 +291,7 @@ def attention_fully_masked_rows_guard(node: Node, rw: Rewriter, *, found: Node) 
 
 def _writable(node: Node) -> Attention | Miss:
     a = bind(node)
-    q, k = _val(a.query), _val(a.key)
+    q, k = fake_value(a.query), fake_value(a.key)
     if a.dropout_p != 0.0:
         return Miss(f"dropout_p={a.dropout_p}: random, training-time attention")
     if q.dtype not in (torch.float32, torch.float64):
@@ -311,7 +308,7 @@ def _writable(node: Node) -> Attention | Miss:
 
 def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
     """enable_gqa: each key/value head serves `times` query heads (`repeat_interleave` on dim -3)."""
-    shape = _val(kv).shape
+    shape = fake_value(kv).shape
     expanded = rw.call(aten.unsqueeze.default, kv, -3)
     sizes = [*(-1 for _ in shape[:-3]), shape[-3], times, shape[-2], shape[-1]]
     expanded = rw.call(aten.expand.default, expanded, sizes)
@@ -332,7 +329,7 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
 )
 def attention_as_matmul_softmax(node: Node, rw: Rewriter, *, found: Attention) -> Any:
     q, k, v = found.query, found.key, found.value
-    qv, kv = _val(q), _val(k)
+    qv, kv = fake_value(q), fake_value(k)
     if qv.dim() >= 3 and qv.shape[-3] != kv.shape[-3]:
         k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
         v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
@@ -346,7 +343,7 @@ def attention_as_matmul_softmax(node: Node, rw: Rewriter, *, found: Attention) -
         cols = rw.call(aten.arange.default, rw.size(k, -2), device=qv.device)
         above = rw.call(aten.lt.Tensor, rw.call(aten.unsqueeze.default, rows, -1), cols)
         scores = rw.call(aten.masked_fill.Scalar, scores, above, float("-inf"))
-    if found.mask is not None and _val(found.mask).dtype == torch.bool:
+    if found.mask is not None and fake_value(found.mask).dtype == torch.bool:
         scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, found.mask), float("-inf"))
     elif found.mask is not None:
         scores = rw.call(aten.add.Tensor, scores, found.mask)

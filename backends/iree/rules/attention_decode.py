@@ -20,19 +20,16 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, bind
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
 NEG_INF = float("-inf")
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
 def _one_query(node: Node) -> Attention | Miss:
     a = bind(node)
-    q, k, v, mask = (_val(x) for x in (a.query, a.key, a.value, a.mask))
+    q, k, v, mask = (fake_value(x) for x in (a.query, a.key, a.value, a.mask))
     if q.dtype != torch.float32 or a.dropout_p != 0.0:
         return Miss(f"{q.dtype}, dropout_p={a.dropout_p}: float32 inference only")
     if a.is_causal:
@@ -69,7 +66,7 @@ def _one_query(node: Node) -> Attention | Miss:
 )
 def attention_one_query_as_grouped_sums(node: Node, rw: Rewriter, *, found: Attention) -> Any:
     a = found
-    qv, kv, vv = _val(a.query), _val(a.key), _val(a.value)
+    qv, kv, vv = fake_value(a.query), fake_value(a.key), fake_value(a.value)
     heads, kv_heads, size, out_size = qv.shape[1], kv.shape[1], qv.shape[-1], vv.shape[-1]
     group = heads // kv_heads
     scale = a.scale if a.scale is not None else 1.0 / math.sqrt(size)
@@ -79,7 +76,7 @@ def attention_one_query_as_grouped_sums(node: Node, rw: Rewriter, *, found: Atte
     keys = rw.call(aten.unsqueeze.default, a.key, 2)  # [b, kv, 1, T, e]
     scores = rw.call(aten.sum.dim_IntList, rw.call(aten.mul.Tensor, rows, keys), [-1])  # [b, kv, group, T]
     if a.mask is not None:
-        mv = _val(a.mask)
+        mv = fake_value(a.mask)
         shape = [rw.size(a.mask, 0), 1, 1] if mv.shape[1] == 1 else [rw.size(a.mask, 0), kv_heads, group]
         allowed = rw.call(aten.reshape.default, a.mask, [*shape, rw.size(a.mask, -1)])
         scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.logical_not.default, allowed), NEG_INF)

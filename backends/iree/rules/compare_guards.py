@@ -23,6 +23,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import Pattern, rule
 
 aten = torch.ops.aten
@@ -89,7 +90,7 @@ def _source(value: Any) -> Any:
 
 def _compared_with_itself(node: Node) -> Miss | bool:
     a, b = node.args[:2]
-    val = a.meta.get("val") if isinstance(a, Node) else None
+    val = fake_value(a)
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         return Miss("not a floating-point tensor")
     if _source(a) is not _source(b):

@@ -33,6 +33,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -40,14 +41,10 @@ aten = torch.ops.aten
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
 def _conv(node: Node) -> dict[str, Any] | Miss:
     """The convolution's arguments by name (spatial lists as long as the kernel's spatial dims), or why not."""
     named = schema.arguments(node)
-    w, x = _val(named["weight"]), _val(named["input"])
+    w, x = fake_value(named["weight"]), fake_value(named["input"])
     if w is None or x is None:
         return Miss("no tensor value on the input or weight")
     spatial = w.dim() - 2
@@ -72,14 +69,14 @@ def _strided_pointwise(node: Node) -> dict[str, Any] | Miss:
     c = _conv(node)
     if isinstance(c, Miss):
         return c
-    kernel = list(_val(c["weight"]).shape[2:])
+    kernel = list(fake_value(c["weight"]).shape[2:])
     if any(k != 1 for k in kernel):
         return Miss(f"a {kernel} kernel: not pointwise")
     if all(s == 1 for s in c["stride"]):
         return Miss("stride 1: nothing to slice")
     if any(p != 0 for p in c["padding"]):
         return Miss(f"padding {c['padding']}: the padded border would be sliced too")
-    sizes = _val(c["input"]).shape[2:]
+    sizes = fake_value(c["input"]).shape[2:]
     if any(step != 1 and not isinstance(size, int) for size, step in zip(sizes, c["stride"], strict=True)):
         # the slice's length ((n + s - 1) // s) and the convolution's ((n - 1) // s + 1) are equal, but the
         # engine cannot prove it of two symbolic expressions and rolls the rewrite back
@@ -124,7 +121,7 @@ def strided_pointwise_conv_as_slice(node: Node, rw: Rewriter, *, found: dict[str
 
 def _static_sizes(c: dict[str, Any]) -> bool | Miss:
     """The input's channel and spatial sizes are known (a Dim batch is fine)."""
-    if not all(isinstance(d, int) for d in (*_val(c["input"]).shape[1:], *_val(c["weight"]).shape)):
+    if not all(isinstance(d, int) for d in (*fake_value(c["input"]).shape[1:], *fake_value(c["weight"]).shape)):
         return Miss("symbolic channel or spatial sizes")
     return True
 
@@ -156,7 +153,7 @@ def _conv3d(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    time, taps = _val(c["input"]).shape[2], _val(c["weight"]).shape[2]
+    time, taps = fake_value(c["input"]).shape[2], fake_value(c["weight"]).shape[2]
     (st, _, _), (pt, _, _), (dt, _, _) = c["stride"], c["padding"], c["dilation"]
     frames = _out_size(time, taps, st, pt, dt)
     if frames < 1:
@@ -181,8 +178,8 @@ def _conv3d(node: Node) -> dict[str, Any] | Miss:
 )
 def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
-    _, channels, time, height, width = _val(x).shape
-    out_channels, _, taps, _, _ = _val(w).shape
+    _, channels, time, height, width = fake_value(x).shape
+    out_channels, _, taps, _, _ = fake_value(w).shape
     (st, *stride), (pt, *padding), (dt, *dilation) = found["stride"], found["padding"], found["dilation"]
     frames = _out_size(time, taps, st, pt, dt)
     x = rw.call(aten.permute.default, x, [0, 2, 1, 3, 4])  # [N, T, C, H, W]: a frame is a batch row
@@ -208,7 +205,7 @@ def conv3d_as_conv2d_over_frames(node: Node, rw: Rewriter, *, found: dict[str, A
             [0, 0],
             found["groups"],
         )
-        y = rw.call(aten.reshape.default, y, [-1, count, out_channels, *_val(y).shape[2:]])
+        y = rw.call(aten.reshape.default, y, [-1, count, out_channels, *fake_value(y).shape[2:]])
         if count != frames:
             y = rw.call(aten.constant_pad_nd.default, y, [0, 0, 0, 0, 0, 0, first, frames - 1 - last], 0.0)
         total = y if total is None else rw.call(aten.add.Tensor, total, y)
@@ -239,9 +236,9 @@ def _any_depthwise(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    out_channels, per_group = _val(c["weight"]).shape[:2]
-    if not (c["groups"] == _val(c["input"]).shape[1] == out_channels and per_group == 1):
-        return Miss(f"groups={c['groups']}, weight {list(_val(c['weight']).shape)}: not depthwise")
+    out_channels, per_group = fake_value(c["weight"]).shape[:2]
+    if not (c["groups"] == fake_value(c["input"]).shape[1] == out_channels and per_group == 1):
+        return Miss(f"groups={c['groups']}, weight {list(fake_value(c['weight']).shape)}: not depthwise")
     return c
 
 
@@ -249,7 +246,7 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     c = _any_depthwise(node)
     if isinstance(c, Miss):
         return c
-    kh, kw = _val(c["weight"]).shape[2:]
+    kh, kw = fake_value(c["weight"]).shape[2:]
     if kh * kw > MAX_DEPTHWISE_TAPS:
         return Miss(f"a {kh}x{kw} kernel: more than {MAX_DEPTHWISE_TAPS} taps (depthwise_conv_as_row_partials)")
     return c
@@ -259,8 +256,8 @@ def _depthwise_operands(rw: Rewriter, found: dict[str, Any]) -> tuple[Node, Node
     """A depthwise convolution's input padded, its weight as one [C, 1, 1] tap per kernel position ([C, kh kw,
     1, 1]) and its output's rows and columns."""
     x, w = found["input"], found["weight"]
-    channels, _, kh, kw = _val(w).shape
-    height, width = _val(x).shape[2:]
+    channels, _, kh, kw = fake_value(w).shape
+    height, width = fake_value(x).shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = found["stride"], found["padding"], found["dilation"]
     rows, cols = _out_size(height, kh, sh, ph, dh), _out_size(width, kw, sw, pw, dw)
     if ph or pw:
@@ -271,7 +268,7 @@ def _depthwise_operands(rw: Rewriter, found: dict[str, Any]) -> tuple[Node, Node
 def _replace_with_bias(node: Node, rw: Rewriter, total: Node, found: dict[str, Any]) -> None:
     """`node` replaced by `total` plus the convolution's bias (per channel), if it has one."""
     if found["bias"] is not None:
-        channels = _val(found["weight"]).shape[0]
+        channels = fake_value(found["weight"]).shape[0]
         total = rw.call(aten.add.Tensor, total, rw.call(aten.reshape.default, found["bias"], [channels, 1, 1]))
     rw.replace(node, total)
 
@@ -290,7 +287,7 @@ def _replace_with_bias(node: Node, rw: Rewriter, total: Node, found: dict[str, A
 )
 def depthwise_conv_as_taps(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, taps, rows, cols = _depthwise_operands(rw, found)
-    kh, kw = _val(found["weight"]).shape[2:]
+    kh, kw = fake_value(found["weight"]).shape[2:]
     (sh, sw), (dh, dw) = found["stride"], found["dilation"]
     chains: list[Node] = []
     chain, length = None, 0
@@ -319,7 +316,7 @@ def _large_depthwise(node: Node) -> dict[str, Any] | Miss:
     c = _any_depthwise(node)
     if isinstance(c, Miss):
         return c
-    kh, kw = _val(c["weight"]).shape[2:]
+    kh, kw = fake_value(c["weight"]).shape[2:]
     if kh * kw <= MAX_DEPTHWISE_TAPS:
         return Miss(f"a {kh}x{kw} kernel: at most {MAX_DEPTHWISE_TAPS} taps (depthwise_conv_as_taps)")
     if kh * kw > MAX_ROW_PARTIAL_TAPS:
@@ -343,7 +340,7 @@ def _large_depthwise(node: Node) -> dict[str, Any] | Miss:
 )
 def depthwise_conv_as_row_partials(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, taps, rows, cols = _depthwise_operands(rw, found)  # stride 1 (`_large_depthwise`)
-    kh, kw = _val(found["weight"]).shape[2:]
+    kh, kw = fake_value(found["weight"]).shape[2:]
     dh, dw = found["dilation"]
     total = None
     for i in range(kh):
@@ -373,7 +370,7 @@ def _grouped(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    if _val(c["weight"]).shape[1] == 1 and c["spatial"] == 2:
+    if fake_value(c["weight"]).shape[1] == 1 and c["spatial"] == 2:
         return Miss("depthwise: depthwise_conv_as_taps")
     if groups > MAX_GROUPS:
         return Miss(f"{groups} groups: more than {MAX_GROUPS} convolutions")
@@ -392,7 +389,7 @@ def _grouped(node: Node) -> dict[str, Any] | Miss:
 )
 def grouped_conv_as_convs(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w, b, groups = found["input"], found["weight"], found["bias"], found["groups"]
-    per_in, per_out = _val(x).shape[1] // groups, _val(w).shape[0] // groups
+    per_in, per_out = fake_value(x).shape[1] // groups, fake_value(w).shape[0] // groups
     zeros = [0] * found["spatial"]
     outs = []
     for g in range(groups):

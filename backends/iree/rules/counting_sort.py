@@ -23,6 +23,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -116,7 +117,7 @@ def _bound(node: Node, depth: int) -> int | None:
 
 def _bounded_sort(node: Node, args: Mapping[str, Any]) -> tuple[int] | Miss:
     x = args["self"]
-    val = x.meta.get("val") if isinstance(x, Node) else None
+    val = fake_value(x)
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return Miss("a 0-d input or one without a tensor value")
     if args.get("dim", -1) not in (-1, val.dim() - 1):

@@ -19,6 +19,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -76,7 +77,7 @@ def _fft_plan(node: Node, args: Mapping[str, Any]) -> tuple[Node, list[int], int
 def complex_parts(value: Any, rw: Rewriter, depth: int = 0) -> Parts | Miss:
     """(real part, imaginary part or None for zero) of `value` as real nodes: a real tensor, a real tensor
     converted to complex, a forward FFT, conj, clone, or +, -, * of these."""
-    val = value.meta.get("val") if isinstance(value, Node) else None
+    val = fake_value(value)
     if not isinstance(val, torch.Tensor):
         return Miss("not a tensor")
     if not val.is_complex():

@@ -23,6 +23,7 @@ from fx_rewrites.backends.iree.rules.compare_guards import (
 )
 from fx_rewrites.backends.iree.rules.index_guards import int32_index_to_int64_for_iree, negative_put_index_for_iree
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -223,7 +224,7 @@ def _empty_operands(node: Node) -> list[Node] | Miss:
     empty: list[Node] = []
     for name, value in schema.arguments(node).items():
         for operand in value if isinstance(value, (list, tuple)) else (value,):
-            val = operand.meta.get("val") if isinstance(operand, Node) else None
+            val = fake_value(operand)
             if not isinstance(val, torch.Tensor):
                 continue
             if _numel(val) == 0:

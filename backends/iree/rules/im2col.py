@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.conv_performance import _conv, _out_size, _static_sizes, _val
+from fx_rewrites.backends.iree.rules.conv_performance import _conv, _out_size, _static_sizes
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -71,7 +72,7 @@ def columns(
     taps = windows(rw, x, kernel, stride, dilation)
     first = taps[0]
     batch, rows_out, cols_out = rw.size(first, 0), rw.size(first, 1), rw.size(first, 2)
-    reduction = kernel[0] * kernel[1] * _val(x).shape[3]
+    reduction = kernel[0] * kernel[1] * fake_value(x).shape[3]
     positions = product(rw, product(rw, batch, rows_out), cols_out)
     if len(taps) == 1:  # a contiguous copy (a view of the strided window would guard on the sizes)
         stacked = rw.call(aten.clone.default, taps[0], memory_format=torch.contiguous_format)
@@ -116,10 +117,10 @@ def _im2col_conv(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
-    kernel = tuple(_val(c["weight"]).shape[2:])
+    kernel = tuple(fake_value(c["weight"]).shape[2:])
     if kernel != (1, 1) and c["stride"] == list(kernel) and not any(c["padding"]) and c["dilation"] == [1, 1]:
         return Miss("a patch convolution (patch_conv_as_matmul)")
-    channels, height, width = _val(c["input"]).shape[1:]
+    channels, height, width = fake_value(c["input"]).shape[1:]
     rows = _out_size(height, kernel[0], c["stride"][0], c["padding"][0], c["dilation"][0])
     cols = _out_size(width, kernel[1], c["stride"][1], c["padding"][1], c["dilation"][1])
     if rows < 1 or cols < 1:
@@ -147,7 +148,7 @@ def _im2col_conv(node: Node) -> dict[str, Any] | Miss:
 )
 def conv_as_im2col_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
-    out_channels, _, kh, kw = _val(w).shape
+    out_channels, _, kh, kw = fake_value(w).shape
     x = rw.call(aten.permute.default, x, [0, 2, 3, 1])
     ph, pw = found["padding"]
     if ph or pw:
@@ -163,7 +164,7 @@ def _pointwise(node: Node) -> dict[str, Any] | Miss:
     c = _im2col_conv(node)
     if isinstance(c, Miss):
         return c
-    if tuple(_val(c["weight"]).shape[2:]) != (1, 1):
+    if tuple(fake_value(c["weight"]).shape[2:]) != (1, 1):
         return Miss("not a 1x1 kernel (conv_as_im2col_matmul)")
     if c["stride"] != [1, 1] or any(c["padding"]):
         return Miss(f"stride {c['stride']}, padding {c['padding']} (strided_pointwise_conv_as_slice first)")
@@ -183,8 +184,8 @@ def _pointwise(node: Node) -> dict[str, Any] | Miss:
 )
 def pointwise_conv_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
-    out_channels, channels = _val(w).shape[:2]
-    height, width = _val(x).shape[2:]
+    out_channels, channels = fake_value(w).shape[:2]
+    height, width = fake_value(x).shape[2:]
     rows = rw.call(aten.reshape.default, x, [-1, channels, height * width])
     y = rw.call(aten.matmul.default, rw.call(aten.reshape.default, w, [out_channels, channels]), rows)
     if found["bias"] is not None:

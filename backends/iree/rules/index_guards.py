@@ -13,6 +13,7 @@ from torch.fx import Node
 
 from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -45,7 +46,7 @@ def _int32_indices(node: Node) -> dict[str, list[Any]] | Miss:
     lists = {name: list(named[name]) for name in _INDEX_LISTS[node.target]}
     for indices in lists.values():
         for index in indices:
-            val = index.meta.get("val") if isinstance(index, Node) else None
+            val = fake_value(index)
             if isinstance(val, torch.Tensor) and val.dtype == torch.int32:
                 return lists
     return Miss("no int32 index tensor")
@@ -98,7 +99,7 @@ def _unwrapped_put_indices(node: Node) -> list[int] | Miss:
     """Positions (= the dims of `self` they index) of the integer index tensors not yet wrapped."""
     named = schema.arguments(node)
     indices = list(named["indices"])
-    vals = [i.meta.get("val") if isinstance(i, Node) else None for i in indices]
+    vals = [fake_value(i) for i in indices]
     if any(i is not None and not isinstance(v, torch.Tensor) for i, v in zip(indices, vals)):
         return Miss("an index without a tensor value")
     if any(v is not None and v.dtype in (torch.bool, torch.uint8) for v in vals):

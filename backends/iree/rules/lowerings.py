@@ -20,6 +20,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.rules.fft import inverse_real_fft_to_matmul_for_iree, real_fft_to_matmul_for_iree
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -190,7 +191,7 @@ _SOFTMAXES = (aten._softmax.default, aten.softmax.int, aten._log_softmax.default
 
 
 def _zero_dim(node: Node) -> bool | Miss:
-    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    x = fake_value(node.args[0])
     return True if x is not None and x.dim() == 0 else Miss("not a 0-d input")
 
 

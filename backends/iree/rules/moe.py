@@ -33,6 +33,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.kinds.function import FunctionRule
 from fx_rewrites.ruleset import RuleSet
@@ -83,7 +84,7 @@ class Grouped:
 def _grouped(node: Node) -> Grouped | Miss:
     """The operands, when the op can be written out; else a Miss saying why not."""
     x, weight, offs = node.args[:3]
-    vals = [a.meta.get("val") if isinstance(a, Node) else None for a in (x, weight, offs)]
+    vals = [fake_value(a) for a in (x, weight, offs)]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return Miss("an argument without a tensor value")
     xv, wv, ov = vals

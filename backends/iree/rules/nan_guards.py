@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -48,7 +49,7 @@ def _is_nan_guard(user: Node, x: Node, node: Node) -> bool:
 
 def _unguarded_float(node: Node) -> bool | Miss:
     x = node.args[0]
-    val = x.meta.get("val") if isinstance(x, Node) else None
+    val = fake_value(x)
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         return Miss("not a floating-point tensor (no NaN)")
     if len(node.users) == 1 and _is_nan_guard(next(iter(node.users)), x, node):

@@ -59,14 +59,11 @@ from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, Node) else None
 
 
 # ----------------------------------------------------------------------------- attention by head groups
@@ -96,7 +93,7 @@ class HeadGroups:
 
 def _head_groups(node: Node) -> HeadGroups | Miss:
     a = bind(node)
-    q, k, v = (_val(x) for x in (a.query, a.key, a.value))
+    q, k, v = (fake_value(x) for x in (a.query, a.key, a.value))
     if a.mask is not None:
         return Miss("a mask: not measured (the fully-masked-row guard wraps the whole output)")
     if a.dropout_p != 0.0 or q.dtype != torch.float32:
@@ -134,7 +131,7 @@ def _head_groups(node: Node) -> HeadGroups | Miss:
 )
 def attention_by_head_groups(node: Node, rw: Rewriter, *, found: HeadGroups) -> Any:
     a = found.attention
-    batch, heads = _val(a.query).shape[:2]
+    batch, heads = fake_value(a.query).shape[:2]
     rows = []
     for b in range(0, batch, found.batches):
         parts = []
@@ -155,7 +152,7 @@ def attention_by_head_groups(node: Node, rw: Rewriter, *, found: HeadGroups) -> 
 
 def _softmax_in_float32(node: Node) -> bool | Miss:
     named = schema.arguments(node)
-    x = _val(named["self"])
+    x = fake_value(named["self"])
     if x.dtype != torch.float32:
         return Miss(f"{x.dtype}: torch's kernel keeps a float32 sum that written out in {x.dtype} would lose")
     if named.get("half_to_float") or named.get("dtype") is not None:
@@ -211,7 +208,7 @@ def _sums_its_rows(total: Any, rows: Node) -> bool:
     return (
         bool(keepdim)
         and dims is not None
-        and list(dims) in ([-1], [_val(rows).dim() - 1])
+        and list(dims) in ([-1], [fake_value(rows).dim() - 1])
         and "dtype" not in total.kwargs
     )
 
@@ -220,7 +217,7 @@ def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
     probs, values = node.args
     if not isinstance(probs, Node) or len(probs.users) != 1:
         return Miss("the weights are read elsewhere too: they are computed anyway")
-    p, v = _val(probs), _val(values)
+    p, v = fake_value(probs), fake_value(values)
     if p.dim() < 2 or v.dim() < 2 or v.dtype != torch.float32:
         return Miss(f"weights of rank {p.dim()}, values of rank {v.dim()} and {v.dtype}: not a float32 matrix product")
     if not statically_known_true(v.shape[-2] > 0):
@@ -234,8 +231,8 @@ def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
                 isinstance(scale, Node)
                 and scale.target is aten.reciprocal.default
                 and _sums_its_rows(scale.args[0], rows)
-                and _val(rows).dtype == torch.float32
-                and _val(rows).shape == p.shape
+                and fake_value(rows).dtype == torch.float32
+                and fake_value(rows).shape == p.shape
             ):
                 return RowsThenMatmul(values, rows=rows)
     return Miss("the weights are neither a softmax nor rows times the reciprocal of their sum")
@@ -256,7 +253,7 @@ def _rows_then_matmul(node: Node) -> RowsThenMatmul | Miss:
 def softmax_matmul_normalized_after(node: Node, rw: Rewriter, *, found: RowsThenMatmul) -> Any:
     e = found.rows if found.rows is not None else _exp_rows(rw, found.softmax_input)
     ones = rw.call(
-        aten.ones.default, [rw.size(found.values, -2), 1], dtype=torch.float32, device=_val(found.values).device
+        aten.ones.default, [rw.size(found.values, -2), 1], dtype=torch.float32, device=fake_value(found.values).device
     )
     total = rw.call(aten.matmul.default, e, ones)
     out = rw.call(aten.matmul.default, e, found.values)
@@ -271,7 +268,7 @@ _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.convolution.default)
 def _conv(node: Node) -> dict[str, Any]:
     """The convolution's arguments by name, spatial lists as long as the kernel's spatial dims."""
     named = schema.arguments(node)
-    spatial = _val(named["weight"]).dim() - 2
+    spatial = fake_value(named["weight"]).dim() - 2
     out = {"input": named["input"], "weight": named["weight"], "bias": named.get("bias")}
     for key, default in (("stride", 1), ("padding", 0), ("dilation", 1)):
         value = named.get(key, [default])
@@ -283,10 +280,10 @@ def _conv(node: Node) -> dict[str, Any]:
 
 
 def _plain_conv(c: dict[str, Any], spatial: int) -> bool | Miss:
-    w = _val(c["weight"])
+    w = fake_value(c["weight"])
     if w.dim() - 2 != spatial:
         return Miss(f"a {w.dim() - 2}-D convolution")
-    if _val(c["input"]).dim() != spatial + 2:
+    if fake_value(c["input"]).dim() != spatial + 2:
         return Miss("an unbatched input")
     if c["transposed"] or any(c["output_padding"]):
         return Miss("a transposed convolution")
@@ -294,7 +291,7 @@ def _plain_conv(c: dict[str, Any], spatial: int) -> bool | Miss:
         return Miss(f"groups={c['groups']}")
     if not w.dtype.is_floating_point:
         return Miss(f"a {w.dtype} convolution")
-    if not all(isinstance(s, int) for s in (*w.shape, *_val(c["input"]).shape[1:])):
+    if not all(isinstance(s, int) for s in (*w.shape, *fake_value(c["input"]).shape[1:])):
         return Miss("symbolic channel or spatial sizes")
     return True
 
@@ -304,7 +301,7 @@ def _patch_conv(node: Node) -> dict[str, Any] | Miss:
     ok = _plain_conv(c, 2)
     if ok is not True:
         return ok
-    kernel = list(_val(c["weight"]).shape[2:])
+    kernel = list(fake_value(c["weight"]).shape[2:])
     if kernel == [1, 1]:
         # a pointwise convolution (MobileNet, ResNet's bottlenecks): not measured faster as a matmul, and the
         # matmul's other summation order moves deep BatchNorm nets (MobileNetV2) past 1e-5 of eager
@@ -327,8 +324,8 @@ def _patch_conv(node: Node) -> dict[str, Any] | Miss:
 )
 def patch_conv_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
-    out_channels, channels, kh, kw = _val(w).shape
-    height, width = _val(x).shape[2:]
+    out_channels, channels, kh, kw = fake_value(w).shape
+    height, width = fake_value(x).shape[2:]
     gh, gw = height // kh, width // kw
     if (gh * kh, gw * kw) != (height, width):  # the convolution drops the last partial patch
         x = rw.call(aten.slice.Tensor, x, 2, 0, gh * kh)
@@ -351,7 +348,7 @@ def _conv1d(node: Node) -> dict[str, Any] | Miss:
     ok = _plain_conv(c, 1)
     if ok is not True:
         return ok
-    taps = _val(c["weight"]).shape[2]
+    taps = fake_value(c["weight"]).shape[2]
     if taps > MAX_TAPS:
         return Miss(f"a {taps}-tap kernel: the stacked input would be {taps} copies")
     if isinstance(c["padding"][0], str):
@@ -371,9 +368,9 @@ def _conv1d(node: Node) -> dict[str, Any] | Miss:
 )
 def conv1d_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
-    out_channels, channels, taps = _val(w).shape
+    out_channels, channels, taps = fake_value(w).shape
     (stride,), (pad,), (dilation,) = found["stride"], found["padding"], found["dilation"]
-    length = _val(x).shape[2] + 2 * pad
+    length = fake_value(x).shape[2] + 2 * pad
     out_length = (length - dilation * (taps - 1) - 1) // stride + 1
     span = stride * (out_length - 1) + 1
     # channels last ([N, L, C]: the k shifted slices are rows, concatenated along the channels): between

@@ -34,6 +34,7 @@ from torch.fx import Node
 from fx_rewrites.backends.iree.rules import im2col
 from fx_rewrites.backends.iree.rules.conv import _conv_args
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_tensor
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -61,19 +62,14 @@ class QuantizedConv:
     dilation: list[int]
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _through_no_ops(node: Any) -> Any:
     """`node` past identity permutes and conversions to its own dtype (what the lowered dequantizes hold)."""
     while isinstance(node, Node):
         if (node.target is aten.permute.default and list(node.args[1]) == list(range(len(node.args[1])))) or (
             node.target is aten._to_copy.default
             and set(node.kwargs) <= {"dtype"}
-            and _val(node.args[0]) is not None
-            and _val(node.args[0]).dtype == _val(node).dtype
+            and fake_tensor(node.args[0]) is not None
+            and fake_tensor(node.args[0]).dtype == fake_tensor(node).dtype
         ):
             node = node.args[0]
         else:
@@ -107,7 +103,7 @@ def _per_tensor(node: Any) -> tuple[Node, float, int] | Miss:
         q = converted.args[0]
     else:
         return Miss(f"the input is {node.target}, not a per-tensor dequantize")
-    value = _val(q)
+    value = fake_tensor(q)
     if value is None or value.dtype not in (torch.uint8, torch.int8):
         return Miss(f"the dequantized input is {getattr(value, 'dtype', None)}, not uint8 or int8")
     if not (_number(scale) and isinstance(zero, int) and not isinstance(zero, bool)):
@@ -119,7 +115,7 @@ def _channel_vector(node: Any, channels: int) -> Node | None:
     """The [O] node under a `view`/`reshape` to [O, 1, 1, 1] (or the [O] node itself when unviewed)."""
     if isinstance(node, Node) and node.target in (aten.view.default, aten.reshape.default):
         node = node.args[0]
-    value = _val(node)
+    value = fake_tensor(node)
     return node if value is not None and tuple(value.shape) == (channels,) else None
 
 
@@ -140,7 +136,7 @@ def _per_channel(node: Any) -> tuple[Node, Node, Node] | Miss:
         w, zero = _through_no_ops(sub.args[0]), sub.args[1]
     else:
         return Miss(f"the weight is {node.target}, not a per-channel dequantize")
-    value = _val(w)
+    value = fake_tensor(w)
     if value is None or value.dtype != torch.int8 or value.dim() != 4:
         return Miss(f"the dequantized weight is {getattr(value, 'dtype', None)}, not a 4-D int8 tensor")
     if not all(isinstance(s, int) for s in value.shape):
@@ -148,7 +144,7 @@ def _per_channel(node: Any) -> tuple[Node, Node, Node] | Miss:
     scale, zero = _channel_vector(scale, value.shape[0]), _channel_vector(zero, value.shape[0])
     if scale is None or zero is None:
         return Miss("the weight's scale or zero point is not one value per output channel")
-    if _val(scale).dtype != torch.float32 or _val(zero).dtype.is_floating_point:
+    if fake_tensor(scale).dtype != torch.float32 or fake_tensor(zero).dtype.is_floating_point:
         return Miss("the weight's scale is not float32 or its zero point not an integer")
     return w, scale, zero
 
@@ -157,7 +153,7 @@ def _quantized_conv(node: Node) -> QuantizedConv | Miss:
     named = _conv_args(node)
     if isinstance(named, Miss):
         return named
-    out = _val(node)
+    out = fake_tensor(node)
     if named["n"] != 2 or named.get("groups", 1) != 1 or out is None or out.dtype != torch.float32:
         return Miss("not a float32 2-D convolution of one group")
     if not all(isinstance(v, int) for v in (*named["padding"], *named["stride"], *named["dilation"])):
@@ -168,11 +164,11 @@ def _quantized_conv(node: Node) -> QuantizedConv | Miss:
     weight = _per_channel(named["weight"])
     if isinstance(weight, Miss):
         return weight
-    reduction = _val(weight[0]).shape[1:].numel()
+    reduction = fake_tensor(weight[0]).shape[1:].numel()
     if reduction > MAX_REDUCTION:
         return Miss(f"a reduction of {reduction} > {MAX_REDUCTION} could overflow int32")
     bias = named.get("bias")
-    if bias is not None and (_val(bias) is None or _val(bias).dtype != torch.float32):
+    if bias is not None and (fake_tensor(bias) is None or fake_tensor(bias).dtype != torch.float32):
         return Miss("the bias is not a float32 tensor")
     return QuantizedConv(
         *activation, *weight, bias, stride=named["stride"], padding=named["padding"], dilation=named["dilation"]
@@ -193,10 +189,10 @@ def _quantized_conv(node: Node) -> QuantizedConv | Miss:
 )
 def quantized_conv_as_int_mm_for_iree(node: Node, rw: Rewriter, *, found: QuantizedConv) -> None:
     conv = found
-    w = _val(conv.weight)
+    w = fake_tensor(conv.weight)
     channels_out, channels, *kernel = w.shape
     reduction = channels * kernel[0] * kernel[1]
-    shift = 128 if _val(conv.activation).dtype == torch.uint8 else 0
+    shift = 128 if fake_tensor(conv.activation).dtype == torch.uint8 else 0
     x = conv.activation
     if shift:  # uint8 -> int8, x - 128
         wide = rw.call(aten.sub.Tensor, rw.call(aten._to_copy.default, x, dtype=torch.int32), shift)

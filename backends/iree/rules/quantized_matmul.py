@@ -23,6 +23,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.weight_layout import BLOCKED_ROWS
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_tensor
 from fx_rewrites.kinds import rule
 from fx_rewrites.program import input_spec
 from fx_rewrites.ruleset import RuleSet
@@ -43,15 +44,10 @@ _INTEGER = (torch.int8, torch.uint8)
 _SCALES = (torch.float32, torch.bfloat16)
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _frozen_weight(node: Any, dtypes: tuple[torch.dtype, ...]) -> Miss | None:
     """None when `node` is a 2-D static program parameter/buffer/constant of `dtypes` whose rows come in
     blocks, read by one node: what `fold_blocked_rows` can re-lay."""
-    value = _val(node)
+    value = fake_tensor(node)
     if value is None or node.op != "placeholder":
         return Miss("the weight is not a program input")
     spec = input_spec(node)
@@ -85,7 +81,7 @@ def _reduce(rw: Rewriter, x: Node, weights: Node, rows: Any, n: int, k_dims: lis
 def _int8_weight_mm(node: Node) -> Miss | Node:
     """mm(x, _to_copy(t(w), float32)) with `w` an int8 frozen [N, K] weight: returns w."""
     x, converted = node.args[:2]
-    xv, cv = _val(x), _val(converted)
+    xv, cv = fake_tensor(x), fake_tensor(converted)
     if xv is None or cv is None or xv.dtype != torch.float32 or cv.dtype != torch.float32:
         return Miss("not a float32 matmul")
     if not (isinstance(converted, Node) and converted.target is aten._to_copy.default and len(converted.users) == 1):
@@ -112,7 +108,7 @@ def _int8_weight_mm(node: Node) -> Miss | Node:
 )
 def int8_weight_mm_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: Node) -> None:
     x = node.args[0]
-    n, k = _val(found).shape
+    n, k = fake_tensor(found).shape
     rw.replace(node, _reduce(rw, x, _blocked_float(rw, found), rw.size(x, 0), n, [k]))
 
 
@@ -128,7 +124,7 @@ def _grouped_dequantize(node: Node) -> Miss | tuple[int, Node | None]:
     why = _frozen_weight(weight, _INTEGER)
     if why is not None:
         return why
-    n, k = _val(weight).shape
+    n, k = fake_tensor(weight).shape
     if len(block) != 2 or block[0] != 1 or not isinstance(block[1], int) or k % block[1]:
         return Miss(f"block size {list(block)}: expected [1, g] with g dividing {k}")
     if out_dtype != torch.float32:
@@ -139,13 +135,13 @@ def _grouped_dequantize(node: Node) -> Miss | tuple[int, Node | None]:
         why = _frozen_weight(part, (torch.float32, torch.bfloat16, torch.int8, torch.int32))
         if why is not None:
             return why
-        if tuple(_val(part).shape) != (n, k // block[1]):
-            return Miss(f"{part.name} has shape {tuple(_val(part).shape)}, not {(n, k // block[1])}")
-    if _val(scale).dtype not in _SCALES:
-        return Miss(f"the scales are {_val(scale).dtype}, not float32 or bfloat16")
+        if tuple(fake_tensor(part).shape) != (n, k // block[1]):
+            return Miss(f"{part.name} has shape {tuple(fake_tensor(part).shape)}, not {(n, k // block[1])}")
+    if fake_tensor(scale).dtype not in _SCALES:
+        return Miss(f"the scales are {fake_tensor(scale).dtype}, not float32 or bfloat16")
     if not node.users or any(u.target is not aten.linear.default or u.args[1] is not node for u in node.users):
         return Miss("read by something other than linear's weight")
-    if any(_val(u.args[0]) is None or _val(u.args[0]).dtype != torch.float32 for u in node.users):
+    if any(fake_tensor(u.args[0]) is None or fake_tensor(u.args[0]).dtype != torch.float32 for u in node.users):
         return Miss("a linear of a non-float32 input")
     before = set()
     for other in node.graph.nodes:  # the rewrite is inserted here: each linear's input must exist already
@@ -186,7 +182,7 @@ def _grouped_product(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, z
     (benchmarks/int4_forms.py). Zero points that turn out all 0 (torchao's symmetric default) are dropped with
     their share when the weight is folded (`weight_layout.fold_blocked_rows`: only there are the values known)."""
     weight, scale = node.args[0], node.args[2]
-    n, k = _val(weight).shape
+    n, k = fake_tensor(weight).shape
     groups = k // group
     tile = _group_tile(groups)
     layout = [n // BLOCK, groups // tile, tile, BLOCK]  # of the partials, scales and zero points
@@ -261,10 +257,10 @@ def _never() -> None:
 )
 def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: tuple[int, Node | None]) -> None:
     group, zero = found
-    n = _val(node.args[0]).shape[0]
+    n = fake_tensor(node.args[0]).shape[0]
     for linear in list(node.users):
         x, bias = linear.args[0], linear.args[2] if len(linear.args) > 2 else None
-        shape = list(_val(x).shape)
+        shape = list(fake_tensor(x).shape)
         rows = math.prod(shape[:-1]) if all(isinstance(s, int) for s in shape[:-1]) else None
         if rows is None:
             rows = rw.size(x, 0)

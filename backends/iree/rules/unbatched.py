@@ -25,6 +25,7 @@ from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules.conv import CONVS
 from fx_rewrites.backends.iree.rules.pooling import POOLS_BY_RANK
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -42,7 +43,7 @@ def spatial_dims(op: Any) -> int:
 
 
 def _unbatched(node: Node) -> bool | Miss:
-    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    x = fake_value(node.args[0])
     if not isinstance(x, torch.Tensor):
         return Miss("no tensor value for the input")
     n = spatial_dims(node.target)

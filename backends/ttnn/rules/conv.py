@@ -12,6 +12,7 @@ from fx_rewrites.backends.ttnn.rules import ops, ops_extra
 from fx_rewrites.backends.ttnn.rules.boundary import device_value
 from fx_rewrites.backends.ttnn.rules.checks import Bound, bind, lowering, pair, static, tensors_ok
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -85,7 +86,7 @@ def _conv_when(node: Node) -> Any:
         return Miss("a transposed convolution; the lowering maps conv2d only")
     if any(int(p) for p in bound.get("output_padding", []) or []):
         return Miss("output_padding is set")
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    val = fake_value(node.args[0])
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.conv2d takes batched 2-D images (NCHW -> NHWC)")
     return tensors_ok("input", "weight", "bias", static=True)(node, bound)
@@ -114,7 +115,7 @@ def lower_conv2d(node: Node, rw: Rewriter, *, args: Bound) -> Node:
 
 
 def _conv1d_when(node: Node) -> Any:
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    val = fake_value(node.args[0])
     if isinstance(val, torch.Tensor) and val.dim() != 3:
         return Miss(f"a {val.dim()}-D input; the lowering takes batched [N, C, L] signals")
     return tensors_ok("input", "weight", "bias", static=True)(node)
@@ -166,7 +167,7 @@ def conv_problem(node: Node) -> str | None:
 
 
 def _pool_when(node: Node) -> Any:
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    val = fake_value(node.args[0])
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.max_pool2d takes batched 2-D images")
     return tensors_ok("self", static=True)(node)
@@ -192,7 +193,7 @@ def lower_max_pool2d(node: Node, rw: Rewriter, *, args: Bound) -> Node:
 
 
 def _avg_pool_when(node: Node, *, args: Mapping[str, Any]) -> Any:
-    val = args["self"].meta.get("val") if isinstance(args["self"], Node) else None
+    val = fake_value(args["self"])
     if isinstance(val, torch.Tensor) and val.dim() != 4:
         return Miss(f"a {val.dim()}-D input; ttnn.avg_pool2d takes batched 2-D images")
     return tensors_ok("self", static=True)(node, args)

@@ -13,6 +13,7 @@ from fx_rewrites.backends.ttnn.rules.boundary import device_value
 from fx_rewrites.backends.ttnn.rules.checks import MASK_DTYPES, Bound, bind, lowering, tensors_ok
 from fx_rewrites.backends.ttnn.rules.movement import CASTS, same_place
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -248,7 +249,7 @@ def lower_masked_fill(node: Node, rw: Rewriter, *, args: Bound) -> Node:
 
 
 def _logical_not_when(node: Node, *, args: Mapping[str, Any]) -> Any:
-    val = args["self"].meta.get("val") if isinstance(args["self"], Node) else None
+    val = fake_value(args["self"])
     if node.target is aten.bitwise_not.default and getattr(val, "dtype", None) != torch.bool:
         return Miss("bitwise_not of integers; the device holds bfloat16 (bool only: logical not)")
     return tensors_ok(masks=("self",), result=(torch.bool,))(node, args)
@@ -310,7 +311,7 @@ ADDC = {aten.addcmul.default: ops_extra.addcmul, aten.addcdiv.default: ops_extra
 def _addc_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     out = node.meta.get("val")
     for name in ("self", "tensor1", "tensor2"):
-        val = args[name].meta.get("val") if isinstance(args[name], Node) else None
+        val = fake_value(args[name])
         if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(val.shape) != tuple(out.shape):
             return Miss(f"{name} is broadcast; ttnn.{node.target._opname} is given operands of the result's shape")
     if isinstance(args.get("value", 1), Node):

@@ -34,6 +34,7 @@ from fx_rewrites.backends.ttnn.rules.checks import bind
 from fx_rewrites.backends.ttnn.rules.constants import from_constants
 from fx_rewrites.backends.ttnn.rules.conv import conv_problem
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 from fx_rewrites.ruleset import RuleSet
 
@@ -75,7 +76,7 @@ def _conv_input(reader: Node, value: Any) -> Node | Miss:
 def _constant_problem(value: Any, what: str) -> str | None:
     if value is None:
         return None
-    val = value.meta.get("val") if isinstance(value, Node) else None
+    val = fake_value(value)
     if not from_constants(value) or not isinstance(val, torch.Tensor):
         return f"{what} is not computed from the program's constants"
     if val.dtype != torch.float32:

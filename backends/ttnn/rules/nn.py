@@ -13,6 +13,7 @@ from fx_rewrites.backends.ttnn.rules import ops
 from fx_rewrites.backends.ttnn.rules.boundary import device_value
 from fx_rewrites.backends.ttnn.rules.checks import Bound, lowering, tensors_ok
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 def _matmul_when(node: Node) -> Any:
     for arg in node.args[:2]:
-        val = arg.meta.get("val") if isinstance(arg, Node) else None
+        val = fake_value(arg)
         if isinstance(val, torch.Tensor) and val.dim() < 2:
             return Miss("a 1-D operand: ttnn.matmul takes matrices (rank >= 2)")
     return tensors_ok(*schema.arg_names(node.target)[:2])(node)
@@ -101,7 +102,7 @@ def lower_softmax(node: Node, rw: Rewriter, *, args: Bound) -> Node:
 
 
 def _layer_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    val = fake_value(node.args[0])
     shape = list(args["normalized_shape"])
     if isinstance(val, torch.Tensor) and (len(shape) != 1 or shape[0] != val.shape[-1]):
         return Miss(f"normalized_shape {shape} is not the last dimension; ttnn.layer_norm normalises over it only")
@@ -168,7 +169,7 @@ def _sdpa_when(node: Node, *, args: Mapping[str, Any]) -> Any:
     if mask is not None and args.get("is_causal"):
         return Miss("both attn_mask and is_causal")
     for arg in ("query", "key", "value"):
-        val = args[arg].meta.get("val") if isinstance(args[arg], Node) else None
+        val = fake_value(args[arg])
         if isinstance(val, torch.Tensor) and val.dim() != 4:
             return Miss(f"{arg} has rank {val.dim()}; ttnn's attention takes [batch, heads, sequence, head_dim]")
     if isinstance(mask, Node) and _mask_shape(mask, args["query"], args["key"]) is None:
@@ -283,7 +284,7 @@ def lower_index_select(node: Node, rw: Rewriter, *, args: Bound) -> Node:
 
 
 def _group_norm_when(node: Node, *, args: Mapping[str, Any]) -> Any:
-    val = args["input"].meta.get("val") if isinstance(args["input"], Node) else None
+    val = fake_value(args["input"])
     if isinstance(val, torch.Tensor) and val.dim() < 2:
         return Miss("an input without a channel dimension")
     return tensors_ok("input", "weight", "bias", static=True)(node, args)
