@@ -8,6 +8,7 @@ the default llvm-cpu route end to end on IREE. (Its speed: docs/performance.md, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.export import Dim
 
@@ -178,3 +179,25 @@ def test_nine_blocks_load_and_run_on_iree():
     rt.assert_fired(result, attention_by_key_blocks)
     fn = iree.compile(result.program, MANY[0])
     assert_within_torch_error(fn, CachedCausal(), MANY)
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_over_a_long_cache_generates_as_transformers_does():
+    """compile_lm of a two-layer Qwen3 over a cache of 600 (heads of 8: two blocks of keys), a prompt of 30 (the
+    second block lets no row in): the prefill's attention is written in key blocks (both layers) and the tokens
+    equal model.generate's."""
+    import transformers
+
+    from tests import lm_models
+
+    cls, config = lm_models.BUILDERS["qwen3"](transformers)
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    ids = lm_models.prompt(30)
+    expected = lm_models.reference(model, ids, new=6)
+    assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), ids.shape[1] - 1) > 1e-3  # no near tie
+    lm = fx_rewrites.compile_lm(model, max_cache_len=600)
+    assert lm.reports["prefill"].rewrites["attention_by_key_blocks"] == 2
+    assert lm.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist() == expected[0].tolist()
