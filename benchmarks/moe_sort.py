@@ -117,7 +117,9 @@ def _replaced(rules: Any, spec: str) -> Any:
     loaded = importlib.util.spec_from_file_location(f"replaced_{name}", path)
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
-    new = getattr(module, name)
+    new = getattr(module, name, None)
+    if new is None:
+        raise SystemExit(f"--replace-rule {spec}: {path} defines no {name!r}")
     sets = [RuleSet([new if r.name == name else r for r in s], name=s.name) for s in rules.sets]
     if not any(r is new for s in sets for r in s):
         raise SystemExit(f"--replace-rule {spec}: no rule named {name!r} in the backend's rules")

@@ -13,9 +13,9 @@ gives 0, as torch 2.13 CPU eager.
 
 The scores are written keys x rows ([b, h, keys, rows]: the block's keys, static, the products' first side), so
 that the softmax's reductions run over the outer axis and the exponentials are packed for the product with the
-values as contiguous rows; each block's keys are a multiple of `ALIGN`. One prefill attention (8 heads of 64,
-2048 queries over 2081 keys; docs/performance.md): the form before (4 blocks, rows x keys, combined in one step)
-against this one, measured there.
+values as contiguous rows; each block's keys are a multiple of `ALIGN`. Measured against the form before (at most
+4 blocks, rows x keys, combined in one step) in docs/performance.md ("the prefill's attention merged block by
+block").
 """
 
 from __future__ import annotations
@@ -114,12 +114,14 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
     tags={"iree", "performance", "attention"},
     doc=(
         "float32 scaled_dot_product_attention with a bool mask over at least two blocks of 256 static keys and "
-        "at least 32 keys a unit of head size (compile_lm's prefill over its static cache) is written out a block "
-        "of keys at a time: each block's scores only for the query rows from the first one the block's mask lets "
-        "through (read at run time; the rows before have every key of the block masked), the blocks combined by "
-        "their row maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about "
-        "half the scores: 2048 queries over 2081 keys, 8 heads of 64, IREE 3.13 llvm-cpu 759 -> 392 ms (32 heads "
-        "of 128 over 1041 keys ran slower: left whole)."
+        "at least 8 keys a unit of head size (compile_lm's prefill over its static cache) is written out a block "
+        "of keys at a time (up to 16 blocks, each a multiple of 16 keys), scores as keys x rows: each block's "
+        "scores only for the query rows from the first one the block's mask lets through (read at run time; the "
+        "rows before have every key of the block masked), each block merged into the running result by its row "
+        "maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about half the "
+        "scores. benchmarks/prefill_attention.py, IREE 3.13 llvm-cpu, one thread, locked: 8 heads of 64, 2048 "
+        "queries over 2081 keys 240 ms whole, 178 in 4 blocks of rows x keys combined at once, 153 as now (torch's "
+        "is_causal flash: 43); 32 heads of 128 over 1041 keys 317 whole, 293 as now (flash: 92)."
     ),
 )
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:
