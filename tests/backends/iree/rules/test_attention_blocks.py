@@ -182,22 +182,25 @@ def test_nine_blocks_load_and_run_on_iree():
 
 
 @pytest.mark.slow
-def test_tiny_qwen3_over_a_long_cache_generates_as_transformers_does():
-    """compile_lm of a two-layer Qwen3 over a cache of 600 (heads of 8: two blocks of keys), a prompt of 30 (the
-    second block lets no row in): the prefill's attention is written in key blocks (both layers) and the tokens
-    equal model.generate's."""
+def test_tiny_moe_over_a_long_cache_generates_as_transformers_does():
+    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 (heads of 8: two blocks of keys), a prompt of 300 and
+    one of 30 (the second block lets no row in): the prefill's attention is written in key blocks (both layers) and
+    the tokens equal model.generate's (both given the mask: the prompts hold the pad token 0, which generate would
+    mask unasked)."""
     import transformers
 
     from tests import lm_models
 
-    cls, config = lm_models.BUILDERS["qwen3"](transformers)
+    cls, config = lm_models.BUILDERS["qwen3_moe"](transformers)
     config.max_position_embeddings = 1024
     torch.manual_seed(0)
     model = cls(config).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
-    ids = lm_models.prompt(30)
-    expected = lm_models.reference(model, ids, new=6)
-    assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), ids.shape[1] - 1) > 1e-3  # no near tie
     lm = fx_rewrites.compile_lm(model, max_cache_len=600)
     assert lm.reports["prefill"].rewrites["attention_by_key_blocks"] == 2
-    assert lm.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist() == expected[0].tolist()
+    for length in (300, 30):
+        ids = lm_models.prompt(length)
+        expected = lm_models.reference(model, ids, new=6)
+        assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), length - 1) > 1e-3  # no near tie
+        got = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6)[0, length:]
+        assert got.tolist() == expected[0].tolist(), length
