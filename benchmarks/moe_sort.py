@@ -19,7 +19,9 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
-  rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`;
+  rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `replaced`: the default rules with
+  the rule of `--replace-rule FILE:NAME` (a module file, e.g. an earlier commit's: `git show REV:PATH > FILE`)
+  in place of the rule of that name (a before/after of one rule in one process, with `--interleave`);
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
 One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
 at each token it receives): prefill = the time to the first token, decode = each later token's step (the
@@ -105,7 +107,26 @@ def _prompt(length: int) -> torch.Tensor:
     return torch.randint(1, 4096, (1, length), generator=torch.Generator().manual_seed(length))
 
 
-def iree_backend(sort: str, isa: str = "host") -> Any:
+def _replaced(rules: Any, spec: str) -> Any:
+    """`rules` with the rule `NAME` of the module file `FILE` (`spec` "FILE:NAME") in place of theirs of that name."""
+    import importlib.util
+
+    from fx_rewrites import Phases, RuleSet
+
+    path, name = spec.rsplit(":", 1)
+    loaded = importlib.util.spec_from_file_location(f"replaced_{name}", path)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    new = getattr(module, name, None)
+    if new is None:
+        raise SystemExit(f"--replace-rule {spec}: {path} defines no {name!r}")
+    sets = [RuleSet([new if r.name == name else r for r in s], name=s.name) for s in rules.sets]
+    if not any(r is new for s in sets for r in s):
+        raise SystemExit(f"--replace-rule {spec}: no rule named {name!r} in the backend's rules")
+    return Phases(*sets, name=rules.name)
+
+
+def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> Any:
     """IREE local-sync with the experts' sort as a counting sort (`counting`, the default rules) or as ranks
     (`ranks`: the counting sort left out, as before it existed); `isa` avx2: `cpu_isa`'s AVX2 target (znver3
     without SSE4a: with it LLVM emits AMD's `insertq`, and the module died of SIGILL on this Intel host)."""
@@ -116,13 +137,17 @@ def iree_backend(sort: str, isa: str = "host") -> Any:
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks
         rules = backend.rules.without("attention_by_key_blocks")
+    if sort == "replaced":
+        if not replace:
+            raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")
+        rules = _replaced(backend.rules, replace)
     extra = {"no-hoist": ("--iree-opt-const-expr-hoisting=false",),
              "min-peak-memory": ("--iree-stream-partitioning-favor=min-peak-memory",)}  # fmt: skip
     perf = (*backend.perf_flags, *extra.get(sort, ()))
     return attrs.evolve(backend, rules=rules, flags=flags, perf_flags=perf)
 
 
-def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
+def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None = None) -> Any:
     """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`."""
     if route == "eager":
 
@@ -141,7 +166,7 @@ def _runner(route: str, model: Any, max_len: int, isa: str) -> Any:
     import fx_rewrites
 
     start = time.perf_counter()
-    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route, isa))
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route, isa, replace))
     fired = {
         f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
     } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
@@ -155,7 +180,7 @@ def child(args: argparse.Namespace) -> None:
     cpu_isa.check(args.isa)  # torch at the ISA's width (the child's environment took)
     max_len = max(args.prompts) + args.decode + 1
     model = build(args.experts[0], args.top[0], max_len, args.impl, args.shape)
-    runs = {route: _runner(route, model, max_len, args.isa) for route in args.routes}
+    runs = {route: _runner(route, model, max_len, args.isa, args.replace_rule) for route in args.routes}
     cases = [(route, p) for p in args.prompts for route in args.routes]
     prefill: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     decode: dict[tuple[str, int], list[list[float]]] = {case: [] for case in cases}
@@ -278,7 +303,7 @@ def main() -> None:
     parser.add_argument(
         "--routes",
         nargs="+",
-        choices=["counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "eager"],
+        choices=["counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "replaced", "eager"],
         default=["counting", "eager"],
     )
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
@@ -288,6 +313,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=0, help="new tokens after the first: decode tokens/s")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--isa", choices=["host", "avx2"], default="host")
+    parser.add_argument("--replace-rule", help="FILE:NAME, the rule the route `replaced` uses in place of NAME")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -302,7 +328,8 @@ def main() -> None:
                 command = [sys.executable, __file__, "--child", "--experts", str(experts), "--top", str(top),
                            "--routes", *routes, "--impl", args.impl, "--rounds", str(args.rounds),
                            "--decode", str(args.decode), "--shape", args.shape, "--isa", args.isa,
-                           "--prompts", *map(str, args.prompts)]  # fmt: skip
+                           "--prompts", *map(str, args.prompts),
+                           *(["--replace-rule", args.replace_rule] if args.replace_rule else [])]  # fmt: skip
                 out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
                 if out.returncode:
                     print(f"# {experts} experts top {top} {routes}: exit {out.returncode}\n{out.stderr[-3000:]}")

@@ -5,11 +5,17 @@ matmul, softmax, matmul computes every score, masked ones included: half of them
 short one. `attention_by_key_blocks` cuts the keys into 2 to `MAX_BLOCKS` static blocks of at least
 `KEY_BLOCK`; for each block it reads from the mask the first query row that the block lets any key through to
 (an integer the program reads at run time), and computes that block's scores for the rows from there on only;
-the rows before it have every key of the block masked, so leaving them out changes no number. The blocks'
-partial results are combined as flash attention combines them (each block's row max, its exponentials' sum
-and product with the values, rescaled to the overall max). Exact for any mask; the saving comes from masks
-whose allowed keys start late for early rows (causal, a prompt shorter than the cache). A row that masks
-every key gives 0, as torch 2.13 CPU eager.
+the rows before it have every key of the block masked, so leaving them out changes no number. Each block's
+partial result (its row max, its exponentials' sum and product with the values) is merged into the running one
+over the rows it covers, as flash attention merges them. Exact for any mask; the saving comes from masks whose
+allowed keys start late for early rows (causal, a prompt shorter than the cache). A row that masks every key
+gives 0, as torch 2.13 CPU eager.
+
+The scores are written keys x rows ([b, h, keys, rows]: the block's keys, static, the products' first side), so
+that the softmax's reductions run over the outer axis and the exponentials are packed for the product with the
+values as contiguous rows; each block's keys are a multiple of `ALIGN`. Measured against the form before (at most
+4 blocks, rows x keys, combined in one step) in docs/performance.md ("the prefill's attention merged block by
+block").
 """
 
 from __future__ import annotations
@@ -31,16 +37,18 @@ aten = torch.ops.aten
 
 #: the fewest keys a block: an attention over fewer than two such blocks is left whole
 KEY_BLOCK = 256
-#: the most blocks: each adds a block's run-time row count to the dispatch that combines them, and IREE 3.13's
-#: llvm-cpu runtime refuses a dispatch of more than 64 constants ("dispatch requiring 68 constants exceeds limit
-#: of 64" at 9 blocks of 2081 keys)
-MAX_BLOCKS = 4
-#: the fewest keys per unit of head size: each block adds work on [heads, rows, head size] (its product, padded and
-#: rescaled) against the scores it skips ([heads, rows, keys / 2] at a causal prefill). One prefill attention,
-#: IREE llvm-cpu local-sync, one thread, CPU ms, load 27-35 (docs/performance.md): 8 heads of 64 over 2081 keys
-#: (32.5 keys per unit) 759 -> 392; 32 heads of 128 over 1041 keys (8.1) 719 -> 1130, slower: left whole
-MIN_KEYS_PER_HEAD_SIZE = 32
+#: the most blocks (each is its own products and merge: its dispatches read only its own run-time row count; combined
+#: in one dispatch, 9 blocks exceeded IREE 3.13's 64 constants a dispatch, findings section 32)
+MAX_BLOCKS = 16
+#: the fewest keys per unit of head size: each block adds work on [heads, head size, rows] (its product and merge)
+#: against the scores it skips ([heads, keys / 2, rows] at a causal prefill). Measured faster than the whole form
+#: down to 32 heads of 128 over 1041 keys (8.1 keys a unit, Qwen3-30B-A3B's layer: docs/performance.md); the form
+#: of before (each block padded to every row and combined at once) was slower there; fewer keys a unit: not measured
+MIN_KEYS_PER_HEAD_SIZE = 8
 NEG_INF = float("-inf")
+#: each block's keys a multiple of this (the last block padded with masked zero keys): the data-tiled products'
+#: tiles (16 on AVX-512, 8 on AVX2) then hold no padding
+ALIGN = 16
 
 
 def _val(node: Any) -> Any:
@@ -84,6 +92,7 @@ def _key_blocks(node: Node) -> KeyBlocks | Miss:
         return Miss("query and key heads differ without enable_gqa")
     count = min(MAX_BLOCKS, keys // KEY_BLOCK)
     size = -(-keys // count)
+    size = -(-size // ALIGN) * ALIGN
     return KeyBlocks(a, tuple((s, min(keys, s + size)) for s in range(0, keys, size)))
 
 
@@ -105,12 +114,14 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
     tags={"iree", "performance", "attention"},
     doc=(
         "float32 scaled_dot_product_attention with a bool mask over at least two blocks of 256 static keys and "
-        "at least 32 keys a unit of head size (compile_lm's prefill over its static cache) is written out a block "
-        "of keys at a time: each block's scores only for the query rows from the first one the block's mask lets "
-        "through (read at run time; the rows before have every key of the block masked), the blocks combined by "
-        "their row maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about "
-        "half the scores: 2048 queries over 2081 keys, 8 heads of 64, IREE 3.13 llvm-cpu 759 -> 392 ms (32 heads "
-        "of 128 over 1041 keys ran slower: left whole)."
+        "at least 8 keys a unit of head size (compile_lm's prefill over its static cache) is written out a block "
+        "of keys at a time (up to 16 blocks, each a multiple of 16 keys), scores as keys x rows: each block's "
+        "scores only for the query rows from the first one the block's mask lets through (read at run time; the "
+        "rows before have every key of the block masked), each block merged into the running result by its row "
+        "maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about half the "
+        "scores. benchmarks/prefill_attention.py, IREE 3.13 llvm-cpu, one thread, locked: 8 heads of 64, 2048 "
+        "queries over 2081 keys 240 ms whole, 178 in 4 blocks of rows x keys combined at once, 153 as now (torch's "
+        "is_causal flash: 43); 32 heads of 128 over 1041 keys 317 whole, 293 as now (flash: 92)."
     ),
 )
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:
@@ -121,49 +132,71 @@ def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> An
         k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
         v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
     scale = a.scale if a.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
-    q = rw.call(aten.mul.Scalar, q, scale)  # [b, h, rows, e]
     rows = rw.size(q, -2)
     head = [rw.size(q, 0), rw.size(q, 1)]
-    maxima, sums, products = [], [], []
+    q = rw.call(aten.transpose.int, rw.call(aten.mul.Scalar, q, scale), -2, -1)  # [b, h, e, rows]
+    ones = rw.call(aten.ones.default, [1, 1], dtype=qv.dtype, device=qv.device)
+    state: tuple[Node, ...] = ()  # (max, sum, product) over every row of the blocks so far, rows last
     for start, end in found.blocks:
         block_mask = rw.call(aten.slice.Tensor, mask, -1, start, end)
-        count = _rows_let_in(rw, block_mask, rows)
-        first = rw.call(operator.sub, rows, count)
-        scores = rw.call(
-            aten.matmul.default,
-            rw.call(aten.slice.Tensor, q, -2, first, rows),
-            rw.call(aten.transpose.int, rw.call(aten.slice.Tensor, k, -2, start, end), -2, -1),
-        )
+        block_k = rw.call(aten.slice.Tensor, k, -2, start, end)
+        block_v = rw.call(aten.slice.Tensor, v, -2, start, end)
+        width = -(-(end - start) // ALIGN) * ALIGN
+        if width > end - start:  # masked zero keys up to a multiple of ALIGN
+            pad = width - (end - start)
+            block_mask = rw.call(aten.constant_pad_nd.default, block_mask, [0, pad], False)
+            block_k = rw.call(aten.constant_pad_nd.default, block_k, [0, 0, 0, pad], 0.0)
+            block_v = rw.call(aten.constant_pad_nd.default, block_v, [0, 0, 0, pad], 0.0)
+        first = rw.call(operator.sub, rows, _rows_let_in(rw, block_mask, rows))
+        # [b, h, keys, rows from `first`]
+        scores = rw.call(aten.matmul.default, block_k, rw.call(aten.slice.Tensor, q, -1, first, rows))
         shut = rw.call(aten.logical_not.default, rw.call(aten.slice.Tensor, block_mask, -2, first, rows))
-        scores = rw.call(aten.masked_fill.Scalar, scores, shut, NEG_INF)
-        top = rw.call(aten.amax.default, scores, [-1], True)
-        finite_top = rw.call(aten.masked_fill.Scalar, top, rw.call(aten.eq.Scalar, top, NEG_INF), 0.0)
-        weights = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, scores, finite_top))
-        # row sums as a matrix-vector product: IREE 3.13's row reductions are slow (softmax_matmul_normalized_after)
-        ones = rw.call(aten.ones.default, [end - start, 1], dtype=qv.dtype, device=qv.device)
-        total = rw.call(aten.matmul.default, weights, ones)
-        product = rw.call(aten.matmul.default, weights, rw.call(aten.slice.Tensor, v, -2, start, end))
-        # the rows before `first` (every key of this block masked): max -inf, sum 0, product 0
-        for parts, piece, fill, width in (
-            (maxima, top, NEG_INF, 1),
-            (sums, total, 0.0, 1),
-            (products, product, 0.0, qv.shape[-1]),
-        ):
-            before = rw.call(aten.full.default, [*head, first, width], fill, dtype=qv.dtype, device=qv.device)
-            parts.append(rw.call(aten.cat.default, [before, piece], -2))
-    overall = maxima[0]
-    for top in maxima[1:]:
-        overall = rw.call(aten.maximum.default, overall, top)
-    overall = rw.call(aten.masked_fill.Scalar, overall, rw.call(aten.eq.Scalar, overall, NEG_INF), 0.0)
-    out, total = None, None
-    for top, part_sum, product in zip(maxima, sums, products, strict=True):
-        factor = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, top, overall))
-        scaled_product = rw.call(aten.mul.Tensor, product, factor)
-        scaled_sum = rw.call(aten.mul.Tensor, part_sum, factor)
-        out = scaled_product if out is None else rw.call(aten.add.Tensor, out, scaled_product)
-        total = scaled_sum if total is None else rw.call(aten.add.Tensor, total, scaled_sum)
+        scores = rw.call(aten.masked_fill.Scalar, scores, rw.call(aten.transpose.int, shut, -2, -1), NEG_INF)
+        top = rw.call(aten.amax.default, scores, [-2], True)  # [b, h, 1, rows]
+        weights = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, scores, _finite(rw, top)))
+        # the sums as a product with ones: IREE 3.13's reductions are slow (softmax_matmul_normalized_after)
+        total = rw.call(aten.matmul.default, rw.call(aten.expand.default, ones, [1, width]), weights)
+        product = rw.call(aten.matmul.default, rw.call(aten.transpose.int, block_v, -2, -1), weights)  # [b, h, e, .]
+        block = (top, total, product)
+        state = _merge(rw, state, block, first, rows) if state else _from_first(rw, block, first, head, qv)
+    _, total, out = state
     has_key = rw.call(aten.gt.Scalar, total, 0.0)
     safe_total = rw.call(aten.masked_fill.Scalar, total, rw.call(aten.logical_not.default, has_key), 1.0)
     out = rw.call(aten.div.Tensor, out, safe_total)
     zero = rw.call(aten.scalar_tensor.default, 0.0, dtype=qv.dtype)
-    rw.replace(node, rw.call(aten.where.self, has_key, out, zero))
+    rw.replace(node, rw.call(aten.transpose.int, rw.call(aten.where.self, has_key, out, zero), -2, -1))
+
+
+def _finite(rw: Rewriter, top: Node) -> Node:
+    """Row maxima with -inf (a row with every key masked) as 0, to subtract from scores without a nan."""
+    return rw.call(aten.masked_fill.Scalar, top, rw.call(aten.eq.Scalar, top, NEG_INF), 0.0)
+
+
+def _from_first(rw: Rewriter, block: tuple[Node, ...], first: Any, head: list[Any], qv: Any) -> tuple[Node, ...]:
+    """The first block's (max, sum, product) over every row: the rows before `first` let none of its keys
+    through (max -inf, sum 0, product 0)."""
+    out = []
+    for piece, fill in zip(block, (NEG_INF, 0.0, 0.0), strict=True):
+        shape = [*head, _val(piece).shape[-2], first]
+        before = rw.call(aten.full.default, shape, fill, dtype=qv.dtype, device=qv.device)
+        out.append(rw.call(aten.cat.default, [before, piece], -1))
+    return tuple(out)
+
+
+def _merge(rw: Rewriter, state: tuple[Node, ...], block: tuple[Node, ...], first: Any, rows: Any) -> tuple[Node, ...]:
+    """The running (max, sum, product) with one more block's, over the rows from `first` on (the rows before it
+    let none of the block's keys through: kept as they are). Each merge is its own dispatches, reading its block's
+    run-time row count only."""
+    before = [rw.call(aten.slice.Tensor, x, -1, 0, first) for x in state]
+    old = [rw.call(aten.slice.Tensor, x, -1, first, rows) for x in state]
+    top, total, product = block
+    new_top = rw.call(aten.maximum.default, old[0], top)
+    overall = _finite(rw, new_top)
+    keep = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, old[0], overall))
+    take = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, top, overall))
+    merged = (
+        new_top,
+        rw.call(aten.add.Tensor, rw.call(aten.mul.Tensor, old[1], keep), rw.call(aten.mul.Tensor, total, take)),
+        rw.call(aten.add.Tensor, rw.call(aten.mul.Tensor, old[2], keep), rw.call(aten.mul.Tensor, product, take)),
+    )
+    return tuple(rw.call(aten.cat.default, [b, m], -1) for b, m in zip(before, merged, strict=True))

@@ -1,0 +1,131 @@
+"""A causal prefill's attention over a static cache alone on IREE, in the forms the rules can write (issue 34).
+
+    python benchmarks/prefill_attention.py                        # moe_sort's small model: 8 heads over 4, of 64
+    python benchmarks/prefill_attention.py --shape qwen3-30b-a3b  # 32 heads over 4, of 128
+    python benchmarks/prefill_attention.py --routes rules sums eager_causal --rows 2048
+
+transformers' eager prefill over compile_lm's static cache: `repeat_kv` of the 4 key-value heads, a bool causal
+mask over the cache's positions (row i lets keys 0..i through), `scaled_dot_product_attention`, exported with a Dim
+on the query rows (the prompt) and compiled by the IREE backend's rules (local-sync):
+- `rules`: the default rules (`attention_by_key_blocks` where it applies);
+- `whole`: without `attention_by_key_blocks` (written out over every key);
+- `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
+  `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned);
+- `eager_mask`: torch's SDPA with the mask over the cache; `eager_causal`: torch's `is_causal` flash attention
+  over the prompt's keys only (what transformers' eager prefill with a DynamicCache calls).
+One thread, CPU time (time.process_time) per call, median of `--calls` after 2 warm-up calls, routes interleaved
+call by call; each IREE route's largest difference from eager at two prompt lengths is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: query heads, key-value heads, head size, cache length
+SHAPES = {"small": (8, 4, 64, 2081), "qwen3-30b-a3b": (32, 4, 128, 1041)}
+
+
+class Sdpa(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        b, kv, keys, size = k.shape
+        k = k[:, :, None].expand(b, kv, group, keys, size).reshape(b, kv * group, keys, size)
+        v = v[:, :, None].expand(b, kv, group, keys, size).reshape(b, kv * group, keys, size)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_mask(rows: int, keys: int) -> torch.Tensor:
+    return (torch.arange(keys)[None, :] <= torch.arange(rows)[:, None])[None, None]
+
+
+def _inputs(heads: int, kv: int, size: int, keys: int, rows: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    q = torch.randn(1, heads, rows, size, generator=g)
+    k, v = (torch.randn(1, kv, keys, size, generator=g) for _ in range(2))
+    return q, k, v, causal_mask(rows, keys)
+
+
+def eager_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    rows = q.shape[-2]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k[..., :rows, :], v[..., :rows, :], is_causal=True, enable_gqa=True
+    )
+
+
+@contextlib.contextmanager
+def _constants(settings: str) -> Iterator[None]:
+    """`NAME=VALUE,...` set on backends/iree/rules/attention_blocks.py while the block is run."""
+    from fx_rewrites.backends.iree.rules import attention_blocks
+
+    pairs = [item.split("=") for item in settings.split(",") if item]
+    old = {name: getattr(attention_blocks, name) for name, _ in pairs}
+    try:
+        for name, value in pairs:
+            setattr(attention_blocks, name, int(value))
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(attention_blocks, name, value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--rows", type=int, default=2048, help="prompt length (query rows)")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--routes", nargs="+", default=["rules", "whole", "eager_mask", "eager_causal"])
+    parser.add_argument("--without", nargs="*", default=[], help="rules left out of every IREE route")
+    args = parser.parse_args()
+    import fx_rewrites
+    from fx_rewrites import testing
+    from fx_rewrites.backends.iree import IreeBackend
+
+    torch.set_num_threads(1)
+    heads, kv, size, keys = SHAPES[args.shape]
+    g = torch.Generator().manual_seed(0)
+    inputs = _inputs(heads, kv, size, keys, args.rows, g)
+    shorter = _inputs(heads, kv, size, keys, args.rows // 2 + 7, g)
+    dim = torch.export.Dim("rows", min=2, max=keys)
+    default = IreeBackend(driver="local-sync")
+    calls: dict[str, Any] = {}
+    row: dict[str, Any] = {"shape": args.shape, "heads": heads, "kv_heads": kv, "head_size": size}
+    row |= {"keys": keys, "rows": args.rows}
+    for name in args.routes:
+        if name == "eager_mask":
+            calls[name] = Sdpa()
+            continue
+        if name == "eager_causal":
+            calls[name] = eager_causal
+            continue
+        left_out = [*args.without, *(["attention_by_key_blocks"] if name == "whole" else [])]
+        route = IreeBackend(driver="local-sync", rules=default.rules.without(*left_out)) if left_out else default
+        program = testing.export(Sdpa(), *inputs, dynamic_shapes=({2: dim}, {}, {}, {2: dim}))
+        start = time.monotonic()
+        with _constants(name.partition(":")[2]):
+            rewritten = fx_rewrites.apply(program, route.rules).program
+        calls[name] = route.compile(rewritten, inputs)
+        row[f"{name}_compile_s"] = round(time.monotonic() - start, 1)
+        row[f"{name}_max_abs_diff"] = max(
+            float((calls[name](*x) - eager_causal(*x)).abs().max()) for x in (inputs, shorter)
+        )
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(2 + args.calls):
+        for name, call in calls.items():
+            start = time.process_time()
+            call(*inputs)
+            if round_ >= 2:
+                times[name].append(time.process_time() - start)
+    for name, t in times.items():
+        row[f"{name}_ms"] = round(1e3 * statistics.median(t), 1)
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

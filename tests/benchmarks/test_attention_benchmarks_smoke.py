@@ -1,0 +1,45 @@
+"""benchmarks/prefill_attention.py runs its routes on a short prompt and prints one JSON row whose IREE routes match
+eager; benchmarks/moe_sort.py's `replaced` route puts a rule loaded from a file in place of the default one (no
+timings are asserted: the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fx_rewrites import backends
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_prefill_attention_prints_routes_that_match_eager():
+    args = ["--rows", "64", "--calls", "1", "--routes", "rules", "rules:KEY_BLOCK=512", "eager_causal"]
+    script = ROOT / "benchmarks" / "prefill_attention.py"
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    for route in ("rules", "rules:KEY_BLOCK=512"):
+        assert row[f"{route}_max_abs_diff"] < 1e-5, row  # 8 heads of 64 over 2081 keys: eager's flash ~5e-7 off
+        assert row[f"{route}_ms"] > 0
+    assert row["eager_causal_ms"] > 0
+
+
+def test_moe_sort_replaces_a_rule_by_one_loaded_from_a_file():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.moe_sort import _replaced
+
+    rules = backends.get("iree").rules
+    path = ROOT / "backends" / "iree" / "rules" / "attention_blocks.py"
+    replaced = _replaced(rules, f"{path}:attention_by_key_blocks")
+    old = [r for r in rules if r.name == "attention_by_key_blocks"]
+    new = [r for r in replaced if r.name == "attention_by_key_blocks"]
+    assert len(old) == len(new) == 1 and new[0] is not old[0]  # the file's own rule object, in the same place
+    assert [r.name for r in replaced] == [r.name for r in rules]
+    with pytest.raises(SystemExit, match="defines no 'not_a_rule'"):
+        _replaced(rules, f"{path}:not_a_rule")
+    with pytest.raises(SystemExit, match="no rule named 'KEY_BLOCK'"):
+        _replaced(rules, f"{path}:KEY_BLOCK")  # in the file, not a rule of the backend
