@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, _repeat_heads, bind
 from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
@@ -51,10 +52,6 @@ NEG_INF = float("-inf")
 ALIGN = 16
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
 @attrs.frozen
 class KeyBlocks:
     """An attention whose static keys are cut into `blocks` (start, end) ranges."""
@@ -65,7 +62,7 @@ class KeyBlocks:
 
 def _key_blocks(node: Node) -> KeyBlocks | Miss:
     a = bind(node)
-    q, k, v, mask = (_val(x) for x in (a.query, a.key, a.value, a.mask))
+    q, k, v, mask = (fake_value(x) for x in (a.query, a.key, a.value, a.mask))
     if mask is None:
         return Miss("no mask: every block sees every row (attention_by_head_groups, attention_as_matmul_softmax)")
     if mask.dtype != torch.bool:
@@ -104,7 +101,7 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
     left = rw.call(aten.arange.start_step, rows, 0, -1, dtype=torch.int64)  # rows - i
     count = rw.call(aten.item.default, rw.call(aten.amax.default, rw.call(aten.mul.Tensor, left, through)))
     torch._check(count.meta["val"] >= 0)
-    torch._check(count.meta["val"] <= (_val(block_mask).shape[-2]))
+    torch._check(count.meta["val"] <= (fake_value(block_mask).shape[-2]))
     return count
 
 
@@ -127,7 +124,7 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:
     a = found.attention
     q, k, v, mask = a.query, a.key, a.value, a.mask
-    qv, kv = _val(q), _val(k)
+    qv, kv = fake_value(q), fake_value(k)
     if qv.shape[-3] != kv.shape[-3]:
         k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
         v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
@@ -177,7 +174,7 @@ def _from_first(rw: Rewriter, block: tuple[Node, ...], first: Any, head: list[An
     through (max -inf, sum 0, product 0)."""
     out = []
     for piece, fill in zip(block, (NEG_INF, 0.0, 0.0), strict=True):
-        shape = [*head, _val(piece).shape[-2], first]
+        shape = [*head, fake_value(piece).shape[-2], first]
         before = rw.call(aten.full.default, shape, fill, dtype=qv.dtype, device=qv.device)
         out.append(rw.call(aten.cat.default, [before, piece], -1))
     return tuple(out)
