@@ -254,24 +254,27 @@ def main(argv: list[str] | None = None) -> int:
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:
         return rc
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    wanted = [c for c in args.cases.split(",") if c]
-    pool = MODELS if args.models else SHAPES if args.shapes else CASES
-    if args.im2col_every_shape:
-        from fx_rewrites.backends.iree.rules import im2col
+    from fx_rewrites.backends.iree.rules import im2col
 
-        im2col.MIN_IM2COL_CHANNELS, im2col.MAX_IM2COL_POSITIONS = 0, sys.maxsize
-    chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
-    header = f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds"
-    print(header)
+    threads, bounds = torch.get_num_threads(), (im2col.MIN_IM2COL_CHANNELS, im2col.MAX_IM2COL_POSITIONS)
     rows = {}
-    try:
+    try:  # a caller in the same process (the smoke tests) keeps its threads and the rule's bounds, even on an error
+        torch.set_num_threads(1)
+        wanted = [c for c in args.cases.split(",") if c]
+        pool = MODELS if args.models else SHAPES if args.shapes else CASES
+        if args.im2col_every_shape:
+            im2col.MIN_IM2COL_CHANNELS, im2col.MAX_IM2COL_POSITIONS = 0, sys.maxsize
+        chosen = {k: v for k, v in pool.items() if not wanted or any(w in k for w in wanted)}
+        header = (
+            f"{cpu_isa.header(args.isa)} torch {torch.__version__}; one thread each, CPU time, {args.rounds} rounds"
+        )
+        print(header)
         for name, make in chosen.items():
             rows[name] = measure(make, args.rounds, args.inductor, args.isa, args.also_without, args.before)
             print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
     finally:
-        torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
+        torch.set_num_threads(threads)
+        im2col.MIN_IM2COL_CHANNELS, im2col.MAX_IM2COL_POSITIONS = bounds
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"header": f"{header}; {runtime_load()}", "rows": rows}))
