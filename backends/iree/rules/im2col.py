@@ -1,7 +1,7 @@
 """Convolutions as im2col + matmul in the graph, per convolution shape (issue 32).
 
-- `columns`: the im2col matrix of a channels-last, padded input, [N OH OW, kh kw C], from one strided window
-  per kernel tap. Shared by `conv_as_im2col_matmul` (float) and `quantized_conv.py` (int8 `_int_mm`).
+- `columns`: the im2col matrix of an NCHW input (taken channels last, padded), [N OH OW, kh kw C], from one
+  strided window per kernel tap. Shared by `conv_as_im2col_matmul` (float) and `quantized_conv.py` (int8 `_int_mm`).
 - `pointwise_conv_as_matmul`: llvm-cpu, AVX-512. A 1x1 convolution, stride 1, over more than one position:
   the weight as [O, C] times the input as [N, C, H W], in place (no layout change).
 - `conv_as_im2col_matmul`: llvm-cpu, AVX-512. A 2-D convolution of one group whose shape IREE 3.13 runs
@@ -65,10 +65,21 @@ def product(rw: Rewriter, a: Any, b: Any) -> Any:
 
 
 def columns(
-    rw: Rewriter, x: Node, kernel: tuple[int, int], stride: list[int], dilation: list[int]
+    rw: Rewriter,
+    x: Node,
+    kernel: tuple[int, int],
+    stride: list[int],
+    dilation: list[int],
+    padding: list[int],
+    pad_value: float | int = 0,
 ) -> tuple[Node, tuple[Any, Any, Any]]:
-    """The im2col matrix of `x` (NHWC, padded), [N OH OW, kh kw C] (tap-major, then channel: the weight as
-    [O, kh, kw, C]), and the output's (N, OH, OW), ints or symbolic sizes' nodes."""
+    """The im2col matrix of `x` (NCHW), [N OH OW, kh kw C] (tap-major, then channel: the weight as
+    [O, kh, kw, C]), and the output's (N, OH, OW), ints or symbolic sizes' nodes. `x` is taken channels last and
+    padded by `padding` (per spatial dim, both sides) with `pad_value`."""
+    x = rw.call(aten.permute.default, x, [0, 2, 3, 1])
+    if any(padding):
+        pad_h, pad_w = padding
+        x = rw.call(aten.constant_pad_nd.default, x, [0, 0, pad_w, pad_w, pad_h, pad_h], pad_value)
     taps = windows(rw, x, kernel, stride, dilation)
     first = taps[0]
     batch, rows_out, cols_out = rw.size(first, 0), rw.size(first, 1), rw.size(first, 2)
@@ -149,11 +160,7 @@ def _im2col_conv(node: Node) -> dict[str, Any] | Miss:
 def conv_as_im2col_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     x, w = found["input"], found["weight"]
     out_channels, _, kh, kw = fake_value(w).shape
-    x = rw.call(aten.permute.default, x, [0, 2, 3, 1])
-    ph, pw = found["padding"]
-    if ph or pw:
-        x = rw.call(aten.constant_pad_nd.default, x, [0, 0, pw, pw, ph, ph], 0.0)
-    matrix, (batch, rows, cols) = columns(rw, x, (kh, kw), found["stride"], found["dilation"])
+    matrix, (batch, rows, cols) = columns(rw, x, (kh, kw), found["stride"], found["dilation"], found["padding"], 0.0)
     weight = rw.call(aten.reshape.default, rw.call(aten.permute.default, w, [0, 2, 3, 1]), [out_channels, -1])
     y = rw.call(aten.linear.default, matrix, weight, found["bias"])
     y = rw.call(aten.view.default, y, [batch, rows, cols, out_channels])

@@ -197,11 +197,10 @@ def quantized_conv_as_int_mm_for_iree(node: Node, rw: Rewriter, *, found: Quanti
     if shift:  # uint8 -> int8, x - 128
         wide = rw.call(aten.sub.Tensor, rw.call(aten._to_copy.default, x, dtype=torch.int32), shift)
         x = rw.call(aten._to_copy.default, wide, dtype=torch.int8)
-    x = rw.call(aten.permute.default, x, [0, 2, 3, 1])
-    if any(conv.padding):  # padded with the zero point: 0 once dequantized
-        pad_h, pad_w = conv.padding
-        x = rw.call(aten.constant_pad_nd.default, x, [0, 0, pad_w, pad_w, pad_h, pad_h], conv.zero - shift)
-    columns, (batch, rows_out, cols_out) = im2col.columns(rw, x, (kernel[0], kernel[1]), conv.stride, conv.dilation)
+    # padded with the zero point: 0 once dequantized
+    columns, (batch, rows_out, cols_out) = im2col.columns(
+        rw, x, (kernel[0], kernel[1]), conv.stride, conv.dilation, conv.padding, conv.zero - shift
+    )
     weights = rw.call(aten.reshape.default, rw.call(aten.permute.default, conv.weight, [2, 3, 1, 0]), [reduction, -1])
     acc = rw.call(aten._int_mm.default, columns, weights)
     excess = shift - conv.zero  # x_q - z_a = x' + excess
