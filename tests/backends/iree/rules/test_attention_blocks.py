@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.export import Dim
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fx_rewrites
 from fx_rewrites import backends
@@ -39,6 +40,18 @@ class CachedCausal(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed[None, None], enable_gqa=self.gqa
         )
+
+
+def _math_kernel(module: torch.nn.Module):
+    """`module` with torch's math SDPA kernel: torch runs a masked SDPA on the CPU by its flash kernel or its math
+    one, and its own float32 error is the larger of the two (the math kernel's: 7.3e-8 against 6.2e-8 on the short
+    prompt of MANY on an AMD EPYC, AVX2, where IREE's is 9.1e-8)."""
+
+    def run(*args):
+        with sdpa_kernel(SDPBackend.MATH):
+            return module(*args)
+
+    return run
 
 
 def _causal_inputs(rows: int, start: int, pad: int, seed: int, kv_heads: int = 2, keys: int = KEYS):
@@ -168,7 +181,7 @@ def test_on_iree_with_a_dim():
     rt.assert_fired(result, attention_by_key_blocks)
     fn = iree.compile(result.program, CAUSAL[0])
     # measured: IREE within 2.4e-7 of eager, and as close to a float64 run (5.1e-7) as torch's float32 (4.1e-7)
-    assert_within_torch_error(fn, CachedCausal(), CAUSAL)
+    assert_within_torch_error(fn, CachedCausal(), CAUSAL, torch_forms=[_math_kernel(CachedCausal())])
 
 
 def test_nine_blocks_load_and_run_on_iree():
@@ -178,7 +191,7 @@ def test_nine_blocks_load_and_run_on_iree():
     result = fx_rewrites.apply(rt.export(CachedCausal(), *MANY[0], dynamic_shapes=MANY_DIMS), iree.rules)
     rt.assert_fired(result, attention_by_key_blocks)
     fn = iree.compile(result.program, MANY[0])
-    assert_within_torch_error(fn, CachedCausal(), MANY)
+    assert_within_torch_error(fn, CachedCausal(), MANY, torch_forms=[_math_kernel(CachedCausal())])
 
 
 @pytest.mark.slow
