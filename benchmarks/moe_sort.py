@@ -23,6 +23,9 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   the rule of `--replace-rule FILE:NAME` (a module file, e.g. an earlier commit's: `git show REV:PATH > FILE`)
   in place of the rule of that name (a before/after of one rule in one process, with `--interleave`);
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
+`--chunks C ...`: each IREE route once per prefill chunk size C (`generate(prefill_chunk_size=C)`: a prompt longer
+than C prefilled in calls of C tokens, the last overlapping the one before; 0 = the whole prompt in one call), named
+`ROUTE/C`; the compiled module is shared between a route's chunk sizes in one child.
 One generate of 1 + `--decode N` tokens a round, its steps clocked by a streamer (`StepClock`: the CPU time
 at each token it receives): prefill = the time to the first token, decode = each later token's step (the
 module's call and the host's choice of the token); tokens/s = 1 / the median step over all rounds' steps, with
@@ -147,8 +150,16 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
     return attrs.evolve(backend, rules=rules, flags=flags, perf_flags=perf)
 
 
-def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None = None) -> Any:
-    """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`."""
+def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None = None, lms: Any = None) -> Any:
+    """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`
+    (`ROUTE/C`: its prompt prefilled in chunks of C; `lms`: the modules compiled so far, by route)."""
+    base, _, chunk = route.partition("/")
+    if base != "eager" and lms is not None:
+        if base not in lms:
+            lms[base] = _runner(base, model, max_len, isa, replace)
+        lm = lms[base].lm
+        size = int(chunk) if chunk and int(chunk) > 0 else None
+        return lambda ids, n, clock=None: lm.generate(ids, max_new_tokens=n, streamer=clock, prefill_chunk_size=size)
     if route == "eager":
 
         def run(ids: torch.Tensor, n: int, clock: StepClock | None = None) -> torch.Tensor:
@@ -171,7 +182,12 @@ def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None 
         f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
     } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
     print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
-    return lambda ids, n, clock=None: lm.generate(ids, max_new_tokens=n, streamer=clock)
+
+    def run(ids: torch.Tensor, n: int, clock: StepClock | None = None) -> torch.Tensor:
+        return lm.generate(ids, max_new_tokens=n, streamer=clock)
+
+    run.lm = lm  # type: ignore[attr-defined]
+    return run
 
 
 def child(args: argparse.Namespace) -> None:
@@ -180,7 +196,8 @@ def child(args: argparse.Namespace) -> None:
     cpu_isa.check(args.isa)  # torch at the ISA's width (the child's environment took)
     max_len = max(args.prompts) + args.decode + 1
     model = build(args.experts[0], args.top[0], max_len, args.impl, args.shape)
-    runs = {route: _runner(route, model, max_len, args.isa, args.replace_rule) for route in args.routes}
+    lms: dict[str, Any] = {}
+    runs = {route: _runner(route, model, max_len, args.isa, args.replace_rule, lms) for route in args.routes}
     cases = [(route, p) for p in args.prompts for route in args.routes]
     prefill: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     decode: dict[tuple[str, int], list[list[float]]] = {case: [] for case in cases}
@@ -286,6 +303,17 @@ def micro(args: argparse.Namespace) -> None:
                               "values_equal": equal}), flush=True)  # fmt: skip
 
 
+ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "replaced", "eager")
+
+
+def _route(text: str) -> str:
+    """A route name, or `ROUTE/C` (the children's: an IREE route with prefill chunks of C)."""
+    base, _, chunk = text.partition("/")
+    if base not in ROUTES or (chunk and (base == "eager" or not chunk.isdigit())):
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(ROUTES)}, or ROUTE/CHUNK for an IREE route")
+    return text
+
+
 def _cpu() -> str:
     """lscpu's model name and the vector flags that matter here."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -303,9 +331,10 @@ def main() -> None:
     parser.add_argument(
         "--routes",
         nargs="+",
-        choices=["counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "replaced", "eager"],
+        type=_route,
         default=["counting", "eager"],
     )
+    parser.add_argument("--chunks", type=int, nargs="+", help="prefill chunk sizes for the IREE routes (0: whole)")
     parser.add_argument("--impl", default="grouped_mm", help="config._experts_implementation")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro", action="store_true")
@@ -316,6 +345,11 @@ def main() -> None:
     parser.add_argument("--replace-rule", help="FILE:NAME, the rule the route `replaced` uses in place of NAME")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.chunks and not args.child:
+        if any(c != 0 and c < 2 for c in args.chunks):
+            parser.error(f"--chunks {args.chunks}: each 0 (the whole prompt) or at least 2")
+        chunked = [f"{r}/{c}" for r in args.routes if r != "eager" for c in args.chunks]
+        args.routes = chunked + [r for r in args.routes if r == "eager"]
     if args.child:
         return child(args)
     if args.micro:

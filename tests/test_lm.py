@@ -267,3 +267,50 @@ def test_a_decode_step_attends_to_the_written_positions_only(llama):
         targets = {n.target for n in program.graph_module.graph.nodes}
         assert aten.index_copy_.default not in targets and aten.index_copy.default not in targets, name
         assert aten.slice_scatter.default in targets, name
+
+
+def test_a_long_prompt_prefilled_in_chunks_matches_generate(llama, lm2):
+    """`prefill_chunk_size`: a left-padded prompt of 21 in calls of 8 tokens (at 0, 8 and 13: the last overlaps
+    the one before, all of one size) and of 5 (a length not a multiple of it) gives model.generate's tokens; the
+    calls are what `chunk_starts` says."""
+    from fx_rewrites.app.lm.generate import chunk_starts
+
+    ids, mask = prompts(2, length=21, padded=4, seed=7)
+    want = reference(llama, ids, mask)[:, : 21 + 16]
+    functions = lm2.module.functions
+    prefill = functions["prefill"]
+    calls: list[tuple[int, int]] = []
+
+    def spy(ids, mask, positions, start):
+        calls.append((ids.shape[1], int(start[0])))
+        return prefill(ids, mask, positions, start)
+
+    functions["prefill"] = spy
+    try:
+        for chunk in (8, 5, 21, None):
+            calls.clear()
+            got = lm2.generate(ids, attention_mask=mask, max_new_tokens=16, prefill_chunk_size=chunk)
+            assert torch.equal(got, want), chunk
+            expected = [(chunk, s) for s in chunk_starts(21, chunk)] if chunk and chunk < 21 else [(21, 0)]
+            assert calls == expected, (chunk, calls)
+        assert chunk_starts(21, 8) == [0, 8, 13]
+    finally:
+        functions["prefill"] = prefill
+
+
+def test_prefill_chunk_size_default_and_errors(llama):
+    """compile_lm's `prefill_chunk_size` is generate's default (kept in the saved module's info) and checked."""
+    from fx_rewrites.app.lm.generate import LMInfo
+
+    info = LMInfo(CACHE, 1, prefill_chunk_size=16)
+    assert LMInfo.from_json(info.to_json()) == info
+    assert LMInfo.from_json(LMInfo(CACHE, 1).to_json()).prefill_chunk_size is None
+    for bad in (1, 0, CACHE + 1, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            fx_rewrites.compile_lm(llama, max_cache_len=CACHE, prefill_chunk_size=bad)
+
+
+def test_a_bad_chunk_size_in_generate_says_what_fits(lm1):
+    ids, _ = prompts(1, length=9)
+    with pytest.raises(ValueError, match=f"from 2 .* to {CACHE}"):
+        lm1.generate(ids, max_new_tokens=2, prefill_chunk_size=1)

@@ -25,7 +25,7 @@ import torch
 
 from fx_rewrites.app.distributed import compile_segmented, is_tensor_parallel, rank_and_world
 from fx_rewrites.app.lm.export import CachedLM, export_lm
-from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids
+from fx_rewrites.app.lm.generate import FUNCTIONS, LM_KEY, CompiledLM, LMInfo, _ids, check_chunk_size
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL, RecurrentLM, cache_kind, export_recurrent, prompt_multiple
 from fx_rewrites.app.lm.sampling import generation_config_json
 from fx_rewrites.backends.collectives import has_collectives
@@ -84,6 +84,7 @@ def compile_lm(
     dtype: torch.dtype | None = None,
     strict: bool = False,
     cpu: str | None = None,
+    prefill_chunk_size: int | None = None,
 ) -> CompiledLM:
     """Compile a transformers causal LM (`LlamaForCausalLM`, ...) with a static KV cache of `max_cache_len`
     positions for `batch_size` sequences into one module with `prefill` and `decode` functions sharing the
@@ -91,8 +92,9 @@ def compile_lm(
     instead: `max_cache_len` then bounds the prompt only (padded to a multiple of the model's chunk, at least
     two), and generation is unbounded. `dtype`: compile a copy of the model in that dtype (the model is left
     as is); `strict`: torch.export's strict mode (both work); `cpu`: the CPU to build for, as for
-    `fx_rewrites.compile` ("x86-64-v3", "aarch64", ...; code this machine cannot run is not loaded: it saves).
-    Returns a `CompiledLM` (`generate`, `save`)."""
+    `fx_rewrites.compile` ("x86-64-v3", "aarch64", ...; code this machine cannot run is not loaded: it saves);
+    `prefill_chunk_size`: `generate`'s default for it (a longer prompt prefilled in calls of this many tokens,
+    2..max_cache_len; None: in one call; ignored for a recurrent state). Returns a `CompiledLM` (`generate`, `save`)."""
     from fx_rewrites import backends
     from fx_rewrites.api import apply
     from fx_rewrites.backends.base import for_cpu
@@ -113,6 +115,8 @@ def compile_lm(
         )
     if max_cache_len < 2 or batch_size < 1:
         raise ValueError(f"max_cache_len={max_cache_len}, batch_size={batch_size}: expected >= 2 and >= 1")
+    if prefill_chunk_size is not None:
+        check_chunk_size(prefill_chunk_size, LMInfo(max_cache_len, batch_size))
     if dtype is not None and dtype != model.dtype:
         model = copy.deepcopy(model).to(dtype)
     with quiet_torch_pytree():
@@ -125,6 +129,8 @@ def compile_lm(
         info = _info(model, max_cache_len, batch_size, recurrent, SHORT_PREFILL in exported)
         if split:
             info = attrs.evolve(info, min_prefill=min_prompt)
+        if prefill_chunk_size is not None and not recurrent:
+            info = attrs.evolve(info, prefill_chunk_size=check_chunk_size(prefill_chunk_size, info))
         results = {name: apply(program, target.rules) for name, program in exported.items()}
         for result in results.values():
             result.report.warn_unless_converged(target.name)
@@ -146,7 +152,13 @@ def compile_lm(
     reports = {name: result.report for name, result in results.items()}
     compiled = CompiledLM(info, module, programs, reports, cpu=getattr(target, "cpu", None))
     if isinstance(target, backends.CpuTargets):
-        options = {"max_cache_len": max_cache_len, "batch_size": batch_size, "dtype": dtype, "strict": strict}
+        options = {
+            "max_cache_len": max_cache_len,
+            "batch_size": batch_size,
+            "dtype": dtype,
+            "strict": strict,
+            "prefill_chunk_size": prefill_chunk_size,
+        }
         compiled.retarget = functools.partial(compile_lm, model, backend=chosen, **options)
     return compiled
 

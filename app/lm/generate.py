@@ -50,6 +50,8 @@ class LMInfo:
     #: the shortest prompt of two tokens or more the prefill takes; shorter ones are left-padded to it (a rank of
     #: a tensor-parallel model: DTensor's sharding guards the prompt length to at least the world size)
     min_prefill: int = 2
+    #: a longer prompt is prefilled in calls of this many tokens (`generate`'s `prefill_chunk_size`); None: in one
+    prefill_chunk_size: int | None = None
 
     def to_json(self) -> str:
         doc = attrs.asdict(self)
@@ -72,6 +74,7 @@ class LMInfo:
             doc.get("max_position_embeddings"),
             doc.get("vocab_size"),
             doc.get("min_prefill", 2),
+            doc.get("prefill_chunk_size"),
         )
 
     def prefill_length(self, length: int) -> int:
@@ -185,6 +188,7 @@ class CompiledLM:
         streamer: Any = None,
         logits_processor: Any = None,
         stopping_criteria: Any = None,
+        prefill_chunk_size: int | None = UNSET,
         **options: Any,
     ) -> Any:
         """`model.generate(input_ids, attention_mask=..., ...)` on the compiled module: (rows, prompt + new) ids.
@@ -198,7 +202,11 @@ class CompiledLM:
         `torch.multinomial` as `model.generate` does: with the same `torch.manual_seed`, the same tokens.
         `eos_token_id=None` turns the stop at eos off (`max_new_tokens` tokens whatever they are);
         `stop_strings` needs `tokenizer=`; `streamer` (`TextStreamer`, any `BaseStreamer`) gets the prompt, then
-        each step's tokens as they are chosen. Greedy search and sampling only (no beams)."""
+        each step's tokens as they are chosen. Greedy search and sampling only (no beams).
+        `prefill_chunk_size`: a prompt longer than this is prefilled in calls of exactly this many tokens (the last
+        call overlaps the one before it: every call's buffers have one size, which IREE's caching allocator reuses);
+        None: the whole prompt in one call; left out: the generation config's, else `compile_lm`'s. The tokens are
+        the same either way (transformers' `prefill_chunk_size`)."""
         given = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": min_new_tokens,
@@ -257,8 +265,17 @@ class CompiledLM:
         if padded > length:  # left padding, masked: the prefill's length for a recurrent state
             ids = torch.cat([ids.new_full((ids.shape[0], padded - length), filler), ids], dim=1)
             mask = torch.cat([mask.new_zeros(mask.shape[0], padded - length), mask], dim=1)
+        chunk = self._chunk_size(prefill_chunk_size, decoding.config)
         decoding.begin()
-        return decoding.result(self._decode(decoding, ids, mask, rows))
+        return decoding.result(self._decode(decoding, ids, mask, rows, chunk))
+
+    def _chunk_size(self, given: Any, config: Any) -> int | None:
+        """The prefill's chunk: the call's `prefill_chunk_size`, else its generation config's, else compile_lm's."""
+        if given is UNSET:
+            given = getattr(config, "prefill_chunk_size", None)
+            if given is None:
+                given = self.info.prefill_chunk_size
+        return None if given is None else check_chunk_size(given, self.info)
 
     def _host(self) -> Any:
         if self._generation_host is None:
@@ -267,9 +284,11 @@ class CompiledLM:
             self._generation_host = sampling.generation_host(config, info.max_position_embeddings, info.vocab_size)
         return self._generation_host
 
-    def _decode(self, decoding: sampling.Decoding, ids: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
-        """The prefill of `ids` (the module's batch and prompt length), then a decode per token `decoding`
-        chooses for the first `rows` rows: their sequences."""
+    def _decode(
+        self, decoding: sampling.Decoding, ids: torch.Tensor, mask: torch.Tensor, rows: int, chunk: int | None = None
+    ) -> torch.Tensor:
+        """The prefill of `ids` (the module's batch and prompt length; in calls of `chunk` tokens if longer), then a
+        decode per token `decoding` chooses for the first `rows` rows: their sequences."""
         batch, length = ids.shape
         prefill, decode = _unchecked(self.prefill), _unchecked(self.decode)
         cache_mask = torch.ones(batch, self.info.max_cache_len, dtype=torch.long)
@@ -280,7 +299,13 @@ class CompiledLM:
             step = _unchecked(self.prefill_chunk)
         else:
             step = prefill if length > 1 else decode
-        logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
+        if chunk is not None and length > chunk and not self.info.recurrent:
+            for start in chunk_starts(length, chunk):
+                piece = slice(start, start + chunk)
+                start_at = torch.tensor([start], dtype=torch.long)
+                logits = prefill(ids[:, piece], cache_mask, positions[:, piece], start_at)
+        else:
+            logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
         sequences = decoding.ids
         position = positions[:, -1:]
         fill = ids.new_zeros(batch - rows)
@@ -292,3 +317,20 @@ class CompiledLM:
             step_ids = torch.cat([tokens, fill])[:, None]
             logits = decode(step_ids, cache_mask, position, torch.tensor([length + i], dtype=torch.long))
         return sequences
+
+
+def chunk_starts(length: int, chunk: int) -> list[int]:
+    """The first positions of the prefill's calls of `chunk` tokens over a prompt of `length` > `chunk`: every
+    `chunk`, the last at `length - chunk` (overlapping the one before it: its tokens are written again with the
+    same keys and values, and every call is of the one size)."""
+    return [*range(0, length - chunk, chunk), length - chunk]
+
+
+def check_chunk_size(chunk: Any, info: LMInfo) -> int:
+    """`chunk` as a prefill chunk for a module built as `info`, or a ValueError saying what fits."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not info.min_prefill <= chunk <= info.max_cache_len:
+        raise ValueError(
+            f"prefill_chunk_size={chunk!r}: expected an int from {info.min_prefill} (the prefill's shortest call) to "
+            f"{info.max_cache_len} (the cache), or None for the whole prompt in one call"
+        )
+    return chunk

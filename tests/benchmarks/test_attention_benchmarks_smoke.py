@@ -43,3 +43,16 @@ def test_moe_sort_replaces_a_rule_by_one_loaded_from_a_file():
         _replaced(rules, f"{path}:not_a_rule")
     with pytest.raises(SystemExit, match="no rule named 'KEY_BLOCK'"):
         _replaced(rules, f"{path}:KEY_BLOCK")  # in the file, not a rule of the backend
+
+
+def test_moe_sort_route_names_take_a_chunk_size():
+    """`--chunks` names the IREE routes `ROUTE/C` (a prefill in chunks of C); eager takes none, and C is a number."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.moe_sort import _route
+
+    assert _route("counting/256") == "counting/256" and _route("eager") == "eager"
+    for bad in ("eager/256", "counting/x", "nonsense"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _route(bad)

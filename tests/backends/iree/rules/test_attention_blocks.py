@@ -217,3 +217,12 @@ def test_tiny_moe_over_a_long_cache_generates_as_transformers_does():
         assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), length - 1) > 1e-3  # no near tie
         got = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6)[0, length:]
         assert got.tolist() == expected[0].tolist(), length
+    # the prompt in chunks (`prefill_chunk_size`): each chunk's rows over the cache at its offset, the blocks before
+    # it whole, the block it ends in partly, the blocks after it with no row; lengths not a multiple of the chunk
+    for length, chunk in ((530, 256), (300, 128), (300, 37)):
+        ids = lm_models.prompt(length)
+        expected = lm_models.reference(model, ids, new=6)
+        assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), length - 1) > 1e-3
+        mask = torch.ones_like(ids)
+        got = lm.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=chunk)[0, length:]
+        assert got.tolist() == expected[0].tolist(), (length, chunk)
