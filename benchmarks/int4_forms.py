@@ -31,6 +31,8 @@ by `iree-benchmark-module` (`local-sync`: one thread, median CPU time of the rep
   float32 or bfloat16; `int4_tiles4_scaled_one`: the same, the groups summed inside the matvec (x * w * s
   reduced over (G/t, group): no partials written back); `int4_tiles4_partials`: the symmetric form's first
   dispatch alone (the scaled partials its output, not summed). These read q as if its zero points were 0.
+- `int4_tiles4_i4`: `int4_tiles4_symmetric` reading nibbles: its weight an IREE `i4` global (two values a byte, half
+  the bytes), converted by `arith.sitofp` in the matvec (the module text rewritten after the import: `i4_weight`).
 
 IREE hoists the unpacking of packed bytes out of the call (const-eval of inlined weights, const-expr hoisting of
 parameters at load), which stores the unpacked values again; `--flags=--iree-opt-const-expr-hoisting=false,
@@ -358,6 +360,48 @@ class Int4GroupTilesOne(Int4GroupTiles):
         return _sum_by_halves(partial, 2).reshape(r, self.n)
 
 
+class Int4NibblesI4(Int4GroupTilesSymmetric):
+    """`int4_tiles4_symmetric` with its weight stored as IREE's `i4` (two values a byte: half the bytes): exported
+    as the int8 form, then `i4_weight` rewrites the module text so that the weight is a `tensor<...xi4>` constant
+    converted by `arith.sitofp` (the only nibble form IREE 3.13 keeps a contraction, docs/performance.md)."""
+
+    i4_buffer = "b"
+
+
+def i4_weight(mlir: str, weight: torch.Tensor) -> str:
+    """`mlir` with the float32 conversion of the int8 literal of `weight`'s shape replaced by the same values read
+    from an `i4` global (one hex byte a value in the text; IREE stores two a byte) converted by `arith.sitofp`.
+    The global is mutable: a constant (or an immutable global, inlined) would be folded with its conversion into
+    a float32 constant at compile time."""
+    shape = "x".join(map(str, weight.shape))
+    dims = ",".join(map(str, weight.shape))
+    literal = re.compile(rf"(%[\w]+) = torch\.vtensor\.literal\(dense_resource<[\w.]+> : tensor<{shape}xsi8>\)")
+    names = set(literal.findall(mlir))
+    convert = re.compile(r"^(\s*)(%[\w]+) = torch\.aten\.to\.dtype (%[\w]+), .*-> !torch\.vtensor<\[(.*)\],f32>(.*)$")
+    nibbles = (weight.flatten().to(torch.int16) & 15).to(torch.uint8).numpy().tobytes().hex().upper()
+    tensor = f"tensor<{shape}xi4>"
+    lines, done = [], 0
+    for line in mlir.splitlines():
+        found = convert.match(line)
+        if found and found.group(3) in names:
+            pad, out = found.group(1), found.group(2)
+            tmp, vtensor = f"%i4_{out[1:]}", f"!torch.vtensor<[{dims}],f32>"
+            lines += [
+                f"{pad}{tmp} = util.global.load @i4_weight : {tensor}",
+                f"{pad}{tmp}f = arith.sitofp {tmp} : {tensor} to tensor<{shape}xf32>",
+                f"{pad}{out} = torch_c.from_builtin_tensor {tmp}f : tensor<{shape}xf32> -> {vtensor}",
+            ]
+            done += 1
+            continue
+        if line.startswith("module {") and not done:
+            lines += [line, f'  util.global private mutable @i4_weight = dense<"0x{nibbles}"> : {tensor}']
+            continue
+        lines.append(line)
+    if not done:
+        raise ValueError(f"no float32 conversion of an int8 literal of shape {shape} in the module")
+    return "\n".join(lines)
+
+
 class Int4PositionMajor(Int4UnpackedTwo):
     """`int4_halves` over the weight laid out [N/16, group, G, 16]: at each position of the group, every group's
     16 channels side by side (all of a block's groups read together, the group's values in turn)."""
@@ -399,6 +443,7 @@ FORMS = {
     "int4_tiles4_partials": lambda w, q, q8, s8, s, z, g: Int4GroupTilesPartials(q, s, g, 4, torch.float32),
     "int4_tiles4_scaled_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesScaledOne(q, s, g, 4, torch.float32),
     "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
+    "int4_tiles4_i4": lambda w, q, q8, s8, s, z, g: Int4NibblesI4(q, s, g, 4, torch.float32),
 }
 
 
@@ -418,6 +463,22 @@ def reference(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int, x: 
     n, k = q.shape
     deq = ((q.view(n, -1, group).double() - z[..., None].double()) * s[..., None].double()).view(n, k)
     return x.double() @ deq.t()
+
+
+def _iree_against_torch(vmfb: Path, module: torch.nn.Module, rows: int, k: int) -> float:
+    """Max abs difference of the compiled module's output from the torch module's for x filled with 0.5 (the
+    benchmark's input): the form compiled computes what it says."""
+    import numpy as np
+
+    out = vmfb.with_suffix(".npy")
+    subprocess.run(
+        ["iree-run-module", f"--module={vmfb}", "--device=local-sync", "--function=main",
+         f"--input={rows}x{k}xf32=0.5", f"--output=@{out}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        want = module(torch.full((rows, k), 0.5))
+    return (torch.from_numpy(np.load(out)) - want).abs().max().item()
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -445,19 +506,26 @@ def run(argv: list[str] | None = None) -> int:
     iree = backend(args.isa)
     print(f"CPU: {cpu_model()}; IREE target {' '.join(iree.flags[:1])}; {args.n} x {args.k}, rows {args.rows}")
     flags = [*iree.flags, *iree.perf_flags, FUSION, *filter(None, args.flags.split(","))]
-    print("| form | ms (CPU, median) | weight bytes | max abs diff (int4 vs float64) |\n|---|---:|---:|---:|")
+    print(
+        "| form | ms (CPU, median) | weight bytes | max abs diff (int4 vs float64) | IREE vs torch (x = 0.5) |\n"
+        "|---|---:|---:|---:|---:|"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in args.forms.split(","):
             module = FORMS[name](w, q, q8, s8, s, z, args.group).eval()
             got = module(x)
-            want = ref0 if "symmetric" in name or "scaled_one" in name else ref
+            want = ref0 if "symmetric" in name or "scaled_one" in name or "_i4" in name else ref
             product = name.startswith("int4") and not name.endswith("_partials")
             diff = (got.double() - want).abs().max().item() if product else float("nan")
             nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
             program = torch.export.export(module, (x,))
             mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
+            if getattr(module, "i4_buffer", None):
+                weight = getattr(module, module.i4_buffer)
+                mlir = i4_weight(mlir, weight)
+                nbytes -= weight.numel() // 2  # two values a byte
             src, vmfb = Path(tmp, f"{name}.mlir"), Path(tmp, f"{name}.vmfb")
             src.write_text(mlir)
             cmd = ["iree-compile", "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
@@ -474,7 +542,8 @@ def run(argv: list[str] | None = None) -> int:
             ms = float(found[0][1]) * UNITS[found[0][2]] if found else float("nan")
             if not found:
                 print(bench.stdout[-500:], bench.stderr[-500:], file=sys.stderr)
-            print(f"| {name} | {ms:.3f} | {nbytes / 1e6:.2f} MB | {diff:.2e} |", flush=True)
+            iree_diff = _iree_against_torch(vmfb, module, args.rows, args.k)
+            print(f"| {name} | {ms:.3f} | {nbytes / 1e6:.2f} MB | {diff:.2e} | {iree_diff:.2e} |", flush=True)
     return 0
 
 

@@ -13,6 +13,8 @@ Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, Per
 points are all 0 and the module drops them, `weight_layout.fold_blocked_rows`); `int4_g32_zp` the same model compiled
 with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like);
 `int4_g32_bf16s` the same config with `scale_dtype=torch.bfloat16` (other scales: other tokens than int4_g32's).
+`--saved DIR` keeps each compile_lm module (.vmfb + .irpa) and loads it the next time (compile outside the shared
+lock with `--routes compile_lm --rounds 0`, measure under it; the loaded module's peak RSS is not the compile's).
 `--routes compile_lm` leaves out the eager rows (the 1B shape: its eager int4 takes minutes a token); `peak RSS`
 after each scheme is this process's (`ru_maxrss`, cumulative: run one scheme a process for each one's own) and its
 children's (iree-compile).
@@ -132,9 +134,10 @@ def zero_points_kept(scheme: str) -> Iterator[None]:
 
 def routes(
     model: torch.nn.Module, max_len: int, isa: str = "host", names: tuple[str, ...] = ("eager", "compile_lm"),
-    scheme: str = "",
+    scheme: str = "", saved: Path | None = None,
 ) -> tuple[dict[str, Any], float | None]:  # fmt: skip
-    """eager and compile_lm generators for `model` (those in `names`); the compile_lm module's .irpa size in MB."""
+    """eager and compile_lm generators for `model` (those in `names`); the compile_lm module's .irpa size in MB.
+    `saved`: a .vmfb path; the module is loaded from it if it exists (`--saved`), else compiled and saved there."""
     import fx_rewrites
 
     out: dict[str, Any] = {}
@@ -144,12 +147,17 @@ def routes(
     if "compile_lm" not in names:
         return out, irpa
     try:
-        with zero_points_kept(scheme):
-            lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
+        if saved is not None and saved.exists():
+            lm = fx_rewrites.load(saved)
+        else:
+            with zero_points_kept(scheme):
+                lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
         out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
         with tempfile.TemporaryDirectory() as tmp:
-            lm.save(Path(tmp) / "lm.vmfb")
-            irpa = (Path(tmp) / "lm.irpa").stat().st_size / 1e6
+            path = saved or Path(tmp) / "lm.vmfb"
+            if not path.exists():
+                lm.save(path)
+            irpa = path.with_suffix(".irpa").stat().st_size / 1e6
     except Exception as e:  # a route that fails is a row saying why
         out["compile_lm"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return out, irpa
@@ -266,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's F32 / Q8_0 / Q4_0 columns")
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
     parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
+    parser.add_argument(
+        "--saved", type=Path, default=None,
+        help="a folder: each compile_lm module loaded from it if saved there before, else compiled and saved there "
+        "(compile once, measure later: `--routes compile_lm --rounds 0` only compiles)",
+    )  # fmt: skip
     parser.add_argument("--plot", type=Path, default=None, help="also draw the decode tokens/s as bars (a .png)")
     args = parser.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
@@ -288,7 +301,14 @@ def main(argv: list[str] | None = None) -> None:
     bars: list[tuple[str, float]] = []  # (route, decode tokens/s) for --plot
     for scheme in schemes:
         variant = quantize(model, scheme)
-        gens, irpa = routes(variant, max_len, args.isa, tuple(args.routes.split(",")), scheme)
+        saved = None
+        if args.saved is not None:
+            args.saved.mkdir(parents=True, exist_ok=True)
+            saved = args.saved / f"{args.size}_{scheme}_{args.isa}_{max_len}.vmfb"
+        gens, irpa = routes(variant, max_len, args.isa, tuple(args.routes.split(",")), scheme, saved)
+        if args.rounds == 0:
+            print(f"# {scheme}: compiled, saved as {saved}", flush=True)
+            continue
         results = measure(gens, prompt, args.new, args.rounds)
         for name, value in results.items():
             if isinstance(value, str):

@@ -1,4 +1,4 @@
-"""Every torchao scheme that exports, end to end through IREE (issue 33): W8A8 (dynamic int8 activations, int8
+"""Every torchao scheme that exports, end to end through IREE (issue 33): int8 weight-only, W8A8 (dynamic int8 activations, int8
 weights), grouped int4/int8 weight-only (`IntxWeightOnlyConfig`) and int8 activations over grouped int4 weights
 (`Int8DynamicActivationIntxWeightConfig`). A one-layer Llama's logits, compiled with a Dim on the sequence by
 `fx_rewrites.compile`, give the quantized eager model's greedy tokens and logits; `compile_lm` generates its tokens.
@@ -22,6 +22,7 @@ from torchao.quantization.granularity import PerGroup  # noqa: E402
 VOCAB = 96
 
 SCHEMES = {
+    "int8_wo": lambda: quantization.Int8WeightOnlyConfig(),
     "w8a8": lambda: quantization.Int8DynamicActivationInt8WeightConfig(),
     "int4_g32": lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
     "int8_g32": lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)),
@@ -40,16 +41,13 @@ class Logits(torch.nn.Module):
         return self.lm(input_ids=ids, use_cache=False).logits
 
 
-def _llama(scheme: str | None) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+#: a two-layer Llama whose compile_lm W8A8 tokens leave the quantized eager model's within 32 (at the 8th here)
+WIDE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+
+
+def _llama(scheme: str | None, **shape: int) -> torch.nn.Module:
+    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1} | shape
+    config = transformers.LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
@@ -60,15 +58,45 @@ def _llama(scheme: str | None) -> torch.nn.Module:
     return model
 
 
-def _dequantized_float64(model: torch.nn.Module) -> Logits:
+def _dequantized_float64(model: torch.nn.Module, **shape: int) -> Logits:
     """The quantized model's exact weights (dequantized) in a float64 copy: the reference for error."""
-    reference = _llama(None)
+    reference = _llama(None, **shape)
     weights = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in reference.named_parameters():
             w = weights[name]
             p.copy_(w.dequantize() if hasattr(w, "dequantize") else w)
     return Logits(reference.double())
+
+
+def _per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    """torchao's dynamic activation quantization of W8A8 (symmetric per token: scale amax / 127.5, at least float32's
+    eps, round half even, clamp to [-128, 127]), dequantized, in `x`'s dtype."""
+    scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+    return torch.round(x / scale).clamp(-128, 127) * scale
+
+
+def _activations_quantized(reference: Logits, quantized: torch.nn.Module) -> Logits:
+    """`reference` (float64, dequantized weights) with torchao's per-token quantization of every quantized linear's
+    input emulated in float64."""
+    weights = dict(quantized.named_parameters())
+    for name, module in reference.lm.named_modules():
+        if isinstance(module, torch.nn.Linear) and type(weights[f"{name}.weight"]) is not torch.nn.Parameter:
+            module.register_forward_pre_hook(lambda _, args: (_per_token_int8(args[0]), *args[1:]))
+    return reference
+
+
+def _eager_steps(model: torch.nn.Module, sequence: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The eager model's logits for each token after the prompt of `sequence`, computed as its `generate` computes
+    them (a prefill of the prompt, then one token a step with a DynamicCache), fed `sequence`'s tokens: [steps, vocab]."""
+    with torch.no_grad():
+        out = model(sequence[:, :prompt], use_cache=True)
+        logits, cache = [out.logits[0, -1]], out.past_key_values
+        for i in range(prompt, sequence.shape[1] - 1):
+            out = model(sequence[:, i : i + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+            cache = out.past_key_values
+    return torch.stack(logits)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -117,6 +145,39 @@ def test_compile_lm_generates_the_quantized_eager_tokens(scheme: str) -> None:
     ours = lm.generate(prompt, max_new_tokens=32)
     assert ours.tolist() == theirs.tolist()
     assert len(set(ours[0, 5:].tolist())) > 2
+
+
+@pytest.mark.slow
+def test_compile_lm_w8a8_logits_are_within_the_quantized_eager_models_own_error() -> None:
+    """Issue 33's done-when for W8A8, where the tokens differ. torchao's per-token scale is amax / 127.5, so each
+    row's extreme element lands on a rounding tie, which torch's and IREE's float32 (and float64) break differently;
+    one int8 step flipped moves the logits and, later, a greedy token: compile_lm's tokens leave the quantized eager
+    model's at the 8th of 32 here (the 160M model's too). What the issue allows instead: compile_lm's logits at every
+    step are within the quantized eager model's own error against a float64 dequantized reference (its int8 weights
+    dequantized, float64, activations not quantized), the eager model fed compile_lm's tokens as its `generate`
+    would be. Measured (AMD EPYC Zen 3, AVX2, 2026-11-29): compiled - eager up to 0.60 (logits up to 12), eager's own
+    error 1.08. And the compiled route quantizes its activations as torchao does: its logits are nearer the same
+    reference with torchao's per-token quantization emulated in float64 (0.36; eager's 0.53) than the reference
+    without it (1.06), which a route skipping the activations' quantization would not be."""
+    model = _llama("w8a8", **WIDE)
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, WIDE["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(7))
+    lm = fx_rewrites.compile_lm(model, max_cache_len=48)
+    out = lm.generate(prompt, max_new_tokens=32, output_logits=True, return_dict_in_generate=True)
+    sequence, got = out.sequences, torch.cat(out.logits).double()  # [32, vocab], step by step
+    with torch.no_grad():
+        theirs = model.generate(prompt, max_new_tokens=32, do_sample=False)
+        eager = _eager_steps(model, sequence, prompt.shape[1]).double()
+        ids = sequence[:, :-1]
+        exact = _dequantized_float64(model, **WIDE)(ids)[0, prompt.shape[1] - 1 :]
+        quantized = _activations_quantized(_dequantized_float64(model, **WIDE), model)(ids)[0, prompt.shape[1] - 1 :]
+    assert sequence.tolist() != theirs.tolist()  # the case the alternative is for (equal tokens are tested above)
+    assert len(set(sequence[0, 5:].tolist())) > 2
+    eager_error = (eager - exact).abs().max().item()
+    difference = (got - eager).abs().max().item()
+    assert difference <= eager_error, (difference, eager_error)
+    near, far = (got - quantized).abs().max().item(), (got - exact).abs().max().item()
+    assert near < far, (near, far)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
