@@ -49,7 +49,21 @@ AVX2_ENV = {
 #: torch's name for each ISA (`torch.backends.cpu.get_cpu_capability()`)
 TORCH_CAPABILITY = {"avx2": "AVX2", "avx512": "AVX512"}
 #: the lscpu flags a table names
-VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+VECTOR_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "bmi2",
+    "sse4a",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 def add_argument(parser: argparse.ArgumentParser, both: bool = False) -> None:
@@ -70,7 +84,8 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     substring: `im2col`, `ukernels`), or without the performance rule named RULE, timed in the same interleaved
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
-    instead of the rules; `+im2col`: the route plus that flag)."""
+    instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
+    (`performance.ALL`), adds that rule (`+pointwise_conv_as_matmul` on AVX2)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -82,15 +97,15 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
 
 def without(backend: Any, spec: str) -> dict[str, Any]:
     """For each comma-separated part of `spec`: the label `-<part>` and `backend` without the ISA's performance rule
-    of that name (`RULE/RULE2+FLAG`: without those rules, with the performance flag of any ISA containing FLAG), or
-    else without its
+    of that name (`RULE/RULE2+FLAG`: without those rules, with the performance flag of any ISA containing FLAG, or
+    with the performance rule named FLAG where the ISA lacks it, after its own), or else without its
     performance flags containing it (a substring), with a fresh compile cache.
     Raises where a part names none of its rules and none of its flags."""
     import attrs
 
     from fx_rewrites.backends.iree import CompileCache
     from fx_rewrites.backends.iree.rules import performance
-    from fx_rewrites.ruleset import Phases
+    from fx_rewrites.ruleset import Phases, RuleSet
 
     perf = performance.for_target(backend.target.name, backend.target.isa)
     out: dict[str, Any] = {}
@@ -100,11 +115,13 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
         part, *added = part.split("+")
         names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag
         if (names or added) and all(name in perf.names() for name in names):  # the ISA's performance set less them
-            sets = [perf.without(*names) if s is perf else s for s in backend.rules.sets]
+            rules = [a for a in added if a in performance.ALL.names() and a not in perf.names()]
+            chosen = RuleSet([*perf.without(*names), *(performance.ALL[a] for a in rules)], name=perf.name)
+            sets = [chosen if s is perf else s for s in backend.rules.sets]
             out["+".join((f"-{part}", *added))] = attrs.evolve(
                 backend,
                 rules=Phases(*sets, name=backend.rules.name),
-                perf_flags=(*backend.perf_flags, *(_any_isa_flag(a) for a in added)),
+                perf_flags=(*backend.perf_flags, *(_any_isa_flag(a) for a in added if a not in rules)),
                 cache=CompileCache(),
             )
             continue

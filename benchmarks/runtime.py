@@ -213,7 +213,9 @@ def _cell(value: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def tables(rows: list[dict[str, Any]], mode: str, repeat: int, loads: tuple[str, str], isa: str = "host") -> str:
+def tables(
+    rows: list[dict[str, Any]], mode: str, repeat: int, loads: tuple[str, str], isa: str = "host", cached: bool = False
+) -> str:
     what = "wall time, default threads" if mode == "wall" else "CPU time of the calling thread, one thread each"
     lines = [
         f"Run on {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, IREE 3.13 llvm-cpu; {what}; median of "
@@ -237,7 +239,7 @@ def tables(rows: list[dict[str, Any]], mode: str, repeat: int, loads: tuple[str,
     lines += ["", f"Median IREE / eager over the models: **{statistics.median(ratios):.2f}**."]
     if any(name.startswith("-") for row in rows for name in row["seconds"]):  # an ablation or --also-without
         lines += ["", *gains(rows)]
-    lines += ["", *compile_stages(rows)]
+    lines += ["", *compile_stages(rows, cached)]
     return "\n".join(lines)
 
 
@@ -260,9 +262,10 @@ def gains(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def compile_stages(rows: list[dict[str, Any]]) -> list[str]:
+def compile_stages(rows: list[dict[str, Any]], cached: bool = False) -> list[str]:
+    source = "with the disk cache (--keep-cache: not compile times)" if cached else "from an empty cache"
     lines = [
-        "Compile time of the default IREE route, from an empty cache (seconds), and the engine's share "
+        f"Compile time of the default IREE route, {source} (seconds), and the engine's share "
         "(the rules, `fx_rewrites.apply`) of export + rules + import + iree-compile:",
         "",
         "| model | export | rules (engine) | IREE import | iree-compile | engine share | Inductor first call |",
@@ -316,9 +319,11 @@ def write_docs(text: str, mode: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile times from an empty cache: the disk cache (on by default) is off while this runs, and the
-    environment is restored after it (a test that imports this module and calls `main` in its process keeps its
-    own cache for the tests after it)."""
+    """Compile times from an empty cache: the disk cache (on by default) is off while this runs (unless
+    `--keep-cache`), and the environment is restored after it (a test that imports this module and calls `main` in
+    its process keeps its own cache for the tests after it)."""
+    if "--keep-cache" in (sys.argv[1:] if argv is None else argv):
+        return _main(argv)
     with mock.patch.dict(os.environ, {"FX_REWRITES_IREE_CACHE": "off"}):
         return _main(argv)
 
@@ -333,6 +338,12 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--no-ablation", dest="ablation", action="store_false")
     parser.add_argument("--no-write", dest="write", action="store_false", help="print only")
     parser.add_argument("--plot", type=Path, default=None, help="plot path (default: docs/runtime-<mode>.png)")
+    parser.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="use the disk compile cache (warm it with an unlocked run first, so a locked run times, not compiles); "
+        "the compile times are then not from an empty cache",
+    )
     cpu_isa.add_argument(parser)
     cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
@@ -359,7 +370,7 @@ def _main(argv: list[str] | None) -> int:
             rows.append(measure(MODELS[name], args))
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (the smoke test) keeps its threads
-    text = tables(rows, args.mode, args.repeat, (start_load, load()), args.isa)
+    text = tables(rows, args.mode, args.repeat, (start_load, load()), args.isa, args.keep_cache)
     print(text)
     section = args.mode if args.isa == "host" else f"{args.mode}-{cpu_isa.resolve(args.isa)}"
     plot_path = args.plot or (DOCS / f"runtime-{section}.png" if args.write else None)

@@ -63,7 +63,10 @@ def test_the_target_of_an_isa_compiles_for_this_cpu_where_it_has_the_isa():
         cpu = "host" if name == host else isa.target_cpu
         assert f"--iree-llvmcpu-target-cpu={cpu}" in target.flags
         features = [f for f in target.flags if f.startswith("--iree-llvmcpu-target-cpu-features=")]
-        assert features == ([f"--iree-llvmcpu-target-cpu-features={isa.target_features}"] if cpu != "host" else [])
+        # a features flag only where the ISA names features (AVX2's -sse4a) and the code is for another CPU: on a real
+        # AVX2 host the AVX-512 target (x86-64-v4) has none (this assertion failed there, expecting an empty flag)
+        wanted = cpu != "host" and isa.target_features
+        assert features == ([f"--iree-llvmcpu-target-cpu-features={isa.target_features}"] if wanted else [])
         assert (target.name, target.driver, target.isa, target.perf_flags) == (
             "llvm-cpu",
             "local-task",
