@@ -171,7 +171,9 @@ def test_compile_lm_w8a8_logits_are_within_the_quantized_eager_models_own_error(
         ids = sequence[:, :-1]
         exact = _dequantized_float64(model, **WIDE)(ids)[0, prompt.shape[1] - 1 :]
         quantized = _activations_quantized(_dequantized_float64(model, **WIDE), model)(ids)[0, prompt.shape[1] - 1 :]
-    assert sequence.tolist() != theirs.tolist()  # the case the alternative is for (equal tokens are tested above)
+    # the tokens left eager's at the 8th on the AMD EPYC; where another CPU rounds the ties as eager does they are
+    # equal, and the logits must still be within eager's own error (not asserted unequal: that would test the CPU)
+    assert sequence.shape[1] == prompt.shape[1] + 32 and theirs.shape == sequence.shape
     assert len(set(sequence[0, 5:].tolist())) > 2
     eager_error = (eager - exact).abs().max().item()
     difference = (got - eager).abs().max().item()
