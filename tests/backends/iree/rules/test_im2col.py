@@ -182,7 +182,7 @@ def test_conv_as_im2col_matmul_on_iree(name, dynamic):
     1x1), else the rewritten graph through that route (any AVX2 host). On two inputs, as near float64 as torch's float32 or
     as IREE's own direct convolution of the same module, within a step: IREE 3.13 sums a float32 convolution
     in one sequential chain (its direct convolution, its own im2col and this matmul alike), 2-3x torch's error
-    over a reduction of 1536 (docs/iree-3.13-findings.md, "3X."); the 1x1 over 8 channels is held to torch's."""
+    over a reduction of 1536 (docs/iree-3.13-findings.md, section 37); the 1x1 over 8 channels is held to torch's."""
     if targets.host_isa() == "":
         pytest.skip("llvm-cpu code for AVX2 or AVX-512 runs on an x86-64 host with them only")
     module, inputs = _module(name), _inputs(name)
