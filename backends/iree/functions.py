@@ -31,14 +31,14 @@ from torch.export.graph_signature import OutputKind
 
 from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import memory, refusals
-from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection, save
+from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
 from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.cpus import IreeCpuError
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
-from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions, reopen
+from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions, save_and_reopen
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
 
 _STATE_OUT = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
@@ -220,19 +220,7 @@ class IreeModule:
         module of no state then reads them from that archive, as `IreeCompiled.save` says. `records`: short
         texts written into the archive, not into the module (`artifact.save`; read back by the backend's
         `read_record`)."""
-        packed = save(
-            self.vmfb,
-            path,
-            unsupported=self.unsupported,
-            params=params,
-            parameters=self.parameters,
-            embed=self.embed,
-            archive=self.archive,
-            pack=self.pack,
-            records=records,
-        )
-        if packed is not None and params is not None:  # this module then reads the saved archive too
-            reopen(self.functions, packed, Path(params))
+        save_and_reopen(self, self.functions, path, params, records)  # this module then reads the saved archive
 
 
 def loaded(

@@ -142,18 +142,7 @@ class IreeCompiled:
         reads them in place from the mapped file, with no copy at load; and this module then reads them from
         there too, its own packed copy freed: `reopen`). Buffers the
         program updates are saved with the values they had when it was compiled (its initial state)."""
-        packed = save(
-            self.vmfb,
-            path,
-            unsupported=self.unsupported,
-            params=params,
-            parameters=self.parameters,
-            embed=self.embed,
-            archive=self.archive,
-            pack=self.pack,
-        )
-        if packed is not None and params is not None:
-            reopen({"main": self}, packed, Path(params))
+        save_and_reopen(self, {"main": self}, path, params)
 
     def unchecked(self) -> Callable[..., Any]:
         """This function as a call of the module function on the tensors' memory, without the call convention's
@@ -232,6 +221,30 @@ class IreeCompiled:
             with torch.no_grad():  # mutations land where program.module() puts them
                 (flat[out.write] if isinstance(out.write, int) else out.write).copy_(value)
         return pytree.tree_unflatten(user_outputs, plan.out_spec)
+
+
+def save_and_reopen(
+    module: Any,
+    calls: Mapping[str, IreeCompiled],
+    path: str | os.PathLike[str],
+    params: str | os.PathLike[str] | None,
+    records: Mapping[str, str] | None = None,
+) -> None:
+    """`artifact.save` of a compiled module (an `IreeCompiled` or a module of several functions: its .vmfb and
+    the weights it holds); with `params`, its functions `calls` then read the saved archive (`reopen`)."""
+    packed = save(
+        module.vmfb,
+        path,
+        unsupported=module.unsupported,
+        params=params,
+        parameters=module.parameters,
+        embed=module.embed,
+        archive=module.archive,
+        pack=module.pack,
+        records=records,
+    )
+    if packed is not None and params is not None:
+        reopen(calls, packed, Path(params))
 
 
 def reopen(calls: Mapping[str, IreeCompiled], packed: bytes, archive: Path) -> None:
