@@ -143,9 +143,10 @@ def test_non_strict_export_matches_generate():
 def test_recurrent_prompts_of_each_prefill_length():
     """A recurrent state's prompt is prefilled padded to a multiple of the chunk (16 here): one chunk by its own
     function (the prompt of 7 in the test above), two and more by the prefill with a Dim, past `max_cache_len`
-    refused; generation itself is unbounded (no cache positions to run out of)."""
+    refused; generation itself is unbounded (no cache positions to run out of). Batch 2 and `MAX_CACHE`, as
+    test_greedy_tokens_match_generate[mamba2] compiles the same model: one IREE compile for both (the compile cache)."""
     model, _ = lm_models.build("mamba2")
-    lm = fx_rewrites.compile_lm(model, max_cache_len=48)
+    lm = fx_rewrites.compile_lm(model, max_cache_len=MAX_CACHE, batch_size=2)
     assert (lm.info.recurrent, lm.info.prompt_multiple, lm.info.short_prefill) == (True, 16, True)
     assert [lm.info.prefill_length(n) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 48]
     for length, seed in ((20, 1), (40, 2)):  # prefilled at 32 and 48

@@ -1,6 +1,6 @@
 """Run a function on N ranks of a gloo process group on this machine (torch.multiprocessing spawn, CPU).
 
-    results = run_ranks(ranks.tiny_llama_routes, world=2)   # one result per rank, in rank order
+    results = run_ranks(ranks.isend_in_forward, world=2)   # one result per rank, in rank order
 
 Each rank is a fresh process (spawn): it joins the group at a free local port, uses one thread, registers the
 torchvision stand-in ops before transformers is imported (tests/zoo/torchvision_cpu.py), calls

@@ -144,10 +144,10 @@ def llama_routes(rank: int, world: int, tmp: str, hidden: int, layers: int, head
     return out
 
 
-def tiny_llama(rank: int, world: int, tmp: str) -> dict:
-    """One launch for the tiny model's checks: both routes (`llama_routes`, hidden 64, 2 layers, 8 tokens) and
-    `fx_rewrites.compile`'s save + load with its refusals (`wrong_rank`)."""
-    return {"routes": llama_routes(rank, world, tmp, 64, 2, 4, 2, 8), "compile": wrong_rank(rank, world, tmp)}
+def routes_and_refusals(rank: int, world: int, tmp: str, *sizes: int) -> dict:
+    """One launch for both routes (`llama_routes` at `sizes`) and `fx_rewrites.compile`'s save + load with its
+    refusals (`wrong_rank`, a one-layer hidden-64 model)."""
+    return {"routes": llama_routes(rank, world, tmp, *sizes), "compile": wrong_rank(rank, world, tmp)}
 
 
 def wrong_rank(rank: int, world: int, tmp: str) -> dict:

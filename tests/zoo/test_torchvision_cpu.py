@@ -29,10 +29,13 @@ def test_nms_of_no_boxes(ops):
 
 
 def test_roi_align_takes_torchvisions_python_path(ops):
-    """roi_align needs no compiled op: torchvision's own Python version runs (and dynamo traces it)."""
+    """roi_align needs no compiled op: torchvision's own Python version runs. torchvision wraps it in torch.compile
+    (`lazy_compile`): run eagerly here (stance "force_eager"; Inductor's compile of it was ~10 CPU s), dynamo traces
+    it in tests/backends/test_dynamo.py's Faster R-CNN."""
     features = torch.arange(16.0).reshape(1, 1, 4, 4)
     boxes = torch.tensor([[0, 0.0, 0.0, 3.0, 3.0]])
-    out = ops.roi_align(features, boxes, output_size=1, spatial_scale=1.0, sampling_ratio=1, aligned=False)
+    with torch.compiler.set_stance("force_eager"):
+        out = ops.roi_align(features, boxes, output_size=1, spatial_scale=1.0, sampling_ratio=1, aligned=False)
     assert out.shape == (1, 1, 1, 1)
     # one sample at the box centre (1.5, 1.5): the mean of 5, 6, 9, 10
     assert out.item() == pytest.approx(7.5)
