@@ -220,9 +220,11 @@ def child(args: argparse.Namespace) -> None:
                 prefill[route, p].append(clock.times[0] - start)
                 decode[route, p].append(clock.steps())
     for route, p in cases:
-        row: dict[str, Any] = {"route": route, "prompt": p, "ms": round(1e3 * statistics.median(prefill[route, p]), 1)}
+        row: dict[str, Any] = {"route": route, "prompt": p}  # --rounds 0: the warm-up only (a compile cache filled)
+        if prefill[route, p]:
+            row["ms"] = round(1e3 * statistics.median(prefill[route, p]), 1)
         row["prefill_ms_rounds"] = [round(1e3 * t) for t in prefill[route, p]]
-        if args.decode:
+        if args.decode and decode[route, p]:
             steps = sorted(itertools.chain.from_iterable(decode[route, p]))
             deciles = statistics.quantiles(steps, n=10) if len(steps) > 1 else steps * 9
             row["decode_tok_s"] = round(1 / statistics.median(steps), 2)

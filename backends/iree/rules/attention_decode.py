@@ -6,8 +6,11 @@
 per key-value head, the query heads of its group as rows: the scores `(q * k).sum(-1)` and the output
 `(p * v).sum(-2)`, which IREE runs as reductions reading the keys and values where they lie (no copy, no pack), with
 the softmax's maximum and sum between, normalized after; a row whose mask lets no key through gives 0, as torch 2.13
-CPU eager. One decode attention alone (benchmarks/decode_attention.py, docs/performance.md): 8 heads over 4 of 64,
-2049 keys, 2.34 -> 0.78 ms; 32 heads over 4 of 128, 1041 keys, 18.6 -> 0.90 ms (eager 0.37, 0.65).
+CPU eager. transformers' decode under torch.export repeats the cache itself (`repeat_kv`: an expand and a reshape,
+SDPA without gqa): the rule reads through that repeat to the cache's own heads, which IREE would otherwise copy every
+step. One decode attention alone (benchmarks/decode_attention.py, docs/performance.md), AMD EPYC (AVX2), transformers'
+form, before -> after reading through: 8 heads over 4 of 64, 2049 keys 6.5 -> 2.1 ms; 32 over 4 of 128, 1041 keys
+29.9 -> 2.9 ms (eager's grouped SDPA 0.66, 1.55; at load 11.5 on 2 cores).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import attrs
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, bind
 from fx_rewrites.engine import Miss, Rewriter
@@ -27,8 +32,41 @@ aten = torch.ops.aten
 NEG_INF = float("-inf")
 
 
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _repeated(node: Any) -> tuple[Node, int] | None:
+    """`(x, n)` when `node` is transformers' `repeat_kv(x, n)` of a [b, kv, T, e] `x`: `x[:, :, None]` expanded
+    to [b, kv, n, T, e] and reshaped to [b, kv * n, T, e] (head j * n + r is x's head j), else None."""
+    if not (isinstance(node, Node) and node.target in _VIEWS):
+        return None
+    expanded = node.args[0]
+    if not (isinstance(expanded, Node) and expanded.target is aten.expand.default):
+        return None
+    one = expanded.args[0]
+    if not (isinstance(one, Node) and one.target is aten.unsqueeze.default and one.args[1] in (2, -3)):
+        return None
+    x, big, out = fake_value(one.args[0]), fake_value(expanded), fake_value(node)
+    if x.dim() != 4 or big.dim() != 5 or out.dim() != 4 or not isinstance(big.shape[2], int):
+        return None
+    same = (big.shape[i] == x.shape[j] for i, j in ((0, 0), (1, 1), (3, 2), (4, 3)))
+    kept = (out.shape[i] == x.shape[i] for i in (0, 2, 3))
+    if not all(statically_known_true(c) for c in (*same, *kept, out.shape[1] == x.shape[1] * big.shape[2])):
+        return None
+    return one.args[0], big.shape[2]
+
+
+def _see_through_repeats(a: Attention) -> Attention:
+    """`a` with keys and values read before a `repeat_kv` of both by one factor (the heads' grouping is then
+    the query heads' over the cache's own heads: what `enable_gqa` says), else `a` as it is."""
+    k, v = _repeated(a.key), _repeated(a.value)
+    if k is None or v is None or k[1] != v[1]:
+        return a
+    return attrs.evolve(a, key=k[0], value=v[0], enable_gqa=True)
+
+
 def _one_query(node: Node) -> Attention | Miss:
-    a = bind(node)
+    a = _see_through_repeats(bind(node))
     q, k, v, mask = (fake_value(x) for x in (a.query, a.key, a.value, a.mask))
     if q.dtype != torch.float32 or a.dropout_p != 0.0:
         return Miss(f"{q.dtype}, dropout_p={a.dropout_p}: float32 inference only")
@@ -60,8 +98,10 @@ def _one_query(node: Node) -> Attention | Miss:
         "grouped-query heads by enable_gqa) is written per key-value head with the query heads of its group as rows: "
         "scores (q * k).sum(-1), output (p * v).sum(-2) over the keys and values in place (IREE 3.13 then neither "
         "repeats them per query head nor packs them every step), the softmax normalized after; a fully masked row "
-        "gives 0. One decode attention, IREE llvm-cpu: 8 heads over 4 of 64, 2049 keys 2.34 -> 0.78 ms; 32 over 4 of "
-        "128, 1041 keys 18.6 -> 0.90 ms (eager 0.37, 0.65)."
+        "gives 0; transformers' repeat_kv of the keys and values (an expand and a reshape) is read through to the "
+        "cache's own heads. One decode attention, IREE llvm-cpu, AVX-512: 8 heads over 4 of 64, 2049 keys 2.34 -> "
+        "0.78 ms; 32 over 4 of 128, 1041 keys 18.6 -> 0.90 ms (eager 0.37, 0.65); transformers' repeated form on AVX2: "
+        "6.5 -> 2.1 and 29.9 -> 2.9 ms."
     ),
 )
 def attention_one_query_as_grouped_sums(node: Node, rw: Rewriter, *, found: Attention) -> Any:

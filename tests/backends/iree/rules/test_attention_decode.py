@@ -1,7 +1,7 @@
 """attention_one_query_as_grouped_sums (backends/iree/rules/attention_decode.py): a decode step's attention.
 
 Real exports (static and with a Dim on the keys, as compile_lm's decode reads its cache), the graph after (no SDPA,
-no matmul: reductions), numerics against eager on two input sets (grouped-query heads, a padding mask, a row masked
+no matmul: reductions; transformers' `repeat_kv` of the cache read through), numerics against eager on two input sets (grouped-query heads, a padding mask, a row masked
 whole), declines, and the default llvm-cpu route end to end on IREE. (Its speed: docs/performance.md.)
 """
 
@@ -46,18 +46,32 @@ def _inputs(keys: int, seed: int, heads: int = 8, kv_heads: int = 2, batch: int 
     )
 
 
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' `repeat_kv` (integrations/sdpa_attention.py), as its exported decode calls it."""
+    b, kv, keys, size = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n, keys, size).reshape(b, kv * n, keys, size)
+
+
+class RepeatedDecode(torch.nn.Module):
+    """transformers' decode under torch.export: the keys and values repeated per query head, SDPA without gqa."""
+
+    def forward(self, q, k, v, mask):
+        n = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=mask)
+
+
 KEYS = Dim("keys", min=4, max=64)
 DIMS = (None, {2: KEYS}, {2: KEYS}, {3: KEYS})
 
 
-def _check(module, inputs, dynamic_shapes):
+def _check(module, inputs, dynamic_shapes, absent=()):
     ep = rt.export(module, *inputs[0], dynamic_shapes=dynamic_shapes)
     result = rt.apply_rules(ep, RULE)
     rt.assert_fired(result, RULE)
     rt.assert_ops(
         result,
         present=[aten.sum.dim_IntList, aten.exp.default],
-        absent=[aten.scaled_dot_product_attention.default, aten.matmul.default, aten.bmm.default],
+        absent=[aten.scaled_dot_product_attention.default, aten.matmul.default, aten.bmm.default, *absent],
     )
     # measured: the rewritten graph within 2.4e-7 of eager and 1.7e-7 of a float64 run (eager's own: 2.4e-7)
     assert_within_torch_error(result.program.module(), module, inputs)
@@ -94,6 +108,42 @@ def test_no_mask():
     _check(NoMask(), [_inputs(40, seed)[:3] for seed in (0, 10)], DIMS[:3])
 
 
+def _grouped_reads(result):
+    """The rewritten graph's products read the keys and values as they came in: [b, kv heads, 1, keys, size]."""
+    products = [n for n in result.program.graph.nodes if n.target is aten.mul.Tensor and n.meta["val"].dim() == 5]
+    assert len(products) == 2, products
+    return [tuple(n.meta["val"].shape[1:3]) for n in products]
+
+
+def test_repeated_keys_and_values_read_once_with_a_dim():
+    """transformers' exported decode repeats the cache per query head (`repeat_kv`): the rule reads the cache's
+    own heads instead, the query heads of a group as rows (no expand left: IREE would copy the cache)."""
+    result = _check(RepeatedDecode(), [_inputs(40, 0), _inputs(23, 10)], DIMS, absent=[aten.expand.default])
+    assert _grouped_reads(result) == [(2, 4), (2, 4)]  # 2 key-value heads, 4 query heads each
+
+
+def test_repeated_keys_and_values_static_with_a_mask_per_head():
+    inputs = [_inputs(40, seed, heads=6, kv_heads=3, mask_heads=6) for seed in (0, 10)]
+    result = _check(RepeatedDecode(), inputs, None, absent=[aten.expand.default])
+    assert _grouped_reads(result) == [(3, 2), (3, 2)]
+
+
+def test_a_repeat_in_another_order_stays():
+    """Heads tiled (`x[:, None]`: head r * kv + j reads head j), not transformers' interleaving: not a grouping
+    of consecutive query heads, so the repeat is kept (and the rule still writes one head per head)."""
+
+    class Tiled(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            b, kv, keys, size = k.shape
+            n = q.shape[1] // kv
+            k, v = (x[:, None].expand(b, n, kv, keys, size).reshape(b, n * kv, keys, size) for x in (k, v))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    result = _check(Tiled(), [_inputs(40, 0), _inputs(23, 10)], DIMS)
+    rt.assert_ops(result, present=[aten.expand.default])
+    assert _grouped_reads(result) == [(8, 1), (8, 1)]
+
+
 def test_declines():
     q, k, v, mask = _inputs(40, 0)
     two_rows = (torch.cat([q, q], 2), k, v, torch.cat([mask, mask], 2))
@@ -116,7 +166,8 @@ def test_on_iree_with_a_dim():
     iree = backends.get("iree")
     assert "attention_one_query_as_grouped_sums" in [r.name for r in iree.rules.rules]
     inputs = [_inputs(40, 0), _inputs(23, 10)]
-    result = fx_rewrites.apply(rt.export(Decode(), *inputs[0], dynamic_shapes=DIMS), iree.rules)
-    rt.assert_fired(result, RULE)
-    fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, Decode(), inputs)
+    for module in (Decode(), RepeatedDecode()):
+        result = fx_rewrites.apply(rt.export(module, *inputs[0], dynamic_shapes=DIMS), iree.rules)
+        rt.assert_fired(result, RULE)
+        fn = iree.compile(result.program, inputs[0])
+        assert_within_torch_error(fn, module, inputs)
