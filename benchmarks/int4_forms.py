@@ -482,6 +482,7 @@ def _iree_against_torch(vmfb: Path, module: torch.nn.Module, rows: int, k: int) 
 
 
 def run(argv: list[str] | None = None) -> int:
+    global BLOCK
     from cpu_isa import backend, cpu_model
 
     from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
@@ -496,7 +497,9 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default="", help="a folder to keep each form's .mlir and .vmfb in")
     parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"), help="avx2: IREE for znver3")
     parser.add_argument("--flags", default="", help="extra iree-compile flags, comma separated")
+    parser.add_argument("--block", type=int, default=16, help="output channels side by side (16; 8: AVX2's lanes)")
     args = parser.parse_args(argv)
+    BLOCK = args.block  # read by every form's layout
     if args.repetitions < 2:
         parser.error("--repetitions must be at least 2: iree-benchmark-module prints a median of repetitions only")
     w, q, q8, s8, s, z = weights(args.n, args.k, args.group)
@@ -504,7 +507,8 @@ def run(argv: list[str] | None = None) -> int:
     ref = reference(q, s, z, args.group, x)
     ref0 = reference(q, s, torch.zeros_like(z), args.group, x)  # the symmetric forms read q as if z were 0
     iree = backend(args.isa)
-    print(f"CPU: {cpu_model()}; IREE target {' '.join(iree.flags[:1])}; {args.n} x {args.k}, rows {args.rows}")
+    target = " ".join(iree.flags[:1])
+    print(f"CPU: {cpu_model()}; IREE target {target}; {args.n} x {args.k}, rows {args.rows}, block {BLOCK}")
     flags = [*iree.flags, *iree.perf_flags, FUSION, *filter(None, args.flags.split(","))]
     print(
         "| form | ms (CPU, median) | weight bytes | max abs diff (int4 vs float64) | IREE vs torch (x = 0.5) |\n"

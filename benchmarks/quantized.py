@@ -12,6 +12,8 @@ Schemes (torchao 0.18 `quantize_` on a copy): `int8_wo` Int8WeightOnlyConfig, `w
 Int8DynamicActivationInt8WeightConfig, `int4_g32` IntxWeightOnlyConfig(int4, PerGroup(32)) (symmetric: its zero
 points are all 0 and the module drops them, `weight_layout.fold_blocked_rows`); `int4_g32_zp` the same model compiled
 with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like);
+`int8_wo_b8`, `int4_g32_b8`: those models compiled with the weights in blocks of 8 output channels (AVX2's float32
+lanes) instead of the rules' 16 (`quantized_matmul.BLOCK`, patched for their compile);
 `int4_g32_bf16s` the same config with `scale_dtype=torch.bfloat16` (other scales: other tokens than int4_g32's).
 `--saved DIR` keeps each compile_lm module (.vmfb + .irpa) and loads it the next time (compile outside the shared
 lock with `--routes compile_lm --rounds 0`, measure under it; the loaded module's peak RSS is not the compile's).
@@ -26,9 +28,11 @@ eager tokens. `irpa MB`: the size of the module's saved weights (`save(..., para
 llama.cpp (`--llama-cpp`, `LLAMA_CPP_DIR` or `--llama-cpp-dir`: a build with `bin/llama-bench` and
 `bin/llama-quantize`, and the source tree's `convert_hf_to_gguf.py` found from `--llama-cpp-src` or beside it):
 the same checkpoint saved with `save_pretrained`, converted to F32 GGUF (a synthetic vocabulary of the model's
-size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT --repack 0` with `-n 1` and
+size: there is no tokenizer), quantized to Q8_0 and Q4_0, `llama-bench -t 1 -p PROMPT --repack R` with `-n 1` and
 `-n NEW+1`: decode tokens/s from the difference of their CPU times (getrusage of the children; the prefill is its
-wall time); without repacking, as ggml's AMX kernels die on a host that reports AMX but does not grant it.
+wall time). `--llama-repack` (R): `auto` is 0 on a CPU that reports AMX (ggml's AMX kernels die on a host that
+reports AMX but does not grant it: the Sapphire Rapids VM) and 1 elsewhere, llama.cpp's default; on x86 repacking
+turns Q4_0 into ggml's interleaved `q4_0_8x8` AVX2 kernels (F32 and Q8_0 are not repacked on x86); `0,1` runs both.
 Without a build the column says why.
 """
 
@@ -64,7 +68,7 @@ SIZES = {
 }  # fmt: skip
 SCHEMES = ("float32", "int8_wo", "w8a8", "int4_g32")
 #: a scheme measured as another one's model compiled differently: name -> (the scheme it quantizes as, how)
-VARIANTS = {"int4_g32_zp": "int4_g32"}
+VARIANTS = {"int4_g32_zp": "int4_g32", "int8_wo_b8": "int8_wo", "int4_g32_b8": "int4_g32"}
 #: llama-bench's repetitions per run
 REPEATS = 3
 
@@ -117,6 +121,22 @@ def backend(isa: str) -> Any:
 
 
 @contextlib.contextmanager
+def blocks_of_8(scheme: str) -> Iterator[None]:
+    """For the `_b8` variants: the quantized rules lay weights out in blocks of 8 output channels."""
+    if not scheme.endswith("_b8"):
+        yield
+        return
+    from fx_rewrites.backends.iree.rules import quantized_matmul
+
+    block = quantized_matmul.BLOCK
+    quantized_matmul.BLOCK = 8
+    try:
+        yield
+    finally:
+        quantized_matmul.BLOCK = block
+
+
+@contextlib.contextmanager
 def zero_points_kept(scheme: str) -> Iterator[None]:
     """For `int4_g32_zp`: `fold_blocked_rows` keeps zero points of 0 and their share (its drop turned off)."""
     if scheme != "int4_g32_zp":
@@ -150,7 +170,7 @@ def routes(
         if saved is not None and saved.exists():
             lm = fx_rewrites.load(saved)
         else:
-            with zero_points_kept(scheme):
+            with zero_points_kept(scheme), blocks_of_8(scheme):
                 lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
         out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
         with tempfile.TemporaryDirectory() as tmp:
@@ -223,8 +243,20 @@ c.main()
 """
 
 
-def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: int, new: int) -> dict[str, Any]:
-    """llama-bench -t 1 of the model as F32, Q8_0 and Q4_0 GGUF: name -> (prefill ms, decode tokens/s, MB)."""
+def llama_repacks(choice: str) -> list[str]:
+    """llama-bench's `--repack` values for `--llama-repack`: `auto` is 0 where the CPU reports AMX, else 1."""
+    if choice != "auto":
+        return choice.split(",")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return ["0" if "amx_tile" in flags else "1"]
+
+
+def llama_cpp(
+    model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: int, new: int, repacks: list[str] | None = None
+) -> dict[str, Any]:
+    """llama-bench -t 1 of the model as F32, Q8_0 and Q4_0 GGUF: name -> (prefill ms, decode tokens/s, MB, wall
+    tokens/s); with more than one of `repacks` (llama-bench's `--repack`), a row for each, named `KIND repack R`."""
+    repacks = repacks or ["0"]
     bench, quant, convert = paths
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,10 +271,9 @@ def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: in
         for kind in ("Q8_0", "Q4_0"):
             files[kind] = Path(tmp) / f"{kind}.gguf"
             subprocess.run([str(quant), str(f32), str(files[kind]), kind], capture_output=True, check=True)
-        for kind, path in files.items():
-            common = [str(bench), "-m", str(path), "-t", "1", "-p", str(prompt), "-r", str(REPEATS), "--repack", "0"]
-            # --repack 0: ggml's extra buffer types include its AMX kernels, which die here (SIGILL on
-            # `tilezero`: the VM does not grant AMX state), so the AVX-512 dot products run
+        for (kind, path), repack in ((f, r) for f in files.items() for r in repacks):
+            common = [str(bench), "-m", str(path), "-t", "1", "-p", str(prompt), "-r", str(REPEATS), "--repack", repack]
+            name = kind if len(repacks) == 1 else f"{kind} repack {repack}"
             cpu, rows = {}, []
             for n in (1, new + 1):  # decode CPU time: the difference of two runs, loading and prompt alike
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -253,12 +284,12 @@ def llama_cpp(model: torch.nn.Module, paths: tuple[Path, Path, Path], prompt: in
                     break
                 rows = json.loads(res.stdout)
             if res.returncode:
-                out[kind] = f"llama-bench failed: {res.stderr.strip()[-200:]}"
+                out[name] = f"llama-bench failed: {res.stderr.strip()[-200:]}"
                 continue
             pp = next(r for r in rows if r["n_prompt"] > 0)
             tg = next(r for r in rows if r["n_gen"] > 0)
             cpu_rate = REPEATS * new / (cpu[new + 1] - cpu[1]) if cpu[new + 1] > cpu[1] else float("nan")
-            out[kind] = (prompt / pp["avg_ts"] * 1e3, cpu_rate, path.stat().st_size / 1e6, tg["avg_ts"])
+            out[name] = (prompt / pp["avg_ts"] * 1e3, cpu_rate, path.stat().st_size / 1e6, tg["avg_ts"])
     return out
 
 
@@ -274,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's F32 / Q8_0 / Q4_0 columns")
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR"))
     parser.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"))
+    parser.add_argument(
+        "--llama-repack", default="auto", help="llama-bench's --repack: auto (0 on an AMX CPU, else 1), 0, 1 or 0,1"
+    )
     parser.add_argument(
         "--saved", type=Path, default=None,
         help="a folder: each compile_lm module loaded from it if saved there before, else compiled and saved there "
@@ -328,7 +362,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# peak RSS after {scheme}: this process {own:.2f} GB, its children {children:.2f} GB", flush=True)
     if args.llama_cpp:
         paths = llama_cpp_paths(args.llama_cpp_dir, args.llama_cpp_src)
-        results = {"llama.cpp": paths} if isinstance(paths, str) else llama_cpp(model, paths, args.prompt, args.new)
+        results = (
+            {"llama.cpp": paths}
+            if isinstance(paths, str)
+            else llama_cpp(model, paths, args.prompt, args.new, llama_repacks(args.llama_repack))
+        )
         for kind, value in results.items():
             if isinstance(value, str):
                 print(f"| llama.cpp | {kind} | - | - | - | {value} | - |")
