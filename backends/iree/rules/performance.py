@@ -58,6 +58,7 @@ from fx_rewrites.backends.iree.rules import im2col
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
+from fx_rewrites.backends.iree.rules.attention_tiles import attention_padded_to_tiles
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -397,6 +398,7 @@ ALL = RuleSet(
         attention_one_query_as_grouped_sums,
         attention_by_head_groups,
         attention_by_key_blocks,
+        attention_padded_to_tiles,
         attention_as_matmul_softmax,
         softmax_matmul_normalized_after,
         softmax_as_exp_times_reciprocal,
