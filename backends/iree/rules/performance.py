@@ -13,6 +13,9 @@ on every model it fires on (docs/performance.md has the table).
 - `attention_one_query_as_grouped_sums` (backends/iree/rules/attention_decode.py):
   llvm-cpu. One query row (a decode step) per key-value head as multiplies
   and sums over the cache in place: no repeat of the keys, no packing.
+- `attention_padded_to_tiles` (backends/iree/rules/attention_tiles.py): llvm-cpu,
+  AVX2. Attention over a static length off the 8x8 tiles (ViT 197, Whisper
+  500) written out over queries and keys padded to them.
 - `attention_by_key_blocks` (backends/iree/rules/attention_blocks.py):
   llvm-cpu. Masked attention over long static keys, a block of keys at a
   time over the query rows the block's mask lets in (a causal prefill over
@@ -58,6 +61,7 @@ from fx_rewrites.backends.iree.rules import im2col
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
+from fx_rewrites.backends.iree.rules.attention_tiles import attention_padded_to_tiles
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -397,6 +401,7 @@ ALL = RuleSet(
         attention_one_query_as_grouped_sums,
         attention_by_head_groups,
         attention_by_key_blocks,
+        attention_padded_to_tiles,
         attention_as_matmul_softmax,
         softmax_matmul_normalized_after,
         softmax_as_exp_times_reciprocal,
