@@ -14,8 +14,9 @@ on every model it fires on (docs/performance.md has the table).
   llvm-cpu. One query row (a decode step) per key-value head as multiplies
   and sums over the cache in place: no repeat of the keys, no packing.
 - `attention_padded_to_tiles` (backends/iree/rules/attention_tiles.py): llvm-cpu,
-  AVX2. Attention over a static length off the 8x8 tiles (ViT 197, Whisper
-  500) written out over queries and keys padded to them.
+  for AVX2, on for no ISA yet (1-2% on ViT and Whisper, inside the noise).
+  Attention over a static length off the 8x8 tiles (ViT 197, Whisper 500)
+  written out over queries and keys padded to them.
 - `attention_by_key_blocks` (backends/iree/rules/attention_blocks.py):
   llvm-cpu. Masked attention over long static keys, a block of keys at a
   time over the query rows the block's mask lets in (a causal prefill over

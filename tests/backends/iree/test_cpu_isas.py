@@ -39,9 +39,9 @@ MEASURED_CHOICES = {
     "pointwise_conv_as_matmul": {"avx512": True, "avx2": False},
     "--iree-llvmcpu-enable-ukernels=mmt4d": {"avx512": True, "avx2": False},  # level or slower on AVX2
     "depthwise_conv_as_row_partials": {"avx512": True, "avx2": True},  # ConvNeXt-T faster with it on both
-    # AVX2's 8x8 tiles: attention over 197 / 500 tokens padded to them (real Zen 3, locked: ViT 1.01, Whisper encoder 1.02;
-    # one head of 500: its dispatches 2.38 -> 1.83 ms); AVX-512's tiles are 16: not measured there
-    "attention_padded_to_tiles": {"avx512": False, "avx2": True},
+    # AVX2's 8x8 tiles: attention over 197 / 500 tokens padded to them (real Zen 3, locked: ViT 1.01, Whisper encoder 1.02,
+    # inside the noise; one head of 500: its dispatches 2.38 -> 1.83 ms): on for neither until a quiet run shows a gain
+    "attention_padded_to_tiles": {"avx512": False, "avx2": False},
 }
 
 

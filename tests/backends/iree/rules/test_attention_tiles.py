@@ -19,6 +19,7 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
 from fx_rewrites.backends.iree import targets as t
 from fx_rewrites.backends.iree.rules.attention_tiles import TILE, attention_padded_to_tiles
+from fx_rewrites.ruleset import Phases, RuleSet
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
 aten = torch.ops.aten
@@ -124,11 +125,20 @@ def test_declines():
         rt.assert_not_fired(result, attention_padded_to_tiles)
 
 
-def test_in_the_avx2_rules_only():
+def test_in_all_and_on_for_no_isa():
+    """Measured on real AVX2 at 1-2% on ViT and the Whisper encoder, inside the noise: a rule to add, not a default."""
     from fx_rewrites.backends.iree.rules import performance
 
-    assert "attention_padded_to_tiles" in performance.for_target("llvm-cpu", "avx2").names()
-    assert "attention_padded_to_tiles" not in performance.for_target("llvm-cpu", "avx512").names()
+    assert "attention_padded_to_tiles" in performance.ALL.names()
+    for isa in ("avx2", "avx512"):
+        assert "attention_padded_to_tiles" not in performance.for_target("llvm-cpu", isa).names()
+
+
+def _with_padding(rules: RuleSet) -> RuleSet:
+    """`rules` with `attention_padded_to_tiles` where ALL has it: before `attention_as_matmul_softmax`."""
+    names = rules.names()
+    at = names.index("attention_as_matmul_softmax")
+    return RuleSet([*list(rules)[:at], attention_padded_to_tiles, *list(rules)[at:]], name="padded")
 
 
 @pytest.mark.skipif(t.host_isa() == "", reason="AVX2 code runs on an x86-64 host with AVX2 and FMA only")
@@ -137,18 +147,17 @@ def test_on_iree_avx2_with_a_dim():
     the product) at two batch sizes of one module: IREE matches eager as the route without the rule does, and gives
     the unpadded route's numbers (measured: identical, the padded keys add exact zeros)."""
     from fx_rewrites.backends.iree.rules import performance
-    from fx_rewrites.ruleset import Phases, RuleSet
 
     backend = IreeBackend(target=t.llvm_cpu("avx2"), driver="local-sync", cache=CompileCache())
     perf = performance.for_target("llvm-cpu", "avx2")
-    unpadded = RuleSet(perf.without("attention_padded_to_tiles"), name="unpadded")
-    unpadded_rules = Phases(*(unpadded if s is perf else s for s in backend.rules.sets), name="unpadded")
+    unpadded_rules = backend.rules  # AVX2's own: the rule is on for no ISA (test_in_all_and_on_for_no_isa)
+    padded_rules = Phases(*(_with_padding(s) if s is perf else s for s in backend.rules.sets), name="padded")
     inputs = [
         _inputs(2, 197, 197, 0, heads=4, kv_heads=4, size=64),
         _inputs(3, 197, 197, 10, heads=4, kv_heads=4, size=64),
     ]
     ep = rt.export(Attention(), *inputs[0], dynamic_shapes=({0: BATCH},) * 3)
-    result = fx_rewrites.apply(ep, backend.rules)
+    result = fx_rewrites.apply(ep, padded_rules)
     rt.assert_fired(result, attention_padded_to_tiles)
     fn = backend.compile(result.program, inputs[0])
     before = fx_rewrites.apply(ep, unpadded_rules)
