@@ -63,6 +63,10 @@ class Attention:
     scale: float | None
     enable_gqa: bool
 
+    def scale_or_default(self) -> float:
+        """The scale given, else SDPA's own: 1 / sqrt(the query's head size), which must then be static."""
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(fake_value(self.query).shape[-1])
+
 
 def bind(node: Node) -> Attention:
     """The arguments of an `aten.scaled_dot_product_attention` node."""
@@ -306,6 +310,15 @@ def _writable(node: Node) -> Attention | Miss:
     return a
 
 
+def per_query_head(rw: Rewriter, q: Node, k: Node, v: Node) -> tuple[Node, Node]:
+    """`k` and `v` repeated to `q`'s heads where it has more (enable_gqa, `_repeat_heads`), else as they are."""
+    qv, kv = fake_value(q), fake_value(k)
+    if qv.dim() < 3 or qv.shape[-3] == kv.shape[-3]:
+        return k, v
+    times = qv.shape[-3] // kv.shape[-3]
+    return _repeat_heads(rw, k, times), _repeat_heads(rw, v, times)
+
+
 def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
     """enable_gqa: each key/value head serves `times` query heads (`repeat_interleave` on dim -3)."""
     shape = fake_value(kv).shape
@@ -328,12 +341,9 @@ def _repeat_heads(rw: Rewriter, kv: Node, times: int) -> Node:
     ),
 )
 def attention_as_matmul_softmax(node: Node, rw: Rewriter, *, found: Attention) -> Any:
-    q, k, v = found.query, found.key, found.value
-    qv, kv = fake_value(q), fake_value(k)
-    if qv.dim() >= 3 and qv.shape[-3] != kv.shape[-3]:
-        k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
-        v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
-    scale = found.scale if found.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
+    q, qv = found.query, fake_value(found.query)
+    k, v = per_query_head(rw, q, found.key, found.value)
+    scale = found.scale_or_default()
     # scaled after the matmul, as torch's CPU flash kernel: IREE fuses the scale into the softmax, where scaling the
     # query first is a dispatch of its own. An attention block in a model's layout, iree-benchmark-module, medians:
     # 4x4 heads x 500 tokens (Whisper) 34.4 -> 27.9 ms, 197 (ViT) 8.8 -> 7.3 ms, 128 (BERT) 1.50 -> 1.53 ms

@@ -20,7 +20,6 @@ block").
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, _repeat_heads, bind
+from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, bind, per_query_head
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -123,12 +122,9 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
 )
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:
     a = found.attention
-    q, k, v, mask = a.query, a.key, a.value, a.mask
-    qv, kv = fake_value(q), fake_value(k)
-    if qv.shape[-3] != kv.shape[-3]:
-        k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
-        v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
-    scale = a.scale if a.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
+    q, mask, qv = a.query, a.mask, fake_value(a.query)
+    k, v = per_query_head(rw, q, a.key, a.value)
+    scale = a.scale_or_default()
     rows = rw.size(q, -2)
     head = [rw.size(q, 0), rw.size(q, 1)]
     q = rw.call(aten.transpose.int, rw.call(aten.mul.Scalar, q, scale), -2, -1)  # [b, h, e, rows]

@@ -15,7 +15,6 @@ form, before -> after reading through: 8 heads over 4 of 64, 2049 keys 6.5 -> 2.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -109,7 +108,7 @@ def attention_one_query_as_grouped_sums(node: Node, rw: Rewriter, *, found: Atte
     qv, kv, vv = fake_value(a.query), fake_value(a.key), fake_value(a.value)
     heads, kv_heads, size, out_size = qv.shape[1], kv.shape[1], qv.shape[-1], vv.shape[-1]
     group = heads // kv_heads
-    scale = a.scale if a.scale is not None else 1.0 / math.sqrt(size)
+    scale = a.scale_or_default()
     batch = rw.size(a.query, 0)
     rows = rw.call(aten.reshape.default, a.query, [batch, kv_heads, group, 1, size])  # query head h = j * group + g
     rows = rw.call(aten.mul.Scalar, rows, scale)

@@ -16,14 +16,13 @@ softmax that follows is left to the later rules (`softmax_matmul_normalized_afte
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, _repeat_heads, _writable
+from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, _writable, per_query_head
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -90,14 +89,11 @@ def _pad_rows(rw: Rewriter, x: Node, to: int) -> Node:
 )
 def attention_padded_to_tiles(node: Node, rw: Rewriter, *, found: Padded) -> Any:
     a = found.attention
-    q, k, v = a.query, a.key, a.value
-    qv, kv = fake_value(q), fake_value(k)
-    if qv.dim() >= 3 and qv.shape[-3] != kv.shape[-3]:
-        k = _repeat_heads(rw, k, qv.shape[-3] // kv.shape[-3])
-        v = _repeat_heads(rw, v, qv.shape[-3] // kv.shape[-3])
-    rows, keys = qv.shape[-2], kv.shape[-2]
+    q, qv = a.query, fake_value(a.query)
+    k, v = per_query_head(rw, q, a.key, a.value)
+    rows, keys = qv.shape[-2], fake_value(k).shape[-2]
     q, k, v = _pad_rows(rw, q, found.rows), _pad_rows(rw, k, found.keys), _pad_rows(rw, v, found.keys)
-    scale = a.scale if a.scale is not None else 1.0 / math.sqrt(qv.shape[-1])
+    scale = a.scale_or_default()
     scores = rw.call(aten.mul.Scalar, rw.call(aten.matmul.default, q, rw.call(aten.transpose.int, k, -2, -1)), scale)
     if found.keys != keys:
         padded_key = rw.call(aten.ge.Scalar, rw.call(aten.arange.default, found.keys, device=qv.device), keys)
