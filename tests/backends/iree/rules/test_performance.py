@@ -281,9 +281,7 @@ def test_attention_by_head_groups_on_iree(is_causal):
     inputs = [_qkv(s, 2, 4, 255, 300, 64) for s in (0, 10)]
     result = fx_rewrites.apply(rt.export(Attention(is_causal), *inputs[0]), iree.rules)
     rt.assert_fired(result, attention_by_head_groups)
-    # each group written out: padded to AVX2's 8x8 tiles there (255 x 300 is not a multiple of 8), else as it is
-    written = result.report.rewrites
-    assert written.get("attention_as_matmul_softmax", 0) + written.get("attention_padded_to_tiles", 0) == 4, written
+    rt.assert_fired(result, "attention_as_matmul_softmax", times=4)
     fn = iree.compile(result.program, inputs[0])
     for args in inputs:
         torch.testing.assert_close(fn(*args), Attention(is_causal)(*args), rtol=1e-4, atol=1e-5)
