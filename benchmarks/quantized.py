@@ -245,10 +245,11 @@ c.main()
 
 def llama_repacks(choice: str) -> list[str]:
     """llama-bench's `--repack` values for `--llama-repack`: `auto` is 0 where the CPU reports AMX, else 1."""
+    from fx_rewrites.backends.iree.targets import cpu_flags
+
     if choice != "auto":
         return choice.split(",")
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return ["0" if "amx_tile" in flags else "1"]
+    return ["0" if "amx_tile" in cpu_flags() else "1"]
 
 
 def llama_cpp(
