@@ -322,13 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     """Compile times from an empty cache: the disk cache (on by default) is off while this runs (unless
     `--keep-cache`), and the environment is restored after it (a test that imports this module and calls `main` in
     its process keeps its own cache for the tests after it)."""
-    if "--keep-cache" in (sys.argv[1:] if argv is None else argv):
-        return _main(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.keep_cache:
+        return _main(parser, args, argv)
     with mock.patch.dict(os.environ, {"FX_REWRITES_IREE_CACHE": "off"}):
-        return _main(argv)
+        return _main(parser, args, argv)
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--mode", choices=("wall", "cpu1"), default="cpu1")
@@ -346,7 +348,10 @@ def _main(argv: list[str] | None) -> int:
     )
     cpu_isa.add_argument(parser)
     cpu_isa.add_without_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
     rc = cpu_isa.run_in_child(args.isa, __file__, argv)
     if rc is not None:
         return rc
