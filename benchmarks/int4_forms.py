@@ -31,6 +31,8 @@ by `iree-benchmark-module` (`local-sync`: one thread, median CPU time of the rep
   float32 or bfloat16; `int4_tiles4_scaled_one`: the same, the groups summed inside the matvec (x * w * s
   reduced over (G/t, group): no partials written back); `int4_tiles4_partials`: the symmetric form's first
   dispatch alone (the scaled partials its output, not summed). These read q as if its zero points were 0.
+- `int4_nibbles_*` (benchmarks/int4_nibbles.py): the same over two values a byte unpacked in the graph, the bytes a
+  mutable global.
 - `int4_tiles4_i4`: `int4_tiles4_symmetric` reading nibbles: its weight an IREE `i4` global (two values a byte, half
   the bytes), converted by `arith.sitofp` in the matvec (the module text rewritten after the import: `i4_weight`).
 
@@ -51,6 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int4_nibbles import NIBBLE_FORMS, i4_weight, mutable_weight
 
 FUSION = "--iree-dispatch-creation-enable-aggressive-fusion"
 BLOCK = 16
@@ -368,38 +371,8 @@ class Int4NibblesI4(Int4GroupTilesSymmetric):
     i4_buffer = "b"
 
 
-def i4_weight(mlir: str, weight: torch.Tensor) -> str:
-    """`mlir` with the float32 conversion of the int8 literal of `weight`'s shape replaced by the same values read
-    from an `i4` global (one hex byte a value in the text; IREE stores two a byte) converted by `arith.sitofp`.
-    The global is mutable: a constant (or an immutable global, inlined) would be folded with its conversion into
-    a float32 constant at compile time."""
-    shape = "x".join(map(str, weight.shape))
-    dims = ",".join(map(str, weight.shape))
-    literal = re.compile(rf"(%[\w]+) = torch\.vtensor\.literal\(dense_resource<[\w.]+> : tensor<{shape}xsi8>\)")
-    names = set(literal.findall(mlir))
-    convert = re.compile(r"^(\s*)(%[\w]+) = torch\.aten\.to\.dtype (%[\w]+), .*-> !torch\.vtensor<\[(.*)\],f32>(.*)$")
-    nibbles = (weight.flatten().to(torch.int16) & 15).to(torch.uint8).numpy().tobytes().hex().upper()
-    tensor = f"tensor<{shape}xi4>"
-    lines, done = [], 0
-    for line in mlir.splitlines():
-        found = convert.match(line)
-        if found and found.group(3) in names:
-            pad, out = found.group(1), found.group(2)
-            tmp, vtensor = f"%i4_{out[1:]}", f"!torch.vtensor<[{dims}],f32>"
-            lines += [
-                f"{pad}{tmp} = util.global.load @i4_weight : {tensor}",
-                f"{pad}{tmp}f = arith.sitofp {tmp} : {tensor} to tensor<{shape}xf32>",
-                f"{pad}{out} = torch_c.from_builtin_tensor {tmp}f : tensor<{shape}xf32> -> {vtensor}",
-            ]
-            done += 1
-            continue
-        if line.startswith("module {") and not done:
-            lines += [line, f'  util.global private mutable @i4_weight = dense<"0x{nibbles}"> : {tensor}']
-            continue
-        lines.append(line)
-    if not done:
-        raise ValueError(f"no float32 conversion of an int8 literal of shape {shape} in the module")
-    return "\n".join(lines)
+def _nibbles(form: type) -> object:
+    return lambda w, q, q8, s8, s, z, g: form(_blocks(q), _blocks(s), g, 4, BLOCK)
 
 
 class Int4PositionMajor(Int4UnpackedTwo):
@@ -444,6 +417,7 @@ FORMS = {
     "int4_tiles4_scaled_one": lambda w, q, q8, s8, s, z, g: Int4GroupTilesScaledOne(q, s, g, 4, torch.float32),
     "int4_position_major": lambda w, q, q8, s8, s, z, g: Int4PositionMajor(q, s, z, g),
     "int4_tiles4_i4": lambda w, q, q8, s8, s, z, g: Int4NibblesI4(q, s, g, 4, torch.float32),
+    **{name: _nibbles(form) for name, form in NIBBLE_FORMS.items()},
 }
 
 
@@ -520,7 +494,7 @@ def run(argv: list[str] | None = None) -> int:
         for name in args.forms.split(","):
             module = FORMS[name](w, q, q8, s8, s, z, args.group).eval()
             got = module(x)
-            want = ref0 if "symmetric" in name or "scaled_one" in name or "_i4" in name else ref
+            want = ref0 if any(tag in name for tag in ("symmetric", "scaled_one", "_i4", "nibbles", "i8_")) else ref
             product = name.startswith("int4") and not name.endswith("_partials")
             diff = (got.double() - want).abs().max().item() if product else float("nan")
             nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
@@ -530,6 +504,8 @@ def run(argv: list[str] | None = None) -> int:
                 weight = getattr(module, module.i4_buffer)
                 mlir = i4_weight(mlir, weight)
                 nbytes -= weight.numel() // 2  # two values a byte
+            if name in NIBBLE_FORMS:
+                mlir = mutable_weight(mlir, module.p)
             src, vmfb = Path(tmp, f"{name}.mlir"), Path(tmp, f"{name}.vmfb")
             src.write_text(mlir)
             cmd = ["iree-compile", "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
