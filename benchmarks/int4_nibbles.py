@@ -20,6 +20,10 @@ Integer products (llama.cpp's Q4_0 x Q8_0): `int4_i8_products` quantizes x per r
 int8 x int8 products in int32 over the byte form's layout; `int4_i8_batched` writes it as a batched matmul over the
 groups. Their values are not the float forms' (x rounded to 8 bits).
 
+The byte form's tile: `int4_symmetric_two` (its reduction split in two halves of the bytes) and
+`int4_symmetric_shifted` (an integer op in the body: `w << 24` against s * 2^-24) ask whether the eight-accumulator
+tile IREE gives the two-reduction nibble forms would come to the bytes; it does not (findings 4X).
+
 These forms are compiled with their bytes in a mutable `util.global` (`mutable_weight`); on the decode shapes the
 .vmfb holds the packed bytes (1.82 MB against the byte form's 3.26 on 2816 x 1024; 20.5 against 36.9 on 32000).
 """
@@ -294,3 +298,37 @@ def i4_weight(mlir: str, weight: torch.Tensor) -> str:
     if not done:
         raise ValueError(f"no float32 conversion of an int8 literal of shape {shape} in the module")
     return "\n".join(lines)
+
+
+class Int4BytesTwo(Int4Nibbles):
+    """Not nibbles: `int4_tiles4_symmetric`'s bytes with the group's reduction split in two (positions 0-15 and
+    16-31, each against its own half of the bytes), the partials added: the reduction of 16 that the two-reduction
+    nibble forms get eight accumulators for."""
+
+    def __init__(self, blocked: torch.Tensor, scale: torch.Tensor, group: int, tile: int, block: int) -> None:
+        super().__init__(blocked, scale, group, tile, block)
+        nb = blocked.shape[0]
+        self.p = blocked.view(nb, self.g // tile, tile, group, block).permute(0, 1, 3, 2, 4).contiguous()
+        self.s = scale.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xs, h = self._xs(x), self.group // 2
+        low = (xs[:, :, :, :h] * self.p[:, :, :h].to(torch.float32)).sum(3)
+        high = (xs[:, :, :, h:] * self.p[:, :, h:].to(torch.float32)).sum(3)
+        return self._finish(low + high)
+
+
+NIBBLE_FORMS["int4_symmetric_two"] = Int4BytesTwo
+
+
+class Int4BytesShifted(Int4BytesTwo):
+    """Not nibbles: `int4_tiles4_symmetric`'s bytes read as (w << 24) against s * 2^-24 (exact): an integer op in
+    the matvec's body, as the nibble forms have."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.bitwise_left_shift(self.p.to(torch.int32), torch.full((), 24, dtype=torch.int32))
+        partial = (self._xs(x) * wide.to(torch.float32)).sum(3)
+        return self._finish(partial * 2.0**-24)
+
+
+NIBBLE_FORMS["int4_symmetric_shifted"] = Int4BytesShifted
