@@ -22,7 +22,7 @@ groups. Their values are not the float forms' (x rounded to 8 bits).
 
 The byte form's tile: `int4_symmetric_two` (its reduction split in two halves of the bytes) and
 `int4_symmetric_shifted` (an integer op in the body: `w << 24` against s * 2^-24) ask whether the eight-accumulator
-tile IREE gives the two-reduction nibble forms would come to the bytes; it does not (findings 4X).
+tile IREE gives the two-reduction nibble forms would come to the bytes; it does not (findings 45).
 
 These forms are compiled with their bytes in a mutable `util.global` (`mutable_weight`); on the decode shapes the
 .vmfb holds the packed bytes (1.82 MB against the byte form's 3.26 on 2816 x 1024; 20.5 against 36.9 on 32000).
