@@ -44,7 +44,7 @@ FORMS = ("int4_tiles4_symmetric", "int4_nibbles_two", "int4_nibbles_axes", "int4
 @pytest.mark.slow  # four IREE compiles
 # 512 x 1024: a float32 copy of the unpacked weight grows it by 1.8 MB, past IREE's hoisting threshold; on a 64 x 128
 # weight IREE makes the never-stored global immutable and folds the unpacking into float32 constants at compile time
-def test_nibble_forms_keep_their_bytes_and_compute_what_torch_does(tmp_path):
+def test_nibble_forms_keep_their_bytes_and_compute_what_torch_does(tmp_path, monkeypatch):
     args = ["--n", "512", "--k", "1024", "--rows", "2", "--repetitions", "2", "--keep", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "int4_forms.py"), *args, "--forms", ",".join(FORMS)],
@@ -61,7 +61,7 @@ def test_nibble_forms_keep_their_bytes_and_compute_what_torch_does(tmp_path):
         assert diff < (0.1 if "i8" in form else 1e-5), rows[form]  # int8 x: other values than the float forms
     import int4_forms
 
-    int4_forms.BLOCK = 16
+    monkeypatch.setattr(int4_forms, "BLOCK", 16)  # the subprocess's default; put back after the test
     w, q, q8, s8, s, z = int4_forms.weights(512, 1024, 32)
     for form in ("int4_nibbles_two", "int4_nibbles_axes"):
         module = int4_forms.FORMS[form](w, q, q8, s8, s, z, 32)
