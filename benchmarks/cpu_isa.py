@@ -85,7 +85,7 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
-    (`performance.ALL`), adds that rule (`+pointwise_conv_as_matmul` on AVX2)."""
+    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2)."""
     parser.add_argument(
         "--also-without",
         default="",

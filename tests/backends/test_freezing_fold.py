@@ -32,7 +32,7 @@ class ConvBn(torch.nn.Module):
         self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = torch.nn.BatchNorm2d(8)
         # 3x3, not 1x1: a 1x1 convolution is a matmul by the time the graph is frozen on AVX-512
-        # (`pointwise_conv_as_matmul`), which this fold does not take
+        # and AVX2 (`pointwise_conv_as_matmul`), which this fold does not take
         self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
         self.bn2 = torch.nn.BatchNorm2d(8)
         self.conv3 = torch.nn.Conv2d(8, 8, 3, padding=1)

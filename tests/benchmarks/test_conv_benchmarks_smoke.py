@@ -120,19 +120,19 @@ def test_also_without_a_rule_plus_a_flag(modules):
 
 
 def test_also_without_plus_a_rule_adds_it(modules):
-    """`--also-without +pointwise_conv_as_matmul` on AVX2: the route with that performance rule of `performance.ALL`
+    """`--also-without +conv_as_im2col_matmul` on AVX2: the route with that performance rule of `performance.ALL`
     added after the ISA's own (which lacks it), the flags kept; `RULE+RULE2`: one rule less, the other added."""
     import cpu_isa
 
     backend = cpu_isa.backend("avx2")
     names = [rule.name for rule in backend.rules]
-    assert "pointwise_conv_as_matmul" not in names
-    route = cpu_isa.without(backend, "+pointwise_conv_as_matmul")["-+pointwise_conv_as_matmul"]
+    assert "conv_as_im2col_matmul" not in names
+    route = cpu_isa.without(backend, "+conv_as_im2col_matmul")["-+conv_as_im2col_matmul"]
     assert route.perf_flags == backend.perf_flags and route.cache is not backend.cache
-    assert [rule.name for rule in route.rules] == [*names, "pointwise_conv_as_matmul"]
-    spec = "depthwise_conv_as_taps+pointwise_conv_as_matmul"
+    assert [rule.name for rule in route.rules] == [*names, "conv_as_im2col_matmul"]
+    spec = "depthwise_conv_as_taps+conv_as_im2col_matmul"
     swapped = [rule.name for rule in cpu_isa.without(backend, spec)[f"-{spec}"].rules]
-    assert swapped == [*(n for n in names if n != "depthwise_conv_as_taps"), "pointwise_conv_as_matmul"]
+    assert swapped == [*(n for n in names if n != "depthwise_conv_as_taps"), "conv_as_im2col_matmul"]
 
 
 @pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is AVX-512's (targets.CPU_ISAS)")

@@ -2,7 +2,7 @@
 
 - `columns`: the im2col matrix of an NCHW input (taken channels last, padded), [N OH OW, kh kw C], from one
   strided window per kernel tap. Shared by `conv_as_im2col_matmul` (float) and `quantized_conv.py` (int8 `_int_mm`).
-- `pointwise_conv_as_matmul`: llvm-cpu, AVX-512. A 1x1 convolution, stride 1, over more than one position:
+- `pointwise_conv_as_matmul`: llvm-cpu, AVX-512 and AVX2. A 1x1 convolution, stride 1, over more than one position:
   the weight as [O, C] times the input as [N, C, H W], in place (no layout change).
 - `conv_as_im2col_matmul`: llvm-cpu, AVX-512. A 2-D convolution of one group whose shape IREE 3.13 runs
   faster as a matmul than as its direct convolution (`im2col_wins`: a 1x1 the rule above leaves, strided or
