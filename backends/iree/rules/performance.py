@@ -13,6 +13,9 @@ on every model it fires on (docs/performance.md has the table).
 - `attention_one_query_as_grouped_sums` (backends/iree/rules/attention_decode.py):
   llvm-cpu. One query row (a decode step) per key-value head as multiplies
   and sums over the cache in place: no repeat of the keys, no packing.
+- `mlp_rows_padded_to_tiles` (backends/iree/rules/mlp_tiles.py): llvm-cpu, for
+  AVX2. An MLP over static rows off the 8-row tiles (ViT's 4 x 197) with its
+  rows padded to them before the first linear, sliced after the second.
 - `attention_padded_to_tiles` (backends/iree/rules/attention_tiles.py): llvm-cpu,
   for AVX2, on for no ISA yet (1-2% on ViT and Whisper, inside the noise).
   Attention over a static length off the 8x8 tiles (ViT 197, Whisper 500)
@@ -32,8 +35,8 @@ on every model it fires on (docs/performance.md has the table).
 - `conv1d_as_matmul`: llvm-cpu. A 1-D convolution (Whisper's audio stem)
   is shifted row slices side by side and one matmul; IREE's 1-D convolution
   runs at 1 to 2 GFLOP/s.
-- im2col.py: llvm-cpu, AVX-512. 1x1 convolutions as a matmul over the
-  channels, wide kxk ones (256 channels or more, small maps) as im2col +
+- im2col.py: llvm-cpu. 1x1 convolutions as a matmul over the channels
+  (AVX-512 and AVX2), wide kxk ones (AVX-512) (256 channels or more, small maps) as im2col +
   matmul, the rest left to IREE's direct convolution: im2col per shape, in
   place of IREE's global im2col flag.
 - conv_performance.py: llvm-cpu. Strided 1x1, 3-D, depthwise and grouped
@@ -63,6 +66,7 @@ from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
 from fx_rewrites.backends.iree.rules.attention_tiles import attention_padded_to_tiles
+from fx_rewrites.backends.iree.rules.mlp_tiles import mlp_rows_padded_to_tiles
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -406,6 +410,7 @@ ALL = RuleSet(
         attention_as_matmul_softmax,
         softmax_matmul_normalized_after,
         softmax_as_exp_times_reciprocal,
+        mlp_rows_padded_to_tiles,
         patch_conv_as_matmul,
         conv1d_as_matmul,
         *conv.RULES,
