@@ -127,6 +127,9 @@ _AVX512_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_im2col_
 #: runs), EfficientNet-B0 0.94x, MobileNetV3-L 0.70x, ResNet-50 0.95x, runtime.py's resnet 0.98x
 #: (docs/performance.md, "Attention padded to AVX2's tiles" and the section after it)
 _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
+# `mlp_rows_padded_to_tiles` (rules/mlp_tiles.py, AVX2's 8-row tiles): ViT, the one runtime.py model it touches, 0.88x
+# of the route with it on real Zen 3, locked and unlocked (docs/performance.md, "Where ViT and the Whisper encoder lose
+# on AVX2"); not measured on AVX-512 (16-row tiles there)
 # `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
 # without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
 # 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")
@@ -145,7 +148,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         ("avx2", "fma"),
         "znver3",
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
-        (*_TRANSFORMER_RULES, *_AVX2_CONV_RULES),
+        (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES),
         target_features="-sse4a",
     ),
 }

@@ -43,6 +43,8 @@ MEASURED_CHOICES = {
     # AVX2's 8x8 tiles: attention over 197 / 500 tokens padded to them (real Zen 3, locked: ViT 1.01, Whisper encoder 1.02,
     # inside the noise; one head of 500: its dispatches 2.38 -> 1.83 ms): on for neither until a quiet run shows a gain
     "attention_padded_to_tiles": {"avx512": False, "avx2": False},
+    # an MLP over rows off AVX2's 8-row tiles padded to them: ViT 0.88x of the route on real Zen 3 (locked)
+    "mlp_rows_padded_to_tiles": {"avx512": False, "avx2": True},
 }
 
 
