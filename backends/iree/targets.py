@@ -110,7 +110,8 @@ _TRANSFORMER_RULES = (
     "softmax_as_exp_times_reciprocal",
 )
 #: `attention_padded_to_tiles` (rules/attention_tiles.py, for AVX2's 8x8 tiles) is in performance.ALL but on for no
-#: ISA: its locked model runs read 1-2% (ViT, the Whisper encoder), inside the noise (docs/performance.md)
+#: ISA: its locked model runs read 1-2% (ViT, the Whisper encoder) at load 11, and the Whisper encoder 1.17x slower
+#: with it on a quiet host (load 1.5) (docs/performance.md)
 _CONV_RULES = (
     "patch_conv_as_matmul",
     "conv1d_as_matmul",
