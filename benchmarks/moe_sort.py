@@ -39,6 +39,9 @@ set at that reset (what the calls add is the peak less it). Every route's tokens
 `--isa avx2`: the children run torch held to AVX2 and IREE compiled for the AVX2 target, as `benchmarks/cpu_isa.py`
 does it (znver3 without AMD's SSE4a, `cpu_isa.AVX2_ENV`; the child checks torch's capability), the way an AVX2
 machine runs both.
+`--allocator heap`: the children's IREE CPU device on IREE's default allocator with glibc's heap keeping freed
+blocks (`FX_REWRITES_IREE_ALLOCATOR=heap`, backends/iree/allocators.py: process-wide, so with `--interleave` eager's
+tensors come from that heap too) instead of the caching allocator, which keeps every transient size it has seen.
 `--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of the flattened
 ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt, ranks vs counting.
 """
@@ -345,6 +348,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--isa", choices=["host", "avx2"], default="host")
     parser.add_argument("--replace-rule", help="FILE:NAME, the rule the route `replaced` uses in place of NAME")
+    parser.add_argument(
+        "--allocator",
+        choices=["caching", "heap"],
+        default="caching",
+        help="the IREE CPU device's allocator (FX_REWRITES_IREE_ALLOCATOR in the children)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chunks and not args.child:
@@ -356,8 +365,8 @@ def main() -> None:
         return child(args)
     if args.micro:
         return micro(args)
-    print(f"# {_cpu()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
-    env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
+    print(f"# {_cpu()}, isa {args.isa}, allocator {args.allocator}, load {os.getloadavg()[0]:.2f}")
+    env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {}), "FX_REWRITES_IREE_ALLOCATOR": args.allocator}
     for experts in args.experts:
         for top in args.top:
             for routes in [args.routes] if args.interleave else [[route] for route in args.routes]:

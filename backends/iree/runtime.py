@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
+from fx_rewrites.backends.iree.allocators import cpu_allocators
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
 from fx_rewrites.backends.iree.calling import MISS, Invoker, fast_call, host_array, result_to_torch, to_torch
 from fx_rewrites.backends.iree.cpus import check
@@ -29,7 +30,8 @@ atexit.register(_DEVICES.clear)
 
 
 def get_device(rt: Any, uri: str) -> Any:
-    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator.
+    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator (or glibc's
+    heap: `$FX_REWRITES_IREE_ALLOCATOR`, `allocators`).
 
     With IREE's default allocator every call's transient buffers are new
     allocations, and each page of them faults in again on first touch: the
@@ -43,7 +45,7 @@ def get_device(rt: Any, uri: str) -> Any:
     device = _DEVICES.get(uri)
     if device is None:
         if uri.split(":", 1)[0] in ("local-sync", "local-task"):
-            device = rt.get_driver(uri).create_device_by_uri(uri, allocators=["caching"])
+            device = rt.get_driver(uri).create_device_by_uri(uri, allocators=cpu_allocators())
         else:
             device = rt.get_device(uri)
         _DEVICES[uri] = device
