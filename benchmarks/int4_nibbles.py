@@ -31,6 +31,7 @@ These forms are compiled with their bytes in a mutable `util.global` (`mutable_w
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -196,24 +197,39 @@ def mutable_weight(mlir: str, weight: torch.Tensor) -> str:
     )
     data = weight.contiguous().view(torch.uint8).numpy().tobytes().hex().upper()
     tensor = f"tensor<{shape}xi8>"
+
+    def load(line: str) -> list[str] | None:
+        found = literal.match(line)
+        if not found:
+            return None
+        pad, out = found.group(1), found.group(2)
+        tmp = f"%mw_{out[1:]}"
+        return [
+            f"{pad}{tmp} = util.global.load @packed_weight : {tensor}",
+            f"{pad}{out} = torch_c.from_builtin_tensor {tmp} : {tensor} -> !torch.vtensor<[{dims}],si8>",
+        ]
+
+    return _read_from_mutable_global(mlir, "packed_weight", tensor, data, load, f"no int8 literal of shape {shape}")
+
+
+def _read_from_mutable_global(
+    mlir: str, name: str, tensor: str, data: str, replace: Callable[[str], list[str] | None], missing: str
+) -> str:
+    """`mlir` with every line `replace` gives lines for swapped for them, and `util.global private mutable @name`
+    (`tensor`, bytes `data` in hex) declared at the module's start; ValueError naming `missing` where none was."""
     lines, done = [], 0
     for line in mlir.splitlines():
-        found = literal.match(line)
-        if found:
-            pad, out = found.group(1), found.group(2)
-            tmp = f"%mw_{out[1:]}"
-            lines += [
-                f"{pad}{tmp} = util.global.load @packed_weight : {tensor}",
-                f"{pad}{out} = torch_c.from_builtin_tensor {tmp} : {tensor} -> !torch.vtensor<[{dims}],si8>",
-            ]
+        new = replace(line)
+        if new is not None:
+            lines += new
             done += 1
             continue
         if line.startswith("module {") and not done:
-            lines += [line, f'  util.global private mutable @packed_weight = dense<"0x{data}"> : {tensor}']
+            lines += [line, f'  util.global private mutable @{name} = dense<"0x{data}"> : {tensor}']
             continue
         lines.append(line)
     if not done:
-        raise ValueError(f"no int8 literal of shape {shape} in the module")
+        raise ValueError(f"{missing} in the module")
     return "\n".join(lines)
 
 
@@ -278,26 +294,21 @@ def i4_weight(mlir: str, weight: torch.Tensor) -> str:
     convert = re.compile(r"^(\s*)(%[\w]+) = torch\.aten\.to\.dtype (%[\w]+), .*-> !torch\.vtensor<\[(.*)\],f32>(.*)$")
     nibbles = (weight.flatten().to(torch.int16) & 15).to(torch.uint8).numpy().tobytes().hex().upper()
     tensor = f"tensor<{shape}xi4>"
-    lines, done = [], 0
-    for line in mlir.splitlines():
+
+    def load(line: str) -> list[str] | None:
         found = convert.match(line)
-        if found and found.group(3) in names:
-            pad, out = found.group(1), found.group(2)
-            tmp, vtensor = f"%i4_{out[1:]}", f"!torch.vtensor<[{dims}],f32>"
-            lines += [
-                f"{pad}{tmp} = util.global.load @i4_weight : {tensor}",
-                f"{pad}{tmp}f = arith.sitofp {tmp} : {tensor} to tensor<{shape}xf32>",
-                f"{pad}{out} = torch_c.from_builtin_tensor {tmp}f : tensor<{shape}xf32> -> {vtensor}",
-            ]
-            done += 1
-            continue
-        if line.startswith("module {") and not done:
-            lines += [line, f'  util.global private mutable @i4_weight = dense<"0x{nibbles}"> : {tensor}']
-            continue
-        lines.append(line)
-    if not done:
-        raise ValueError(f"no float32 conversion of an int8 literal of shape {shape} in the module")
-    return "\n".join(lines)
+        if not (found and found.group(3) in names):
+            return None
+        pad, out = found.group(1), found.group(2)
+        tmp, vtensor = f"%i4_{out[1:]}", f"!torch.vtensor<[{dims}],f32>"
+        return [
+            f"{pad}{tmp} = util.global.load @i4_weight : {tensor}",
+            f"{pad}{tmp}f = arith.sitofp {tmp} : {tensor} to tensor<{shape}xf32>",
+            f"{pad}{out} = torch_c.from_builtin_tensor {tmp}f : tensor<{shape}xf32> -> {vtensor}",
+        ]
+
+    missing = f"no float32 conversion of an int8 literal of shape {shape}"
+    return _read_from_mutable_global(mlir, "i4_weight", tensor, nibbles, load, missing)
 
 
 class Int4BytesTwo(Int4Nibbles):
