@@ -22,6 +22,7 @@ import attrs
 import torch
 from torch.fx import Node
 
+from fx_rewrites import schema
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -50,9 +51,9 @@ class Mlp:
 
 
 def _linear_args(node: Node) -> tuple[Any, Any, Any]:
-    """`aten.linear`'s input, weight and bias (None where absent)."""
-    x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
-    return x, w, node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    """`aten.linear`'s input, weight and bias (None where absent), bound by its schema."""
+    named = schema.arguments(node)
+    return named["input"], named["weight"], named.get("bias")
 
 
 def _single_use(node: Node) -> bool:
