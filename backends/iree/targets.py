@@ -102,6 +102,7 @@ class CpuIsa:
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
 _TRANSFORMER_RULES = (
+    "index_by_arange_as_view",
     "attention_one_query_as_grouped_sums",
     "attention_by_head_groups",
     "attention_by_key_blocks",

@@ -10,6 +10,9 @@ on every model it fires on (docs/performance.md has the table).
   Its scores are scaled after `q @ k^T` and its softmax comes before `@ v`.
 - `attention_by_head_groups`: llvm-cpu. Attention whose scores exceed a
   core's cache is computed in groups of heads whose scores fit (Whisper).
+- `index_by_arange_as_view` (backends/iree/rules/arange_index.py): llvm-cpu.
+  A gather by an arange over a whole dim (transformers' padding mask over a
+  static cache) read as the dim itself: IREE's gather is an unvectorized loop.
 - `attention_one_query_as_grouped_sums` (backends/iree/rules/attention_decode.py):
   llvm-cpu. One query row (a decode step) per key-value head as multiplies
   and sums over the cache in place: no repeat of the keys, no packing.
@@ -62,6 +65,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.backends.iree.rules import im2col
+from fx_rewrites.backends.iree.rules.arange_index import index_by_arange_as_view
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
@@ -403,6 +407,7 @@ def conv1d_as_matmul(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
 #: every performance rule, by name (benchmarks/runtime.py measures each)
 ALL = RuleSet(
     [
+        index_by_arange_as_view,
         attention_one_query_as_grouped_sums,
         attention_by_head_groups,
         attention_by_key_blocks,
