@@ -53,6 +53,11 @@ def _is(value: Any, want: int) -> bool:
     return isinstance(value, (int, torch.SymInt)) and statically_known_true(value == want)
 
 
+def _one(size: Any) -> bool:
+    """A static size of 1 (a Dim-sized one its range makes 1 is not squeezed: IREE 3.13 cannot collapse a `?` dim)."""
+    return isinstance(size, int) and size == 1
+
+
 def _ones_but_one(shape: Any) -> int | None:
     """The one axis of `shape` not statically 1 (the last axis where every one is 1), None where two are not."""
     axes = [i for i, s in enumerate(shape) if not _is(s, 1)]
@@ -150,7 +155,7 @@ def _arange_indices(node: Node) -> ArangeIndices | Miss:
     for k, q in list(axes.items()):  # another index varying along the same axis: a diagonal, not a broadcast
         for other, v in zip(range(len(indices)), vals):
             at = q - (rank - v.dim()) if v is not None else -1
-            if other != k and v is not None and at >= 0 and not _is(v.shape[at], 1):
+            if other != k and v is not None and at >= 0 and not _one(v.shape[at]):
                 return Miss(f"position {other}'s index varies along axis {q}, the arange's of position {k}")
     return ArangeIndices(x, indices, axes, rank)
 
@@ -193,17 +198,20 @@ def index_by_arange_as_view(node: Node, rw: Rewriter, *, found: ArangeIndices) -
         final = [("r", d) for d in rest if d < positions[0]] + block + [("r", d) for d in rest if d > positions[0]]
     else:
         final = block + [("r", d) for d in rest]
-    return _expanded(rw, _arranged(rw, y, labels, final), node, found)
+    y = _arranged(rw, y, labels, final)
+    return y if isinstance(y, Miss) else _expanded(rw, y, node, found)
 
 
-def _arranged(rw: Rewriter, y: Node, labels: list[Any], final: list[Any]) -> Node:
+def _arranged(rw: Rewriter, y: Node, labels: list[Any], final: list[Any]) -> Node | Miss:
     """`y` (axes `labels`) with axes `final`: its axes of size 1 squeezed (those not in `final` among them), the others
     permuted where their order differs (not for transformers' mask: a view then, which IREE folds into the read), and
     `final`'s other axes unsqueezed."""
-    unit = [i for i, size in enumerate(fake_value(y).shape) if _is(size, 1)]
+    unit = [i for i, size in enumerate(fake_value(y).shape) if _one(size)]
+    left = [label for i, label in enumerate(labels) if i not in unit]
+    if any(label not in final for label in left):
+        return Miss(f"axes {[label for label in left if label not in final]} of a size other than 1 are not kept")
     if unit:
         y = rw.call(aten.squeeze.dims, y, unit)
-    left = [label for i, label in enumerate(labels) if i not in unit]
     order = [label for label in final if label in left]
     y = _permute(rw, y, [left.index(label) for label in order])
     for i, label in enumerate(final):

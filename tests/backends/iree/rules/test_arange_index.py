@@ -1,11 +1,12 @@
 """index_by_arange_as_view (backends/iree/rules/arange_index.py): a gather by an arange over a whole dim, as the dim.
 
 Real torch 2.13 exports: transformers' padding-mask form (`attention_mask.bool()[batch_idx, kv_idx]`, both aranges,
-static and with Dims on the keys and the rows), an arange next to a real gather (adjacent and not), an expanded
-arange, and the prefill of a tiny transformers Llama over a static cache (`compile_lm`'s export, batch 1 and 2, a Dim
-on the prompt): the graph after (no aten.index, or one over the other index alone), values equal eager and the
-program before on two input sets; declines, each with its reason (start, step, end, a diagonal); the default llvm-cpu
-routes list it; compile_lm's tokens through IREE equal model.generate's. (Its speed: benchmarks/causal_mask.py.)
+static and with Dims on the keys and the rows), an arange next to a real gather (adjacent and not), expanded and
+int32 aranges, and the prefill of a tiny transformers Llama and Gemma3 over a static cache (`compile_lm`'s export,
+batch 1 and 2, a Dim on the prompt): the graph after (no aten.index, or one over the other index alone), values
+equal eager and the program before on two input sets; declines, each with its reason (start, step, end, a flip, a
+diagonal, a Dim against a static arange); the llvm-cpu routes list it; through IREE, the mask with Dims equals
+eager's, and compile_lm's tokens equal model.generate's. (Its speed: benchmarks/causal_mask.py.)
 """
 
 from __future__ import annotations
@@ -181,40 +182,60 @@ def test_on_the_llvm_cpu_routes():
     assert RULE not in performance.for_target("cuda").names()
 
 
+def test_on_iree_with_dims():
+    """The default `iree` route on the padding-mask form with Dims on the rows and keys: the rule fires, no gather is
+    left, and IREE's mask equals eager's at two sizes of one compiled module."""
+    from fx_rewrites import backends
+
+    iree = backends.get("iree")
+    inputs = [_mask_inputs(2, 5, 12, 0), _mask_inputs(2, 30, 41, 1)]
+    shapes = ({0: Dim("rows", min=2, max=64)}, {1: Dim("keys", min=4, max=64)})
+    result = fx_rewrites.apply(rt.export(PadMask(), *inputs[0], dynamic_shapes=shapes), iree.rules)
+    rt.assert_fired(result, RULE, times=1)
+    rt.assert_ops(result, absent=[aten.index.Tensor])
+    fn = iree.compile(result.program, inputs[0])
+    for args in inputs:
+        assert torch.equal(fn(*args), PadMask()(*args))
+
+
 # -- a tiny transformers Llama's static-cache prefill ------------------------------------------------------------
 
 CACHE = 24
 
 
-def _llama():
+def _model(name: str = "llama"):
     from tests import lm_models
     from tests.zoo import torchvision_cpu
 
     torchvision_cpu.install()
-    model, _ = lm_models.build("llama")
+    model, _ = lm_models.build(name)
     return model
 
 
 def _prefill_inputs(batch: int, length: int, padded: int) -> tuple[torch.Tensor, ...]:
-    """A prompt of `length` over a cache of CACHE, its first `padded` positions padding."""
+    """A prompt of `length` over a cache of CACHE, left padded: row b's first `padded - b` positions are padding."""
     ids = torch.randint(1, 96, (batch, length), generator=torch.Generator().manual_seed(length))
     mask = torch.ones(batch, CACHE, dtype=torch.long)
-    mask[:, :padded] = 0
-    positions = (torch.arange(length) - padded).clamp(min=0).expand(batch, length).contiguous()
+    positions = torch.empty(batch, length, dtype=torch.long)
+    for b in range(batch):
+        pad = max(padded - b, 0)
+        mask[b, :pad] = 0
+        positions[b] = (torch.arange(length) - pad).clamp(min=0)
     return ids, mask, positions, torch.tensor([0])
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_llama_prefill_export(batch):
-    """compile_lm's prefill export (a Dim on the prompt): the mask's gather by batch_idx and kv_idx is gone, the
-    logits equal the program before the rule exactly and the eager model's wrapper within float32 error."""
+@pytest.mark.parametrize(("name", "batch", "masks"), [("llama", 1, 1), ("llama", 2, 1), ("gemma3", 2, 2)])
+def test_transformers_prefill_export(name, batch, masks):
+    """compile_lm's prefill export (a Dim on the prompt; Gemma3: a sliding-window mask and a full one): each mask's
+    gather by batch_idx and kv_idx is gone, the logits equal the program before the rule exactly and the eager
+    model's wrapper within float32 error, with and without left padding."""
     from fx_rewrites.app.lm.export import CachedLM, export_lm
 
-    model = _llama()
+    model = _model(name)
     program = export_lm(CachedLM(model, max_cache_len=CACHE, batch_size=batch))["prefill"]
-    assert len(_indices(program)) == 1  # the export has the gather
+    assert len(_indices(program)) == masks  # the export has the gathers
     result = rt.apply_rules(program, index_by_arange_as_view)
-    rt.assert_fired(result, RULE, times=1)
+    rt.assert_fired(result, RULE, times=masks)
     rt.assert_ops(result, absent=[aten.index.Tensor])
     for inputs in (_prefill_inputs(batch, 6, 0), _prefill_inputs(batch, 11, 3)):
         before, after = program.module()(*inputs), result.program.module()(*inputs)
@@ -229,7 +250,7 @@ def test_llama_compile_lm_generates_as_transformers_does():
     """The default `iree` route: the rule fires once in the prefill and the tokens equal model.generate's."""
     from tests import lm_models
 
-    model = _llama()
+    model = _model()
     lm = fx_rewrites.compile_lm(model, max_cache_len=48)
     assert lm.reports["prefill"].rewrites[RULE] == 1
     for length in (7, 13):
