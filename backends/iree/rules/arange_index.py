@@ -1,4 +1,4 @@
-"""A gather by an `arange` over a whole dimension, written as that dimension itself (a permute and unsqueezes).
+"""A gather by an `arange` over a whole dimension, written as that dimension itself (a view).
 
 transformers' mask builder (`sdpa_mask`'s padding function) reads `attention_mask[batch_idx, kv_idx]` with
 `kv_idx = arange(keys)` and `batch_idx = arange(batch)`, each unsqueezed to its axis of the [batch, heads, rows,
@@ -171,10 +171,10 @@ def _permute(rw: Rewriter, x: Node, order: list[int]) -> Node:
     doc=(
         "x[..., i, ...] where the index tensor i is arange(0, n, 1) over the whole size n of the dim it indexes "
         "(static or symbolic; unsqueezed, expanded, offset by 0), broadcast against the other indices: that dim is "
-        "moved to i's axis of the result (permute, unsqueeze, squeeze) and only the other index tensors are still "
-        "gathered. The same elements. IREE 3.13 compiles the gather as a tensor.extract in the loop, unvectorized: "
-        "transformers' padding mask attention_mask[batch_idx, kv_idx] in a static-cache prefill, 485 ms against "
-        "7.1 ms read as the dim on a real AVX2 core."
+        "moved to i's axis of the result (squeezes, unsqueezes, a permute where axes move) and only the other "
+        "index tensors are still gathered. The same elements. IREE 3.13 compiles the gather as a tensor.extract in "
+        "the loop, unvectorized: transformers' padding mask attention_mask[batch_idx, kv_idx] in a static-cache "
+        "prefill, 485 ms against 7.1 ms read as the dim on a real AVX2 core."
     ),
 )
 def index_by_arange_as_view(node: Node, rw: Rewriter, *, found: ArangeIndices) -> Miss | None:
@@ -210,8 +210,8 @@ def _arranged(rw: Rewriter, y: Node, labels: list[Any], final: list[Any]) -> Nod
     left = [label for i, label in enumerate(labels) if i not in unit]
     if any(label not in final for label in left):
         return Miss(f"axes {[label for label in left if label not in final]} of a size other than 1 are not kept")
-    if unit:
-        y = rw.call(aten.squeeze.dims, y, unit)
+    for i in reversed(unit):  # squeeze.dim one at a time: IREE 3.13 has no lowering of squeeze.dims (legality_data)
+        y = rw.call(aten.squeeze.dim, y, i)
     order = [label for label in final if label in left]
     y = _permute(rw, y, [left.index(label) for label in order])
     for i, label in enumerate(final):

@@ -236,7 +236,7 @@ def test_transformers_prefill_export(name, batch, masks):
     assert len(_indices(program)) == masks  # the export has the gathers
     result = rt.apply_rules(program, index_by_arange_as_view)
     rt.assert_fired(result, RULE, times=masks)
-    rt.assert_ops(result, absent=[aten.index.Tensor])
+    rt.assert_ops(result, absent=[aten.index.Tensor, aten.squeeze.dims])  # squeeze.dims: IREE 3.13 cannot lower it
     for inputs in (_prefill_inputs(batch, 6, 0), _prefill_inputs(batch, 11, 3)):
         before, after = program.module()(*inputs), result.program.module()(*inputs)
         assert torch.equal(after, before)
