@@ -1,0 +1,72 @@
+"""benchmarks/int4_dispatch.py: the int4 words round-trip every value, and the hand-written matvec dispatch spliced
+into torch-mlir's import compiles through IREE with its words kept and computes x @ (q * s).T within torch's own
+float32 error against float64."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from int4_dispatch import Int4Dispatch, compile_form, pack_scales, pack_words, run_vmfb, splice, unpack  # noqa: E402
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=generator)
+    s = torch.rand(n, k // 32, generator=generator) * 0.01 + 1e-3
+    return q, s
+
+
+@pytest.mark.parametrize("tile", [1, 4])
+def test_words_and_scales_unpack_to_the_weight(tile):
+    q, s = _weights(64, 256, 0)
+    q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)  # every value, at every position of a word
+    q[1, 8:24] = torch.arange(-8, 8, dtype=torch.int8)
+    words, scales = pack_words(q, tile), pack_scales(s, tile)
+    assert words.dtype == torch.int32 and words.numel() == 64 * 256 // 8  # eight values a word
+    want = (q.view(64, 8, 32).to(torch.float32) * s.unsqueeze(-1)).view(64, 256)
+    assert torch.equal(unpack(words, scales, 64, tile), want)
+
+
+def test_a_word_holds_eight_positions_of_one_channel_low_nibble_first():
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    q[3, 8:16] = torch.tensor([1, 2, 3, 4, 5, 6, 7, -8], dtype=torch.int8)  # channel 3, word w = 1 of group 0
+    words = pack_words(q, 1).view(1, 1, 4, 1, 8)  # [N/8, G, 4, tile, 8]
+    assert words[0, 0, 1, 0, 3].item() == 0x87654321 - 2**32
+    assert words.count_nonzero().item() == 1
+
+
+def test_splice_refuses_a_module_without_the_op():
+    with pytest.raises(ValueError, match=r"no fxr_bench\.int4_matvec"):
+        splice("module {\n}")
+
+
+@pytest.mark.slow  # two IREE compiles
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_dispatch_computes_the_grouped_matvec_and_keeps_its_words(tmp_path, rows):
+    from cpu_isa import backend
+
+    n, k = 256, 1024
+    q, s = _weights(n, k, 1)
+    module = Int4Dispatch(q, s, tile=4, per=3).eval()  # 8 tiles over 3 workgroups: the last one holds 2
+    iree = backend("host")
+    vmfb = tmp_path / "dispatch.vmfb"
+    compile_form(module, torch.zeros(rows, k), [*iree.flags, *iree.perf_flags], vmfb)
+    deq = (q.view(n, -1, 32).double() * s.double().unsqueeze(-1)).view(n, k)
+    for seed in (2, 3):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+        ref = x.double() @ deq.t()
+        torch_err = ((x @ deq.float().t()).double() - ref).abs().max().item()
+        got = run_vmfb(vmfb, x)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert (got.double() - ref).abs().max().item() <= torch_err
+        assert (module(x).double() - ref).abs().max().item() <= torch_err  # the eager op
+    data = vmfb.read_bytes()
+    assert module.words.numpy().tobytes() in data  # the int4 words as they are: half int8's bytes
+    assert unpack(module.words, module.scales, n, 4)[0, :64].numpy().tobytes() not in data
