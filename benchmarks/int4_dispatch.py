@@ -79,22 +79,26 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     """The body of the executable's function: workgroup `wg` computes tiles [wg per, min(wg per + per, N/8tile))
     of 8 * tile channels for every row."""
     nb, g, nw = n // (8 * tile), k // GROUP, n * k // 8
-    xt, wt, st, ot = f"memref<{rows * k}xf32>", f"memref<{nw}xi32>", f"memref<{n * g}xf32>", f"memref<{rows * n}xf32>"
+    wt, st = f"memref<{nw}xi32>", f"memref<{n * g}xf32>"
+    xt, ot = (f"memref<{rows * k}xf32>", f"memref<{rows * n}xf32>") if rows else ("memref<?xf32>", "memref<?xf32>")
+    xsize, osize, bound = ("", "", f"%c{rows}w") if rows else ("{%xsize}", "{%osize}", "%rows")
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
         "%zero = arith.constant dense<0.0> : vector<8xf32>",
         f"%mask = arith.constant dense<{TOP}> : vector<8xi32>",
         *(f"%sh{p} = arith.constant dense<{28 - 4 * p}> : vector<8xi32>" for p in range(7)),
-        f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}",
+        f"%xsize = arith.muli %rows, %c{k}w : index" if not rows else "",
+        f"%osize = arith.muli %rows, %c{n}w : index" if not rows else "",
+        f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}{xsize}",
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
         f"%sm = stream.binding.subspan %bs[%c0] : !stream.binding -> {st}",
-        f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}",
+        f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}{osize}",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         f"%b0 = arith.muli %wg, %c{per}w : index",
         f"%b1p = arith.addi %b0, %c{per}w : index",
         f"%b1 = arith.minui %b1p, %c{nb}w : index",
-        f"scf.for %r = %c0 to %c{rows}w step %c1 {{",
+        f"scf.for %r = %c0 to {bound} step %c1 {{",
         f"%xr = arith.muli %r, %c{k}w : index",
         f"%or = arith.muli %r, %c{n}w : index",
         "scf.for %b = %b0 to %b1 step %c1 {",
@@ -143,18 +147,21 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add("}")
     add("}")
     add("return")
-    text = "\n".join(lines)
+    text = "\n".join(line for line in lines if line)
     constants = sorted({int(c) for c in re.findall(r"%c(\d+)w\b", text)})
     return "\n".join([*(f"%c{c}w = arith.constant {c} : index" for c in constants), text])
 
 
 def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    return f"int4mv_{rows}x{k}x{n}_t{tile}_p{per}"
+    return f"int4mv_{rows or 'dyn'}x{k}x{n}_t{tile}_p{per}"
 
 
 def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    """A `stream.executable` whose export `@matvec` takes x [rows, K] f32, the words, the scales and writes
-    [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel tiles."""
+    """A `stream.executable` whose export `@matvec` takes x [rows, K] f32, the words, the scales (and, for rows 0:
+    dynamic, the row count) and writes [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel
+    tiles."""
+    dynamic = "" if rows else ", %rows: index"
+    bindings = ", ".join(f"%b{name}: !stream.binding" for name in "xwso")
     body = "\n".join("        " + line for line in _kernel(rows, n, k, tile, per).splitlines())
     return f"""  stream.executable private @{executable_name(rows, n, k, tile, per)} {{
     stream.executable.export public @matvec workgroups(%count: index) -> (index, index, index) {{
@@ -162,7 +169,7 @@ def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
       stream.return %count, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func @matvec(%bx: !stream.binding, %bw: !stream.binding, %bs: !stream.binding, %bo: !stream.binding) {{
+      func.func @matvec({bindings}{dynamic}) {{
 {body}
       }}
     }}
@@ -198,39 +205,46 @@ class Int4Dispatch(torch.nn.Module):
 
 _CALL = re.compile(
     r'^(\s*)(%[\w]+) = torch\.operator "torch\.fxr_bench\.int4_matvec"\((%[\w]+), (%[\w]+), (%[\w]+), (%[\w]+), '
-    r"(%[\w]+), (%[\w]+)\) : \((!torch\.vtensor<\[(\d+),(\d+)\],f32>), (!torch\.vtensor<\[(\d+)\],si32>), "
-    r"(!torch\.vtensor<\[(\d+)\],f32>), [^)]*\) -> (!torch\.vtensor<\[\d+,\d+\],f32>)"
+    r"(%[\w]+), (%[\w]+)\) : \((!torch\.vtensor<\[(\d+|\?),(\d+)\],f32>), (!torch\.vtensor<\[(\d+)\],si32>), "
+    r"(!torch\.vtensor<\[(\d+)\],f32>), [^)]*\) -> (!torch\.vtensor<\[(?:\d+|\?),\d+\],f32>)"
 )
 
 
 def splice(mlir: str) -> str:
     """`mlir` (torch-mlir's import) with every `fxr_bench.int4_matvec` call replaced by a `flow.dispatch` of its
-    executable (declared once at the module's start); ValueError where there is none or an operand is dynamic."""
+    executable (declared once at the module's start; a dynamic row count is passed to it as an operand);
+    ValueError where there is none, or one this form does not match."""
     ints = dict(re.findall(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", mlir, re.M))
     out, executables = [], {}
     for line in mlir.splitlines():
         found = _CALL.match(line)
         if not found:
             if "torch.fxr_bench.int4_matvec" in line:
-                raise ValueError(f"an int4_matvec call with dynamic shapes (not supported): {line.strip()[:200]}")
+                raise ValueError(f"an int4_matvec call of an unknown form: {line.strip()[:200]}")
             out.append(line)
             continue
         pad, res, x, w, s, *consts = found.groups()[:8]
         xtype, rows, k, wtype, nw, stype, ns, otype = found.groups()[8:]
         n, tile, per = (int(ints[c]) for c in consts)
-        rows, k = int(rows), int(k)
+        rows, k = (0 if rows == "?" else int(rows)), int(k)
         name = executable_name(rows, n, k, tile, per)
         executables[name] = executable(rows, n, k, tile, per)
         count = -(-n // (8 * tile) // per)
-        v = f"fxr{res[1:]}"
+        v, r = f"fxr{res[1:]}", str(rows or "?")
         out += [
-            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {xtype} -> tensor<{rows}x{k}xf32>",
+            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {xtype} -> tensor<{r}x{k}xf32>",
             f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {wtype} -> tensor<{nw}xi32>",
             f"{pad}%{v}_s = torch_c.to_builtin_tensor {s} : {stype} -> tensor<{ns}xf32>",
             f"{pad}%{v}_n = arith.constant {count} : index",
-            f"{pad}%{v}_d = flow.dispatch @{name}::@matvec[%{v}_n](%{v}_x, %{v}_w, %{v}_s) : (tensor<{rows}x{k}xf32>, "
-            f"tensor<{nw}xi32>, tensor<{ns}xf32>) -> tensor<{rows}x{n}xf32>",
-            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{rows}x{n}xf32> -> {otype}",
+        ]
+        operands, types, dims = f"%{v}_x, %{v}_w, %{v}_s", f"tensor<{r}x{k}xf32>", ""
+        if not rows:
+            out += [f"{pad}%{v}_0 = arith.constant 0 : index", f"{pad}%{v}_r = tensor.dim %{v}_x, %{v}_0 : {types}"]
+            operands, types, dims = f"{operands}, %{v}_r", f"{types}{{%{v}_r}}", f"{{%{v}_r}}"
+        out += [
+            f"{pad}%{v}_d = flow.dispatch @{name}::@matvec[%{v}_n]({operands}) : ({types}, tensor<{nw}xi32>, "
+            f"tensor<{ns}xf32>{', index' if not rows else ''}) -> tensor<{r}x{n}xf32>{dims}",
+            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{r}x{n}xf32> -> {otype}",
         ]
     if not executables:
         raise ValueError("no fxr_bench.int4_matvec call in the module")
@@ -242,11 +256,15 @@ MEDIAN = re.compile(r"process_time/real_time_median\s+[\d.]+ (\w+)\s+([\d.]+) (\
 UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def compile_form(module: torch.nn.Module, x: torch.Tensor, flags: list[str], vmfb: Path) -> None:
-    """Export `module` at `x`, import it as the backend does, splice any int4_matvec call, compile to `vmfb`."""
+def compile_form(
+    module: torch.nn.Module, x: torch.Tensor, flags: list[str], vmfb: Path, rows_dim: bool = False
+) -> None:
+    """Export `module` at `x` (its rows a `Dim` where `rows_dim`), import it as the backend does, splice any
+    int4_matvec call, compile to `vmfb`."""
     from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
 
-    program = torch.export.export(module, (x,))
+    dynamic = ({0: torch.export.Dim("rows", max=4096)},) if rows_dim else None
+    program = torch.export.export(module, (x,), dynamic_shapes=dynamic)
     mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
     if "torch.fxr_bench.int4_matvec" in mlir:
         mlir = splice(mlir)
@@ -311,6 +329,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--keep", default="", help="a folder to keep the .mlir and .vmfb files in")
     parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"))
+    parser.add_argument("--reuse", action="store_true", help="time the .vmfb files --keep holds, not recompiled")
     args = parser.parse_args(argv)
     iree = backend(args.isa)
     flags = [*iree.flags, *iree.perf_flags, "--iree-dispatch-creation-enable-aggressive-fusion"]
@@ -333,7 +352,8 @@ def run(argv: list[str] | None = None) -> int:
             vmfbs, errs = {}, {}
             for name, module in modules.items():
                 vmfb = tmp / f"{name}_{n}.vmfb"
-                compile_form(module, x, flags, vmfb)
+                if not (args.reuse and vmfb.exists()):
+                    compile_form(module, x, flags, vmfb)
                 vmfbs[name] = vmfb
                 got = run_vmfb(vmfb, x).double()
                 errs[name] = (got - ref).abs().max().item() if name != "int8_blocked" and name != "f32" else None
@@ -344,9 +364,9 @@ def run(argv: list[str] | None = None) -> int:
             base = statistics.median(times.get("int4_tiles4_symmetric") or [float("nan")])
             for name, module in modules.items():
                 nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
-                ms = statistics.median(times[name])
+                ms = statistics.median(times[name] or [float("nan")])
                 err = f"{errs[name]:.2e}" if errs[name] is not None else "- (other weights)"
-                spread = f"{min(times[name]):.3f}-{max(times[name]):.3f}"
+                spread = f"{min(times[name]):.3f}-{max(times[name]):.3f}" if times[name] else "-"
                 print(
                     f"| {name} | {nbytes / 1e6:.2f} MB | {err} | {ms:.3f} | {spread} | {base / ms:.2f}x |", flush=True
                 )

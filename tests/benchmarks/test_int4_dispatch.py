@@ -47,9 +47,9 @@ def test_splice_refuses_a_module_without_the_op():
         splice("module {\n}")
 
 
-@pytest.mark.slow  # two IREE compiles
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_dispatch_computes_the_grouped_matvec_and_keeps_its_words(tmp_path, rows):
+@pytest.mark.slow  # three IREE compiles
+@pytest.mark.parametrize(("rows", "rows_dim"), [(1, False), (3, False), (3, True)])
+def test_the_dispatch_computes_the_grouped_matvec_and_keeps_its_words(tmp_path, rows, rows_dim):
     from cpu_isa import backend
 
     n, k = 256, 1024
@@ -57,14 +57,16 @@ def test_the_dispatch_computes_the_grouped_matvec_and_keeps_its_words(tmp_path, 
     module = Int4Dispatch(q, s, tile=4, per=3).eval()  # 8 tiles over 3 workgroups: the last one holds 2
     iree = backend("host")
     vmfb = tmp_path / "dispatch.vmfb"
-    compile_form(module, torch.zeros(rows, k), [*iree.flags, *iree.perf_flags], vmfb)
+    compile_form(module, torch.zeros(rows, k), [*iree.flags, *iree.perf_flags], vmfb, rows_dim)
+    if rows_dim:
+        assert "tensor.dim" in vmfb.with_suffix(".mlir").read_text()  # the row count passed to the dispatch
     deq = (q.view(n, -1, 32).double() * s.double().unsqueeze(-1)).view(n, k)
-    for seed in (2, 3):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    for seed, count in ((2, rows), (3, 5 if rows_dim else rows)):  # with a Dim: another row count too
+        x = torch.randn(count, k, generator=torch.Generator().manual_seed(seed))
         ref = x.double() @ deq.t()
         torch_err = ((x @ deq.float().t()).double() - ref).abs().max().item()
         got = run_vmfb(vmfb, x)
-        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert got.shape == (count, n) and got.dtype == torch.float32
         assert (got.double() - ref).abs().max().item() <= torch_err
         assert (module(x).double() - ref).abs().max().item() <= torch_err  # the eager op
     data = vmfb.read_bytes()
