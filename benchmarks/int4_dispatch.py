@@ -22,7 +22,7 @@ on the module text).
 Timed against `benchmarks/int4_forms.py`'s forms on the same weights (`int4_tiles4_symmetric`: the rule's int4 form,
 one value a byte; `int8_blocked`: int8 per channel; `f32`), compiled with the backend's flags, each run by
 `iree-benchmark-module` (local-sync: one thread; the median CPU time of its repetitions), the forms interleaved in
-rounds.
+rounds, with torch's eager float32 `linear` (one thread, CPU time) in each round.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,20 @@ def forms(
     return {name: m.eval() for name, m in out.items()}, (q, s)
 
 
+def eager_ms(module: torch.nn.Module, x: torch.Tensor, repetitions: int, calls: int = 20) -> float:
+    """torch's median CPU time of a call of `module` (one thread), over `repetitions` batches of `calls`."""
+    torch.set_num_threads(1)
+    samples = []
+    with torch.no_grad():
+        module(x)
+        for _ in range(repetitions):
+            start = time.process_time()
+            for _ in range(calls):
+                module(x)
+            samples.append((time.process_time() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
 def run(argv: list[str] | None = None) -> int:
     from cpu_isa import backend, cpu_model
 
@@ -357,11 +372,16 @@ def run(argv: list[str] | None = None) -> int:
                 vmfbs[name] = vmfb
                 got = run_vmfb(vmfb, x).double()
                 errs[name] = (got - ref).abs().max().item() if name != "int8_blocked" and name != "f32" else None
-            times: dict[str, list[float]] = {name: [] for name in modules}
+            times: dict[str, list[float]] = {name: [] for name in [*modules, "f32 (torch eager)"]}
             for _ in range(args.rounds):
                 for name, vmfb in vmfbs.items():
                     times[name].append(cpu_ms(vmfb, args.rows, args.k, args.repetitions))
+                if "f32" in modules:
+                    times["f32 (torch eager)"].append(eager_ms(modules["f32"], x, args.repetitions))
             base = statistics.median(times.get("int4_tiles4_symmetric") or [float("nan")])
+            if "f32" in modules:
+                modules["f32 (torch eager)"] = modules["f32"]
+                errs["f32 (torch eager)"] = None
             for name, module in modules.items():
                 nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
                 ms = statistics.median(times[name] or [float("nan")])
