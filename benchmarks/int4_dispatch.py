@@ -17,7 +17,7 @@ its body as it is, with no tiling or vectorization of its own, and links it like
 through a `torch.library` custom op (`fxr_bench::int4_matvec`, eager: the same values unpacked by torch): torch.export
 keeps it as one node, torch-mlir imports it as `torch.operator "torch.fxr_bench.int4_matvec"`, and `splice` replaces
 that line with a `flow.dispatch` of the executable between `torch_c` conversions (the step a backend rule would run
-on the module text).
+on the module text). The row count may be static or a `Dim` (then an index operand of the dispatch).
 
 Timed against `benchmarks/int4_forms.py`'s forms on the same weights (`int4_tiles4_symmetric`: the rule's int4 form,
 one value a byte; `int8_blocked`: int8 per channel; `f32`), compiled with the backend's flags, each run by
@@ -196,6 +196,8 @@ class Int4Dispatch(torch.nn.Module):
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, tile: int = 4, per: int = 8) -> None:
         super().__init__()
+        if q.shape[0] % (8 * tile) or q.shape[1] % GROUP:
+            raise ValueError(f"a weight {tuple(q.shape)}: N a multiple of {8 * tile}, K of {GROUP} (not padded)")
         self.n, self.tile, self.per = q.shape[0], tile, per
         self.register_buffer("words", pack_words(q, tile))
         self.register_buffer("scales", pack_scales(s, tile))

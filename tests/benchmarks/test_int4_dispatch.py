@@ -42,6 +42,12 @@ def test_a_word_holds_eight_positions_of_one_channel_low_nibble_first():
     assert words.count_nonzero().item() == 1
 
 
+def test_a_weight_off_the_tile_is_refused():
+    q, s = _weights(48, 256, 0)
+    with pytest.raises(ValueError, match="N a multiple of 32"):
+        Int4Dispatch(q, s, tile=4)
+
+
 def test_splice_refuses_a_module_without_the_op():
     with pytest.raises(ValueError, match=r"no fxr_bench\.int4_matvec"):
         splice("module {\n}")
