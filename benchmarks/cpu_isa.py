@@ -138,8 +138,12 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
 
 
 def _any_isa_flag(part: str) -> str:
-    """The one performance flag of any ISA's table (`targets.CPU_ISAS`) containing `part`."""
+    """The one performance flag of any ISA's table (`targets.CPU_ISAS`) containing `part`; `part` itself where it is
+    a whole flag (`--iree-...`)."""
     from fx_rewrites.backends.iree.targets import CPU_ISAS
+
+    if part.startswith("--iree-"):
+        return part
 
     found = sorted({f for isa in CPU_ISAS.values() for f in isa.perf_flags if part in f})
     if len(found) != 1:

@@ -135,6 +135,20 @@ def test_also_without_plus_a_rule_adds_it(modules):
     assert swapped == [*(n for n in names if n != "depthwise_conv_as_taps"), "conv_as_im2col_matmul"]
 
 
+def test_also_without_plus_a_whole_flag_adds_it(modules):
+    """`--also-without +--iree-llvmcpu-matmul-tile-bytes=524288`: the route, its rules kept, plus that iree-compile
+    flag as written (no ISA's table holds it); a flag not starting `--iree-` is still looked up in the tables."""
+    import cpu_isa
+
+    backend = cpu_isa.backend("avx2")
+    spec = "+--iree-llvmcpu-matmul-tile-bytes=524288"
+    route = cpu_isa.without(backend, spec)[f"-{spec}"]
+    assert route.perf_flags == (*backend.perf_flags, "--iree-llvmcpu-matmul-tile-bytes=524288")
+    assert [rule.name for rule in route.rules] == [rule.name for rule in backend.rules]
+    with pytest.raises(SystemExit, match="0 performance flags contain 'llvmcpu-matmul-tile-bytes=524288'"):
+        cpu_isa.without(backend, "+llvmcpu-matmul-tile-bytes=524288")
+
+
 @pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is AVX-512's (targets.CPU_ISAS)")
 def test_conv_classes_shapes_names_the_im2col_rule(modules, capfd):
     """`--shapes`: ResNet-50's convolutions one by one; a 3x3 over 512 channels on 7x7 takes the rule on AVX-512,
