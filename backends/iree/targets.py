@@ -75,7 +75,9 @@ _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: within 2% (resnet 1.39 -> 1.42, ViT 0.76 -> 0.75) and ResNet-50 read slower: not taken there. A locked run on
 #: AVX-512 (load 5-8): text models 7-19% faster, MobileNetV2 6%, ResNet-50 level, ViT and resnet +3-6% (level over
 #: the two runs)
-#: (docs/performance.md, "Forms and flags per ISA")
+#: (docs/performance.md, "Forms and flags per ISA"). On AVX2 a float32 `mmt4d` compiles to the same instructions with
+#: or without it (the 8x8x1 tile, its bitcode inlined; real Zen 3, docs/iree-3.13-findings.md "The float32 matmul on a
+#: real AVX2 CPU"): nothing to gain there
 _MMT4D_UKERNEL = "--iree-llvmcpu-enable-ukernels=mmt4d"
 
 
