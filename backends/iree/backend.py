@@ -28,6 +28,7 @@ from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeUnsupportedError, compile_error
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.int4_dispatch import spliced
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.parameters import (
     INLINE_ENV,
@@ -413,6 +414,7 @@ class IreeBackend:
     ) -> bytes:
         """`run_iree_compile` with this backend's target and limit; its failure named by `gm`'s nodes."""
         flags = (*flags, *extra_flags(mlir))  # re-laid quantized weights: the fusion that reads them
+        mlir = spliced(mlir)  # our own dispatches (int4_dispatch: the int4 words' matvec) in place of their ops
         try:
             return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s, between=between)
         except IreeCompilerFailed as e:

@@ -45,14 +45,24 @@ MEASURED_OUTSIDE_CORPUS: dict[str, str] = {
 }
 
 
+#: custom ops torch-mlir imports as `torch.operator` that the backend splices into its own dispatch before
+#: iree-compile (`IreeBackend._run_compiler`): legal, though not in torch-mlir's dialect
+SPLICED: dict[str, str] = {
+    "fx_rewrites.int4_matvec.default": "spliced by the backend as a hand-written int4 dispatch (int4_dispatch.py)",
+}
+
+
 def illegal_ops() -> list[str]:
     """Ops IREE cannot lower: measured failing in every form met (in the corpus or by hand), or not in
     torch-mlir's dialect; and the ops it computes wrong in some forms (`WRONG_IN_SOME_FORMS`)."""
-    return sorted({*legality_data.ILLEGAL, *legality_data.OPAQUE, *MEASURED_OUTSIDE_CORPUS, *WRONG_IN_SOME_FORMS})
+    ops = {*legality_data.ILLEGAL, *legality_data.OPAQUE, *MEASURED_OUTSIDE_CORPUS, *WRONG_IN_SOME_FORMS}
+    return sorted(ops - set(SPLICED))
 
 
 def why(op: str) -> str:
     """What was measured for `op` ("aten.xlogy.Tensor"), "" when nothing was."""
+    if op in SPLICED:
+        return SPLICED[op]
     if op in WRONG_IN_SOME_FORMS:
         return WRONG_IN_SOME_FORMS[op]
     if op in legality_data.ILLEGAL:

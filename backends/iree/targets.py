@@ -92,6 +92,8 @@ class CpuIsa:
     - `perf_flags`: its `IreeTarget.perf_flags`.
     - `perf_rules`: the names of the performance rules (`rules/performance.py`) on for it, in phase order.
     - `target_features`: `--iree-llvmcpu-target-cpu-features` with `target_cpu` ("" for none).
+    - `first_rules`: the names of first-phase rules on for it (`rules.FIRST_BY_ISA`: they must see the graph before
+      the ISA-neutral rules of that phase rewrite it).
     """
 
     name: str
@@ -100,6 +102,7 @@ class CpuIsa:
     perf_flags: tuple[str, ...]
     perf_rules: tuple[str, ...]
     target_features: str = ""
+    first_rules: tuple[str, ...] = ()
 
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
@@ -140,6 +143,12 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
 # `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
 # without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
 # 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")
+# `int4_decode_as_dispatch_for_iree` (rules/int4_decode.py): torchao's int4 g32 linears of a decode step through the
+# hand-written int4 dispatch (int4_dispatch.py), 1.8-2.4x the byte form on real Zen 3 (docs/iree-3.13-findings.md
+# section 49). AVX2 only: its kernel is written for 8-lane ymm vectors (a tile of 4 x 8 channels, 4 accumulators and
+# 4 totals in 8 of the 16 ymm registers); AVX-512's 16 lanes would want another tile and masks, not written, and
+# AVX-512 cannot be timed on the host it was measured on (no avx512 units), so AVX-512 keeps the byte form
+_AVX2_FIRST_RULES = ("int4_decode_as_dispatch_for_iree",)
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
@@ -157,6 +166,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
         (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES),
         target_features="-sse4a",
+        first_rules=_AVX2_FIRST_RULES,
     ),
 }
 

@@ -49,7 +49,7 @@ def test_a_weight_off_the_tile_is_refused():
 
 
 def test_splice_refuses_a_module_without_the_op():
-    with pytest.raises(ValueError, match=r"no fxr_bench\.int4_matvec"):
+    with pytest.raises(ValueError, match=r"no fx_rewrites\.int4_matvec"):
         splice("module {\n}")
 
 

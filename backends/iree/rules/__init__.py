@@ -16,12 +16,14 @@ Rule names keep their `_for_iree` suffix: they are what `explain --rule` and rep
 
 from __future__ import annotations
 
-from fx_rewrites.backends.iree.rules import legalize, ops, performance, quantized_conv, quantized_matmul
+from fx_rewrites.backends.iree.rules import int4_decode, legalize, ops, performance, quantized_conv, quantized_matmul
 from fx_rewrites.rules import DEFAULT
 from fx_rewrites.ruleset import Phases, RuleSet
 
 #: IREE's own first-phase rules, unioned with DEFAULT
 OWN: RuleSet = ops.RULES | quantized_matmul.RULES | quantized_conv.RULES
+#: first-phase rules on per vector ISA (`targets.CpuIsa.first_rules`), before OWN's rules of the same roots
+FIRST_BY_ISA: RuleSet = int4_decode.RULES
 #: the second phase: decompose what IREE cannot lower, guard what it computes wrong
 LEGALIZE: RuleSet = legalize.LEGALIZE
 
@@ -37,7 +39,15 @@ def phases(target: str = "llvm-cpu", isa: str | None = None) -> Phases:
     perf = performance.for_target(target, isa)
     own = [perf] if len(perf) else []
     name = "iree" if target == "llvm-cpu" else f"iree-{target}"
-    return Phases(DEFAULT | OWN, LEGALIZE, *own, name=name)
+    return Phases(DEFAULT | OWN | _first_for(target, isa), LEGALIZE, *own, name=name)
 
 
-__all__ = ["LEGALIZE", "OWN", "phases"]
+def _first_for(target: str, isa: str) -> RuleSet:
+    """The first-phase rules on for llvm-cpu's vector ISA `isa` (`targets.CpuIsa.first_rules`)."""
+    from fx_rewrites.backends.iree.targets import CPU_ISAS
+
+    names = CPU_ISAS[isa].first_rules if target == "llvm-cpu" and isa in CPU_ISAS else ()
+    return RuleSet([FIRST_BY_ISA[name] for name in names], name=f"iree-{isa or 'generic'}-first")
+
+
+__all__ = ["FIRST_BY_ISA", "LEGALIZE", "OWN", "phases"]

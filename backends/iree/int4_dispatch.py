@@ -1,0 +1,232 @@
+"""The hand-written int4 g32 matvec dispatch for IREE 3.13 (issue 33; docs/iree-3.13-findings.md section 49).
+
+The weight's int4 values are stored eight to an int32 word, two a byte (half int8's bytes): for a block of
+8 * `tile` output channels and a group of 32 positions, word (w, t, c) holds channel 8t + c's values at positions
+8w .. 8w + 7 of the group, value p in bits 4p .. 4p + 3 ([N / (8 tile), G, 4, tile, 8] int32). The kernel runs
+along the output channels, one ymm lane a channel: value p of a word is `(word << (28 - 4p)) & 0xF0000000` (q * 2^28,
+exact), converted by `sitofp` and multiplied into `tile` group accumulators by x[32g + 8w + p] broadcast; each
+group's sum is then multiplied by its scales (s * 2^-28, exact) into `tile` running totals. It is MLIR we write (scf
+loops, vector and arith ops over the bindings' memrefs) in a `stream.executable`, compiled by IREE as written.
+
+It enters a graph as the custom op `fx_rewrites::int4_matvec(x, words, scales, n, tile, per)` (eager: the words
+unpacked by torch; fake: the result's shape), which torch-mlir imports as `torch.operator
+"torch.fx_rewrites.int4_matvec"`; `splice` (run by `IreeBackend` on the module text) replaces each such line by a
+`flow.dispatch` of its executable between `torch_c` conversions. The rule writing it is
+`rules/int4_decode.py`; the words and scales are packed when the module is built (`int4_fold.py`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+GROUP = 32
+#: the top nibble of an int32 (0xF0000000 as a signed value)
+TOP = -(1 << 28)
+UNIT = 2.0**-28
+OP = "fx_rewrites::int4_matvec"
+#: how the op is named in torch-mlir's import
+MARK = "torch.fx_rewrites.int4_matvec"
+
+
+def pack_words(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """int4 values q [N, K] (int8 in [-8, 7]) as int32 words [N / (8 tile), G, 4, tile, 8] (flattened): word
+    (b, g, w, t, c) holds q[8 (b tile + t) + c, 32 g + 8 w + p] in bits 4p .. 4p + 3."""
+    n, k = q.shape
+    nb, g = n // (8 * tile), k // GROUP
+    nib = (q.to(torch.int64) & 15).view(nb, tile, 8, g, 4, 8)  # n = (b, t, c), k = (g, w, p)
+    word = (nib << (4 * torch.arange(8))).sum(-1)  # disjoint bits: the sum is the or
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.permute(0, 3, 4, 1, 2).contiguous().flatten()
+
+
+def pack_scales(s: torch.Tensor, tile: int) -> torch.Tensor:
+    """Scales s [N, G] times 2^-28 (exact) as [N / (8 tile), G, tile, 8] (flattened)."""
+    n, g = s.shape
+    return (s.to(torch.float32) * UNIT).view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
+
+
+def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, tile: int) -> torch.Tensor:
+    """The float32 weight [N, K] (q * s) that `pack_words(q, tile)` and `pack_scales(s, tile)` hold."""
+    k = words.numel() * 8 // n
+    nb, g = n // (8 * tile), k // GROUP
+    nib = ((words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> (4 * torch.arange(8))) & 15
+    q = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)  # [N K / 8, 8]
+    values = q.view(nb, g, 4, tile, 8, 8).permute(0, 3, 4, 1, 2, 5).reshape(n, k)  # (b, t, c) x (g, w, p)
+    s = (scales / UNIT).view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g)
+    return (values.view(n, g, GROUP) * s.unsqueeze(-1)).view(n, k)
+
+
+def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
+    """The body of the executable's function: workgroup `wg` computes tiles [wg per, min(wg per + per, N/8tile))
+    of 8 * tile channels for every row."""
+    nb, g, nw = n // (8 * tile), k // GROUP, n * k // 8
+    wt, st = f"memref<{nw}xi32>", f"memref<{n * g}xf32>"
+    xt, ot = (f"memref<{rows * k}xf32>", f"memref<{rows * n}xf32>") if rows else ("memref<?xf32>", "memref<?xf32>")
+    xsize, osize, bound = ("", "", f"%c{rows}w") if rows else ("{%xsize}", "{%osize}", "%rows")
+    lines = [
+        "%c0 = arith.constant 0 : index",
+        "%c1 = arith.constant 1 : index",
+        "%zero = arith.constant dense<0.0> : vector<8xf32>",
+        f"%mask = arith.constant dense<{TOP}> : vector<8xi32>",
+        *(f"%sh{p} = arith.constant dense<{28 - 4 * p}> : vector<8xi32>" for p in range(7)),
+        f"%xsize = arith.muli %rows, %c{k}w : index" if not rows else "",
+        f"%osize = arith.muli %rows, %c{n}w : index" if not rows else "",
+        f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}{xsize}",
+        f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
+        f"%sm = stream.binding.subspan %bs[%c0] : !stream.binding -> {st}",
+        f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}{osize}",
+        "%wg = stream.dispatch.workgroup.id[0] : index",
+        f"%b0 = arith.muli %wg, %c{per}w : index",
+        f"%b1p = arith.addi %b0, %c{per}w : index",
+        f"%b1 = arith.minui %b1p, %c{nb}w : index",
+        f"scf.for %r = %c0 to {bound} step %c1 {{",
+        f"%xr = arith.muli %r, %c{k}w : index",
+        f"%or = arith.muli %r, %c{n}w : index",
+        "scf.for %b = %b0 to %b1 step %c1 {",
+    ]
+    add = lines.append
+    totals = ", ".join(f"%tot{t} = %zero" for t in range(tile))
+    vectors = ", ".join(["vector<8xf32>"] * tile)
+    add(f"%res:{tile} = scf.for %g = %c0 to %c{g}w step %c1 iter_args({totals}) -> ({vectors}) {{")
+    add(f"%bg0 = arith.muli %b, %c{g}w : index")
+    add("%bg = arith.addi %bg0, %g : index")
+    add(f"%wbase = arith.muli %bg, %c{32 * tile}w : index")
+    add(f"%sbase = arith.muli %bg, %c{8 * tile}w : index")
+    add(f"%xg = arith.muli %g, %c{GROUP}w : index")
+    add("%xbase = arith.addi %xr, %xg : index")
+    acc = ["%zero"] * tile
+    for w in range(4):
+        for t in range(tile):
+            add(f"%wo{w}_{t} = arith.addi %wbase, %c{(w * tile + t) * 8}w : index")
+            add(f"%wd{w}_{t} = vector.load %wm[%wo{w}_{t}] : {wt}, vector<8xi32>")
+        for p in range(8):
+            add(f"%xo{w}_{p} = arith.addi %xbase, %c{8 * w + p}w : index")
+            add(f"%xs{w}_{p} = memref.load %xm[%xo{w}_{p}] : {xt}")
+            add(f"%xb{w}_{p} = vector.broadcast %xs{w}_{p} : f32 to vector<8xf32>")
+            for t in range(tile):
+                value, name = f"%wd{w}_{t}", f"{w}_{p}_{t}"
+                if p < 7:  # value p to the top nibble
+                    add(f"%sl{name} = arith.shli {value}, %sh{p} : vector<8xi32>")
+                    value = f"%sl{name}"
+                if p > 0:  # the values below it cleared
+                    add(f"%an{name} = arith.andi {value}, %mask : vector<8xi32>")
+                    value = f"%an{name}"
+                add(f"%fl{name} = arith.sitofp {value} : vector<8xi32> to vector<8xf32>")
+                add(f"%ac{name} = vector.fma %fl{name}, %xb{w}_{p}, {acc[t]} : vector<8xf32>")
+                acc[t] = f"%ac{name}"
+    for t in range(tile):
+        add(f"%so{t} = arith.addi %sbase, %c{8 * t}w : index")
+        add(f"%sv{t} = vector.load %sm[%so{t}] : {st}, vector<8xf32>")
+        add(f"%nt{t} = vector.fma {acc[t]}, %sv{t}, %tot{t} : vector<8xf32>")
+    add(f"scf.yield {', '.join(f'%nt{t}' for t in range(tile))} : {vectors}")
+    add("}")
+    add(f"%ob = arith.muli %b, %c{8 * tile}w : index")
+    add("%obr = arith.addi %or, %ob : index")
+    for t in range(tile):
+        add(f"%oo{t} = arith.addi %obr, %c{8 * t}w : index")
+        add(f"vector.store %res#{t}, %om[%oo{t}] : {ot}, vector<8xf32>")
+    add("}")
+    add("}")
+    add("return")
+    text = "\n".join(line for line in lines if line)
+    constants = sorted({int(c) for c in re.findall(r"%c(\d+)w\b", text)})
+    return "\n".join([*(f"%c{c}w = arith.constant {c} : index" for c in constants), text])
+
+
+def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:
+    return f"int4mv_{rows or 'dyn'}x{k}x{n}_t{tile}_p{per}"
+
+
+def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
+    """A `stream.executable` whose export (and function: named as the executable, unique in a module once IREE links the
+    executables) takes x [rows, K] f32, the words, the scales (and, for rows 0:
+    dynamic, the row count) and writes [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel
+    tiles."""
+    dynamic = "" if rows else ", %rows: index"
+    bindings = ", ".join(f"%b{name}: !stream.binding" for name in "xwso")
+    body = "\n".join("        " + line for line in _kernel(rows, n, k, tile, per).splitlines())
+    name = executable_name(rows, n, k, tile, per)
+    return f"""  stream.executable private @{name} {{
+    stream.executable.export public @{name} workgroups(%count: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %count, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func @{name}({bindings}{dynamic}) {{
+{body}
+      }}
+    }}
+  }}"""
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def int4_matvec(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, n: int, tile: int, per: int
+) -> torch.Tensor:
+    """x [rows, K] times the int4 g32 weight [N, K] that `words` and `scales` hold (`pack_words`, `pack_scales`),
+    transposed: what the dispatch computes (eager: unpacked by torch, float32)."""
+    return x @ unpack(words, scales, n, tile).t()
+
+
+@int4_matvec.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, n: int, tile: int, per: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+INT4_MATVEC = torch.ops.fx_rewrites.int4_matvec.default
+
+
+def spliced(mlir: str) -> str:
+    """`mlir` with its int4_matvec calls spliced (`splice`), or as it is where it has none."""
+    return splice(mlir) if MARK in mlir else mlir
+
+
+_CALL = re.compile(
+    r'^(\s*)(%[\w]+) = torch\.operator "torch\.fx_rewrites\.int4_matvec"\((%[\w]+), (%[\w]+), (%[\w]+), (%[\w]+), '
+    r"(%[\w]+), (%[\w]+)\) : \((!torch\.vtensor<\[(\d+|\?),(\d+)\],f32>), (!torch\.vtensor<\[(\d+)\],si32>), "
+    r"(!torch\.vtensor<\[(\d+)\],f32>), [^)]*\) -> (!torch\.vtensor<\[(?:\d+|\?),\d+\],f32>)"
+)
+
+
+def splice(mlir: str) -> str:
+    """`mlir` (torch-mlir's import) with every `fx_rewrites.int4_matvec` call replaced by a `flow.dispatch` of its
+    executable (declared once at the module's start; a dynamic row count is passed to it as an operand);
+    ValueError where there is none, or one this form does not match."""
+    ints = dict(re.findall(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", mlir, re.M))
+    out, executables = [], {}
+    for line in mlir.splitlines():
+        found = _CALL.match(line)
+        if not found:
+            if "torch.fx_rewrites.int4_matvec" in line:
+                raise ValueError(f"an int4_matvec call of an unknown form: {line.strip()[:200]}")
+            out.append(line)
+            continue
+        pad, res, x, w, s, *consts = found.groups()[:8]
+        xtype, rows, k, wtype, nw, stype, ns, otype = found.groups()[8:]
+        n, tile, per = (int(ints[c]) for c in consts)
+        rows, k = (0 if rows == "?" else int(rows)), int(k)
+        name = executable_name(rows, n, k, tile, per)
+        executables[name] = executable(rows, n, k, tile, per)
+        count = -(-n // (8 * tile) // per)
+        v, r = f"fxr{res[1:]}", str(rows or "?")
+        out += [
+            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {xtype} -> tensor<{r}x{k}xf32>",
+            f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {wtype} -> tensor<{nw}xi32>",
+            f"{pad}%{v}_s = torch_c.to_builtin_tensor {s} : {stype} -> tensor<{ns}xf32>",
+            f"{pad}%{v}_n = arith.constant {count} : index",
+        ]
+        operands, types, dims = f"%{v}_x, %{v}_w, %{v}_s", f"tensor<{r}x{k}xf32>", ""
+        if not rows:
+            out += [f"{pad}%{v}_0 = arith.constant 0 : index", f"{pad}%{v}_r = tensor.dim %{v}_x, %{v}_0 : {types}"]
+            operands, types, dims = f"{operands}, %{v}_r", f"{types}{{%{v}_r}}", f"{{%{v}_r}}"
+        out += [
+            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n]({operands}) : ({types}, tensor<{nw}xi32>, "
+            f"tensor<{ns}xf32>{', index' if not rows else ''}) -> tensor<{r}x{n}xf32>{dims}",
+            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{r}x{n}xf32> -> {otype}",
+        ]
+    if not executables:
+        raise ValueError("no fx_rewrites.int4_matvec call in the module")
+    start = next(i for i, line in enumerate(out) if line.startswith("module"))
+    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
