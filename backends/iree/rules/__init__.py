@@ -39,7 +39,8 @@ def phases(target: str = "llvm-cpu", isa: str | None = None) -> Phases:
     perf = performance.for_target(target, isa)
     own = [perf] if len(perf) else []
     name = "iree" if target == "llvm-cpu" else f"iree-{target}"
-    return Phases(DEFAULT | OWN | _first_for(target, isa), LEGALIZE, *own, name=name)
+    first = _first_for(target, isa)
+    return Phases(DEFAULT | OWN | first if len(first) else DEFAULT | OWN, LEGALIZE, *own, name=name)
 
 
 def _first_for(target: str, isa: str) -> RuleSet:
@@ -47,7 +48,7 @@ def _first_for(target: str, isa: str) -> RuleSet:
     from fx_rewrites.backends.iree.targets import CPU_ISAS
 
     names = CPU_ISAS[isa].first_rules if target == "llvm-cpu" and isa in CPU_ISAS else ()
-    return RuleSet([FIRST_BY_ISA[name] for name in names], name=f"iree-{isa or 'generic'}-first")
+    return RuleSet([FIRST_BY_ISA[name] for name in names], name="iree-isa-first")
 
 
 __all__ = ["FIRST_BY_ISA", "LEGALIZE", "OWN", "phases"]

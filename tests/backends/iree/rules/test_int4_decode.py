@@ -204,3 +204,17 @@ def test_compile_lm_of_an_int4_llama_decodes_through_the_dispatch_and_saves(tmp_
     lm.save(tmp_path / "lm.vmfb")
     loaded = fx_rewrites.load(tmp_path / "lm.vmfb")
     assert loaded.generate(prompt, max_new_tokens=24).tolist() == theirs.tolist()
+
+
+def test_the_compile_cache_key_follows_the_kernels_source(monkeypatch, tmp_path) -> None:
+    """The cache is keyed by the module text before the splice: a module with the op is keyed by the kernel's
+    source too, so a changed kernel is not served from an older compile."""
+    from fx_rewrites.backends.iree import cache, int4_dispatch
+
+    text = f'module {{\n  %0 = torch.operator "{MARK}"()\n}}'
+    before = cache.cache_key(text, [])
+    changed = tmp_path / "int4_dispatch.py"
+    changed.write_text("# another kernel\n")
+    monkeypatch.setattr(int4_dispatch, "__file__", str(changed))
+    assert cache.cache_key(text, []) != before
+    assert cache.cache_key("module {\n}", []) == cache.cache_key("module {\n}", [])
