@@ -61,6 +61,8 @@ def _int4_decode(node: Node) -> Miss | Node | None:
         return Miss(f"{n} output channels: the kernel's tile is {8 * TILE}")
     if zero is not None and fake_tensor(zero).dtype not in (torch.int8, torch.int32):
         return Miss(f"zero points of {fake_tensor(zero).dtype}")
+    if len(node.users) != 1:  # `int4_fold` packs a weight read by one op
+        return Miss(f"the dequantized weight is read by {len(node.users)} linears")
     for linear in node.users:
         bound = _rows_bound(linear.args[0])
         if bound is None or bound > DECODE_ROWS:

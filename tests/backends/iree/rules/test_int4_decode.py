@@ -218,3 +218,19 @@ def test_the_compile_cache_key_follows_the_kernels_source(monkeypatch, tmp_path)
     monkeypatch.setattr(int4_dispatch, "__file__", str(changed))
     assert cache.cache_key(text, []) != before
     assert cache.cache_key("module {\n}", []) == cache.cache_key("module {\n}", [])
+
+
+def test_a_weight_read_by_two_linears_keeps_the_byte_form() -> None:
+    # `int4_fold` packs a weight read by one op. Export writes a dequantize per call, so `_grouped_dequantize`'s
+    # one-reader check misses here; the rule's own check of a dequantize read by two linears is not reached
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = _linear()[0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) + self.linear(2 * x)
+
+    model = Twice().eval()
+    result = rt.apply_rules(torch.export.export(model, (_x(1, 0),)), RULES)
+    rt.assert_not_fired(result, int4_decode_for_iree)
