@@ -120,6 +120,15 @@ def test_a_channel_count_off_the_tile_keeps_the_byte_form() -> None:
     rt.assert_not_fired(result, int4_decode_for_iree)
 
 
+def test_a_bfloat16_linear_keeps_the_byte_form() -> None:
+    model = _linear().to(torch.bfloat16)  # the kernel computes in float32: a bfloat16 linear is declined, named
+    x = _x(1, 0).to(torch.bfloat16)
+    result = rt.apply_rules(torch.export.export(model, (x,)), RULES, explain=True)
+    rt.assert_not_fired(result, int4_decode_for_iree)
+    reasons = [attempt.reason for attempt in result.report.explain(int4_decode_for_iree.name)]
+    assert any("dequantizes to torch.bfloat16, not float32" in r for r in reasons), reasons
+
+
 def test_asymmetric_zero_points_fall_back_to_a_float_linear_with_a_warning() -> None:
     model = _linear("ASYMMETRIC")
     assert not bool((model[0].weight.zero_point == 0).all())
