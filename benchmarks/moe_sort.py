@@ -52,7 +52,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -319,15 +318,6 @@ def _route(text: str) -> str:
     return text
 
 
-def _cpu() -> str:
-    """lscpu's model name and the vector flags that matter here."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    return f"{name or platform.machine()} ({' '.join(vector)})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, nargs="+", default=[16, 64])
@@ -365,7 +355,7 @@ def main() -> None:
         return child(args)
     if args.micro:
         return micro(args)
-    print(f"# {_cpu()}, isa {args.isa}, allocator {args.allocator}, load {os.getloadavg()[0]:.2f}")
+    print(f"# {cpu_isa.cpu_model()}, isa {args.isa}, allocator {args.allocator}, load {os.getloadavg()[0]:.2f}")
     env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {}), "FX_REWRITES_IREE_ALLOCATOR": args.allocator}
     for experts in args.experts:
         for top in args.top:
