@@ -11,8 +11,6 @@ byte form on the 160M Llama's shapes (docs/iree-3.13-findings.md section 49).
 
 from __future__ import annotations
 
-import math
-import operator
 from typing import Any
 
 import torch
@@ -20,7 +18,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.int4_dispatch import GROUP
 from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR, TILE
-from fx_rewrites.backends.iree.rules.quantized_matmul import _grouped_dequantize, _never, _OnDequantize
+from fx_rewrites.backends.iree.rules.quantized_matmul import _grouped_dequantize, _never, _OnDequantize, each_linear
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_tensor
 from fx_rewrites.kinds import rule
@@ -83,23 +81,12 @@ def _int4_decode(node: Node) -> Miss | Node | None:
 )
 def int4_decode_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: Node | None) -> None:
     q, scale = node.args[0], node.args[2]
-    n = fake_tensor(q).shape[0]
-    for linear in list(node.users):
-        x, bias = linear.args[0], linear.args[2] if len(linear.args) > 2 else None
-        shape = list(fake_tensor(x).shape)
-        if all(isinstance(s, int) for s in shape[:-1]):
-            rows: Any = math.prod(shape[:-1])
-        else:
-            rows = rw.size(x, 0)
-            for d in range(1, len(shape) - 1):
-                rows = rw.call(operator.mul, rows, rw.size(x, d))
-        flat = rw.call(aten.view.default, x, [rows, shape[-1]])
-        out = rw.call(INT4_GROUPED_LINEAR, flat, q, scale, found)
-        if bias is not None:
-            out = rw.call(aten.add.Tensor, out, bias)
-        out_shape = [rw.size(x, d) if not isinstance(s, int) else s for d, s in enumerate(shape[:-1])] + [n]
-        rw.replace(linear, rw.call(aten.view.default, out, out_shape))
-    rw.erase(node)
+
+    def product(x: Node, rows: Any) -> Node:
+        flat = rw.call(aten.view.default, x, [rows, fake_tensor(x).shape[-1]])
+        return rw.call(INT4_GROUPED_LINEAR, flat, q, scale, found)
+
+    each_linear(rw, node, product)
 
 
 int4_decode_for_iree = _OnDequantize(int4_decode_as_dispatch_for_iree)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -257,6 +258,13 @@ def _never() -> None:
 )
 def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: tuple[int, Node | None]) -> None:
     group, zero = found
+    each_linear(rw, node, lambda x, rows: _grouped_product(rw, node, x, rows, group, zero))
+
+
+def each_linear(rw: Rewriter, node: Node, product: Callable[[Node, Any], Any]) -> None:
+    """Each `linear(x, node)` reading the dequantized weight `node` ([N, K]) replaced by `product(x, rows)` ([rows,
+    N], rows the product of x's leading sizes: an int, or a node where one is a Dim) plus its bias, viewed back to
+    x's leading sizes; `node` erased."""
     n = fake_tensor(node.args[0]).shape[0]
     for linear in list(node.users):
         x, bias = linear.args[0], linear.args[2] if len(linear.args) > 2 else None
@@ -266,7 +274,7 @@ def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, fo
             rows = rw.size(x, 0)
             for d in range(1, len(shape) - 1):
                 rows = rw.call(operator.mul, rows, rw.size(x, d))
-        out = _grouped_product(rw, node, x, rows, group, zero)
+        out = product(x, rows)
         if bias is not None:
             out = rw.call(aten.add.Tensor, out, bias)
         out_shape = [rw.size(x, d) if not isinstance(s, int) else s for d, s in enumerate(shape[:-1])] + [n]
