@@ -1,0 +1,199 @@
+"""torchao's int8-activation x int4 g32 decode linears through the integer a8 int4 dispatch (rules/a8int4_decode.py,
+a8int4_fold.py, a8int4_dispatch.py; issue 33).
+
+Before-graphs from `torch.export` of Linears quantized by torchao 0.18 (`Int8DynamicActivationIntxWeightConfig(int4,
+PerGroup(32))`: x quantized per token, asymmetric, `dequantize_affine` of x and of the weight feeding `linear`).
+After the rule: `a8int4_grouped_linear` over x's int8 values and torchao's frozen weight tensors (eager: torchao's
+dequantize of both and a matmul); after `prepare_program`'s fold: `a8int4_matvec` over the packed bytes and groups;
+through IREE: the spliced dispatch, which sums int8 x int4 products in integers, within torch's own float32 error
+against the float64 product of the same dequantized x and weight.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.rules import DEFAULT
+
+quantization = pytest.importorskip(
+    "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
+)
+from torchao.quantization.granularity import PerGroup  # noqa: E402
+from torchao.quantization.quant_primitives import MappingType  # noqa: E402
+
+from fx_rewrites.backends.iree import IreeBackend, legality  # noqa: E402
+from fx_rewrites.backends.iree.a8int4_dispatch import A8INT4_MATVEC, MARK, splice, unpack, unpack_scales  # noqa: E402
+from fx_rewrites.backends.iree.a8int4_fold import A8INT4_GROUPED_LINEAR, BYTES, GROUPS, TILE  # noqa: E402
+from fx_rewrites.backends.iree.importing import prepare_program  # noqa: E402
+from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR  # noqa: E402
+from fx_rewrites.backends.iree.parameters import INLINE_ENV  # noqa: E402
+from fx_rewrites.backends.iree.rules import phases  # noqa: E402
+from fx_rewrites.backends.iree.rules.a8int4_decode import a8int4_decode_for_iree  # noqa: E402
+from fx_rewrites.backends.iree.rules.int4_decode import int4_decode_for_iree  # noqa: E402
+from fx_rewrites.backends.iree.targets import llvm_cpu  # noqa: E402
+
+aten = torch.ops.aten
+RULES = DEFAULT + a8int4_decode_for_iree + int4_decode_for_iree
+
+
+def _config(mapping: str = "SYMMETRIC") -> object:
+    return quantization.Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(32), weight_mapping_type=MappingType[mapping]
+    )
+
+
+def _linear(mapping: str = "SYMMETRIC", out_features: int = 64, in_features: int = 128) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features)).eval()
+    quantization.quantize_(model, _config(mapping))
+    return model
+
+
+def _x(rows: int, seed: int, features: int = 128) -> torch.Tensor:
+    return torch.randn(1, rows, features, generator=torch.Generator().manual_seed(seed))
+
+
+def _exact(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The quantized linear in float64 from torchao's own values: x quantized by torchao's ops (per token,
+    asymmetric), (qx - zx) sx, times (q - z) s per group."""
+    from torchao.quantization.quant_primitives import choose_qparams_affine, quantize_affine
+
+    block = [1] * (x.dim() - 1) + [x.shape[-1]]
+    sx, zx = choose_qparams_affine(x, MappingType.ASYMMETRIC, block, torch.int8, -128, 127, None, None, torch.int8)
+    qx = quantize_affine(x, block, sx, zx, torch.int8, -128, 127)
+    xd = (qx.double() - zx.double().view(*x.shape[:-1], 1)) * sx.double().view(*x.shape[:-1], 1)
+    w = model[0].weight
+    q, s, z = w.qdata.double(), w.scale.double(), w.zero_point.double()
+    n, k = q.shape
+    exact = ((q.view(n, -1, 32) - z[..., None]) * s[..., None]).view(n, k)
+    return torch.nn.functional.linear(xd, exact, model[0].bias.detach().double())
+
+
+def _run_prepared(prepared: torch.export.ExportedProgram, x: torch.Tensor) -> torch.Tensor:
+    state = {**prepared.state_dict, **prepared.constants}
+    args = [x if s.kind.name == "USER_INPUT" else state[s.target] for s in prepared.graph_signature.input_specs]
+    return prepared.graph_module(*args)[0]
+
+
+def _ops(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_a_decode_linear_becomes_the_a8int4_op_and_is_packed(dynamic: bool) -> None:
+    model = _linear()
+    shapes = {"input": {1: torch.export.Dim("rows", min=1, max=2)}} if dynamic else None
+    program = torch.export.export(model, (_x(2 if dynamic else 1, 0),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, RULES)
+    rt.assert_fired(result, a8int4_decode_for_iree.name, times=1)
+    rt.assert_not_fired(result, int4_decode_for_iree)
+    rt.assert_ops(
+        result, present=[A8INT4_GROUPED_LINEAR], absent=[aten.linear.default, aten.mm.default, INT4_GROUPED_LINEAR]
+    )
+    rows = (1, 2) if dynamic else (1, 1)
+    inputs = [(_x(rows[0], 1),), (_x(rows[1], 2),)]
+    with torch.no_grad():  # torchao's dequantize of x and of the weight, the same float32 values: equal to eager
+        rt.assert_matches_eager(result, model, inputs, rtol=0, atol=0)
+    prepared, _ = prepare_program(result.program)
+    ops = _ops(prepared.graph_module)
+    assert A8INT4_MATVEC in ops and A8INT4_GROUPED_LINEAR not in ops, ops
+    state = prepared.state_dict
+    packed = [v for k, v in state.items() if k.endswith(BYTES)]
+    groups = [v for k, v in state.items() if k.endswith(GROUPS)]
+    assert [(v.dtype, v.numel()) for v in packed] == [(torch.int8, 64 * 128 // 2)], sorted(state)
+    assert [(v.dtype, v.numel()) for v in groups] == [(torch.float32, 2 * 64 * 128 // 32)], sorted(state)
+    w = model[0].weight
+    assert torch.equal(unpack(packed[0], 64, TILE), w.qdata)
+    assert torch.equal(unpack_scales(groups[0], 64, TILE), w.scale.float())
+    for (x,) in inputs:
+        exact = _exact(model, x)
+        with torch.no_grad():
+            torch_error = (model(x).double() - exact).abs().max().item()
+            got = _run_prepared(prepared, x)
+        assert (got.double() - exact).abs().max().item() <= torch_error
+
+
+def test_a_prefill_is_not_taken() -> None:
+    model = _linear()
+    shapes = {"input": {1: torch.export.Dim("rows", min=2, max=64)}}
+    program = torch.export.export(model, (_x(3, 0),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, RULES, explain=True)
+    rt.assert_not_fired(result, a8int4_decode_for_iree)
+
+
+def test_a_weight_only_int4_linear_is_left_to_int4_decode() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64)).eval()
+    quantization.quantize_(model, quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    result = rt.apply_rules(torch.export.export(model, (_x(1, 0),)), RULES, explain=True)
+    rt.assert_not_fired(result, a8int4_decode_for_iree)
+    rt.assert_fired(result, int4_decode_for_iree.name, times=1)
+    reasons = [attempt.reason for attempt in result.report.explain(a8int4_decode_for_iree.name)]
+    assert any("is not int8 in [-128, 127] ([torch.int8, -8, 7])" in r for r in reasons), reasons  # the weight
+
+
+def test_asymmetric_weights_fall_back_to_a_float_linear_with_a_warning() -> None:
+    model = _linear("ASYMMETRIC")
+    assert not bool((model[0].weight.zero_point == 0).all())
+    result = rt.apply_rules(torch.export.export(model, (_x(1, 0),)), RULES)
+    rt.assert_fired(result, a8int4_decode_for_iree.name, times=1)
+    with pytest.warns(UserWarning, match="zero points not all 0"):
+        prepared, _ = prepare_program(result.program)
+    assert A8INT4_MATVEC not in _ops(prepared.graph_module)
+    x = _x(1, 4)
+    with torch.no_grad():
+        torch_error = (model(x).double() - _exact(model, x)).abs().max().item()
+        got = _run_prepared(prepared, x)
+    assert (got.double() - _exact(model, x)).abs().max().item() <= torch_error
+
+
+def test_on_for_avx2_only_and_known_to_legality() -> None:
+    assert a8int4_decode_for_iree.name in phases("llvm-cpu", "avx2").names()
+    assert a8int4_decode_for_iree.name not in phases("llvm-cpu", "avx512").names()
+    assert a8int4_decode_for_iree.name not in phases("cuda", "").names()
+    assert "fx_rewrites.a8int4_matvec.default" not in legality.illegal_ops()
+    assert "spliced" in legality.why("fx_rewrites.a8int4_matvec.default")
+    with pytest.raises(ValueError, match="an a8int4_matvec call of an unknown form"):
+        splice(f'module {{\n  %0 = torch.operator "{MARK}"(%x) : (!torch.int) -> !torch.int\n}}')
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_iree_runs_the_spliced_integer_dispatch(dynamic: bool, monkeypatch) -> None:
+    monkeypatch.setenv(INLINE_ENV, "0")  # every weight a parameter, as a real model's are
+    model = _linear(out_features=96, in_features=1024)  # long sums: torch's own error is the sums'
+    shapes = {"input": {1: torch.export.Dim("rows", min=1, max=2)}} if dynamic else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback
+        compiled = fx_rewrites.compile(
+            model,
+            (_x(2 if dynamic else 1, 0, 1024),),
+            dynamic_shapes=shapes,
+            backend=IreeBackend(target=llvm_cpu("avx2")),
+        )
+    assert MARK in compiled.runtime.mlir
+    params = compiled.runtime.parameters
+    assert [v.dtype for k, v in params.items() if k.endswith(BYTES)] == [torch.int8], sorted(params)
+    for rows, seed in ((1, 5), (2 if dynamic else 1, 6)):
+        x = _x(rows, seed, 1024)
+        exact = _exact(model, x)
+        with torch.no_grad():
+            torch_error = (model(x).double() - exact).abs().max().item()
+        got = compiled(x)
+        assert got.shape == (1, rows, 96)
+        assert (got.double() - exact).abs().max().item() <= torch_error, torch_error
+
+
+def test_the_compile_cache_key_follows_the_kernels_source(monkeypatch, tmp_path) -> None:
+    from fx_rewrites.backends.iree import a8int4_dispatch, cache
+
+    text = f'module {{\n  %0 = torch.operator "{MARK}"()\n}}'
+    before = cache.cache_key(text, [])
+    changed = tmp_path / "a8int4_dispatch.py"
+    changed.write_text("# another kernel\n")
+    monkeypatch.setattr(a8int4_dispatch, "__file__", str(changed))
+    assert cache.cache_key(text, []) != before
