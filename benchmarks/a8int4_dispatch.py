@@ -5,26 +5,18 @@
 
 torchao's `Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))`
 quantizes x per token, asymmetric (`choose_qparams_affine(x, ASYMMETRIC, [1, K], int8, -128, 127, ...)`: a float32
-scale sx and an int8 zero point zx a row), then computes in float `linear((qx - zx) sx, q s)`. The same sum in
-integers: for a group of 32 positions, sum_k (qx_k - zx) q_k = sum_k (qx_k + 128) u_k - 8 sum_k (qx_k + 128)
-... is not needed: with u_k = q_k (int8 in [-8, 7]) and x' = qx + 128 (uint8), sum_k (qx_k - zx) q_k
-= sum_k x'_k q_k - (128 + zx) W_g, W_g = sum_k q_k of the group (an int32 a channel and group, packed with the
-weights). x' x q is what AVX2's `vpmaddubsw` (u8 x s8 -> pairs summed in s16) takes; `vpmaddwd` by ones sums the
-pairs into int32 lanes.
+scale sx and an int8 zero point zx a row), then computes in float `linear((qx - zx) sx, q s)`. The kernel
+(`backends/iree/a8int4_dispatch.py`, whose docstring has the layout) sums the same products in integers: with
+x' = qx + 128 (uint8), sum_k (qx_k - zx) q_k = sum_k x'_k q_k - (128 + zx) W, W = sum_k q_k of the group (packed
+with the weights); x' x q is what AVX2's `vpmaddubsw` (u8 x s8 -> pairs summed in s16) takes, `vpmaddwd` by ones
+sums the pairs into int32 lanes once per group.
 
-Layout (VNNI-style): a ymm holds 8 channels x 4 consecutive positions (one 32-bit lane a channel). For a block of
-8 * tile channels and a group, bytes [j, t, 4c + i] (j < 4, t < tile, c < 8, i < 4) hold channel 8t + c's value at
-position 8j + i (low nibble) and 8j + 4 + i (high nibble), as u = q + 8 in [0, 15]: the kernel takes the nibbles
-(`and 15`, `shift right 4` and `and 15`), subtracts 8, and multiplies each by x's 4 bytes at those positions
-broadcast into every lane. Per group and lane the s16 sums hold 16 products of at most 255 * 8: |sum| <= 32640, no
-saturation; one `vpmaddwd` a group widens them, the correction and the group's scale follow in float (once per 256
-values), and the row's scale sx at the end.
-
-Forms: `intrinsic` calls `llvm.x86.avx2.pmadd.ub.sw` / `llvm.x86.avx2.pmadd.wd` through `llvm.call_intrinsic`;
-`generic` writes the same sums in arith (extsi/extui, muli, even/odd shuffles, the saturating clamp) for LLVM's X86
-pattern matching. Timed against the float int4 dispatch (`backends/iree/int4_dispatch.py`) on the same weights, both
-as hand-written modules whose inputs are the packed buffers, and torch's eager float32 linear, `iree-benchmark-module`
-local-sync (one thread), interleaved rounds.
+Forms: `intrinsic` (the backend's kernel) calls `llvm.x86.avx2.pmadd.ub.sw` / `llvm.x86.avx2.pmadd.wd` through
+`llvm.call_intrinsic`; `generic` writes the same sums in arith (extsi/extui, muli, even/odd shuffles, the saturating
+clamp) for LLVM's X86 pattern matching. Timed against the float int4 dispatch (`backends/iree/int4_dispatch.py`) on
+the same weights, both as hand-written modules whose inputs are the packed buffers, and torch's eager float32
+linear, `iree-benchmark-module` local-sync (one thread), interleaved rounds. Results: docs/iree-3.13-findings.md,
+the int8 x int4 section.
 """
 
 from __future__ import annotations

@@ -197,3 +197,37 @@ def test_the_compile_cache_key_follows_the_kernels_source(monkeypatch, tmp_path)
     changed.write_text("# another kernel\n")
     monkeypatch.setattr(a8int4_dispatch, "__file__", str(changed))
     assert cache.cache_key(text, []) != before
+
+
+@pytest.mark.slow  # one compile_lm (prefill and decode) of a one-layer Llama
+def test_compile_lm_of_an_a8_int4_llama_decodes_through_the_dispatch(tmp_path) -> None:
+    """compile_lm's decode (one token) takes the integer dispatch for every linear (the lm_head too), its prefill
+    (a Dim over the prompt) the byte form. Greedy tokens equal the quantized eager model's (which computes the same
+    quantized values in float32), and after save + load too."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
+        for p in model.parameters():
+            p.mul_(8.0 if p.dim() == 2 else 1.0)
+    quantization.quantize_(model, _config())
+    lm = fx_rewrites.compile_lm(model, max_cache_len=48, backend=IreeBackend(target=llvm_cpu("avx2")))
+    packed = {k: v for k, v in lm.parameters.items() if k.endswith(BYTES)}
+    assert len(packed) == 7 + 1 and all(v.dtype == torch.int8 for v in packed.values()), sorted(lm.parameters)
+    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        theirs = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert lm.generate(prompt, max_new_tokens=24).tolist() == theirs.tolist()
+    assert len(set(theirs[0, 5:].tolist())) > 2  # the tokens vary: a constant output would match trivially
+    lm.save(tmp_path / "lm.vmfb")
+    loaded = fx_rewrites.load(tmp_path / "lm.vmfb")
+    assert loaded.generate(prompt, max_new_tokens=24).tolist() == theirs.tolist()
