@@ -14,7 +14,9 @@ points are all 0 and the module drops them, `weight_layout.fold_blocked_rows`); 
 with the zero points' share kept (that drop turned off for its compile: the A/B of it, like for like);
 `int8_wo_b8`, `int4_g32_b8`: those models compiled with the weights in blocks of 8 output channels (AVX2's float32
 lanes) instead of the rules' 16 (`quantized_matmul.BLOCK`, patched for their compile);
-`int4_g32_bf16s` the same config with `scale_dtype=torch.bfloat16` (other scales: other tokens than int4_g32's).
+`int4_g32_bf16s` the same config with `scale_dtype=torch.bfloat16` (other scales: other tokens than int4_g32's);
+`a8_int4_g32` Int8DynamicActivationIntxWeightConfig(int4, PerGroup(32)): x quantized per token to int8 (asymmetric),
+llama.cpp Q4_0's scheme (its decode through the integer a8int4 dispatch on AVX2: rules/a8int4_decode.py).
 `--saved DIR` keeps each compile_lm module (.vmfb + .irpa) and loads it the next time (compile outside the shared
 lock with `--routes compile_lm --rounds 0`, measure under it; the loaded module's peak RSS is not the compile's).
 `--routes compile_lm` leaves out the eager rows (the 1B shape: its eager int4 takes minutes a token); `peak RSS`
@@ -69,6 +71,8 @@ SIZES = {
 SCHEMES = ("float32", "int8_wo", "w8a8", "int4_g32")
 #: a scheme measured as another one's model compiled differently: name -> (the scheme it quantizes as, how)
 VARIANTS = {"int4_g32_zp": "int4_g32", "int8_wo_b8": "int8_wo", "int4_g32_b8": "int4_g32"}
+#: schemes run only when named
+OTHERS = ("int4_g32_bf16s", "a8_int4_g32")
 #: llama-bench's repetitions per run
 REPEATS = 3
 
@@ -85,6 +89,7 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         return model
     from torchao.quantization import (
         Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig,
         Int8WeightOnlyConfig,
         IntxWeightOnlyConfig,
         quantize_,
@@ -97,6 +102,9 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         "int4_g32": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
         "int4_g32_bf16s": lambda: IntxWeightOnlyConfig(
             weight_dtype=torch.int4, granularity=PerGroup(32), scale_dtype=torch.bfloat16
+        ),
+        "a8_int4_g32": lambda: Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=torch.int4, weight_granularity=PerGroup(32)
         ),
     }
     out = copy.deepcopy(model)
@@ -297,7 +305,7 @@ def llama_cpp(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="160m", choices=sorted(SIZES))
-    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"of {', '.join([*SCHEMES, *VARIANTS])}")
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"of {', '.join([*SCHEMES, *VARIANTS, *OTHERS])}")
     parser.add_argument("--routes", default="eager,compile_lm", help="eager,compile_lm or one of them")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)

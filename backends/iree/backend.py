@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx_rewrites.backends.iree import memory, refusals
+from fx_rewrites.backends.iree import a8int4_dispatch, memory, refusals
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, read_record, reflection
 from fx_rewrites.backends.iree.cache import CompileCache, cache_key
 from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requirement, why_not_here
@@ -415,6 +415,7 @@ class IreeBackend:
         """`run_iree_compile` with this backend's target and limit; its failure named by `gm`'s nodes."""
         flags = (*flags, *extra_flags(mlir))  # re-laid quantized weights: the fusion that reads them
         mlir = spliced(mlir)  # our own dispatches (int4_dispatch: the int4 words' matvec) in place of their ops
+        mlir = a8int4_dispatch.spliced(mlir)  # and a8int4_dispatch's int8 x int4 matvec
         try:
             return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s, between=between)
         except IreeCompilerFailed as e:

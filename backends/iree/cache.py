@@ -24,7 +24,7 @@ from pathlib import Path
 
 import attrs
 
-from fx_rewrites.backends.iree import int4_dispatch
+from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
 from fx_rewrites.backends.iree.cpus import _read_host
 
 #: environment variable: the on-disk compile cache's directory, or "0" / "off" for none
@@ -213,4 +213,6 @@ def cache_key(mlir: str, flags: Sequence[str]) -> str:
         h.update(b"\0\0")
     if int4_dispatch.MARK in mlir:  # the backend splices our kernel's text in: a new kernel is a new module
         h.update(Path(int4_dispatch.__file__).read_bytes())
+    if a8int4_dispatch.MARK in mlir:
+        h.update(Path(a8int4_dispatch.__file__).read_bytes())
     return h.hexdigest()

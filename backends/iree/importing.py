@@ -35,6 +35,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
+from fx_rewrites.backends.iree.a8int4_fold import fold_a8int4
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.int4_fold import fold_int4
@@ -134,6 +135,7 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
     sig = program.graph_signature
     copy = fold_blocked_rows(rebuild_program(program, copy_tree(program.graph_module)))  # quantized weights
     copy = fold_int4(copy)  # int4 decode linears: their words packed
+    copy = fold_a8int4(copy)  # int8 x int4 decode linears: their bytes packed
     mutated = {s.target for s in sig.output_specs if s.kind in _STATE_OUT} | set(state)
     # the importer freezes what the signature calls state; mutated state must stay an argument
     copy_specs = copy.graph_signature.input_specs

@@ -148,7 +148,11 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
 # section 49). AVX2 only: its kernel is written for 8-lane ymm vectors (a tile of 4 x 8 channels, 4 accumulators and
 # 4 totals in 8 of the 16 ymm registers); AVX-512's 16 lanes would want another tile and masks, not written, and
 # AVX-512 cannot be timed on the host it was measured on (no avx512 units), so AVX-512 keeps the byte form
-_AVX2_FIRST_RULES = ("int4_decode_as_dispatch_for_iree",)
+# `a8int4_decode_as_dispatch_for_iree` (rules/a8int4_decode.py): torchao's int8-activation x int4 g32 linears of a
+# decode step through the integer a8 int4 dispatch (a8int4_dispatch.py: `vpmaddubsw`, an AVX2 instruction; AVX-512
+# would want its own tile and VNNI, not written), 2.2x the float int4 dispatch on 2816 x 1024 and 1.28x on 32000 x
+# 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md, the int8 x int4 section)
+_AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",

@@ -1,0 +1,65 @@
+"""benchmarks/a8int4_dispatch.py: the backend's int8 x int4 kernel (intrinsics) and its arith variant for LLVM's
+pattern matching compile through IREE as hand-written modules and compute torchao's dequantized x times the int4
+g32 weight within torch's own float32 error against float64; the bytes round-trip every value at every position."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+from a8int4_dispatch import a8, a8_module, compile_mlir, generic, quantize_rows, run_vmfb  # noqa: E402
+
+
+@pytest.mark.parametrize("tile", [1, 4])
+def test_the_bytes_and_groups_unpack_to_the_weight(tile):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (64, 256), dtype=torch.int8, generator=generator)
+    q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)
+    q[1, 4:20] = torch.arange(-8, 8, dtype=torch.int8)
+    s = torch.rand(64, 8, generator=generator)
+    packed = a8.pack_bytes(q, tile)
+    assert packed.dtype == torch.int8 and packed.numel() == 64 * 256 // 2  # two values a byte
+    assert torch.equal(a8.unpack(packed, 64, tile), q)
+    groups = a8.pack_groups(q, s, tile)
+    assert torch.equal(a8.unpack_scales(groups, 64, tile), s)
+    sums = groups.view(64 // (8 * tile), 8, 2, tile, 8)[:, :, 1].permute(0, 2, 3, 1).reshape(64, 8)
+    assert torch.equal(sums, q.view(64, 8, 32).sum(-1).float())
+
+
+def test_the_generic_form_has_no_intrinsic_calls():
+    text = generic(a8.executable(1, 64, 128, 4, 8))
+    assert "llvm.call_intrinsic" not in text and "arith.extui" in text
+    assert "llvm.x86.avx2.pmadd.ub.sw" in a8.executable(1, 64, 128, 4, 8)
+
+
+@pytest.mark.parametrize("form", ["intrinsic", "generic"])
+def test_both_forms_compute_the_product_within_torchs_error(form, tmp_path):
+    from cpu_isa import backend
+
+    from fx_rewrites.backends.iree.targets import host_isa
+
+    if host_isa() not in ("avx2", "avx512"):
+        pytest.skip("the kernel's intrinsics are AVX2's")
+    n, k = 256, 512
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=generator)
+    s = torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3
+    x = torch.randn(1, k, generator=generator) * 3 + 1  # an offset: zero points not 0
+    qx, sx, zx = quantize_rows(x)
+    assert int(zx[0]) != 0
+    xd = (qx.double() - zx.double().unsqueeze(1)) * sx.double().unsqueeze(1)
+    wd = (q.view(n, -1, 32).double() * s.double().unsqueeze(-1)).view(n, k)
+    exact = xd @ wd.t()
+    torch_error = ((xd.float() @ wd.float().t()).double() - exact).abs().max().item()
+    vmfb = tmp_path / f"{form}.vmfb"
+    compile_mlir(a8_module(1, n, k, 4, 8, form), [*backend("host").flags], vmfb, asm=False)
+    inputs = [qx.numpy(), sx.numpy(), zx.numpy(), a8.pack_bytes(q, 4).numpy(), a8.pack_groups(q, s, 4).numpy()]
+    got = torch.from_numpy(run_vmfb(vmfb, inputs)).double()
+    assert (got - exact).abs().max().item() <= torch_error
