@@ -14,7 +14,7 @@ and a group, byte (j, t, 4c + i) (j < 4, t < tile, c < 8, i < 4) holds q + 8 of 
 takes the nibbles (`and 15`; `shift right 4`, `and 15`), subtracts 8, and multiplies each by x's 4 bytes at those
 positions broadcast into every lane. `vpmaddubsw` / `vpmaddwd` are called as LLVM's x86 intrinsics
 (`llvm.call_intrinsic`); the same sums in arith (shuffles, extends, the saturating clamp) are not matched by
-LLVM's X86 back end (docs/iree-3.13-findings.md, the a8 int4 section).
+LLVM's X86 back end (docs/iree-3.13-findings.md section 53).
 
 It enters a graph as the custom op `fx_rewrites::a8int4_matvec(qx, sx, zx, bytes, groups, n, tile, per)`
 (eager: the same values in float32 by torch), imported by torch-mlir as a `torch.operator`; `splice` replaces each
