@@ -27,6 +27,8 @@ import re
 
 import torch
 
+from fx_rewrites.backends.iree import spliced
+
 GROUP = 32
 OP = "fx_rewrites::a8int4_matvec"
 MARK = "torch.fx_rewrites.a8int4_matvec"
@@ -185,23 +187,10 @@ def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:
 
 
 def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    """A `stream.executable` (export and function named as it) taking qx [rows, K] i8, sx [rows] f32, zx [rows] i32,
-    the bytes and the groups' scales and sums (and for rows 0 the row count), writing [rows, N] f32."""
-    dynamic = "" if rows else ", %rows: index"
+    """A `stream.executable` taking qx [rows, K] i8, sx [rows] f32, zx [rows] i32, the bytes and the groups' scales
+    and sums (and for rows 0 the row count), writing [rows, N] f32."""
     bindings = ", ".join(f"%b{c}: !stream.binding" for c in "xqzwso")
-    body = "\n".join("        " + line for line in kernel(rows, n, k, tile, per).splitlines())
-    name = executable_name(rows, n, k, tile, per)
-    return f"""  stream.executable private @{name} {{
-    stream.executable.export public @{name} workgroups(%count: index) -> (index, index, index) {{
-      %c1 = arith.constant 1 : index
-      stream.return %count, %c1, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func @{name}({bindings}{dynamic}) {{
-{body}
-      }}
-    }}
-  }}"""
+    return spliced.executable(executable_name(rows, n, k, tile, per), bindings, rows, kernel(rows, n, k, tile, per))
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -240,66 +229,8 @@ def _(
 
 A8INT4_MATVEC = torch.ops.fx_rewrites.a8int4_matvec.default
 
-_TYPE = re.compile(r"!torch\.vtensor<\[([\d?,]*)\],(\w+)>")
-_DTYPES = {"si8": "i8", "si32": "i32", "f32": "f32"}
-_CALL = re.compile(
-    r'^(\s*)(%[\w]+) = torch\.operator "torch\.fx_rewrites\.a8int4_matvec"\(([^)]*)\) : \((.*)\) -> (.*)$'
-)
-
-
-def _tensor(vtensor: str) -> tuple[str, list[str]]:
-    dims, dtype = _TYPE.fullmatch(vtensor.strip()).groups()
-    sizes = dims.split(",") if dims else []
-    return f"tensor<{'x'.join([*sizes, _DTYPES[dtype]])}>", sizes
-
-
-def spliced(mlir: str) -> str:
-    """`mlir` with its a8int4_matvec calls spliced (`splice`), or as it is where it has none."""
-    return splice(mlir) if MARK in mlir else mlir
-
 
 def splice(mlir: str) -> str:
-    """`mlir` with every `fx_rewrites.a8int4_matvec` call replaced by a `flow.dispatch` of its executable (declared
-    once at the module's start; a dynamic row count passed as an operand); ValueError on a form not matched."""
-    ints = dict(re.findall(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", mlir, re.M))
-    out, executables = [], {}
-    for line in mlir.splitlines():
-        found = _CALL.match(line)
-        if not found or len(found.group(3).split(", ")) != 8:
-            if MARK in line:
-                raise ValueError(f"an a8int4_matvec call of an unknown form: {line.strip()[:200]}")
-            out.append(line)
-            continue
-        pad, res, operands, types, otype = found.groups()
-        names = operands.split(", ")
-        vtypes = re.findall(r"!torch\.vtensor<[^>]*>", types)[:5]
-        tensors = [_tensor(t) for t in vtypes]
-        if len(tensors) != 5 or any(c not in ints for c in names[5:]):
-            raise ValueError(f"an a8int4_matvec call of an unknown form: {line.strip()[:200]}")
-        n, tile, per = (int(ints[c]) for c in names[5:])
-        rows_s, k = tensors[0][1][0], int(tensors[0][1][1])
-        rows = 0 if rows_s == "?" else int(rows_s)
-        name = executable_name(rows, n, k, tile, per)
-        executables[name] = executable(rows, n, k, tile, per)
-        count = -(-n // (8 * tile) // per)
-        v = f"fxa{res[1:]}"
-        for i, (name_i, vt, (tt, _)) in enumerate(zip(names[:5], vtypes, tensors, strict=True)):
-            out.append(f"{pad}%{v}_{i} = torch_c.to_builtin_tensor {name_i} : {vt} -> {tt}")
-        out.append(f"{pad}%{v}_n = arith.constant {count} : index")
-        ops = ", ".join(f"%{v}_{i}" for i in range(5))
-        dyn = [f"{{%{v}_r}}" if "?" in sizes else "" for _, sizes in tensors]
-        sig = ", ".join(tt + d for (tt, _), d in zip(tensors, dyn, strict=True))
-        r = rows_s
-        if not rows:
-            out += [f"{pad}%{v}_z = arith.constant 0 : index",
-                    f"{pad}%{v}_r = tensor.dim %{v}_0, %{v}_z : {tensors[0][0]}"]  # fmt: skip
-            ops, sig = f"{ops}, %{v}_r", f"{sig}, index"
-        result = f"tensor<{r}x{n}xf32>" + ("" if rows else f"{{%{v}_r}}")
-        out += [
-            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n]({ops}) : ({sig}) -> {result}",
-            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{r}x{n}xf32> -> {otype.strip()}",
-        ]
-    if not executables:
-        raise ValueError("no fx_rewrites.a8int4_matvec call in the module")
-    start = next(i for i, line in enumerate(out) if line.startswith("module"))
-    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+    """`mlir` with every `fx_rewrites.a8int4_matvec` call replaced by a `flow.dispatch` of its executable
+    (`spliced.splice_calls`); ValueError where there is none, or one this form does not match."""
+    return spliced.splice_calls(mlir, MARK, 5, lambda *shape: (executable_name(*shape), executable(*shape)), "fxa")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import attrs
 
-from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
+from fx_rewrites.backends.iree import spliced
 from fx_rewrites.backends.iree.cpus import _read_host
 
 #: environment variable: the on-disk compile cache's directory, or "0" / "off" for none
@@ -211,8 +211,6 @@ def cache_key(mlir: str, flags: Sequence[str]) -> str:
     for part in (compiler, platform.machine(), _host(), "\0".join(flags), mlir):
         h.update(part.encode())
         h.update(b"\0\0")
-    if int4_dispatch.MARK in mlir:  # the backend splices our kernel's text in: a new kernel is a new module
-        h.update(Path(int4_dispatch.__file__).read_bytes())
-    if a8int4_dispatch.MARK in mlir:
-        h.update(Path(a8int4_dispatch.__file__).read_bytes())
+    for source in spliced.sources(mlir):  # the backend splices our kernels' text in: a new kernel is a new module
+        h.update(source)
     return h.hexdigest()

@@ -21,6 +21,8 @@ import re
 
 import torch
 
+from fx_rewrites.backends.iree import spliced
+
 GROUP = 32
 #: the top nibble of an int32 (0xF0000000 as a signed value)
 TOP = -(1 << 28)
@@ -140,25 +142,10 @@ def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:
 
 
 def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    """A `stream.executable` whose export (and function: named as the executable, unique in a module once IREE links the
-    executables) takes x [rows, K] f32, the words, the scales (and, for rows 0:
-    dynamic, the row count) and writes [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel
-    tiles."""
-    dynamic = "" if rows else ", %rows: index"
+    """A `stream.executable` taking x [rows, K] f32, the words, the scales (and, for rows 0: dynamic, the row count)
+    and writing [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel tiles."""
     bindings = ", ".join(f"%b{name}: !stream.binding" for name in "xwso")
-    body = "\n".join("        " + line for line in _kernel(rows, n, k, tile, per).splitlines())
-    name = executable_name(rows, n, k, tile, per)
-    return f"""  stream.executable private @{name} {{
-    stream.executable.export public @{name} workgroups(%count: index) -> (index, index, index) {{
-      %c1 = arith.constant 1 : index
-      stream.return %count, %c1, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func @{name}({bindings}{dynamic}) {{
-{body}
-      }}
-    }}
-  }}"""
+    return spliced.executable(executable_name(rows, n, k, tile, per), bindings, rows, _kernel(rows, n, k, tile, per))
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -178,55 +165,7 @@ def _(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, n: int, tile: 
 INT4_MATVEC = torch.ops.fx_rewrites.int4_matvec.default
 
 
-def spliced(mlir: str) -> str:
-    """`mlir` with its int4_matvec calls spliced (`splice`), or as it is where it has none."""
-    return splice(mlir) if MARK in mlir else mlir
-
-
-_CALL = re.compile(
-    r'^(\s*)(%[\w]+) = torch\.operator "torch\.fx_rewrites\.int4_matvec"\((%[\w]+), (%[\w]+), (%[\w]+), (%[\w]+), '
-    r"(%[\w]+), (%[\w]+)\) : \((!torch\.vtensor<\[(\d+|\?),(\d+)\],f32>), (!torch\.vtensor<\[(\d+)\],si32>), "
-    r"(!torch\.vtensor<\[(\d+)\],f32>), [^)]*\) -> (!torch\.vtensor<\[(?:\d+|\?),\d+\],f32>)"
-)
-
-
 def splice(mlir: str) -> str:
     """`mlir` (torch-mlir's import) with every `fx_rewrites.int4_matvec` call replaced by a `flow.dispatch` of its
-    executable (declared once at the module's start; a dynamic row count is passed to it as an operand);
-    ValueError where there is none, or one this form does not match."""
-    ints = dict(re.findall(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", mlir, re.M))
-    out, executables = [], {}
-    for line in mlir.splitlines():
-        found = _CALL.match(line)
-        if not found:
-            if "torch.fx_rewrites.int4_matvec" in line:
-                raise ValueError(f"an int4_matvec call of an unknown form: {line.strip()[:200]}")
-            out.append(line)
-            continue
-        pad, res, x, w, s, *consts = found.groups()[:8]
-        xtype, rows, k, wtype, nw, stype, ns, otype = found.groups()[8:]
-        n, tile, per = (int(ints[c]) for c in consts)
-        rows, k = (0 if rows == "?" else int(rows)), int(k)
-        name = executable_name(rows, n, k, tile, per)
-        executables[name] = executable(rows, n, k, tile, per)
-        count = -(-n // (8 * tile) // per)
-        v, r = f"fxr{res[1:]}", str(rows or "?")
-        out += [
-            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {xtype} -> tensor<{r}x{k}xf32>",
-            f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {wtype} -> tensor<{nw}xi32>",
-            f"{pad}%{v}_s = torch_c.to_builtin_tensor {s} : {stype} -> tensor<{ns}xf32>",
-            f"{pad}%{v}_n = arith.constant {count} : index",
-        ]
-        operands, types, dims = f"%{v}_x, %{v}_w, %{v}_s", f"tensor<{r}x{k}xf32>", ""
-        if not rows:
-            out += [f"{pad}%{v}_0 = arith.constant 0 : index", f"{pad}%{v}_r = tensor.dim %{v}_x, %{v}_0 : {types}"]
-            operands, types, dims = f"{operands}, %{v}_r", f"{types}{{%{v}_r}}", f"{{%{v}_r}}"
-        out += [
-            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n]({operands}) : ({types}, tensor<{nw}xi32>, "
-            f"tensor<{ns}xf32>{', index' if not rows else ''}) -> tensor<{r}x{n}xf32>{dims}",
-            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{r}x{n}xf32> -> {otype}",
-        ]
-    if not executables:
-        raise ValueError("no fx_rewrites.int4_matvec call in the module")
-    start = next(i for i, line in enumerate(out) if line.startswith("module"))
-    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+    executable (`spliced.splice_calls`); ValueError where there is none, or one this form does not match."""
+    return spliced.splice_calls(mlir, MARK, 3, lambda *shape: (executable_name(*shape), executable(*shape)), "fxr")

@@ -1,0 +1,115 @@
+"""Hand-written dispatches spliced into torch-mlir's import (issue 33; docs/iree-3.13-findings.md sections 49, 52, 53).
+
+A kernel module (`int4_dispatch`, `a8int4_dispatch`) defines a `torch.library` op that a rule writes into the graph
+and torch-mlir imports as `torch.operator "torch.fx_rewrites.NAME"(tensors..., n, tile, per)`, and the text of a
+`stream.executable` per shape. `splice_calls` replaces each such line by a `flow.dispatch` of that executable
+between `torch_c` conversions (the executables declared once at the module's start; a dynamic row count passed as
+an operand). `KERNELS` lists the kernel modules: `IreeBackend` splices them all (`spliced`), the compile cache keys a
+module by the source of each kernel it calls (`sources`), and `legality.SPLICED` names their ops.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+_TYPE = re.compile(r"!torch\.vtensor<\[([\d?,]*)\],(\w+)>")
+_DTYPES = {"si8": "i8", "si32": "i32", "f32": "f32"}
+_INT = re.compile(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", re.M)
+
+
+def kernels() -> tuple[ModuleType, ...]:
+    """The kernel modules (each with `MARK`, the op's name in torch-mlir's import, and `splice`)."""
+    from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
+
+    return (int4_dispatch, a8int4_dispatch)
+
+
+def spliced(mlir: str) -> str:
+    """`mlir` with every kernel's calls spliced, or as it is where it calls none."""
+    for kernel in kernels():
+        if kernel.MARK in mlir:
+            mlir = kernel.splice(mlir)
+    return mlir
+
+
+def sources(mlir: str) -> list[bytes]:
+    """The source of each kernel module `mlir` calls (the compile cache keys by them: a new kernel, a new module)."""
+    return [Path(kernel.__file__).read_bytes() for kernel in kernels() if kernel.MARK in mlir]
+
+
+def executable(name: str, bindings: str, rows: int, body: str) -> str:
+    """A `stream.executable` whose export and function are both named `name` (unique in a module once IREE links the
+    executables: findings 52), taking `bindings` (and, for `rows` 0, the row count as an index), over `%count`
+    workgroups; `body` is the function's MLIR."""
+    dynamic = "" if rows else ", %rows: index"
+    indented = "\n".join("        " + line for line in body.splitlines())
+    return f"""  stream.executable private @{name} {{
+    stream.executable.export public @{name} workgroups(%count: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %count, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func @{name}({bindings}{dynamic}) {{
+{indented}
+      }}
+    }}
+  }}"""
+
+
+def _tensor(vtensor: str) -> tuple[str, list[str]]:
+    dims, dtype = _TYPE.fullmatch(vtensor.strip()).groups()
+    sizes = dims.split(",") if dims else []
+    return f"tensor<{'x'.join([*sizes, _DTYPES[dtype]])}>", sizes
+
+
+def splice_calls(
+    mlir: str, mark: str, tensors: int, build: Callable[[int, int, int, int, int], tuple[str, str]], prefix: str
+) -> str:
+    """`mlir` with every `torch.operator "<mark>"` call of `tensors` tensors (x [rows, K] f32 or i8 first) and three
+    ints (n, tile, per) replaced by a `flow.dispatch` writing [rows, N] f32 over ceil(N / (8 tile) / per)
+    workgroups; `build(rows, n, k, tile, per)` gives the executable's name and text (rows 0: dynamic); `prefix`
+    names the SSA values it adds. ValueError where there is no call, or one of another form."""
+    call = re.compile(rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(mark)}"\(([^)]*)\) : \((.*)\) -> (.*)$')
+    ints = dict(_INT.findall(mlir))
+    unknown = f"an {mark.rsplit('.', 1)[-1]} call of an unknown form"
+    out, executables = [], {}
+    for line in mlir.splitlines():
+        found = call.match(line)
+        if not found or len(found.group(3).split(", ")) != tensors + 3:
+            if mark in line:
+                raise ValueError(f"{unknown}: {line.strip()[:200]}")
+            out.append(line)
+            continue
+        pad, res, operands, types, otype = found.groups()
+        names = operands.split(", ")
+        vtypes = re.findall(r"!torch\.vtensor<[^>]*>", types)[:tensors]
+        if len(vtypes) != tensors or any(c not in ints for c in names[tensors:]):
+            raise ValueError(f"{unknown}: {line.strip()[:200]}")
+        typed = [_tensor(t) for t in vtypes]
+        n, tile, per = (int(ints[c]) for c in names[tensors:])
+        rows_s, k = typed[0][1][0], int(typed[0][1][1])
+        rows = 0 if rows_s == "?" else int(rows_s)
+        name, text = build(rows, n, k, tile, per)
+        executables[name] = text
+        v = f"{prefix}{res[1:]}"
+        for i, (operand, vt, (tt, _)) in enumerate(zip(names[:tensors], vtypes, typed, strict=True)):
+            out.append(f"{pad}%{v}_{i} = torch_c.to_builtin_tensor {operand} : {vt} -> {tt}")
+        out.append(f"{pad}%{v}_n = arith.constant {-(-n // (8 * tile) // per)} : index")
+        ops = ", ".join(f"%{v}_{i}" for i in range(tensors))
+        sig = ", ".join(tt + (f"{{%{v}_r}}" if "?" in sizes else "") for tt, sizes in typed)
+        if not rows:
+            out += [f"{pad}%{v}_z = arith.constant 0 : index",
+                    f"{pad}%{v}_r = tensor.dim %{v}_0, %{v}_z : {typed[0][0]}"]  # fmt: skip
+            ops, sig = f"{ops}, %{v}_r", f"{sig}, index"
+        result = f"tensor<{rows_s}x{n}xf32>" + ("" if rows else f"{{%{v}_r}}")
+        out += [
+            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n]({ops}) : ({sig}) -> {result}",
+            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{rows_s}x{n}xf32> -> {otype.strip()}",
+        ]
+    if not executables:
+        raise ValueError(f"no {mark.removeprefix('torch.')} call in the module")
+    start = next(i for i, line in enumerate(out) if line.startswith("module"))
+    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
