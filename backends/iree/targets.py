@@ -16,6 +16,7 @@ import platform
 import attrs
 
 from fx_rewrites.backends.iree import cpus
+from fx_rewrites.backends.iree.tuning_spec import Mmt4dTiles, spec_flag
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -94,6 +95,8 @@ class CpuIsa:
     - `target_features`: `--iree-llvmcpu-target-cpu-features` with `target_cpu` ("" for none).
     - `first_rules`: the names of first-phase rules on for it (`rules.FIRST_BY_ISA`: they must see the graph before
       the ISA-neutral rules of that phase rewrite it).
+    - `mmt4d_tiles`: workgroup tiles for the data-tiled matmuls of these shapes (`tuning_spec`), passed as a tuning
+      spec after `perf_flags`; the other shapes keep IREE's own.
     """
 
     name: str
@@ -103,6 +106,11 @@ class CpuIsa:
     perf_rules: tuple[str, ...]
     target_features: str = ""
     first_rules: tuple[str, ...] = ()
+    mmt4d_tiles: tuple[Mmt4dTiles, ...] = ()
+
+    def all_perf_flags(self) -> tuple[str, ...]:
+        """`perf_flags`, and the tuning spec of `mmt4d_tiles` where there are any."""
+        return (*self.perf_flags, spec_flag(self.mmt4d_tiles)) if self.mmt4d_tiles else self.perf_flags
 
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
@@ -200,7 +208,7 @@ def llvm_cpu(isa: str = "host") -> IreeTarget:
         name="llvm-cpu",
         driver="local-task",
         flags=(*cpu_flags, _KEEP_F64),
-        perf_flags=CPU_ISAS[resolved].perf_flags if resolved else (),
+        perf_flags=CPU_ISAS[resolved].all_perf_flags() if resolved else (),
         device="this host's CPU" if cpu == "host" else f"a {resolved.upper()} CPU ({cpu})",
         isa=resolved,
     )
