@@ -15,6 +15,7 @@ A tuning spec sets a lowering config on the `mmt4d`s whose operand types it name
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -87,19 +88,23 @@ def spec(tiles: Sequence[Mmt4dTiles]) -> str:
     )
 
 
-#: spec path -> its text, for `materialize` (the flag is made at import, the file written when a compile needs it)
+#: spec path -> its text, for `materialize`
 _TEXTS: dict[str, str] = {}
 
 
 def spec_flag(tiles: Sequence[Mmt4dTiles], directory: str | os.PathLike[str] | None = None) -> str:
     """`--iree-codegen-tuning-spec-path=PATH` for `tiles`' spec, in a file named by its content (under `directory`,
     default the temporary directory): the same tiles give the same flag, so compile caches keyed by the flags stay
-    valid. The file is written by `materialize`, which `invoke.run_iree_compile` calls."""
+    valid. The file is written here (so tools that run iree-compile with the target's flags themselves find it) and
+    again by `materialize` where it has gone since (`invoke.run_iree_compile` calls it)."""
     text = spec(tiles)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = str(Path(directory or tempfile.gettempdir()) / f"fx-rewrites-tuning-{digest}.mlir")
     _TEXTS[path] = text
-    return f"{FLAG}={path}"
+    flag = f"{FLAG}={path}"
+    with contextlib.suppress(OSError):  # a directory not writable now: the compile's `materialize` says so
+        materialize([flag])
+    return flag
 
 
 def materialize(flags: Sequence[str]) -> None:
