@@ -159,8 +159,9 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
 _AVX2_FIRST_RULES = ("int4_decode_as_dispatch_for_iree",)
 #: AVX2's workgroup tiles per data-tiled matmul shape (`tuning_spec`): the linear 1024 -> 1024 over 128 rows (packed
 #: 16 x 1024 by 128 x 1024 tiles of 8x1) in workgroups of 16 x 4 tiles, the whole row range at once, so the packed
-#: weight (4 MiB) streams from L3 once a call instead of once per 2-tile row group (IREE's [2, 4]). Real Zen 3, locked,
-#: conv_classes.py's row with / without: 0.77 (docs/performance.md, "Tile sizes per matmul shape on real AVX2"). No
+#: weight (4 MiB) streams from L3 once a call, not once per row group of 2 tiles (IREE's [2, 4]: 8). Real Zen 3, locked,
+#: conv_classes.py's row with / without: 0.77, 0.87, 0.92 in three runs (docs/performance.md, "Tile sizes per matmul
+#: shape on real AVX2"); alone (its dispatch benchmark) the product reads the same with either. No
 #: model of the benchmarks has that shape (their dumped configurations): ViT's, ResNet-50's and MobileNetV2's code is
 #: the same byte for byte
 _AVX2_MMT4D_TILES = (Mmt4dTiles("16x1024x8x1xf32", "128x1024x8x1xf32", (16, 4)),)
