@@ -5,8 +5,10 @@ The weight's int4 values are stored eight to an int32 word, two a byte (half int
 8w .. 8w + 7 of the group, value p in bits 4p .. 4p + 3 ([N / (8 tile), G, 4, tile, 8] int32). The kernel runs
 along the output channels, one ymm lane a channel: value p of a word is `(word << (28 - 4p)) & 0xF0000000` (q * 2^28,
 exact), converted by `sitofp` and multiplied into `tile` group accumulators by x[32g + 8w + p] broadcast; each
-group's sum is then multiplied by its scales (s * 2^-28, exact) into `tile` running totals. It is MLIR we write (scf
-loops, vector and arith ops over the bindings' memrefs) in a `stream.executable`, compiled by IREE as written.
+group's sum is then multiplied by its scales (s * 2^-28, exact) into `tile` running totals. Each group prefetches
+the words `PREFETCH` ahead, one `memref.prefetch` a cache line (a model's weights stream from DRAM, which the
+hardware prefetcher alone left ~15% behind). It is MLIR we write (scf loops, vector and arith ops over the
+bindings' memrefs) in a `stream.executable`, compiled by IREE as written.
 
 It enters a graph as the custom op `fx_rewrites::int4_matvec(x, words, scales, n, tile, per)` (eager: the words
 unpacked by torch; fake: the result's shape), which torch-mlir imports as `torch.operator
@@ -27,6 +29,11 @@ GROUP = 32
 #: the top nibble of an int32 (0xF0000000 as a signed value)
 TOP = -(1 << 28)
 UNIT = 2.0**-28
+#: how far ahead of the group being summed the kernel prefetches the words, in words (16 KB: 32 groups of a tile of 4;
+#: docs/performance.md, "Where an int4 g32 decode token goes": 2048 and 8192 were no better on the real AVX2 host)
+PREFETCH = 4096
+#: int32 words a cache line
+LINE = 16
 OP = "fx_rewrites::int4_matvec"
 #: how the op is named in torch-mlir's import
 MARK = "torch.fx_rewrites.int4_matvec"
@@ -95,6 +102,12 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add(f"%bg0 = arith.muli %b, %c{g}w : index")
     add("%bg = arith.addi %bg0, %g : index")
     add(f"%wbase = arith.muli %bg, %c{32 * tile}w : index")
+    # the words PREFETCH ahead, one prefetch a cache line, clamped to the buffer's last group
+    add(f"%pfa = arith.addi %wbase, %c{PREFETCH}w : index")
+    add(f"%pfb = arith.minui %pfa, %c{nw - 32 * tile}w : index")
+    for line in range(0, 32 * tile, LINE):
+        add(f"%pf{line} = arith.addi %pfb, %c{line}w : index")
+        add(f"memref.prefetch %wm[%pf{line}], read, locality<0>, data : {wt}")
     add(f"%sbase = arith.muli %bg, %c{8 * tile}w : index")
     add(f"%xg = arith.muli %g, %c{GROUP}w : index")
     add("%xbase = arith.addi %xr, %xg : index")

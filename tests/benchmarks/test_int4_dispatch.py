@@ -4,6 +4,7 @@ float32 error against float64."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +47,25 @@ def test_a_weight_off_the_tile_is_refused():
     q, s = _weights(48, 256, 0)
     with pytest.raises(ValueError, match="N a multiple of 32"):
         Int4Dispatch(q, s, tile=4)
+
+
+@pytest.mark.parametrize(("n", "k", "tile"), [(256, 1024, 4), (32000, 1024, 4), (64, 2816, 1)])
+def test_the_kernel_prefetches_each_line_of_a_group_ahead_within_the_words(n, k, tile):
+    # the words of a group (32 tile words: 2 tile cache lines) PREFETCH words ahead, the index clamped to the
+    # buffer's last group, so no prefetch reads past the words
+    from fx_rewrites.backends.iree.int4_dispatch import LINE, PREFETCH, executable
+
+    text = executable(1, n, k, tile, 8)
+    nw = n * k // 8
+    consts = dict(re.findall(r"(%c\d+w) = arith.constant (\d+) : index", text))
+    ahead = re.search(r"%pfa = arith.addi %wbase, (%c\d+w)", text)
+    clamp = re.search(r"%pfb = arith.minui %pfa, (%c\d+w)", text)
+    lines = [int(consts[c]) for c in re.findall(r"%pf\d+ = arith.addi %pfb, (%c\d+w)", text)]
+    assert ahead and int(consts[ahead.group(1)]) == PREFETCH
+    assert clamp and int(consts[clamp.group(1)]) == nw - 32 * tile
+    assert lines == list(range(0, 32 * tile, LINE))
+    assert text.count("memref.prefetch %wm[%pf") == len(lines) == 2 * tile
+    assert int(consts[clamp.group(1)]) + max(lines) + LINE <= nw
 
 
 def test_splice_refuses_a_module_without_the_op():
