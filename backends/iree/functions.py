@@ -36,7 +36,13 @@ from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.cpus import IreeCpuError
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
-from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
+from fx_rewrites.backends.iree.importing import (
+    iree_modules,
+    make_importer,
+    prepare_program,
+    set_reflection,
+    shape_options,
+)
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
 from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions, save_and_reopen
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
@@ -83,9 +89,11 @@ def import_functions(
     for name, (program, state) in programs.items():
         try:
             if state is None:
-                public[name] = importer.import_frozen_program(program, func_name=name)
+                public[name] = importer.import_frozen_program(program, func_name=name, **shape_options())
             else:
-                body = importer.import_frozen_program(program, func_name=body_name(name), func_visibility="private")
+                body = importer.import_frozen_program(
+                    program, func_name=body_name(name), func_visibility="private", **shape_options()
+                )
                 public[name] = wrap_state(ir, importer, body, state, hooks, name=name)
         except Exception as e:
             raise import_error(e, current[0]) from e
