@@ -11,7 +11,7 @@ on the query rows (the prompt) and compiled by the IREE backend's rules (local-s
 - `rules`: the default rules (`attention_by_key_blocks` where it applies);
 - `whole`: without `attention_by_key_blocks` (written out over every key);
 - `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
-  `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `importing`'s
+  `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `assumptions`'s
   (`rules:ASSUME_SHAPES=0`: the Dims not passed to IREE as assumptions);
 - `eager_mask`: torch's SDPA with the mask over the cache; `eager_causal`: torch's `is_causal` flash attention
   over the prompt's keys only (what transformers' eager prefill with a DynamicCache calls).
@@ -64,12 +64,12 @@ def eager_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 @contextlib.contextmanager
 def _constants(settings: str) -> Iterator[None]:
     """`NAME=VALUE,...` set while the route is rewritten and compiled: on backends/iree/rules/attention_blocks.py,
-    or on backends/iree/importing.py (`ASSUME_SHAPES=0`: no size assumptions passed to IREE)."""
-    from fx_rewrites.backends.iree import importing
+    or on backends/iree/assumptions.py (`ASSUME_SHAPES=0`: no size assumptions passed to IREE)."""
+    from fx_rewrites.backends.iree import assumptions
     from fx_rewrites.backends.iree.rules import attention_blocks
 
     pairs = [item.split("=") for item in settings.split(",") if item]
-    owners = {name: attention_blocks if hasattr(attention_blocks, name) else importing for name, _ in pairs}
+    owners = {name: attention_blocks if hasattr(attention_blocks, name) else assumptions for name, _ in pairs}
     old = {name: getattr(owners[name], name) for name, _ in pairs}
     try:
         for name, value in pairs:

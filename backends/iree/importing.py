@@ -35,6 +35,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
+from fx_rewrites.backends.iree.assumptions import binds, shape_options
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.int4_fold import fold_int4
@@ -48,16 +49,6 @@ INSTALL_HINT = "pip install -e '.[iree]'  (iree-base-compiler and iree-base-runt
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+),')
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
-#: import an ExportedProgram's dynamic input sizes as `torch.bind_symbolic_shape` (IREE's input pipeline makes
-#: them `util.assume.int`: each Dim's range, and the divisor of a derived one such as `8 * Dim("n")`); the call
-#: convention refuses a size outside them (`convention.check_size`). False: no assumptions (for measuring)
-ASSUME_SHAPES = True
-
-
-def shape_options() -> dict[str, bool]:
-    """`FxImporter.import_frozen_program`'s keyword for `ASSUME_SHAPES`."""
-    return {"import_symbolic_shape_expressions": ASSUME_SHAPES}
-
 
 aten = torch.ops.aten
 
@@ -348,12 +339,8 @@ def make_importer(iree: Any, hooks: Any = None) -> tuple[Any, list[Node | None]]
             return super().import_nodes(track(), **kwargs)
 
         def _create_bind_symbolic_shape_ops(self, loc: Any, node: Node) -> None:
-            # IREE reads the bindings of a function's arguments only (BindSymbolicShapes.cpp); inside, a size of
-            # a symbol the program's range_constraints lack (a rule's item()) has no value to bind to
-            val = node.meta.get("val")
-            shape = val.shape if node.op == "placeholder" and isinstance(val, torch.Tensor) else ()
-            names = {str(s) for d in shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
-            if names and names <= self._symbol_to_value.keys():
+            # the arguments' sizes only, as IREE reads them (`assumptions.binds`)
+            if binds(node, self._symbol_to_value):
                 super()._create_bind_symbolic_shape_ops(loc, node)
 
     class _NodeLocations(fx_importer.ContextCache):

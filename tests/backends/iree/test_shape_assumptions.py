@@ -13,7 +13,7 @@ from torch.export import Dim
 
 from fx_rewrites import apply, backends
 from fx_rewrites.backends.convention import InputMismatch, size_form
-from fx_rewrites.backends.iree import importing
+from fx_rewrites.backends.iree import assumptions
 from fx_rewrites.backends.iree.calling import MISS, fast_call
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
 
@@ -65,7 +65,7 @@ def test_a_plain_dim_gives_its_range_only(monkeypatch):
     lowered = _input_phase(import_mlir(iree_modules(), prepare_program(program)[0]))
     assert "umin = 1, umax = 100>" in lowered  # IREE drops torch's min (1, not 2) and assumes no divisor
     assert "udiv" not in lowered
-    monkeypatch.setattr(importing, "ASSUME_SHAPES", False)
+    monkeypatch.setattr(assumptions, "ASSUME_SHAPES", False)
     assert "bind_symbolic_shape" not in import_mlir(iree_modules(), prepare_program(_eights())[0])
 
 
