@@ -13,10 +13,12 @@ mismatch`) never reach the caller.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
+import sympy
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind
@@ -261,7 +263,7 @@ def _dynamic_shapes(plan: Plan, item: Input, dim: int, dim_name: str) -> str:
 
 
 def _check_values(plan: Plan, flat: list[Any]) -> None:
-    sizes: dict[str, tuple[int, str]] = {}  # symbol -> (size, where it was first seen)
+    sizes: dict[str, tuple[int, str]] = {}  # symbol -> (its value, where it was first seen)
     for item, value in zip(plan.inputs, flat, strict=True):
         where = f"input {item.name!r} ({item.path})" if item.name else f"input {item.path}"
         if item.kind == "constant":
@@ -324,10 +326,41 @@ def _check_tensor(plan: Plan, item: Input, where: str, value: Any, sizes: dict[s
                 f"the program was exported for. Fix: pass a size in {bounds}, or export with a wider "
                 "torch.export.Dim(min=, max=)."
             )
-        if expected in sizes and sizes[expected][0] != got:
-            first, seen = sizes[expected]
+        key, scale, offset = size_form(expected)
+        if (got - offset) % scale:
             raise InputMismatch(
-                f"{where} has shape {_shape(shape)}; dim {dim} is {got}, but {seen} is {first}, and the program was "
-                f"exported with the two equal ({expected}). Fix: pass inputs whose sizes agree."
+                f"{where} has shape {_shape(shape)}; dim {dim} ({expected}) is {got}, not of that form (a multiple "
+                f"of {scale}{f' plus {offset}' if offset else ''}). The compiled module assumes it is (IREE's "
+                "util.assume.int), so the call is refused rather than computed wrong. Fix: pad the input to such "
+                "a size, or export with a plain torch.export.Dim."
             )
-        sizes.setdefault(expected, (got, f"dim {dim} of {where}"))
+        value = (got - offset) // scale
+        if key in sizes and sizes[key][0] != value:
+            first, seen = sizes[key]
+            raise InputMismatch(
+                f"{where} has shape {_shape(shape)}; dim {dim} ({expected}) is {got}, but {seen} gives {key} = "
+                f"{first}, and the program was exported with the two equal in {key}. Fix: pass inputs whose sizes "
+                "agree."
+            )
+        sizes.setdefault(key, (value, f"dim {dim} of {where} ({got})"))
+
+
+@functools.lru_cache(maxsize=1024)
+def size_form(expected: str) -> tuple[str, int, int]:
+    """A dynamic dim's expression `expected` as (key, scale, offset): a size is `scale * v + offset` for an
+    integer v, the value of the symbol `key` (one symbol: "8*s0" -> ("s0", 8, 0), "s1" -> ("s1", 1, 0)); for an
+    expression of several symbols the key is the expression itself, scale the divisor of its coefficients. What a
+    call must meet beyond the ranges: IREE assumes the divisors (`util.assume.int` udiv) and ties the sizes of one
+    symbol together."""
+    try:
+        expr = sympy.sympify(expected)
+        poly = sympy.Poly(expr, *sorted(expr.free_symbols, key=str))
+    except (sympy.SympifyError, sympy.PolynomialError, TypeError, ValueError):
+        return expected, 1, 0
+    if not expr.free_symbols or not all(c.is_Integer for c in poly.coeffs()):
+        return expected, 1, 0
+    if len(poly.gens) == 1 and poly.degree() == 1:
+        scale, offset = (int(c) for c in poly.all_coeffs())
+        if scale > 0:
+            return str(poly.gens[0]), scale, offset
+    return expected, max(int(sympy.gcd_list(poly.coeffs())), 1), 0

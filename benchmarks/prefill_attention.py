@@ -3,6 +3,7 @@
     python benchmarks/prefill_attention.py                        # moe_sort's small model: 8 heads over 4, of 64
     python benchmarks/prefill_attention.py --shape qwen3-30b-a3b  # 32 heads over 4, of 128
     python benchmarks/prefill_attention.py --routes rules sums eager_causal --rows 2048
+    python benchmarks/prefill_attention.py --rows-multiple 8 --routes rules rules:ASSUME_SHAPES=0 eager_causal
 
 transformers' eager prefill over compile_lm's static cache: `repeat_kv` of the 4 key-value heads, a bool causal
 mask over the cache's positions (row i lets keys 0..i through), `scaled_dot_product_attention`, exported with a Dim
@@ -10,7 +11,8 @@ on the query rows (the prompt) and compiled by the IREE backend's rules (local-s
 - `rules`: the default rules (`attention_by_key_blocks` where it applies);
 - `whole`: without `attention_by_key_blocks` (written out over every key);
 - `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
-  `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned);
+  `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `assumptions`'s
+  (`rules:ASSUME_SHAPES=0`: the Dims not passed to IREE as assumptions);
 - `eager_mask`: torch's SDPA with the mask over the cache; `eager_causal`: torch's `is_causal` flash attention
   over the prompt's keys only (what transformers' eager prefill with a DynamicCache calls).
 One thread, CPU time (time.process_time) per call, median of `--calls` after 2 warm-up calls, routes interleaved
@@ -61,18 +63,21 @@ def eager_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 @contextlib.contextmanager
 def _constants(settings: str) -> Iterator[None]:
-    """`NAME=VALUE,...` set on backends/iree/rules/attention_blocks.py while the block is run."""
+    """`NAME=VALUE,...` set while the route is rewritten and compiled: on backends/iree/rules/attention_blocks.py,
+    or on backends/iree/assumptions.py (`ASSUME_SHAPES=0`: no size assumptions passed to IREE)."""
+    from fx_rewrites.backends.iree import assumptions
     from fx_rewrites.backends.iree.rules import attention_blocks
 
     pairs = [item.split("=") for item in settings.split(",") if item]
-    old = {name: getattr(attention_blocks, name) for name, _ in pairs}
+    owners = {name: attention_blocks if hasattr(attention_blocks, name) else assumptions for name, _ in pairs}
+    old = {name: getattr(owners[name], name) for name, _ in pairs}
     try:
         for name, value in pairs:
-            setattr(attention_blocks, name, int(value))
+            setattr(owners[name], name, type(old[name])(int(value)))
         yield
     finally:
         for name, value in old.items():
-            setattr(attention_blocks, name, value)
+            setattr(owners[name], name, value)
 
 
 def main() -> None:
@@ -82,6 +87,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--routes", nargs="+", default=["rules", "whole", "eager_mask", "eager_causal"])
     parser.add_argument("--without", nargs="*", default=[], help="rules left out of every IREE route")
+    parser.add_argument(
+        "--rows-multiple", type=int, default=1, help="export the rows as this * Dim (the second length rounded to one)"
+    )
     args = parser.parse_args()
     import fx_rewrites
     from fx_rewrites import testing
@@ -91,12 +99,13 @@ def main() -> None:
     heads, kv, size, keys = SHAPES[args.shape]
     g = torch.Generator().manual_seed(0)
     inputs = _inputs(heads, kv, size, keys, args.rows, g)
-    shorter = _inputs(heads, kv, size, keys, args.rows // 2 + 7, g)
-    dim = torch.export.Dim("rows", min=2, max=keys)
+    m = args.rows_multiple
+    shorter = _inputs(heads, kv, size, keys, (args.rows // 2 + 7) // m * m, g)
+    dim = torch.export.Dim("rows", min=2, max=keys) if m == 1 else m * torch.export.Dim("rows", min=1, max=keys // m)
     default = IreeBackend(driver="local-sync")
     calls: dict[str, Any] = {}
     row: dict[str, Any] = {"shape": args.shape, "heads": heads, "kv_heads": kv, "head_size": size}
-    row |= {"keys": keys, "rows": args.rows}
+    row |= {"keys": keys, "rows": args.rows, "rows_multiple": m}
     for name in args.routes:
         if name == "eager_mask":
             calls[name] = Sdpa()
@@ -110,7 +119,7 @@ def main() -> None:
         start = time.monotonic()
         with _constants(name.partition(":")[2]):
             rewritten = fx_rewrites.apply(program, route.rules).program
-        calls[name] = route.compile(rewritten, inputs)
+            calls[name] = route.compile(rewritten, inputs)
         row[f"{name}_compile_s"] = round(time.monotonic() - start, 1)
         row[f"{name}_max_abs_diff"] = max(
             float((calls[name](*x) - eager_causal(*x)).abs().max()) for x in (inputs, shorter)

@@ -35,8 +35,8 @@ compiles without a device; `compile` also loads on the device
 
 Modules: `errors` (what it raises), `invoke` (running iree-compile), `cpus` (the CPU llvm-cpu
 code is built for, what it needs, the host's features: `IreeBackend.for_cpu`, `IreeCpuError`),
-`cache`, `importing` (graph -> MLIR and the call plan), `state` (written buffers as
-module globals), `parameters`, `memory`, `runtime`
+`cache`, `importing` (graph -> MLIR and the call plan), `assumptions` (the Dims told to IREE),
+`state` (written buffers as module globals), `parameters`, `memory`, `runtime`
 (`IreeCompiled`, `IreeArtifact`), `targets` (`IreeTarget`, `TARGETS`),
 `backend` (`IreeBackend`).
 """

@@ -6,7 +6,7 @@ us in Python), iree.runtime's `FunctionInvoker` (~3 us of Python around the
 invoke) and a `DeviceArray` per result (~5 us to map and copy it). For the
 common call, positional tensors of the compiled dtypes and sizes, `fits`
 checks the same conditions as `bind` (dtype, rank, every static size, each
-Dim's range, sizes of one symbol equal) without building messages, and
+Dim's range and divisor, sizes of one symbol agreeing) without building messages, and
 `Invoker` packs the arguments, invokes the function and copies each result out
 of its mapped buffer; any other call (keyword arguments, a structure, a
 mismatch, which `bind` then names) takes the general path.
@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fx_rewrites.backends.convention import Plan, positional_leaves
+from fx_rewrites.backends.convention import Plan, positional_leaves, size_form
 
-#: one input's check: (dtype, rank, the static sizes as (dim, size), the dynamic ones as (dim, symbol, low, high))
-_InputCheck = tuple[torch.dtype, int, tuple[tuple[int, int], ...], tuple[tuple[int, str, int, float], ...]]
+#: one input's check: (dtype, rank, the static sizes as (dim, size), the dynamic ones as (dim, symbol, low, high,
+#: scale, offset): `convention.size_form`'s key and form)
+_Dynamic = tuple[int, str, int, float, int, int]
+_InputCheck = tuple[torch.dtype, int, tuple[tuple[int, int], ...], tuple[_Dynamic, ...]]
 
 
 def input_checks(plan: Plan) -> tuple[_InputCheck, ...] | None:
@@ -48,7 +50,8 @@ def input_checks(plan: Plan) -> tuple[_InputCheck, ...] | None:
         for d, symbol in enumerate(item.shape):
             if not isinstance(symbol, int):
                 low, high = plan.ranges.get(symbol, (0, None))
-                dynamic.append((d, symbol, low, float("inf") if high is None else high))
+                key, scale, offset = size_form(symbol)
+                dynamic.append((d, key, low, float("inf") if high is None else high, scale, offset))
         checks.append((item.dtype, len(item.shape), static, tuple(dynamic)))
     return tuple(checks)
 
@@ -67,9 +70,12 @@ def fits(checks: tuple[_InputCheck, ...], args: tuple[Any, ...]) -> bool:
         for d, n in static:
             if shape[d] != n:
                 return False
-        for d, symbol, low, high in dynamic:
+        for d, key, low, high, scale, offset in dynamic:
             got = shape[d]
-            if got < low or got > high or sizes.setdefault(symbol, got) != got:
+            if got < low or got > high or (got - offset) % scale:
+                return False
+            value = (got - offset) // scale
+            if sizes.setdefault(key, value) != value:
                 return False
     return True
 

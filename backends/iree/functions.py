@@ -32,6 +32,7 @@ from torch.export.graph_signature import OutputKind
 from fx_rewrites.backends.convention import Plan
 from fx_rewrites.backends.iree import memory, refusals
 from fx_rewrites.backends.iree.artifact import CALL_KEY, UNSUPPORTED_KEY, reflection
+from fx_rewrites.backends.iree.assumptions import shape_options
 from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.cpus import IreeCpuError
 from fx_rewrites.backends.iree.encoding import packer
@@ -83,9 +84,11 @@ def import_functions(
     for name, (program, state) in programs.items():
         try:
             if state is None:
-                public[name] = importer.import_frozen_program(program, func_name=name)
+                public[name] = importer.import_frozen_program(program, func_name=name, **shape_options())
             else:
-                body = importer.import_frozen_program(program, func_name=body_name(name), func_visibility="private")
+                body = importer.import_frozen_program(
+                    program, func_name=body_name(name), func_visibility="private", **shape_options()
+                )
                 public[name] = wrap_state(ir, importer, body, state, hooks, name=name)
         except Exception as e:
             raise import_error(e, current[0]) from e

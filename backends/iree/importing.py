@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
 from fx_rewrites.backends.iree.a8int4_fold import fold_a8int4
+from fx_rewrites.backends.iree.assumptions import binds, shape_options
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
 from fx_rewrites.backends.iree.int4_fold import fold_int4
@@ -339,6 +340,11 @@ def make_importer(iree: Any, hooks: Any = None) -> tuple[Any, list[Node | None]]
 
             return super().import_nodes(track(), **kwargs)
 
+        def _create_bind_symbolic_shape_ops(self, loc: Any, node: Node) -> None:
+            # the arguments' sizes only, as IREE reads them (`assumptions.binds`)
+            if binds(node, self._symbol_to_value):
+                super()._create_bind_symbolic_shape_ops(loc, node)
+
     class _NodeLocations(fx_importer.ContextCache):
         # loc("fx.<node>@<file>":<line>:0): every diagnostic names its node, and the innermost frame
         # outside torch (the stock importer gives file:line call sites only)
@@ -390,9 +396,11 @@ def import_mlir(
     try:
         if isinstance(program, ExportedProgram):
             if state is None:
-                main = importer.import_frozen_program(program, func_name="main")
+                main = importer.import_frozen_program(program, func_name="main", **shape_options())
             else:
-                body = importer.import_frozen_program(program, func_name=BODY, func_visibility="private")
+                body = importer.import_frozen_program(
+                    program, func_name=BODY, func_visibility="private", **shape_options()
+                )
                 main = wrap_state(ir, importer, body, state, hooks)
         else:
             _inline_tensor_attributes(program)
