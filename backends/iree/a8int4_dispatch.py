@@ -14,7 +14,8 @@ and a group, byte (j, t, 4c + i) (j < 4, t < tile, c < 8, i < 4) holds q + 8 of 
 takes the nibbles (`and 15`; `shift right 4`, `and 15`), subtracts 8, and multiplies each by x's 4 bytes at those
 positions broadcast into every lane. `vpmaddubsw` / `vpmaddwd` are called as LLVM's x86 intrinsics
 (`llvm.call_intrinsic`); the same sums in arith (shuffles, extends, the saturating clamp) are not matched by
-LLVM's X86 back end (docs/iree-3.13-findings.md section 53).
+LLVM's X86 back end (docs/iree-3.13-findings.md section 53). Each group prefetches the bytes `PREFETCH` ahead, one
+`memref.prefetch` a cache line clamped to the buffer's last group, as the float kernel does its words (section 55).
 
 It enters a graph as the custom op `fx_rewrites::a8int4_matvec(qx, sx, zx, bytes, groups, n, tile, per)`
 (eager: the same values in float32 by torch), imported by torch-mlir as a `torch.operator`; `splice` replaces each
@@ -30,6 +31,11 @@ import torch
 from fx_rewrites.backends.iree import spliced
 
 GROUP = 32
+#: how far ahead of the group being summed the kernel prefetches the bytes, in bytes (16 KB: 32 groups of a tile of 4,
+#: as `int4_dispatch.PREFETCH` for the float kernel's words; docs/iree-3.13-findings.md section 55)
+PREFETCH = 16384
+#: bytes a cache line
+LINE = 64
 OP = "fx_rewrites::a8int4_matvec"
 MARK = "torch.fx_rewrites.a8int4_matvec"
 
@@ -128,6 +134,12 @@ def kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add(f"%bg0 = arith.muli %b, %c{g}w : index")
     add("%bg = arith.addi %bg0, %g : index")
     add(f"%wbase = arith.muli %bg, %c{128 * tile}w : index")
+    # the bytes PREFETCH ahead, one prefetch a cache line, clamped to the buffer's last group
+    add(f"%pfa = arith.addi %wbase, %c{PREFETCH}w : index")
+    add(f"%pfb = arith.minui %pfa, %c{n * k // 2 - 128 * tile}w : index")
+    for line in range(0, 128 * tile, LINE):
+        add(f"%pf{line} = arith.addi %pfb, %c{line}w : index")
+        add(f"memref.prefetch %wm[%pf{line}], read, locality<0>, data : {wt}")
     add(f"%sbase = arith.muli %bg, %c{16 * tile}w : index")
     add(f"%xg = arith.muli %g, %c{GROUP}w : index")
     add("%xbase = arith.addi %xr, %xg : index")

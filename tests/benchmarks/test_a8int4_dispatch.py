@@ -4,6 +4,7 @@ g32 weight within torch's own float32 error against float64; the bytes round-tri
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +32,25 @@ def test_the_bytes_and_groups_unpack_to_the_weight(tile):
     assert torch.equal(a8.unpack_scales(groups, 64, tile), s)
     sums = groups.view(64 // (8 * tile), 8, 2, tile, 8)[:, :, 1].permute(0, 2, 3, 1).reshape(64, 8)
     assert torch.equal(sums, q.view(64, 8, 32).sum(-1).float())
+
+
+@pytest.mark.parametrize(("n", "k", "tile"), [(256, 1024, 4), (32000, 1024, 4), (64, 2816, 1)])
+def test_the_kernel_prefetches_each_line_of_a_group_ahead_within_the_bytes(n, k, tile):
+    # the bytes of a group (128 tile bytes: 2 tile cache lines) PREFETCH bytes ahead, the index clamped to the
+    # buffer's last group, so no prefetch reads past the bytes
+    nbytes = n * k // 2
+    text = a8.executable(1, n, k, tile, 8)
+    consts = dict(re.findall(r"(%c\d+w) = arith.constant (\d+) : index", text))
+    ahead = re.search(r"%pfa = arith.addi %wbase, (%c\d+w)", text)
+    clamp = re.search(r"%pfb = arith.minui %pfa, (%c\d+w)", text)
+    lines = [int(consts[c]) for c in re.findall(r"%pf\d+ = arith.addi %pfb, (%c\d+w)", text)]
+    assert a8.PREFETCH == 16384 and a8.LINE == 64
+    assert ahead and int(consts[ahead.group(1)]) == a8.PREFETCH
+    assert clamp and int(consts[clamp.group(1)]) == nbytes - 128 * tile
+    assert lines == list(range(0, 128 * tile, a8.LINE))
+    assert text.count("memref.prefetch %wm[%pf") == len(lines) == 2 * tile
+    assert text.count(f"read, locality<0>, data : memref<{nbytes}xi8>") == 2 * tile
+    assert int(consts[clamp.group(1)]) + max(lines) + a8.LINE <= nbytes
 
 
 def test_the_generic_form_has_no_intrinsic_calls():
