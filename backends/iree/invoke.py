@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fx_rewrites.backends.iree import tuning_spec
 from fx_rewrites.backends.iree.errors import IreeCompileError
 from fx_rewrites.backends.iree.memory import killed_error
 
@@ -89,7 +88,6 @@ def run_iree_compile(
     when something else killed it (SIGKILL: the OOM killer). `IREE_SAVE_TEMPS`
     keeps the input and the command line, as `compile_str` does.
     """
-    tuning_spec.materialize(flags)  # a performance flag's tuning spec file (targets.CpuIsa.mmt4d_tiles)
     core = iree.compiler.tools.core
     options = core.CompilerOptions(input_type="torch", target_backends=[target_backend], extra_args=list(flags))
     with core.TempFileSaver.implicit() as temps:

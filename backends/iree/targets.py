@@ -16,7 +16,6 @@ import platform
 import attrs
 
 from fx_rewrites.backends.iree import cpus
-from fx_rewrites.backends.iree.tuning_spec import Mmt4dTiles, spec_flag
 
 #: llvm-cpu and CUDA/ROCm run f64 natively; IREE's default demotion to f32 breaks f64 inputs and outputs at
 #: run time ("buffer view byte length 24 exceeds backing buffer byte length 12").
@@ -95,8 +94,6 @@ class CpuIsa:
     - `target_features`: `--iree-llvmcpu-target-cpu-features` with `target_cpu` ("" for none).
     - `first_rules`: the names of first-phase rules on for it (`rules.FIRST_BY_ISA`: they must see the graph before
       the ISA-neutral rules of that phase rewrite it).
-    - `mmt4d_tiles`: workgroup tiles for the data-tiled matmuls of these shapes (`tuning_spec`), passed as a tuning
-      spec after `perf_flags`; the other shapes keep IREE's own.
     """
 
     name: str
@@ -106,11 +103,6 @@ class CpuIsa:
     perf_rules: tuple[str, ...]
     target_features: str = ""
     first_rules: tuple[str, ...] = ()
-    mmt4d_tiles: tuple[Mmt4dTiles, ...] = ()
-
-    def all_perf_flags(self) -> tuple[str, ...]:
-        """`perf_flags`, and the tuning spec of `mmt4d_tiles` where there are any."""
-        return (*self.perf_flags, spec_flag(self.mmt4d_tiles)) if self.mmt4d_tiles else self.perf_flags
 
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
@@ -161,14 +153,6 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
 # would want its own tile and VNNI, not written), 2.2x the float int4 dispatch on 2816 x 1024 and 1.28x on 32000 x
 # 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md section 53)
 _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
-#: AVX2's workgroup tiles per data-tiled matmul shape (`tuning_spec`): the linear 1024 -> 1024 over 128 rows (packed
-#: 16 x 1024 by 128 x 1024 tiles of 8x1) in workgroups of 16 x 4 tiles, the whole row range at once, so the packed
-#: weight (4 MiB) streams from L3 once a call, not once per row group of 2 tiles (IREE's [2, 4]: 8). Real Zen 3, locked,
-#: conv_classes.py's row with / without: 0.77, 0.87, 0.92 in three runs (docs/performance.md, "Tile sizes per matmul
-#: shape on real AVX2"); alone (its dispatch benchmark) the product reads the same with either. No
-#: model of the benchmarks has that shape (their dumped configurations): ViT's, ResNet-50's and MobileNetV2's code is
-#: the same byte for byte
-_AVX2_MMT4D_TILES = (Mmt4dTiles("16x1024x8x1xf32", "128x1024x8x1xf32", (16, 4)),)
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
@@ -187,7 +171,6 @@ CPU_ISAS: dict[str, CpuIsa] = {
         (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES),
         target_features="-sse4a",
         first_rules=_AVX2_FIRST_RULES,
-        mmt4d_tiles=_AVX2_MMT4D_TILES,
     ),
 }
 
@@ -221,7 +204,7 @@ def llvm_cpu(isa: str = "host") -> IreeTarget:
         name="llvm-cpu",
         driver="local-task",
         flags=(*cpu_flags, _KEEP_F64),
-        perf_flags=CPU_ISAS[resolved].all_perf_flags() if resolved else (),
+        perf_flags=CPU_ISAS[resolved].perf_flags if resolved else (),
         device="this host's CPU" if cpu == "host" else f"a {resolved.upper()} CPU ({cpu})",
         isa=resolved,
     )

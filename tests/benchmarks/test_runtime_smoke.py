@@ -54,8 +54,6 @@ def test_ablation_names_each_performance_piece(benchmarks):
         # AVX-512: the mmt4d ukernel, and im2col per shape by its rules instead of IREE's global im2col flag
         *(["-iree-llvmcpu-enable-ukernels"] if backend.target.isa == "avx512" else []),
         *(["-iree-global-opt-use-im2col-for-convs"] if backend.target.isa != "avx512" else []),
-        # AVX2: its workgroup tiles per matmul shape (targets.CpuIsa.mmt4d_tiles), one tuning spec flag
-        *(["-iree-codegen-tuning-spec-path"] if backend.target.isa == "avx2" else []),
     }
     before = routes["iree_before"]
     assert before.perf_flags == () and "attention_as_matmul_softmax" not in before.rules

@@ -77,7 +77,7 @@ def test_the_target_of_an_isa_compiles_for_this_cpu_where_it_has_the_isa():
             "llvm-cpu",
             "local-task",
             name,
-            isa.all_perf_flags(),
+            isa.perf_flags,
         )
     # the default target is the host's, or the ISA FX_REWRITES_IREE_ISA names (AVX2 tested on an AVX-512 host)
     chosen = t._isa_from_environment()
@@ -105,7 +105,7 @@ def test_a_backend_takes_its_isa_rules():
     for name in t.CPU_ISAS:
         backend = IreeBackend(target=t.llvm_cpu(name))
         assert backend.rules.sets[-1] is performance.for_target("llvm-cpu", name)
-        assert backend.perf_flags == t.CPU_ISAS[name].all_perf_flags()
+        assert backend.perf_flags == t.CPU_ISAS[name].perf_flags
 
 
 @pytest.mark.skipif(t.host_isa() == "", reason="AVX2 code runs on an x86-64 host with AVX2 and FMA only")
