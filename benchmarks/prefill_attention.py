@@ -3,7 +3,7 @@
     python benchmarks/prefill_attention.py                        # moe_sort's small model: 8 heads over 4, of 64
     python benchmarks/prefill_attention.py --shape qwen3-30b-a3b  # 32 heads over 4, of 128
     python benchmarks/prefill_attention.py --routes rules sums eager_causal --rows 2048
-    python benchmarks/prefill_attention.py --rows-multiple 8 --routes rules rules:ASSUME_SHAPES=0 eager_causal
+    python benchmarks/prefill_attention.py --rows-multiple 8 --routes rules:ASSUME_SHAPES=1 rules eager_causal
 
 transformers' eager prefill over compile_lm's static cache: `repeat_kv` of the 4 key-value heads, a bool causal
 mask over the cache's positions (row i lets keys 0..i through), `scaled_dot_product_attention`, exported with a Dim
@@ -12,7 +12,7 @@ on the query rows (the prompt) and compiled by the IREE backend's rules (local-s
 - `whole`: without `attention_by_key_blocks` (written out over every key);
 - `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
   `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `assumptions`'s
-  (`rules:ASSUME_SHAPES=0`: the Dims not passed to IREE as assumptions);
+  (`rules:ASSUME_SHAPES=1`: the Dims passed to IREE as assumptions; off by default);
 - `eager_mask`: torch's SDPA with the mask over the cache; `eager_causal`: torch's `is_causal` flash attention
   over the prompt's keys only (what transformers' eager prefill with a DynamicCache calls).
 One thread, CPU time (time.process_time) per call, median of `--calls` after 2 warm-up calls, routes interleaved
@@ -64,7 +64,7 @@ def eager_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 @contextlib.contextmanager
 def _constants(settings: str) -> Iterator[None]:
     """`NAME=VALUE,...` set while the route is rewritten and compiled: on backends/iree/rules/attention_blocks.py,
-    or on backends/iree/assumptions.py (`ASSUME_SHAPES=0`: no size assumptions passed to IREE)."""
+    or on backends/iree/assumptions.py (`ASSUME_SHAPES=1`: the size assumptions passed to IREE)."""
     from fx_rewrites.backends.iree import assumptions
     from fx_rewrites.backends.iree.rules import attention_blocks
 

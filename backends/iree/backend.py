@@ -29,6 +29,7 @@ from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, 
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
 from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
+from fx_rewrites.backends.iree.kernels import spliced
 from fx_rewrites.backends.iree.parameters import (
     INLINE_ENV,
     attribute_hooks,
@@ -43,7 +44,6 @@ from fx_rewrites.backends.iree.parameters import (
 )
 from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, function_reflections, get_device
-from fx_rewrites.backends.iree.spliced import spliced
 from fx_rewrites.backends.iree.state import lift_state
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.backends.iree.weight_layout import extra_flags
@@ -414,7 +414,7 @@ class IreeBackend:
     ) -> bytes:
         """`run_iree_compile` with this backend's target and limit; its failure named by `gm`'s nodes."""
         flags = (*flags, *extra_flags(mlir))  # re-laid quantized weights: the fusion that reads them
-        mlir = spliced(mlir)  # our own dispatches (spliced.kernels(): the int4 matvecs) in place of their ops
+        mlir = spliced(mlir)  # our own dispatches (kernels.KERNELS: the int4 matvecs) in place of their ops
         try:
             return run_iree_compile(iree, mlir, self.target.name, flags, self.compile_timeout_s, between=between)
         except IreeCompilerFailed as e:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import attrs
 
-from fx_rewrites.backends.iree import spliced
+from fx_rewrites.backends.iree import kernels
 from fx_rewrites.backends.iree.cpus import _read_host
 
 #: environment variable: the on-disk compile cache's directory, or "0" / "off" for none
@@ -211,6 +211,6 @@ def cache_key(mlir: str, flags: Sequence[str]) -> str:
     for part in (compiler, platform.machine(), _host(), "\0".join(flags), mlir):
         h.update(part.encode())
         h.update(b"\0\0")
-    for source in spliced.sources(mlir):  # the backend splices our kernels' text in: a new kernel is a new module
+    for source in kernels.sources(mlir):  # the backend splices our kernels' text in: a new kernel is a new module
         h.update(source)
     return h.hexdigest()

@@ -4,40 +4,18 @@ A kernel module (`int4_dispatch`, `a8int4_dispatch`) defines a `torch.library` o
 and torch-mlir imports as `torch.operator "torch.fx_rewrites.NAME"(tensors..., n, tile, per)`, and the text of a
 `stream.executable` per shape. `splice_calls` replaces each such line by a `flow.dispatch` of that executable
 between `torch_c` conversions (the executables declared once at the module's start; a dynamic row count passed as
-an operand). `KERNELS` lists the kernel modules: `IreeBackend` splices them all (`spliced`), the compile cache keys a
-module by the source of each kernel it calls (`sources`), and `legality.SPLICED` names their ops.
+an operand). `kernels.py` lists the kernel modules: `IreeBackend` splices them all (`kernels.spliced`), the compile
+cache keys a module by the source of each kernel it calls (`kernels.sources`), and `legality.SPLICED` names their ops.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 
 _TYPE = re.compile(r"!torch\.vtensor<\[([\d?,]*)\],(\w+)>")
 _DTYPES = {"si8": "i8", "si32": "i32", "f32": "f32"}
 _INT = re.compile(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", re.M)
-
-
-def kernels() -> tuple[ModuleType, ...]:
-    """The kernel modules (each with `MARK`, the op's name in torch-mlir's import, and `splice`)."""
-    from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
-
-    return (int4_dispatch, a8int4_dispatch)
-
-
-def spliced(mlir: str) -> str:
-    """`mlir` with every kernel's calls spliced, or as it is where it calls none."""
-    for kernel in kernels():
-        if kernel.MARK in mlir:
-            mlir = kernel.splice(mlir)
-    return mlir
-
-
-def sources(mlir: str) -> list[bytes]:
-    """The source of each kernel module `mlir` calls (the compile cache keys by them: a new kernel, a new module)."""
-    return [Path(kernel.__file__).read_bytes() for kernel in kernels() if kernel.MARK in mlir]
 
 
 def executable(name: str, bindings: str, rows: int, body: str) -> str:

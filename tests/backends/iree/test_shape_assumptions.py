@@ -32,6 +32,12 @@ class Tied(torch.nn.Module):
         return x.reshape(-1, 8, x.shape[-1]).sum(1) * y[:, None]
 
 
+@pytest.fixture(autouse=True)
+def _assume_shapes(monkeypatch):
+    """The assumptions on (off by default: `assumptions.ASSUME_SHAPES`); a test may turn them off again."""
+    monkeypatch.setattr(assumptions, "ASSUME_SHAPES", True)
+
+
 def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 32, generator=g), torch.randn(32, 16, generator=g)

@@ -1,0 +1,23 @@
+"""The hand-written dispatches the IREE backend splices into torch-mlir's import (`spliced.py` does the splicing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
+
+#: the kernel modules: each has `MARK` (its op's name in torch-mlir's import) and `splice`
+KERNELS = (int4_dispatch, a8int4_dispatch)
+
+
+def spliced(mlir: str) -> str:
+    """`mlir` with every kernel's calls spliced, or as it is where it calls none."""
+    for kernel in KERNELS:
+        if kernel.MARK in mlir:
+            mlir = kernel.splice(mlir)
+    return mlir
+
+
+def sources(mlir: str) -> list[bytes]:
+    """The source of each kernel module `mlir` calls (the compile cache keys by them: a new kernel, a new module)."""
+    return [Path(kernel.__file__).read_bytes() for kernel in KERNELS if kernel.MARK in mlir]
