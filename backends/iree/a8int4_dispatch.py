@@ -24,8 +24,6 @@ by a `flow.dispatch` of its executable, as `int4_dispatch.splice` does for the f
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fx_rewrites.backends.iree import spliced
@@ -190,8 +188,7 @@ def kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add("}")
     add("return")
     text = "\n".join(line for line in lines if line)
-    constants = sorted({int(c) for c in re.findall(r"%c(\d+)w\b", text)})
-    return "\n".join([*(f"%c{c}w = arith.constant {c} : index" for c in constants), text])
+    return spliced.with_index_constants(text)
 
 
 def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:

@@ -208,9 +208,8 @@ def cache_key(mlir: str, flags: Sequence[str]) -> str:
     except PackageNotFoundError:
         compiler = "unknown"
     h = hashlib.sha256()
-    for part in (compiler, platform.machine(), _host(), "\0".join(flags), mlir):
+    # the text the backend compiles: our kernels spliced in, so a changed kernel (or a constant of one) is a new key
+    for part in (compiler, platform.machine(), _host(), "\0".join(flags), kernels.spliced(mlir)):
         h.update(part.encode())
         h.update(b"\0\0")
-    for source in kernels.sources(mlir):  # the backend splices our kernels' text in: a new kernel is a new module
-        h.update(source)
     return h.hexdigest()

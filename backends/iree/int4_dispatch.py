@@ -19,8 +19,6 @@ unpacked by torch; fake: the result's shape), which torch-mlir imports as `torch
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fx_rewrites.backends.iree import spliced
@@ -146,8 +144,7 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add("}")
     add("return")
     text = "\n".join(line for line in lines if line)
-    constants = sorted({int(c) for c in re.findall(r"%c(\d+)w\b", text)})
-    return "\n".join([*(f"%c{c}w = arith.constant {c} : index" for c in constants), text])
+    return spliced.with_index_constants(text)
 
 
 def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
 
 #: the kernel modules: each has `MARK` (its op's name in torch-mlir's import) and `splice`
@@ -16,8 +14,3 @@ def spliced(mlir: str) -> str:
         if kernel.MARK in mlir:
             mlir = kernel.splice(mlir)
     return mlir
-
-
-def sources(mlir: str) -> list[bytes]:
-    """The source of each kernel module `mlir` calls (the compile cache keys by them: a new kernel, a new module)."""
-    return [Path(kernel.__file__).read_bytes() for kernel in KERNELS if kernel.MARK in mlir]

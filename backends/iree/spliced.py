@@ -5,7 +5,8 @@ and torch-mlir imports as `torch.operator "torch.fx_rewrites.NAME"(tensors..., n
 `stream.executable` per shape. `splice_calls` replaces each such line by a `flow.dispatch` of that executable
 between `torch_c` conversions (the executables declared once at the module's start; a dynamic row count passed as
 an operand). `kernels.py` lists the kernel modules: `IreeBackend` splices them all (`kernels.spliced`), the compile
-cache keys a module by the source of each kernel it calls (`kernels.sources`), and `legality.SPLICED` names their ops.
+cache keys a module by its spliced text (a kernel's code and constants are in it), and `legality.SPLICED` names
+their ops.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from collections.abc import Callable
 _TYPE = re.compile(r"!torch\.vtensor<\[([\d?,]*)\],(\w+)>")
 _DTYPES = {"si8": "i8", "si32": "i32", "f32": "f32"}
 _INT = re.compile(r"^\s*(%[\w]+) = torch\.constant\.int (-?\d+)", re.M)
+
+
+def with_index_constants(body: str) -> str:
+    """`body` (a kernel function's MLIR naming its index constants `%c<N>w`) with those constants defined first."""
+    constants = sorted({int(c) for c in re.findall(r"%c(\d+)w\b", body)})
+    return "\n".join([*(f"%c{c}w = arith.constant {c} : index" for c in constants), body])
 
 
 def executable(name: str, bindings: str, rows: int, body: str) -> str:

@@ -26,7 +26,7 @@ quantization = pytest.importorskip(
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
-from fx_rewrites.backends.iree import IreeBackend, legality  # noqa: E402
+from fx_rewrites.backends.iree import IreeBackend, a8int4_dispatch, cache, legality  # noqa: E402
 from fx_rewrites.backends.iree.a8int4_dispatch import A8INT4_MATVEC, MARK, splice, unpack, unpack_scales  # noqa: E402
 from fx_rewrites.backends.iree.a8int4_fold import A8INT4_GROUPED_LINEAR, BYTES, GROUPS, TILE  # noqa: E402
 from fx_rewrites.backends.iree.importing import prepare_program  # noqa: E402
@@ -186,17 +186,12 @@ def test_iree_runs_the_spliced_integer_dispatch(dynamic: bool, monkeypatch) -> N
         got = compiled(x)
         assert got.shape == (1, rows, 96)
         assert (got.double() - exact).abs().max().item() <= torch_error, torch_error
-
-
-def test_the_compile_cache_key_follows_the_kernels_source(monkeypatch, tmp_path) -> None:
-    from fx_rewrites.backends.iree import a8int4_dispatch, cache
-
-    text = f'module {{\n  %0 = torch.operator "{MARK}"()\n}}'
-    before = cache.cache_key(text, [])
-    changed = tmp_path / "a8int4_dispatch.py"
-    changed.write_text("# another kernel\n")
-    monkeypatch.setattr(a8int4_dispatch, "__file__", str(changed))
-    assert cache.cache_key(text, []) != before
+    # the compile cache keys the text the backend compiles, the kernel spliced in: a kernel constant changed (as
+    # an A/B of `PREFETCH` does at run time) is a new key, so no module compiled before it is served
+    before = cache.cache_key(compiled.runtime.mlir, [])
+    assert cache.cache_key(compiled.runtime.mlir, []) == before
+    monkeypatch.setattr(a8int4_dispatch, "PREFETCH", a8int4_dispatch.PREFETCH // 2)
+    assert cache.cache_key(compiled.runtime.mlir, []) != before
 
 
 @pytest.mark.slow  # one compile_lm (prefill and decode) of a one-layer Llama
