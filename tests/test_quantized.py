@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fx_rewrites
+from tests.quantized_llama import scaled_llama
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
@@ -35,21 +36,7 @@ class Logits(torch.nn.Module):
 
 
 def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
-        for p in model.parameters():
-            p.mul_(8.0 if p.dim() == 2 else 1.0)
-    return model
+    return scaled_llama(vocab_size=VOCAB)
 
 
 def _quantized() -> torch.nn.Module:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fx_rewrites
+from tests.quantized_llama import scaled_llama
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
@@ -46,13 +47,7 @@ WIDE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hi
 
 
 def _llama(scheme: str | None, **shape: int) -> torch.nn.Module:
-    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1} | shape
-    config = transformers.LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
-        for p in model.parameters():
-            p.mul_(8.0 if p.dim() == 2 else 1.0)
+    model = scaled_llama(**({"vocab_size": VOCAB} | shape))
     if scheme is not None:
         quantization.quantize_(model, SCHEMES[scheme]())
     return model

@@ -19,6 +19,7 @@ import torch
 import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.rules import DEFAULT
+from tests.quantized_llama import scaled_llama
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
@@ -199,21 +200,8 @@ def test_compile_lm_of_an_a8_int4_llama_decodes_through_the_dispatch(tmp_path) -
     """compile_lm's decode (one token) takes the integer dispatch for every linear (the lm_head too), its prefill
     (a Dim over the prompt) the byte form. Greedy tokens equal the quantized eager model's (which computes the same
     quantized values in float32), and after save + load too."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
-        for p in model.parameters():
-            p.mul_(8.0 if p.dim() == 2 else 1.0)
+    pytest.importorskip("transformers")
+    model = scaled_llama()
     quantization.quantize_(model, _config())
     lm = fx_rewrites.compile_lm(model, max_cache_len=48, backend=IreeBackend(target=llvm_cpu("avx2")))
     packed = {k: v for k, v in lm.parameters.items() if k.endswith(BYTES)}
@@ -239,17 +227,10 @@ def test_compile_lm_a8_int4_logits_are_within_the_quantized_eager_models_own_err
     the tokens leave eager's at the 4th new one. With this rule off (the float int4 dispatch over torchao's
     dequantized x) the tokens are the same and the logits within 2.4e-7 of these: the difference from eager is
     upstream of the linears' products (x's int8 rounding), not the integer sums."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     shape = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
-    config = transformers.LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0 if p.dim() == 2 else 1.0)
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
-    reference.load_state_dict(model.state_dict())
+    model = scaled_llama(**shape)
+    reference = scaled_llama(**shape)
     quantization.quantize_(model, _config())
     model.generation_config.eos_token_id = None
     weights = dict(model.named_parameters())

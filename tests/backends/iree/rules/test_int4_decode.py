@@ -18,6 +18,7 @@ import torch
 import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.rules import DEFAULT
+from tests.quantized_llama import scaled_llama
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install -e '.[test]' installs it)"
@@ -192,21 +193,8 @@ def test_compile_lm_of_an_int4_llama_decodes_through_the_dispatch_and_saves(tmp_
     """compile_lm's decode (one token) takes the dispatch, its prefill (a Dim over the prompt) the byte form: the
     module holds both layouts of each weight (the words, 0.5 byte a value, and the byte form's 1). Greedy tokens
     equal the quantized eager model's, and after save + load too."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # init scaled up so the logits spread and greedy argmax does not tie
-        for p in model.parameters():
-            p.mul_(8.0 if p.dim() == 2 else 1.0)
+    pytest.importorskip("transformers")
+    model = scaled_llama()
     quantization.quantize_(model, quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     lm = fx_rewrites.compile_lm(model, max_cache_len=48, backend=IreeBackend(target=llvm_cpu("avx2")))
     words = {k: v for k, v in lm.parameters.items() if k.endswith(WORDS)}
