@@ -2,6 +2,7 @@
 
     python benchmarks/int4_dispatch.py                          # 2816 x 1024 and 32000 x 1024, one row
     python benchmarks/int4_dispatch.py --shapes 2816 --rounds 5 --tiles 4,8
+    python benchmarks/int4_dispatch.py --zeros                  # also the kernel with zero points (asymmetric)
 
 The weight's int4 values are stored eight to an int32 word, two a byte (half int8's bytes): for a block of
 8 * `tile` output channels and a group of 32 positions, word (w, t, c) holds channel 8t + c's values at positions
@@ -44,11 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fx_rewrites.backends.iree.int4_dispatch import (
     GROUP,
-    MARK,
+    MARKS,
+    UNIT,
+    asym_int4_matvec,
     executable,
     int4_matvec,
     pack_scales,
     pack_words,
+    pack_zeros,
     splice,
     unpack,
 )
@@ -67,17 +71,22 @@ __all__ = [
 
 
 class Int4Dispatch(torch.nn.Module):
-    """One int4 g32 linear (no bias) through the custom op: words and scales are buffers."""
+    """One int4 g32 linear (no bias) through the custom op: words and scales (and zero points, `z`) are buffers."""
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, tile: int = 4, per: int = 8) -> None:
+    def __init__(
+        self, q: torch.Tensor, s: torch.Tensor, tile: int = 4, per: int = 8, z: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         if q.shape[0] % (8 * tile) or q.shape[1] % GROUP:
             raise ValueError(f"a weight {tuple(q.shape)}: N a multiple of {8 * tile}, K of {GROUP} (not padded)")
         self.n, self.tile, self.per = q.shape[0], tile, per
         self.register_buffer("words", pack_words(q, tile))
-        self.register_buffer("scales", pack_scales(s, tile))
+        self.register_buffer("scales", pack_scales(s, tile, UNIT if z is None else 2 * UNIT))
+        self.register_buffer("zeros", None if z is None else pack_zeros(z, tile))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zeros is not None:
+            return asym_int4_matvec(x, self.words, self.scales, self.zeros, self.n, self.tile, self.per)
         return int4_matvec(x, self.words, self.scales, self.n, self.tile, self.per)
 
 
@@ -95,7 +104,7 @@ def compile_form(
     dynamic = ({0: torch.export.Dim("rows", max=4096)},) if rows_dim else None
     program = torch.export.export(module, (x,), dynamic_shapes=dynamic)
     mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
-    if MARK in mlir:
+    if any(mark in mlir for mark in MARKS):
         mlir = splice(mlir)
     src = vmfb.with_suffix(".mlir")
     src.write_text(mlir)
@@ -132,16 +141,20 @@ def cpu_ms(vmfb: Path, rows: int, k: int, repetitions: int) -> float:
 
 
 def forms(
-    n: int, k: int, tiles: list[int], per: int, baselines: list[str]
-) -> tuple[dict[str, torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]:
-    """The dispatch per tile and the baseline forms of `int4_forms.py` on its weights (seed 0), with q and s."""
+    n: int, k: int, tiles: list[int], per: int, baselines: list[str], zeros: bool = False
+) -> tuple[dict[str, torch.nn.Module], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The dispatch per tile (with `zeros`, also with zero points in [-2, 1], as torchao's asymmetric mapping
+    gives) and the baseline forms of `int4_forms.py` on its weights (seed 0), with q, s and those zero points."""
     import int4_forms
 
     int4_forms.BLOCK = 16
     w, q, q8, s8, s, z = int4_forms.weights(n, k, GROUP)
+    zq = torch.randint(-2, 2, s.shape, generator=torch.Generator().manual_seed(2), dtype=torch.int8)
     out: dict[str, Any] = {f"dispatch_t{t}": Int4Dispatch(q, s, t, per) for t in tiles}
+    if zeros:
+        out |= {f"dispatch_zeros_t{t}": Int4Dispatch(q, s, t, per, zq) for t in tiles}
     out |= {name: int4_forms.FORMS[name](w, q, q8, s8, s, z, GROUP) for name in baselines}
-    return {name: m.eval() for name, m in out.items()}, (q, s)
+    return {name: m.eval() for name, m in out.items()}, (q, s, zq)
 
 
 def eager_ms(module: torch.nn.Module, x: torch.Tensor, repetitions: int, calls: int = 20) -> float:
@@ -172,6 +185,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--keep", default="", help="a folder to keep the .mlir and .vmfb files in")
     parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"))
+    parser.add_argument("--zeros", action="store_true", help="also the dispatch with zero points")
     parser.add_argument("--reuse", action="store_true", help="time the .vmfb files --keep holds, not recompiled")
     args = parser.parse_args(argv)
     iree = backend(args.isa)
@@ -183,11 +197,13 @@ def run(argv: list[str] | None = None) -> int:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         for n in map(int, args.shapes.split(",")):
-            modules, (q, s) = forms(n, args.k, tiles, args.per, baselines)
+            modules, (q, s, zq) = forms(n, args.k, tiles, args.per, baselines, args.zeros)
             torch.manual_seed(1)
             x = torch.randn(args.rows, args.k)
             deq = (q.view(n, -1, GROUP).double() * s.double().unsqueeze(-1)).view(n, args.k)
             ref = x.double() @ deq.t()
+            shifted = (q.view(n, -1, GROUP).double() - zq.double().unsqueeze(-1)) * s.double().unsqueeze(-1)
+            ref_zeros = x.double() @ shifted.view(n, args.k).t()
             torch_err = ((x @ deq.float().t()).double() - ref).abs().max().item()
             print(f"\n{n} x {args.k}: torch float32 (x @ dequantized w.T) vs float64: max abs {torch_err:.2e}")
             print("| form | weight bytes | IREE vs float64 | ms CPU, median of rounds | min-max | vs int4 bytes |")
@@ -199,7 +215,8 @@ def run(argv: list[str] | None = None) -> int:
                     compile_form(module, x, flags, vmfb)
                 vmfbs[name] = vmfb
                 got = run_vmfb(vmfb, x).double()
-                errs[name] = (got - ref).abs().max().item() if name != "int8_blocked" and name != "f32" else None
+                want = ref_zeros if name.startswith("dispatch_zeros") else ref
+                errs[name] = (got - want).abs().max().item() if name != "int8_blocked" and name != "f32" else None
             times: dict[str, list[float]] = {name: [] for name in [*modules, "f32 (torch eager)"]}
             for _ in range(args.rounds):
                 for name, vmfb in vmfbs.items():

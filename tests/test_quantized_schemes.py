@@ -19,6 +19,10 @@ quantization = pytest.importorskip(
 )
 transformers = pytest.importorskip("transformers")
 from torchao.quantization.granularity import PerGroup  # noqa: E402
+from torchao.quantization.quant_primitives import MappingType  # noqa: E402
+
+from fx_rewrites.backends.iree.int4_fold import ZEROS  # noqa: E402
+from fx_rewrites.backends.iree.targets import host_isa  # noqa: E402
 
 VOCAB = 96
 
@@ -29,6 +33,12 @@ SCHEMES = {
     "int8_g32": lambda: quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)),
     "a8_int4_g32": lambda: quantization.Int8DynamicActivationIntxWeightConfig(
         weight_dtype=torch.int4, weight_granularity=PerGroup(32)
+    ),
+}
+#: schemes compile_lm's test alone takes (the decode's own dispatch; compile and torch.compile run the byte form)
+LM_ONLY = {
+    "int4_g32_asymmetric": lambda: quantization.IntxWeightOnlyConfig(
+        weight_dtype=torch.int4, granularity=PerGroup(32), mapping_type=MappingType.ASYMMETRIC
     ),
 }
 
@@ -49,7 +59,7 @@ WIDE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hi
 def _llama(scheme: str | None, **shape: int) -> torch.nn.Module:
     model = scaled_llama(**({"vocab_size": VOCAB} | shape))
     if scheme is not None:
-        quantization.quantize_(model, SCHEMES[scheme]())
+        quantization.quantize_(model, (SCHEMES | LM_ONLY)[scheme]())
     return model
 
 
@@ -130,7 +140,7 @@ def test_scheme_compiles_and_matches_quantized_eager(scheme: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("scheme", sorted(SCHEMES | LM_ONLY))
 def test_compile_lm_generates_the_quantized_eager_tokens(scheme: str) -> None:
     model = _llama(scheme)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
@@ -140,6 +150,8 @@ def test_compile_lm_generates_the_quantized_eager_tokens(scheme: str) -> None:
     ours = lm.generate(prompt, max_new_tokens=32)
     assert ours.tolist() == theirs.tolist()
     assert len(set(ours[0, 5:].tolist())) > 2
+    if scheme == "int4_g32_asymmetric" and host_isa() == "avx2":  # the decode's dispatch took the zero points
+        assert any(k.endswith(ZEROS) for k in lm.parameters), sorted(lm.parameters)
 
 
 @pytest.mark.slow

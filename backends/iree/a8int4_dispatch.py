@@ -36,6 +36,7 @@ PREFETCH = 16384
 LINE = 64
 OP = "fx_rewrites::a8int4_matvec"
 MARK = "torch.fx_rewrites.a8int4_matvec"
+MARKS = (MARK,)
 
 
 def pack_bytes(q: torch.Tensor, tile: int) -> torch.Tensor:

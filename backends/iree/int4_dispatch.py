@@ -27,14 +27,19 @@ GROUP = 32
 #: the top nibble of an int32 (0xF0000000 as a signed value)
 TOP = -(1 << 28)
 UNIT = 2.0**-28
+#: a value's place beside zero points: one bit lower, so that (q - z) 2^27 fits an int32
+ZERO_UNIT = 1 << 27
 #: how far ahead of the group being summed the kernel prefetches the words, in words (16 KB: 32 groups of a tile of 4;
 #: docs/performance.md, "Where an int4 g32 decode token goes": 2048 and 8192 were no better on the real AVX2 host)
 PREFETCH = 4096
 #: int32 words a cache line
 LINE = 16
 OP = "fx_rewrites::int4_matvec"
-#: how the op is named in torch-mlir's import
-MARK = "torch.fx_rewrites.int4_matvec"
+#: the op with zero points (torchao's asymmetric mapping): a third tensor, `pack_zeros`
+ZERO_OP = "fx_rewrites::asym_int4_matvec"
+#: how the ops are named in torch-mlir's import (neither name holds the other: `spliced.splice_calls`)
+MARK, ZERO_MARK = "torch.fx_rewrites.int4_matvec", "torch.fx_rewrites.asym_int4_matvec"
+MARKS = (MARK, ZERO_MARK)
 
 
 def pack_words(q: torch.Tensor, tile: int) -> torch.Tensor:
@@ -48,28 +53,46 @@ def pack_words(q: torch.Tensor, tile: int) -> torch.Tensor:
     return word.permute(0, 3, 4, 1, 2).contiguous().flatten()
 
 
-def pack_scales(s: torch.Tensor, tile: int) -> torch.Tensor:
-    """Scales s [N, G] times 2^-28 (exact) as [N / (8 tile), G, tile, 8] (flattened)."""
+def pack_scales(s: torch.Tensor, tile: int, unit: float = UNIT) -> torch.Tensor:
+    """Scales s [N, G] times `unit` (2^-28; 2^-27 beside zero points: exact) as [N / (8 tile), G, tile, 8]
+    (flattened)."""
     n, g = s.shape
-    return (s.to(torch.float32) * UNIT).view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
+    return (s.to(torch.float32) * unit).view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
 
 
-def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, tile: int) -> torch.Tensor:
-    """The float32 weight [N, K] (q * s) that `pack_words(q, tile)` and `pack_scales(s, tile)` hold."""
+def pack_zeros(z: torch.Tensor, tile: int) -> torch.Tensor:
+    """Zero points z [N, G] (int4's range) times 2^27 as int32, laid out as `pack_scales` lays the scales: the
+    kernel with zero points shifts each value down to q * 2^27 and subtracts them, (q - z) 2^27 exact in int32."""
+    n, g = z.shape
+    zeros = z.to(torch.int32) * ZERO_UNIT
+    return zeros.view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
+
+
+def unpack(
+    words: torch.Tensor, scales: torch.Tensor, n: int, tile: int, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 weight [N, K], q s (or, with `zeros`, (q - z) s) that `pack_words(q, tile)`, `pack_scales(s,
+    tile)` (`pack_scales(s, tile, 2 * UNIT)`) and `pack_zeros(z, tile)` hold."""
     k = words.numel() * 8 // n
     nb, g = n // (8 * tile), k // GROUP
     nib = ((words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> (4 * torch.arange(8))) & 15
     q = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)  # [N K / 8, 8]
     values = q.view(nb, g, 4, tile, 8, 8).permute(0, 3, 4, 1, 2, 5).reshape(n, k)  # (b, t, c) x (g, w, p)
-    s = (scales / UNIT).view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g)
-    return (values.view(n, g, GROUP) * s.unsqueeze(-1)).view(n, k)
+    values = values.view(n, g, GROUP)
+    unit = UNIT
+    if zeros is not None:
+        z = zeros.view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g) // ZERO_UNIT
+        values, unit = values - z.unsqueeze(-1).to(torch.float32), 2 * UNIT
+    s = (scales / unit).view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g)
+    return (values * s.unsqueeze(-1)).view(n, k)
 
 
-def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
+def _kernel(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) -> str:
     """The body of the executable's function: workgroup `wg` computes tiles [wg per, min(wg per + per, N/8tile))
-    of 8 * tile channels for every row."""
+    of 8 * tile channels for every row. With `zero`, each value is shifted down to q 2^27 and its group's zero point
+    (binding `bz`, `pack_zeros`) subtracted in int32 before the conversion."""
     nb, g, nw = n // (8 * tile), k // GROUP, n * k // 8
-    wt, st = f"memref<{nw}xi32>", f"memref<{n * g}xf32>"
+    wt, st, zt = f"memref<{nw}xi32>", f"memref<{n * g}xf32>", f"memref<{n * g}xi32>"
     xt, ot = (f"memref<{rows * k}xf32>", f"memref<{rows * n}xf32>") if rows else ("memref<?xf32>", "memref<?xf32>")
     xsize, osize, bound = ("", "", f"%c{rows}w") if rows else ("{%xsize}", "{%osize}", "%rows")
     lines = [
@@ -83,6 +106,8 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
         f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}{xsize}",
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
         f"%sm = stream.binding.subspan %bs[%c0] : !stream.binding -> {st}",
+        f"%zm = stream.binding.subspan %bz[%c0] : !stream.binding -> {zt}" if zero else "",
+        "%one = arith.constant dense<1> : vector<8xi32>" if zero else "",
         f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}{osize}",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         f"%b0 = arith.muli %wg, %c{per}w : index",
@@ -110,6 +135,10 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     add(f"%xg = arith.muli %g, %c{GROUP}w : index")
     add("%xbase = arith.addi %xr, %xg : index")
     acc = ["%zero"] * tile
+    for t in range(tile):
+        add(f"%so{t} = arith.addi %sbase, %c{8 * t}w : index")
+        if zero:
+            add(f"%zv{t} = vector.load %zm[%so{t}] : {zt}, vector<8xi32>")
     for w in range(4):
         for t in range(tile):
             add(f"%wo{w}_{t} = arith.addi %wbase, %c{(w * tile + t) * 8}w : index")
@@ -126,11 +155,14 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
                 if p > 0:  # the values below it cleared
                     add(f"%an{name} = arith.andi {value}, %mask : vector<8xi32>")
                     value = f"%an{name}"
+                if zero:  # (q - z) 2^27, exact
+                    add(f"%sr{name} = arith.shrsi {value}, %one : vector<8xi32>")
+                    add(f"%sz{name} = arith.subi %sr{name}, %zv{t} : vector<8xi32>")
+                    value = f"%sz{name}"
                 add(f"%fl{name} = arith.sitofp {value} : vector<8xi32> to vector<8xf32>")
                 add(f"%ac{name} = vector.fma %fl{name}, %xb{w}_{p}, {acc[t]} : vector<8xf32>")
                 acc[t] = f"%ac{name}"
     for t in range(tile):
-        add(f"%so{t} = arith.addi %sbase, %c{8 * t}w : index")
         add(f"%sv{t} = vector.load %sm[%so{t}] : {st}, vector<8xf32>")
         add(f"%nt{t} = vector.fma {acc[t]}, %sv{t}, %tot{t} : vector<8xf32>")
     add(f"scf.yield {', '.join(f'%nt{t}' for t in range(tile))} : {vectors}")
@@ -147,15 +179,17 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int) -> str:
     return spliced.with_index_constants(text)
 
 
-def executable_name(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    return f"int4mv_{rows or 'dyn'}x{k}x{n}_t{tile}_p{per}"
+def executable_name(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) -> str:
+    return f"int4{'z' if zero else ''}mv_{rows or 'dyn'}x{k}x{n}_t{tile}_p{per}"
 
 
-def executable(rows: int, n: int, k: int, tile: int, per: int) -> str:
-    """A `stream.executable` taking x [rows, K] f32, the words, the scales (and, for rows 0: dynamic, the row count)
-    and writing [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per` channel tiles."""
-    bindings = ", ".join(f"%b{name}: !stream.binding" for name in "xwso")
-    return spliced.executable(executable_name(rows, n, k, tile, per), bindings, rows, _kernel(rows, n, k, tile, per))
+def executable(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) -> str:
+    """A `stream.executable` taking x [rows, K] f32, the words, the scales, with `zero` the zero points (and, for
+    rows 0: dynamic, the row count) and writing [rows, N] f32 over ceil(N / (8 tile) / per) workgroups of `per`
+    channel tiles."""
+    bindings = ", ".join(f"%b{name}: !stream.binding" for name in ("xwszo" if zero else "xwso"))
+    name = executable_name(rows, n, k, tile, per, zero)
+    return spliced.executable(name, bindings, rows, _kernel(rows, n, k, tile, per, zero))
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -175,7 +209,34 @@ def _(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, n: int, tile: 
 INT4_MATVEC = torch.ops.fx_rewrites.int4_matvec.default
 
 
+@torch.library.custom_op(ZERO_OP, mutates_args=())
+def asym_int4_matvec(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, tile: int, per: int
+) -> torch.Tensor:
+    """`int4_matvec` with zero points: x [rows, K] times (q - z) s, held as `words`, `scales` (times 2^-27) and
+    `zeros` (`pack_zeros`), transposed."""
+    return x @ unpack(words, scales, n, tile, zeros).t()
+
+
+@asym_int4_matvec.register_fake
+def _(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, tile: int, per: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+ASYM_INT4_MATVEC = torch.ops.fx_rewrites.asym_int4_matvec.default
+
+
 def splice(mlir: str) -> str:
-    """`mlir` (torch-mlir's import) with every `fx_rewrites.int4_matvec` call replaced by a `flow.dispatch` of its
-    executable (`spliced.splice_calls`); ValueError where there is none, or one this form does not match."""
-    return spliced.splice_calls(mlir, MARK, 3, lambda *shape: (executable_name(*shape), executable(*shape)), "fxr")
+    """`mlir` (torch-mlir's import) with every `fx_rewrites.int4_matvec` and `asym_int4_matvec` call replaced by a
+    `flow.dispatch` of its executable (`spliced.splice_calls`); ValueError where there is none, or one this form
+    does not match."""
+    plain, zero = MARK in mlir, ZERO_MARK in mlir
+    if zero:
+        build = lambda *shape: (executable_name(*shape, zero=True), executable(*shape, zero=True))  # noqa: E731
+        mlir = spliced.splice_calls(mlir, ZERO_MARK, 4, build, "fxz")
+    if plain or not zero:  # neither: splice_calls names the missing call
+        build = lambda *shape: (executable_name(*shape), executable(*shape))  # noqa: E731
+        mlir = spliced.splice_calls(mlir, MARK, 3, build, "fxr")
+    return mlir

@@ -5,9 +5,10 @@
 dequantize, float32, and a matmul), since a rule sees shapes, not values. `fold_int4` (run by
 `importing.prepare_program`, where the values are known) then writes it as `int4_matvec(x, words, scales, ...)`,
 the words (`int4_dispatch.pack_words`: eight values an int32) and scales a parameter each, in place of torchao's
-int8 values and scales: the module holds half int8's bytes, and no packing runs per call. The words are only
-packed where the zero points are all 0 (torchao's symmetric default: the kernel has no zero point); otherwise the
-op becomes `linear` over the dequantized float32 weight (a parameter: correct, 8x the bytes), with a warning.
+int8 values and scales: the module holds half int8's bytes, and no packing runs per call. Where the zero points are
+not all 0 (torchao's asymmetric mapping) the op is `asym_int4_matvec` over the zero points packed too
+(`int4_dispatch.pack_zeros`). Only values or zero points outside int4's range make the op `linear` over the
+dequantized float32 weight (a parameter: correct, 8x the bytes), with a warning.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
 from fx_rewrites.backends.iree.frozen_fold import FrozenWeight, Replaced, fold_frozen, packed
-from fx_rewrites.backends.iree.int4_dispatch import GROUP, INT4_MATVEC, pack_scales, pack_words
+from fx_rewrites.backends.iree.int4_dispatch import (
+    ASYM_INT4_MATVEC,
+    GROUP,
+    INT4_MATVEC,
+    UNIT,
+    pack_scales,
+    pack_words,
+    pack_zeros,
+)
 from fx_rewrites.backends.iree.weight_layout import SUFFIX
 
 #: output channels of the kernel's tile (4 x 8 lanes: AVX2's ymm; 8 x 8 spills, section 49)
@@ -27,7 +36,9 @@ TILE = 4
 #: channel tiles per workgroup (section 49's measured split)
 PER = 8
 #: the packed parameters' key suffixes (ending in `weight_layout.SUFFIX`: the archive is written as it is)
-WORDS, SCALES = ".int4_words" + SUFFIX, ".int4_scales" + SUFFIX
+WORDS, SCALES, ZEROS = ".int4_words" + SUFFIX, ".int4_scales" + SUFFIX, ".int4_zeros" + SUFFIX
+#: the packed-tensor memo's name for scales packed beside zero points (times 2^-27)
+ZERO_SCALES = "zero_scales"
 
 
 def dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -55,17 +66,24 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 INT4_GROUPED_LINEAR = torch.ops.fx_rewrites.int4_grouped_linear.default
 
 
+def _words(weight: FrozenWeight) -> Replaced:
+    return weight.q, WORDS, packed(weight.qv, WORDS, lambda t: pack_words(t, TILE))
+
+
 def _rewrite(graph: Graph, node: Node, weight: FrozenWeight) -> tuple[Node, list[Replaced]]:
-    x = node.args[0]
+    x, n = node.args[0], weight.qv.shape[0]
     if weight.symmetric_int4():
-        new = graph.call_function(INT4_MATVEC, (x, weight.q, weight.scale, weight.qv.shape[0], TILE, PER))
-        return new, [
-            (weight.q, WORDS, packed(weight.qv, WORDS, lambda t: pack_words(t, TILE))),
-            (weight.scale, SCALES, packed(weight.sv, SCALES, lambda t: pack_scales(t, TILE))),
-        ]
+        scales = (weight.scale, SCALES, packed(weight.sv, SCALES, lambda t: pack_scales(t, TILE)))
+        return graph.call_function(INT4_MATVEC, (x, weight.q, weight.scale, n, TILE, PER)), [_words(weight), scales]
+    if weight.zero is not None and all(int(t.min()) >= -8 and int(t.max()) <= 7 for t in (weight.qv, weight.zv)):
+        # torchao's asymmetric mapping: (q - z) 2^27 in int32, the scales times 2^-27
+        scales = (weight.scale, SCALES, packed(weight.sv, ZERO_SCALES, lambda t: pack_scales(t, TILE, 2 * UNIT)))
+        zeros = (weight.zero, ZEROS, packed(weight.zv, ZEROS, lambda t: pack_zeros(t, TILE)))
+        args = (x, weight.q, weight.scale, weight.zero, n, TILE, PER)
+        return graph.call_function(ASYM_INT4_MATVEC, args), [_words(weight), scales, zeros]
     warnings.warn(
-        f"{weight.name}: int4 zero points not all 0 (an asymmetric mapping): the int4 dispatch has no "
-        "zero point, so this linear reads a float32 copy of the dequantized weight (8x its bytes)",
+        f"{weight.name}: int4 values or zero points outside [-8, 7]: the int4 dispatch cannot hold them, so this "
+        "linear reads a float32 copy of the dequantized weight (8x its bytes)",
         stacklevel=4,
     )
     new = graph.call_function(torch.ops.aten.linear.default, (x, weight.q))
@@ -74,6 +92,7 @@ def _rewrite(graph: Graph, node: Node, weight: FrozenWeight) -> tuple[Node, list
 
 def fold_int4(program: ExportedProgram) -> ExportedProgram:
     """`program` (a private copy: `prepare_program`'s) with each `int4_grouped_linear` over frozen tensors written
-    as `int4_matvec` over packed words and scales (or, where the zero points are not all 0, a float32 `linear`);
-    the placeholders become the packed parameters (their keys end in `WORDS`, `SCALES`), the zero points' go."""
+    as `int4_matvec` over packed words and scales, or, where the zero points are not all 0, `asym_int4_matvec`
+    over the zero points packed too; the placeholders become the packed parameters (their keys end in `WORDS`,
+    `SCALES`, `ZEROS`), all-zero zero points' go."""
     return fold_frozen(program, INT4_GROUPED_LINEAR, slice(1, 4), _rewrite)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from fx_rewrites.backends.iree import a8int4_dispatch, int4_dispatch
 
-#: the kernel modules: each has `MARK` (its op's name in torch-mlir's import) and `splice`
+#: the kernel modules: each has `MARKS` (its ops' names in torch-mlir's import) and `splice`
 KERNELS = (int4_dispatch, a8int4_dispatch)
 
 
 def spliced(mlir: str) -> str:
     """`mlir` with every kernel's calls spliced, or as it is where it calls none."""
     for kernel in KERNELS:
-        if kernel.MARK in mlir:
+        if any(mark in mlir for mark in kernel.MARKS):
             mlir = kernel.splice(mlir)
     return mlir

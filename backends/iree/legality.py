@@ -49,6 +49,8 @@ MEASURED_OUTSIDE_CORPUS: dict[str, str] = {
 #: iree-compile (`IreeBackend._run_compiler`): legal, though not in torch-mlir's dialect
 SPLICED: dict[str, str] = {
     "fx_rewrites.int4_matvec.default": "spliced by the backend as a hand-written int4 dispatch (int4_dispatch.py)",
+    "fx_rewrites.asym_int4_matvec.default": "spliced by the backend as a hand-written int4 dispatch with zero "
+    "points (int4_dispatch.py)",
     "fx_rewrites.a8int4_matvec.default": "spliced by the backend as a hand-written int8 x int4 dispatch "
     "(a8int4_dispatch.py)",
 }

@@ -28,8 +28,15 @@ from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
 from fx_rewrites.backends.iree import IreeBackend, cache, int4_dispatch, legality  # noqa: E402
 from fx_rewrites.backends.iree.importing import prepare_program  # noqa: E402
-from fx_rewrites.backends.iree.int4_dispatch import INT4_MATVEC, MARK, splice, unpack  # noqa: E402
-from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR, SCALES, TILE, WORDS  # noqa: E402
+from fx_rewrites.backends.iree.int4_dispatch import (  # noqa: E402
+    ASYM_INT4_MATVEC,
+    INT4_MATVEC,
+    MARK,
+    ZERO_MARK,
+    splice,
+    unpack,
+)
+from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR, SCALES, TILE, WORDS, ZEROS  # noqa: E402
 from fx_rewrites.backends.iree.parameters import INLINE_ENV  # noqa: E402
 from fx_rewrites.backends.iree.rules import phases  # noqa: E402
 from fx_rewrites.backends.iree.rules.int4_decode import int4_decode_for_iree  # noqa: E402
@@ -130,19 +137,37 @@ def test_a_bfloat16_linear_keeps_the_byte_form() -> None:
     assert any("dequantizes to torch.bfloat16, not float32" in r for r in reasons), reasons
 
 
-def test_asymmetric_zero_points_fall_back_to_a_float_linear_with_a_warning() -> None:
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_asymmetric_zero_points_are_packed_beside_the_words(dynamic: bool) -> None:
+    """torchao's asymmetric mapping: the zero points go into the dispatch as (z 2^27) int32, subtracted from each
+    value (q 2^27) before its conversion, so (q - z) is exact as in torchao's dequantize; no float copy, no warning."""
     model = _linear("ASYMMETRIC")
     assert not bool((model[0].weight.zero_point == 0).all())
-    result = rt.apply_rules(torch.export.export(model, (_x(1, 0),)), RULES)
+    shapes = {"input": {1: torch.export.Dim("rows", min=1, max=2)}} if dynamic else None
+    program = torch.export.export(model, (_x(2 if dynamic else 1, 0),), dynamic_shapes=shapes)
+    result = rt.apply_rules(program, RULES)
     rt.assert_fired(result, int4_decode_for_iree.name, times=1)
-    with pytest.warns(UserWarning, match="zero points not all 0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         prepared, _ = prepare_program(result.program)
-    assert INT4_MATVEC not in _ops(prepared.graph_module)
-    x = _x(1, 4)
-    with torch.no_grad():
-        torch_error = (model(x).double() - _exact(model, x)).abs().max().item()
-        got = _run_prepared(prepared, x)
-    assert (got.double() - _exact(model, x)).abs().max().item() <= torch_error
+    ops = _ops(prepared.graph_module)
+    assert ASYM_INT4_MATVEC in ops and aten.linear.default not in ops, ops
+    state = prepared.state_dict
+    zeros = [v for k, v in state.items() if k.endswith(ZEROS)]
+    assert [(v.dtype, v.numel()) for v in zeros] == [(torch.int32, 64 * 128 // 32)], sorted(state)
+    assert not any(v.dtype == torch.float32 and v.numel() == 64 * 128 for v in state.values()), sorted(state)
+    (words,) = (v for k, v in state.items() if k.endswith(WORDS))
+    (scales,) = (v for k, v in state.items() if k.endswith(SCALES))
+    w = model[0].weight
+    deq = ((w.qdata.view(64, 4, 32).float() - w.zero_point.float().unsqueeze(-1)) * w.scale.unsqueeze(-1)).view(64, 128)
+    assert torch.equal(unpack(words, scales, 64, TILE, zeros[0]), deq)  # torchao's dequantized values, exactly
+    for rows, seed in ((1, 4), (2 if dynamic else 1, 5)):
+        x = _x(rows, seed)
+        exact = _exact(model, x)
+        with torch.no_grad():
+            torch_error = (model(x).double() - exact).abs().max().item()
+            got = _run_prepared(prepared, x)
+        assert (got.double() - exact).abs().max().item() <= torch_error
 
 
 def test_on_for_avx2_only_and_known_to_legality() -> None:
@@ -155,10 +180,11 @@ def test_on_for_avx2_only_and_known_to_legality() -> None:
         splice(f'module {{\n  %0 = torch.operator "{MARK}"(%x) : (!torch.int) -> !torch.int\n}}')
 
 
+@pytest.mark.parametrize("mapping", ["SYMMETRIC", "ASYMMETRIC"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
-def test_iree_runs_the_spliced_dispatch_over_the_words(dynamic: bool, monkeypatch) -> None:
+def test_iree_runs_the_spliced_dispatch_over_the_words(dynamic: bool, mapping: str, monkeypatch) -> None:
     monkeypatch.setenv(INLINE_ENV, "0")  # every weight a parameter, as a real model's are
-    model = _linear(out_features=96, in_features=1024)  # long sums: torch's own error is the sums'
+    model = _linear(mapping, out_features=96, in_features=1024)  # long sums: torch's own error is the sums'
     shapes = {"input": {1: torch.export.Dim("rows", min=1, max=2)}} if dynamic else None
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback
@@ -168,9 +194,10 @@ def test_iree_runs_the_spliced_dispatch_over_the_words(dynamic: bool, monkeypatc
             dynamic_shapes=shapes,
             backend=IreeBackend(target=llvm_cpu("avx2")),
         )
-    assert MARK in compiled.runtime.mlir
+    assert (ZERO_MARK if mapping == "ASYMMETRIC" else MARK) in compiled.runtime.mlir
     params = compiled.runtime.parameters
     assert [v.dtype for k, v in params.items() if k.endswith(WORDS)] == [torch.int32], sorted(params)
+    assert [v.dtype for k, v in params.items() if k.endswith(ZEROS)] == [torch.int32] * (mapping == "ASYMMETRIC")
     assert not any(k.endswith(".blocked_rows") and v.dtype == torch.int8 for k, v in params.items())
     for rows, seed in ((1, 5), (2 if dynamic else 1, 6)):
         x = _x(rows, seed, 1024)
