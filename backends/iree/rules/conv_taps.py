@@ -17,20 +17,36 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from fx_rewrites.backends.iree.rules.conv_performance import _conv, _out_size, _static_sizes
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
+from fx_rewrites.program import input_spec
 
 aten = torch.ops.aten
+#: placeholders a program feeds from its own state (IREE folds the taps' slices and packs of those at compile time)
+_STATE = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 #: the kernels the rule takes: measured on ResNet-50's 3x3s (docs/performance.md, "3x3 convolutions as tap products")
 KERNELS = ((3, 3),)
 #: ... over at least this many input and output channels: the measured shapes had 64 to 512 (ResNet-50's); a grouped
 #: convolution's per-group convolutions (`grouped_conv_as_convs`: 4 to 32 channels in ResNeXt-50) stay IREE's
 MIN_TAP_CHANNELS = 64
+
+
+def constant_weight(weight: Any) -> bool:
+    """`weight` is the program's own (a parameter, buffer or lifted constant placeholder of an ExportedProgram) or
+    a graph's attribute (`get_attr`), not a value passed in at every call. torch.compile's route hands the rules a
+    graph whose weights are plain placeholders, frozen or not: it does not take the rule."""
+    if not isinstance(weight, Node):
+        return False
+    if weight.op == "get_attr":
+        return True
+    spec = input_spec(weight) if weight.op == "placeholder" else None
+    return spec is not None and spec.kind in _STATE
 
 
 def _tap_conv(node: Node) -> dict[str, Any] | Miss:
@@ -44,6 +60,8 @@ def _tap_conv(node: Node) -> dict[str, Any] | Miss:
     ok = _static_sizes(c)
     if ok is not True:
         return ok
+    if not constant_weight(c["weight"]):
+        return Miss("the weight is not the program's own: its nine taps would be sliced and packed at every call")
     kernel = tuple(fake_value(c["weight"]).shape[2:])
     if kernel not in KERNELS:
         return Miss(f"a {kernel[0]}x{kernel[1]} kernel (taps for {', '.join(f'{h}x{w}' for h, w in KERNELS)})")

@@ -17,7 +17,7 @@ import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.rules.conv_taps import MIN_TAP_CHANNELS as C
-from fx_rewrites.backends.iree.rules.conv_taps import conv_as_tap_matmuls
+from fx_rewrites.backends.iree.rules.conv_taps import constant_weight, conv_as_tap_matmuls
 from fx_rewrites.ruleset import Phases
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
@@ -127,6 +127,36 @@ def test_conv_as_tap_matmuls_declines():
     # a Dim height: the windows need static bounds
     ep = rt.export(torch.nn.Conv2d(C, C, 3).eval(), _randn(0, 1, C, 6, 6), dynamic_shapes=({2: Dim("h", min=4)},))
     rt.assert_not_fired(rt.apply_rules(ep, conv_as_tap_matmuls), conv_as_tap_matmuls)
+
+
+class WeightIn(torch.nn.Module):
+    """A 3x3 convolution whose weight is passed in (torch.compile's route without freezing)."""
+
+    def forward(self, x, w):
+        return torch.nn.functional.conv2d(x, w, padding=1)
+
+
+class WeightAttr(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(_randn(3, C, C, 3, 3))
+
+    def forward(self, x):
+        return torch.nn.functional.conv2d(x, self.w, padding=1)
+
+
+def test_conv_as_tap_matmuls_takes_the_programs_own_weight_only():
+    """A weight passed in at every call declines (its nine taps would be sliced and packed per call: torch.compile's
+    route with the weights as inputs read 1.14x slower with them); a parameter or a graph's attribute is taken."""
+    ep = rt.export(WeightIn(), _randn(0, 1, C, 6, 6), _randn(1, C, C, 3, 3))
+    rt.assert_not_fired(rt.apply_rules(ep, conv_as_tap_matmuls), conv_as_tap_matmuls)
+    ep = rt.export(WeightAttr().eval(), _randn(0, 1, C, 6, 6))
+    rt.assert_fired(rt.apply_rules(ep, conv_as_tap_matmuls), conv_as_tap_matmuls, times=1)
+    traced = torch.fx.symbolic_trace(WeightAttr())  # the weight a get_attr
+    (weight,) = [n for n in traced.graph.nodes if n.op == "get_attr"]
+    assert constant_weight(weight)
+    (x,) = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    assert not constant_weight(x), "a placeholder of no program's signature is an input"
 
 
 def test_conv_as_tap_matmuls_on_avx2():
