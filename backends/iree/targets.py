@@ -136,7 +136,12 @@ _AVX512_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_im2col_
 #: Real Zen 3, locked, route with -> without `pointwise_conv_as_matmul`: MobileNetV2 0.86x (0.81x, 0.83x in earlier
 #: runs), EfficientNet-B0 0.94x, MobileNetV3-L 0.70x, ResNet-50 0.95x, runtime.py's resnet 0.98x
 #: (docs/performance.md, "Attention padded to AVX2's tiles" and the section after it)
-_AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul")
+#: `conv_as_tap_matmuls` (rules/conv_taps.py): 3x3s at stride 1 as nine tap products summed instead of IREE's im2col
+#: (15% of ResNet-50's module), for a weight the program holds. Real Zen 3, locked, the route with / without it:
+#: ResNet-50's export route 0.97, 0.90, 0.90, 0.82 (0.94x eager against 1.04x; 1.10 once at load 12.7), runtime.py's
+#: resnet 0.98, conv_classes.py's 3x3 64->64 0.80; torch.compile with the weights as inputs 1.03, 1.14, 0.90 (not taken
+#: there: the rule declines a weight passed in) (docs/performance.md, "3x3 convolutions as tap products")
+_AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmuls")
 # `mlp_rows_padded_to_tiles` (rules/mlp_tiles.py, AVX2's 8-row tiles): ViT, the one runtime.py model it touches, 0.88x
 # of the route with it on real Zen 3, locked and unlocked (docs/performance.md, "Where ViT and the Whisper encoder lose
 # on AVX2"); not measured on AVX-512 (16-row tiles there)

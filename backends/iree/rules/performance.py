@@ -42,6 +42,9 @@ on every model it fires on (docs/performance.md has the table).
   (AVX-512 and AVX2), wide kxk ones (AVX-512) (256 channels or more, small maps) as im2col +
   matmul, the rest left to IREE's direct convolution: im2col per shape, in
   place of IREE's global im2col flag.
+- conv_taps.py: llvm-cpu, AVX2. A 3x3 convolution at stride 1 as nine
+  products of the weight's taps by the padded input's shifted windows,
+  summed: no im2col matrix, whose pack IREE runs one float at a time.
 - conv_performance.py: llvm-cpu. Strided 1x1, 3-D, depthwise and grouped
   convolutions, which IREE 3.13 lowers 3-12x slower than eager, in forms it
   runs well (ResNet-50 1.76x eager -> 0.79x).
@@ -64,7 +67,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
-from fx_rewrites.backends.iree.rules import im2col
+from fx_rewrites.backends.iree.rules import conv_taps, im2col
 from fx_rewrites.backends.iree.rules.arange_index import index_by_arange_as_view
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
@@ -420,6 +423,7 @@ ALL = RuleSet(
         conv1d_as_matmul,
         *conv.RULES,
         *im2col.RULES,
+        *conv_taps.RULES,
     ],
     name="iree-performance",
 )

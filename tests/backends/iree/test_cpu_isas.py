@@ -45,6 +45,9 @@ MEASURED_CHOICES = {
     "attention_padded_to_tiles": {"avx512": False, "avx2": False},
     # an MLP over rows off AVX2's 8-row tiles padded to them: ViT 0.88x of the route on real Zen 3 (locked)
     "mlp_rows_padded_to_tiles": {"avx512": False, "avx2": True},
+    # 3x3s at stride 1 as nine tap products instead of IREE's im2col: real Zen 3, locked, ResNet-50 0.90-0.97x,
+    # runtime.py's resnet 0.98x of the route without it; AVX-512 not measured (no AVX-512 units on that host)
+    "conv_as_tap_matmuls": {"avx512": False, "avx2": True},
 }
 
 
