@@ -35,7 +35,11 @@ NEW = 32
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="160m", choices=sorted(q.SIZES))
-    parser.add_argument("--schemes", default=",".join(q.SCHEMES))
+    parser.add_argument(
+        "--schemes",
+        default=",".join(q.SCHEMES),
+        help="scheme, scheme:tag (a saved module's tag) or scheme:eager (eager alone)",
+    )
     parser.add_argument("--routes", default="eager,compile_lm")
     parser.add_argument("--prompts", default="16,128,512")
     parser.add_argument("--rounds", type=int, default=3)
@@ -52,15 +56,22 @@ def main(argv: list[str] | None = None) -> None:
     }
     routes = tuple(args.routes.split(","))
     gens: dict[tuple[str, str], object] = {}
-    for scheme in args.schemes.split(","):
+    eager_done: set[str] = set()
+    for entry in args.schemes.split(","):
+        scheme, _, tag = entry.partition(":")  # `scheme:tag`: the module saved with that tag (two builds side by side)
+        tag = tag or args.tag
         saved = None
         if args.saved is not None:
             args.saved.mkdir(parents=True, exist_ok=True)
-            saved = args.saved / f"{args.size}_{scheme}_host_{max_len}{args.tag}.vmfb"
-        made, _ = q.routes(q.quantize(model, scheme), max_len, "host", routes, scheme, saved)
+            saved = args.saved / f"{args.size}_{scheme}_host_{max_len}{tag}.vmfb"
+        wanted = tuple(r for r in routes if r != "eager" or scheme not in eager_done)
+        if tag == "eager":  # `scheme:eager`: the eager model alone
+            wanted, tag = ("eager",), ""
+        made, _ = q.routes(q.quantize(model, scheme), max_len, "host", wanted, scheme, saved)
+        eager_done.add(scheme)
         for route, g in made.items():
-            gens[(scheme, route)] = g
-        print(f"# {scheme}: ready ({', '.join(made)})", flush=True)
+            gens[(scheme, route if route == "eager" else f"{route}{tag}")] = g
+        print(f"# {entry}: ready ({', '.join(made)})", flush=True)
     if args.rounds == 0:
         return
     print(f"# {args.size}, prefill (1 new token), 1 thread, CPU time; {cpu_model()}; load {gen.load()}")
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         cells, same = [], []
         for p in prompts:
             ms = statistics.median(times[((scheme, route), p)]) * 1e3
-            base = times.get((("float32", "compile_lm"), p))
+            base = next((v for (k, pp), v in times.items() if pp == p and k[0] == "float32" and k[1] != "eager"), None)
             ratio = f"{ms / (statistics.median(base) * 1e3):.2f}" if base else "-"
             cells.append(f"{ms:.1f} | {ratio}")
             eager = first.get(((scheme, "eager"), p))
