@@ -1,5 +1,4 @@
-"""Where a decode step (or a prefill: `--prefill N`) of a saved `compile_lm` module spends its time, dispatch by
-dispatch (issue 33).
+"""Where a decode step of a saved `compile_lm` module spends its time, dispatch by dispatch (issue 33).
 
     python benchmarks/quantized.py --schemes int4_g32 --routes compile_lm --saved DIR --rounds 0   # compile, save
     python benchmarks/decode_profile.py DIR/160m_int4_g32_host_48.vmfb --cache 48
@@ -25,17 +24,14 @@ from typing import Any
 MEDIAN = re.compile(r"real_time_median\s+([\d.]+) (\w+)\s+([\d.]+) (\w+)")
 UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 QUEUE_OPS = ("alloca", "dealloca", "copy", "barrier")
-STEP = re.compile(r"^(decode|prefill)\$async_")
 
 
-def command(vmfb: Path, irpa: Path, cache: int, position: int, prefill: int = 0) -> list[str]:
-    """iree-benchmark-module of one decode call: token 5 at `position`, a mask of ones over the cache; with
-    `prefill` N, one prefill call of N tokens 5 at positions 0 instead (a timing input: the mask all ones)."""
-    function, rows, position = ("prefill", prefill, 0) if prefill else ("decode", 1, position)
+def command(vmfb: Path, irpa: Path, cache: int, position: int) -> list[str]:
+    """iree-benchmark-module of one decode call: token 5 at `position`, a mask of ones over the cache."""
     return [
         "iree-benchmark-module", f"--module={vmfb}", f"--parameters=model={irpa}", "--device=local-sync",
-        f"--function={function}", f"--input=1x{rows}xi64=5", f"--input=1x{cache}xi64=1",
-        f"--input=1x{rows}xi64={position}", f"--input=1xi64={position}",
+        "--function=decode", "--input=1x1xi64=5", f"--input=1x{cache}xi64=1", f"--input=1x1xi64={position}",
+        f"--input=1xi64={position}",
     ]  # fmt: skip
 
 
@@ -47,7 +43,7 @@ def per_call(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if not calls:
         raise ValueError("no command buffer executions in the profile")
     functions = [
-        (STEP.sub("", name), r["sample_count"] / calls, r["total_duration_ns"] / calls / 1e6)
+        (name.replace("decode$async_", ""), r["sample_count"] / calls, r["total_duration_ns"] / calls / 1e6)
         for r in rows
         if r.get("row_type") == "host_execution_function" and (name := r["function_name"])
     ]
@@ -63,11 +59,9 @@ def per_call(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def profile(
-    vmfb: Path, irpa: Path, cache: int, position: int, repetitions: int, prefill: int = 0
-) -> tuple[float, dict[str, Any]]:
+def profile(vmfb: Path, irpa: Path, cache: int, position: int, repetitions: int) -> tuple[float, dict[str, Any]]:
     """(the plain median CPU ms of a call, `per_call` of a profiled run)."""
-    base = command(vmfb, irpa, cache, position, prefill)
+    base = command(vmfb, irpa, cache, position)
     plain = subprocess.run([*base, f"--benchmark_repetitions={repetitions}"], capture_output=True, text=True)
     found = MEDIAN.search(plain.stdout)
     if not found:
@@ -90,10 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=int, default=48, help="the module's max_cache_len")
     parser.add_argument("--position", type=int, default=16)
     parser.add_argument("--repetitions", type=int, default=10)
-    parser.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     args = parser.parse_args(argv)
     irpa = args.irpa or args.vmfb.with_suffix(".irpa")
-    cpu, calls = profile(args.vmfb, irpa, args.cache, args.position, args.repetitions, args.prefill)
+    cpu, calls = profile(args.vmfb, irpa, args.cache, args.position, args.repetitions)
     execute = calls["execute"]
     print(f"# {args.vmfb.name}: plain median CPU {cpu:.2f} ms a call; profiled: {calls['calls']} calls, "
           f"the command buffer {execute:.3f} ms a call (wall)")  # fmt: skip

@@ -13,6 +13,8 @@ median CPU time) over its forms and these, which read the same re-laid int8 para
   a bfloat16 operand extended to float32.
 - `int4_tiles4_mm`: int4 g32 from its [N/16, G/4, 32, 4, 16] blocks, dequantized ((q - z) * s, torchao's float32
   operations) and viewed [K, N], then a matmul (data tiled); `int4_tiles4_mm_symmetric`: without the zero points.
+- `int4_blocked_mm_symmetric`: the same from int8's plain [N/16, K, 16] blocks (no groups interleaved), the
+  scales [N/16, G, 16].
 - `i8_int_mm`: W8A8 as torchao exports it: x quantized per row to int8 (symmetric), `_int_mm` with the int8
   weight [K, N], int32 -> float32 times both scales (IREE lowers `_int_mm` itself).
 """
@@ -57,6 +59,15 @@ class Int4TilesMmSymmetric(Int4TilesMm):
     symmetric = True
 
 
+class Int4BlockedMm(forms.Int4UnpackedTwo):
+    """int4 g32 symmetric from plain [N/16, K, 16] blocks (int8's layout), scales [N/16, G, 16]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nb, g, group = self.n // forms.BLOCK, self.g, self.group
+        deq = self.b.to(torch.float32).view(nb, g, group, forms.BLOCK) * self.s.view(nb, g, 1, forms.BLOCK)
+        return x @ deq.permute(1, 2, 0, 3).reshape(self.k, self.n)
+
+
 class I8IntMm(torch.nn.Module):
     def __init__(self, q8: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -75,6 +86,7 @@ forms.FORMS.update(
         "int8_blocked_mm_bf16": lambda w, q, q8, s8, s, z, g: Int8BlockedMmBf16(q8, s8),
         "int4_tiles4_mm": lambda w, q, q8, s8, s, z, g: Int4TilesMm(q, s, z, g, 4),
         "int4_tiles4_mm_symmetric": lambda w, q, q8, s8, s, z, g: Int4TilesMmSymmetric(q, s, z, g, 4),
+        "int4_blocked_mm_symmetric": lambda w, q, q8, s8, s, z, g: Int4BlockedMm(q, s, z, g),
         "i8_int_mm": lambda w, q, q8, s8, s, z, g: I8IntMm(q8, s8),
     }
 )

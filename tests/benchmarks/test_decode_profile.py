@@ -48,15 +48,3 @@ def test_rows_become_ms_per_call_largest_first():
 def test_a_profile_without_calls_is_refused():
     with pytest.raises(ValueError, match="no command buffer executions"):
         per_call([_function("f", 1, 10)])
-
-
-def test_a_prefill_is_profiled_by_its_own_function():
-    from decode_profile import command
-
-    cmd = command(Path("lm.vmfb"), Path("lm.irpa"), 544, 16, prefill=8)
-    assert "--function=prefill" in cmd and "--input=1x8xi64=5" in cmd and "--input=1x544xi64=1" in cmd
-    assert "--input=1x8xi64=0" in cmd and "--input=1xi64=0" in cmd  # positions from 0
-    assert "--function=decode" in command(Path("lm.vmfb"), Path("lm.irpa"), 544, 16)
-    rows = [_function("prefill$async_dispatch_73_elementwise_176x1024x16_i8xf32_pack", 2, 4_000_000)]
-    got = per_call([*rows, _queue("execute", 2, 10_000_000)])
-    assert got["functions"] == [("dispatch_73_elementwise_176x1024x16_i8xf32_pack", 1.0, pytest.approx(2.0))]
