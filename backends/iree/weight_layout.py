@@ -91,12 +91,17 @@ def _blocks(tensor: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
 
 def _zero_point_share(blocks: Node) -> Node | None:
     """The `sub(partial, mul(view(_to_copy(blocks)), sums))` that takes a group's zero point's share off, as
-    `rules/quantized_matmul.py` writes it over `blocks` (a `blocked_rows` of zero points), else None."""
+    `rules/quantized_matmul.py` writes it over `blocks` (a `blocked_rows` of zero points), or the
+    `sub(values, view(_to_copy(blocks)))` of its prefill form (the zero points taken off the weight's values), else
+    None."""
     node, chain = blocks, (aten._to_copy.default, aten.view.default, aten.mul.Tensor)
     for target in chain:
         if len(node.users) != 1:
             return None
-        node = next(iter(node.users))
+        user = next(iter(node.users))
+        if target is aten.mul.Tensor and user.target is aten.sub.Tensor and len(user.args) == 2:
+            return user if user.args[1] is node else None
+        node = user
         if node.target is not target:
             return None
     share = next(iter(node.users)) if len(node.users) == 1 else None

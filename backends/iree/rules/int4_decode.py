@@ -4,8 +4,9 @@
 [1, 32], scale, zero, int8, -8, 7))`. Where x has at most `DECODE_ROWS` rows (a decode step: static, or a `Dim`
 bounded so), this rule writes `int4_grouped_linear(x, q, scale, zero)` (`int4_fold.py`), which the backend packs
 into `int4_matvec` over int32 words (two values a byte) when the module is built and splices as its own
-`stream.executable` (`int4_dispatch.py`). More rows (a prefill) keep `quantized_matmul`'s byte form: the kernel
-reads the whole weight once per row. On for AVX2 only (`targets.CPU_ISAS`), where it was measured: 1.8-2.4x the
+`stream.executable` (`int4_dispatch.py`). More rows (a prefill) take `quantized_matmul`'s matmul of the weight
+dequantized from its byte-form blocks (this kernel reads the whole weight once per row). On for AVX2 only
+(`targets.CPU_ISAS`), where it was measured: 1.8-2.4x the
 byte form on the 160M Llama's shapes (docs/iree-3.13-findings.md section 49).
 """
 
@@ -18,7 +19,14 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.int4_dispatch import GROUP
 from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR, TILE
-from fx_rewrites.backends.iree.rules.quantized_matmul import _grouped_dequantize, _never, _OnDequantize, each_linear
+from fx_rewrites.backends.iree.rules.quantized_matmul import (
+    DECODE_ROWS,
+    _grouped_dequantize,
+    _never,
+    _OnDequantize,
+    each_linear,
+    rows_bound,
+)
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_tensor
 from fx_rewrites.kinds import rule
@@ -26,23 +34,10 @@ from fx_rewrites.ruleset import RuleSet
 
 aten = torch.ops.aten
 
-#: the most rows x may have (a static count, or a Dim's upper bound): one token a step of batch 1 or 2. Each row
-#: reads the whole weight (0.5 byte a value), so 2 rows read what the byte form reads once; measured at 1 row
-DECODE_ROWS = 2
-
-
-def _rows_bound(x: Node) -> int | None:
-    """The most rows (product of all but the last dim) x may have, None where unbounded."""
-    bound = 1
-    for size in fake_tensor(x).shape[:-1]:
-        if isinstance(size, int):
-            bound *= size
-            continue
-        upper = size.node.shape_env.bound_sympy(size.node.expr).upper
-        if not upper.is_finite:
-            return None
-        bound *= int(upper)
-    return bound
+#: `DECODE_ROWS` (quantized_matmul's, shared with the byte form's split): the most rows x may have (a static count,
+#: or a Dim's upper bound), one token a step of batch 1 or 2. Each row reads the whole weight (0.5 byte a value), so
+#: 2 rows read what the byte form reads once; measured at 1 row
+__all__ = ["DECODE_ROWS", "RULES", "int4_decode_for_iree"]
 
 
 def _int4_decode(node: Node) -> Miss | Node | None:
@@ -62,7 +57,7 @@ def _int4_decode(node: Node) -> Miss | Node | None:
     if len(node.users) != 1:  # `int4_fold` packs a weight read by one op
         return Miss(f"the dequantized weight is read by {len(node.users)} linears")
     for linear in node.users:
-        bound = _rows_bound(linear.args[0])
+        bound = rows_bound(linear.args[0])
         if bound is None or bound > DECODE_ROWS:
             return Miss(f"x has up to {bound or 'unbounded'} rows: more than a decode's {DECODE_ROWS}")
     return zero

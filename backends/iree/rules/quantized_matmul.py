@@ -37,6 +37,12 @@ BLOCK = 16
 #: groups of a grouped weight interleaved in its layout, their 16 channels side by side: IREE 3.13's matvec over
 #: them reads 4 x 16 bytes a step (measured against 2 and 8 on AVX-512: benchmarks/int4_forms.py)
 GROUP_TILE = 4
+#: the most rows x may have for the reduction above (a decode step); more rows (a prefill) take the matmul of the
+#: dequantized weight, which IREE data-tiles: the reduction re-reads and converts the whole weight once per row.
+#: 2816 x 1024, one thread, real AVX2 (Zen 3), ms, reduction / matmul / float32 matmul: int8 at 4 rows 3.4 / 3.7 /
+#: 1.1, 16 rows 9.6 / 4.8-6.5 / 3.5, 128 rows 56 / 26 / 20; int4 g32 at 4 rows 6.6 / 7.1, 16 rows 14.5 / 8.6, 128
+#: rows 129 / 24 (benchmarks/prefill_forms.py)
+DECODE_ROWS = 2
 #: the integer types a weight may be stored in
 _INTEGER = (torch.int8, torch.uint8)
 #: the dtypes of a grouped weight's scales: float32, or bfloat16 (`IntxWeightOnlyConfig(scale_dtype=)`), kept so and
@@ -66,6 +72,34 @@ def _frozen_weight(node: Any, dtypes: tuple[torch.dtype, ...]) -> Miss | None:
 def _blocked_float(rw: Rewriter, weight: Node) -> Node:
     """`weight` [N, K] as float32 blocks [N/16, K, 16] (the int8 blocks are a parameter once folded)."""
     return rw.call(aten._to_copy.default, rw.call(BLOCKED_ROWS, weight, BLOCK), dtype=torch.float32)
+
+
+def rows_bound(x: Node) -> int | None:
+    """The most rows (product of all but the last dim) x may have, None where unbounded."""
+    bound = 1
+    for size in fake_tensor(x).shape[:-1]:
+        if isinstance(size, int):
+            bound *= size
+            continue
+        upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+        if not upper.is_finite:
+            return None
+        bound *= int(upper)
+    return bound
+
+
+def _prefill(x: Node) -> bool:
+    """x may have more rows than a decode step's `DECODE_ROWS`: the product is a matmul of the dequantized weight."""
+    bound = rows_bound(x)
+    return bound is None or bound > DECODE_ROWS
+
+
+def _as_matrix(rw: Rewriter, blocks: Node, order: list[int], k: int, n: int) -> Node:
+    """Float blocks permuted by `order` to K's axes, then N's, as a contiguous [K, N] matrix (the matmul's operand:
+    IREE fuses the conversion and this transpose into the dispatch that packs it for the data-tiled matmul)."""
+    permuted = rw.call(aten.permute.default, blocks, order)
+    contiguous = rw.call(aten.clone.default, permuted, memory_format=torch.contiguous_format)
+    return rw.call(aten.view.default, contiguous, [k, n])
 
 
 def _reduce(rw: Rewriter, x: Node, weights: Node, rows: Any, n: int, k_dims: list[int]) -> Node:
@@ -110,6 +144,9 @@ def _int8_weight_mm(node: Node) -> Miss | Node:
 def int8_weight_mm_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: Node) -> None:
     x = node.args[0]
     n, k = fake_tensor(found).shape
+    if _prefill(x):  # the same blocks converted, as [K, N]: a data-tiled matmul, the scale after it as before
+        rw.replace(node, rw.call(aten.mm.default, x, _as_matrix(rw, _blocked_float(rw, found), [1, 0, 2], k, n)))
+        return
     rw.replace(node, _reduce(rw, x, _blocked_float(rw, found), rw.size(x, 0), n, [k]))
 
 
@@ -205,6 +242,30 @@ def _grouped_product(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, z
     return rw.call(aten.view.default, reduced, [rows, n])
 
 
+def _dequantized_mm(rw: Rewriter, node: Node, x: Node, rows: Any, group: int, zero: Node | None) -> Node:
+    """x [rows, K] times torchao's dequantized weight as a matmul ([rows, N]), for more rows than a decode's: the
+    weight dequantized from the decode's blocks [N/16, G/t, group, t, 16] with torchao's float32 operations ((q -
+    zero) * scale, so its values are torchao's), viewed [K, N]. IREE fuses the dequantize into the dispatch that
+    packs the matmul's operand: a float32 copy of the weight in the matmul's tiles is written per call (not one of
+    the weight in its own layout), and the weight is stored once, in the decode's blocks. A zero point's
+    subtraction over zeros is dropped when the weight is folded, as the reduction's share is."""
+    weight, scale = node.args[0], node.args[2]
+    n, k = fake_tensor(weight).shape
+    groups = k // group
+    tile = _group_tile(groups)
+    blocks = rw.call(aten._to_copy.default, rw.call(BLOCKED_ROWS, weight, BLOCK, group, tile), dtype=torch.float32)
+    values = rw.call(aten.view.default, blocks, [n // BLOCK, groups // tile, group, tile, BLOCK])
+
+    def per_group(part: Node) -> Node:
+        floats = rw.call(aten._to_copy.default, rw.call(BLOCKED_ROWS, part, BLOCK), dtype=torch.float32)
+        return rw.call(aten.view.default, floats, [n // BLOCK, groups // tile, 1, tile, BLOCK])
+
+    if zero is not None:
+        values = rw.call(aten.sub.Tensor, values, per_group(zero))
+    weights = _as_matrix(rw, rw.call(aten.mul.Tensor, values, per_group(scale)), [1, 3, 2, 0, 4], k, n)
+    return rw.call(aten.mm.default, rw.call(aten.view.default, x, [rows, k]), weights)
+
+
 def _sum_by_halves(rw: Rewriter, t: Node, dim: int, size: int) -> Node:
     """`t` summed over `dim` (of `size`) by adding its halves until one is left (an odd one out is set aside and
     added last), that axis kept as 1. IREE fuses these adds of contiguous slices into the reduction before them
@@ -258,7 +319,12 @@ def _never() -> None:
 )
 def grouped_linear_as_blocked_reduction_for_iree(node: Node, rw: Rewriter, *, found: tuple[int, Node | None]) -> None:
     group, zero = found
-    each_linear(rw, node, lambda x, rows: _grouped_product(rw, node, x, rows, group, zero))
+
+    def product(x: Node, rows: Any) -> Node:
+        form = _dequantized_mm if _prefill(x) else _grouped_product
+        return form(rw, node, x, rows, group, zero)
+
+    each_linear(rw, node, product)
 
 
 def each_linear(rw: Rewriter, node: Node, product: Callable[[Node, Any], Any]) -> None:

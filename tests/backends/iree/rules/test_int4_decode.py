@@ -113,13 +113,14 @@ def test_a_decode_linear_becomes_the_int4_op_and_is_packed_into_words(dynamic: b
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
-def test_a_prefill_keeps_the_byte_form(dynamic: bool) -> None:
+def test_a_prefill_is_left_to_the_grouped_matmul(dynamic: bool) -> None:
     model = _linear()
     shapes = {"input": {1: torch.export.Dim("rows", min=2, max=64)}} if dynamic else None
     program = torch.export.export(model, (_x(3, 0),), dynamic_shapes=shapes)
     result = rt.apply_rules(program, RULES + grouped_linear_for_iree)
     rt.assert_not_fired(result, int4_decode_for_iree)
     rt.assert_fired(result, grouped_linear_for_iree.name, times=1)
+    rt.assert_ops(result, present=[torch.ops.aten.mm.default])  # quantized_matmul's prefill form
 
 
 def test_a_channel_count_off_the_tile_keeps_the_byte_form() -> None:
