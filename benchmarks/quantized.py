@@ -25,7 +25,10 @@ children's (iree-compile).
 Routes: `eager` (transformers' generate, DynamicCache) and `compile_lm` (IREE local-sync). Prefill = a generate
 of 1 new token; decode tokens/s = (N - 1) / (time(N) - time(1)); one thread, CPU time of this process
 (`time.process_time`), routes interleaved round by round, medians. `match`: the tokens equal the same scheme's
-eager tokens. `irpa MB`: the size of the module's saved weights (`save(..., params=)`).
+eager tokens (without the eager route: compile_lm's). `irpa MB`: the size of the module's saved weights (`save(...,
+params=)`). `compile_lm_torch_steps` (asked for in `--routes`): the same module with each greedy step through
+transformers' processors and torch (`Decoding.next_tokens`), as every step was before `app/lm/greedy.py`; its
+`x float32` is to float32's row of the same route.
 
 llama.cpp (`--llama-cpp`, `LLAMA_CPP_DIR` or `--llama-cpp-dir`: a build with `bin/llama-bench` and
 `bin/llama-quantize`, and the source tree's `convert_hf_to_gguf.py` found from `--llama-cpp-src` or beside it):
@@ -181,6 +184,8 @@ def routes(
             with zero_points_kept(scheme), blocks_of_8(scheme):
                 lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend(isa))
         out["compile_lm"] = lambda ids, n: lm.generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
+        if "compile_lm_torch_steps" in names:  # the same module, each greedy step through torch (before issue 33's)
+            out["compile_lm_torch_steps"] = lambda ids, n: torch_steps(lm.generate, ids, n)
         with tempfile.TemporaryDirectory() as tmp:
             path = saved or Path(tmp) / "lm.vmfb"
             if not path.exists():
@@ -189,6 +194,17 @@ def routes(
     except Exception as e:  # a route that fails is a row saying why
         out["compile_lm"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return out, irpa
+
+
+def torch_steps(generate: Any, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """`generate` with every greedy step through `Decoding.next_tokens` (torch), as before `app/lm/greedy.py`."""
+    from fx_rewrites.app.lm import greedy
+
+    plain, greedy.plain = greedy.plain, lambda decoding: None
+    try:
+        return generate(ids, max_new_tokens=n)[:, ids.shape[1] :]
+    finally:
+        greedy.plain = plain
 
 
 def measure(gens: dict[str, Any], prompt: torch.Tensor, new: int, rounds: int) -> dict[str, Any]:
@@ -204,7 +220,8 @@ def measure(gens: dict[str, Any], prompt: torch.Tensor, new: int, rounds: int) -
     for name in tokens:
         first, full = statistics.median(times[name][1]), statistics.median(times[name][new])
         rate = (new - 1) / (full - first) if full > first else float("nan")
-        same = torch.equal(tokens[name], tokens["eager"]) if "eager" in tokens else None
+        other = "eager" if "eager" in tokens else "compile_lm" if "compile_lm" in tokens.keys() - {name} else ""
+        same = torch.equal(tokens[name], tokens[other]) if other else None  # without eager: = compile_lm's
         results[name] = (first * 1e3, rate, same)
     return results
 
@@ -306,7 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="160m", choices=sorted(SIZES))
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"of {', '.join([*SCHEMES, *VARIANTS, *OTHERS])}")
-    parser.add_argument("--routes", default="eager,compile_lm", help="eager,compile_lm or one of them")
+    parser.add_argument(
+        "--routes", default="eager,compile_lm", help="eager,compile_lm or one of them; compile_lm_torch_steps: + the "
+        "same module with each greedy step in torch (the loop before app/lm/greedy.py), in the same rounds",
+    )  # fmt: skip
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -340,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {setting}; {cpu_model()}; load {gen.load()}")
     print("| scheme | route | prefill ms | decode tok/s | x float32 compile_lm | tokens = eager | irpa MB |")
     print("|---|---|---:|---:|---:|---|---:|")
-    base = None
+    bases: dict[str, float] = {}  # float32's decode tokens/s by compile_lm route: each route's ratio is to its own
     bars: list[tuple[str, float]] = []  # (route, decode tokens/s) for --plot
     for scheme in schemes:
         variant = quantize(model, scheme)
@@ -357,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
             if isinstance(value, str):
                 print(f"| {scheme} | {name} | - | - | - | {value} | - |")
                 continue
-            if scheme == "float32" and name == "compile_lm":
-                base = value[1]
-            ratio = f"{value[1] / base:.2f}" if base else "-"
+            if scheme == "float32" and name.startswith("compile_lm"):
+                bases[name] = value[1]
+            ref = bases.get(name, bases.get("compile_lm"))
+            ratio = f"{value[1] / ref:.2f}" if ref else "-"
             size = f"{irpa:.0f}" if name == "compile_lm" and irpa else "-"
             match = {True: "yes", False: "NO", None: "-"}[value[2]]
             bars.append((f"{scheme}, {name}", value[1]))
@@ -369,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
             resource.getrusage(who).ru_maxrss / 1e6 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         )
         print(f"# peak RSS after {scheme}: this process {own:.2f} GB, its children {children:.2f} GB", flush=True)
+    base = bases.get("compile_lm")
     if args.llama_cpp:
         paths = llama_cpp_paths(args.llama_cpp_dir, args.llama_cpp_src)
         results = (

@@ -5,7 +5,8 @@ prompts, positions from the attention mask's running count, each step's tokens c
 transformers' own logits processors and stopping criteria (`sampling.py`), rows that ended padded with the
 pad token, the whole batch stopping once every row has ended. The cache stays in the module: each call
 passes only the new tokens, their positions, the mask over the cache and the cache position of the first
-new token (which also restarts the cache for a new prompt).
+new token (which also restarts the cache for a new prompt). Greedy steps that are argmax alone run in numpy over
+the module's mapped logits (`greedy.py`), the others through transformers' processors (`sampling.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from fx_rewrites.app.lm import sampling
+from fx_rewrites.app.lm import greedy, sampling
 from fx_rewrites.app.lm.recurrent import SHORT_PREFILL
 from fx_rewrites.app.lm.sampling import UNSET
 
@@ -306,8 +307,12 @@ class CompiledLM:
                 logits = prefill(ids[:, piece], cache_mask, positions[:, piece], start_at)
         else:
             logits = step(ids, cache_mask, positions, torch.tensor([0], dtype=torch.long))
-        sequences = decoding.ids
         position = positions[:, -1:]
+        steps = greedy.plain(decoding)
+        if steps is not None:  # argmax alone: the steps without torch ops (greedy.py)
+            greedy.run(steps, logits, decode, cache_mask, position, length, batch)
+            return steps.sequences(decoding.ids)
+        sequences = decoding.ids
         fill = ids.new_zeros(batch - rows)
         for i in range(decoding.new_tokens):
             tokens, sequences, done = decoding.next_tokens(sequences, logits[:rows, -1, :])

@@ -140,26 +140,51 @@ class Invoker:
             return None
 
     def __call__(self, *arrays: Any) -> list[Any]:
+        results = self._invoke(arrays)
+        out = []
+        for i in range(len(results)):
+            array = self._mapped(results, i)
+            if array is _UNMAPPABLE:  # a GPU's device-local memory: the DeviceArray path copies it by a transfer
+                return [np.array(a.to_host(), copy=True) if hasattr(a, "to_host") else a for a in self._slowly(results)]
+            if not isinstance(array, np.ndarray):
+                out.append(array)  # a number (a size the program returns)
+                continue
+            want = array.dtype if self._dtypes is None else self._dtypes[i]
+            out.append(array.astype(want) if array.dtype != want else array.copy())  # astype copies too
+        return out
+
+    def reduced(self, reduce: Callable[[Any], Any], *arrays: Any) -> Any:
+        """`reduce(first result)` with the first result read in place from IREE's mapped buffer, not copied out
+        (greedy search's argmax over a step's logits). `reduce` must not keep the array or a view of it: the
+        buffer is IREE's, unmapped and reused after the call. A result that is not host-mappable is copied out
+        first, as `__call__` does; one of another dtype than its reflection's is converted (a copy)."""
+        results = self._invoke(arrays)
+        array = self._mapped(results, 0)
+        if array is _UNMAPPABLE:
+            first = self._slowly(results)[0]
+            array = np.array(first.to_host(), copy=True) if hasattr(first, "to_host") else first
+        elif isinstance(array, np.ndarray) and self._dtypes is not None and array.dtype != self._dtypes[0]:
+            array = array.astype(self._dtypes[0])
+        return reduce(array)
+
+    def _invoke(self, arrays: tuple[Any, ...]) -> Any:
         args = self._packer.pack(self._invoke_context(self._device), arrays, {})
         results = self._list(1 if self._dtypes is None else len(self._dtypes))
         self._context.invoke(self._function, args, results)
-        out = []
-        for i in range(len(results)):
-            value = results.get_variant(i)
-            view = value.deref(self._buffer_view, True) if isinstance(value, self._ref) else None
-            if view is None:
-                out.append(value)  # a number (a size the program returns)
-                continue
-            buffer = view.get_buffer()
-            visible = buffer.memory_type() & self._visible == self._visible
-            if not visible or buffer.allowed_usage() & self._mapping != self._mapping:
-                # not host-mappable (a GPU's device-local memory): the DeviceArray path copies it by a transfer
-                return [np.array(a.to_host(), copy=True) if hasattr(a, "to_host") else a for a in self._slowly(results)]
-            raw = self._raw_dtype(view.element_type)
-            array = view.map().asarray(view.shape, raw)
-            want = raw if self._dtypes is None else self._dtypes[i]
-            out.append(array.astype(want) if raw != want else array.copy())  # astype copies too
-        return out
+        return results
+
+    def _mapped(self, results: Any, i: int) -> Any:
+        """Result `i` as a numpy array over its mapped buffer (valid while the array lives), a number as it is,
+        or `_UNMAPPABLE` for a buffer the host cannot map."""
+        value = results.get_variant(i)
+        view = value.deref(self._buffer_view, True) if isinstance(value, self._ref) else None
+        if view is None:
+            return value
+        buffer = view.get_buffer()
+        visible = buffer.memory_type() & self._visible == self._visible
+        if not visible or buffer.allowed_usage() & self._mapping != self._mapping:
+            return _UNMAPPABLE
+        return view.map().asarray(view.shape, self._raw_dtype(view.element_type))
 
     def _slowly(self, results: Any) -> list[Any]:
         from iree.runtime.function import Invocation, _extract_vm_sequence_to_python
@@ -203,3 +228,20 @@ def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
 
 #: what a fast call returns for a call it does not take
 MISS = object()
+#: `Invoker._mapped` of a result in memory the host cannot map (a GPU's device-local memory)
+_UNMAPPABLE = object()
+
+
+class UncheckedCall:
+    """`IreeCompiled.unchecked`'s call through an `Invoker`: tensors in (the compiled dtypes and shapes, the plan's
+    order), the one result out as a tensor of `dtype`; `reduced(reduce, *arrays)` takes numpy arrays and returns
+    `reduce` of the result read in place (`Invoker.reduced`: greedy search's argmax, no copy of the logits)."""
+
+    def __init__(self, invoker: Invoker, dtype: torch.dtype | None) -> None:
+        self.invoker, self.dtype = invoker, dtype
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return result_to_torch(self.invoker(*(t.contiguous().numpy() for t in tensors))[0], self.dtype)
+
+    def reduced(self, reduce: Callable[[Any], Any], *arrays: Any) -> Any:
+        return self.invoker.reduced(reduce, *arrays)

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import decode_profile
 from decode_profile import per_call
 
 
@@ -48,3 +49,17 @@ def test_rows_become_ms_per_call_largest_first():
 def test_a_profile_without_calls_is_refused():
     with pytest.raises(ValueError, match="no command buffer executions"):
         per_call([_function("f", 1, 10)])
+
+
+def test_an_ab_rotates_the_order_round_by_round(monkeypatch):
+    calls = []
+
+    def plain_ms(vmfb, irpa, cache, position, repetitions):
+        calls.append(vmfb)
+        assert irpa == vmfb.with_suffix(".irpa") and (cache, position, repetitions) == (48, 16, 10)
+        return float(len(calls))
+
+    monkeypatch.setattr(decode_profile, "plain_ms", plain_ms)
+    a, b, c = (Path(f"{n}/lm.vmfb") for n in "abc")
+    times = decode_profile.ab([a, b, c], 48, 16, 10, 3)
+    assert times == {a: [1.0, 6.0, 8.0], b: [2.0, 4.0, 9.0], c: [3.0, 5.0, 7.0]}  # a b c, b c a, c a b

@@ -21,13 +21,14 @@ def test_quantized_prints_every_scheme_with_eager_tokens(tmp_path):
     pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[test]' installs it)")
     schemes = ("float32", "int4_g32")
     args = ["--size", "tiny", "--prompt", "8", "--new", "4", "--rounds", "1", "--schemes", ",".join(schemes)]
+    args += ["--routes", "eager,compile_lm,compile_lm_torch_steps"]  # the greedy loop before app/lm/greedy.py too
     args += ["--llama-cpp", "--plot", str(tmp_path / "decode.png")]
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_DIR", "LLAMA_CPP_SRC")}
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     for scheme in schemes:
-        for route in ("eager", "compile_lm"):
+        for route in ("eager", "compile_lm", "compile_lm_torch_steps"):
             row = next((r for r in rows if r.startswith(f"| {scheme} | {route} |")), None)
             assert row is not None and "| yes |" in row, (scheme, route, done.stdout[-3000:])
     assert any("no llama.cpp build (set LLAMA_CPP_DIR" in r for r in rows), rows
