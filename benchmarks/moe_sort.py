@@ -22,6 +22,9 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `replaced`: the default rules with
   the rule of `--replace-rule FILE:NAME` (a module file, e.g. an earlier commit's: `git show REV:PATH > FILE`)
   in place of the rule of that name (a before/after of one rule in one process, with `--interleave`);
+- `saved:PATH.vmfb`: a `compile_lm` module saved before (`lm.save(PATH.vmfb, params=PATH.irpa)`) of the same model
+  and cache length, loaded (`fx_rewrites.load`, weights from the .irpa): modules compiled with other flags, timed
+  against eager in one process without compiling in it;
 - `eager`: transformers' `model.generate(do_sample=False)` (DynamicCache).
 `--chunks C ...`: each IREE route once per prefill chunk size C (`generate(prefill_chunk_size=C)`: a prompt longer
 than C prefilled in calls of C tokens, the last overlapping the one before; 0 = the whole prompt in one call), named
@@ -155,6 +158,11 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
 def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None = None, lms: Any = None) -> Any:
     """(ids, n) -> ids and n new tokens, by `route`: eager generate, or compile_lm with the sort as `route`
     (`ROUTE/C`: its prompt prefilled in chunks of C; `lms`: the modules compiled so far, by route)."""
+    if route.startswith("saved:"):  # a module saved before (`CompiledLM.save`): loaded, its weights from its .irpa
+        import fx_rewrites
+
+        saved = fx_rewrites.load(route.partition(":")[2], driver="local-sync")
+        return lambda ids, n, clock=None: saved.generate(ids, max_new_tokens=n, streamer=clock)
     base, _, chunk = route.partition("/")
     if base != "eager" and lms is not None:
         if base not in lms:
@@ -312,6 +320,8 @@ ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory",
 
 def _route(text: str) -> str:
     """A route name, or `ROUTE/C` (the children's: an IREE route with prefill chunks of C)."""
+    if text.startswith("saved:") and len(text) > len("saved:"):
+        return text
     base, _, chunk = text.partition("/")
     if base not in ROUTES or (chunk and (base == "eager" or not chunk.isdigit())):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(ROUTES)}, or ROUTE/CHUNK for an IREE route")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ from fx_rewrites.backends.iree.state import lift_state
 from fx_rewrites.backends.iree.targets import TARGETS, IreeTarget
 from fx_rewrites.backends.iree.weight_layout import extra_flags
 from fx_rewrites.ruleset import Phases, RuleSet
+
+#: a torch-dialect tensor type with a dynamic size (`!torch.vtensor<[1,?],si64>`)
+_DYNAMIC = re.compile(r"vtensor<\[[^\]]*\?")
 
 #: IREE-specific first-phase rules (`backends/iree/rules/`), unioned with DEFAULT in `IreeBackend.rules`
 IREE_RULES = OWN
@@ -219,7 +223,7 @@ class IreeBackend:
 
         mlir = import_mlir(iree, prepared, reflection=entries_now, hooks=hooks, state=state)
         del prepared  # the importer's copy of the graph: done with it
-        flags = (*self.flags, *self.perf_flags)
+        flags = (*self.flags, *self.perf_flags_for(mlir))
         key = cache_key(mlir, (self.target.name, *flags))
         vmfb, cached = self.cache.get_or_compile(key, lambda: self._compile_mlir(iree, mlir, graph_module))
         return IreeArtifact(
@@ -396,9 +400,16 @@ class IreeBackend:
             return " ".join(str(e).split())
         return ""
 
+    def perf_flags_for(self, mlir: str) -> tuple[str, ...]:
+        """`perf_flags`, and the target's `dynamic_flags` where they are on (`perf_flags` not emptied) and the
+        imported `mlir` has a tensor of a dynamic size (a Dim, or a size read at run time)."""
+        if not (self.perf_flags and self.target.dynamic_flags and _DYNAMIC.search(mlir)):
+            return self.perf_flags
+        return (*self.perf_flags, *(f for f in self.target.dynamic_flags if f not in self.perf_flags))
+
     def _compile_mlir(self, iree: Any, mlir: str, gm: GraphModule) -> bytes:
         try:
-            return self._run_compiler(iree, mlir, gm, (*self.flags, *self.perf_flags))
+            return self._run_compiler(iree, mlir, gm, (*self.flags, *self.perf_flags_for(mlir)))
         except IreeCompileTimeout:
             raise  # a second try without performance flags would wait as long again
         except IreeCompileError:

@@ -126,7 +126,7 @@ def compile_split(backend: Any, iree: Any, mlir: str, gm: Any = None, *, shared:
     """`mlir` compiled by `backend` with its weights' packing split out: the module (reading the packed
     weights) and the encoder module, each kept in the backend's compile cache. `shared`: a weight several
     functions pack alike is packed once (`SHARE_PACKED`)."""
-    flags = (*backend.flags, *backend.perf_flags)
+    flags = (*backend.flags, *backend.perf_flags_for(mlir))
     between = SHARE_PACKED if shared else None
     key = cache_key(mlir, (backend.target.name, *flags, *_SPLIT, *([between] if between else [])))
     made: dict[str, bytes] = {}

@@ -162,7 +162,7 @@ def compile_functions(
 
     mlir = import_functions(iree, prepared, hooks=hooks, reflections=reflections)
     del prepared
-    flags = (*backend.flags, *backend.perf_flags)
+    flags = (*backend.flags, *backend.perf_flags_for(mlir))
     key = cache_key(mlir, (backend.target.name, *flags))
     first = next(iter(programs.values())).graph_module
     vmfb, cached = backend.cache.get_or_compile(key, lambda: backend._compile_mlir(iree, mlir, first))

@@ -33,6 +33,7 @@ class IreeTarget:
       rejects with them is compiled again without them (`IreeBackend.compile`).
     - `device`: what the hardware is, for error messages.
     - `isa`: llvm-cpu only, the vector ISA (`CPU_ISAS`) whose measured flags and performance rules it takes.
+    - `dynamic_flags`: added to `perf_flags` for a module with a dynamic size (`IreeBackend.perf_flags_for`).
     """
 
     name: str
@@ -41,6 +42,7 @@ class IreeTarget:
     perf_flags: tuple[str, ...] = ()
     device: str = ""
     isa: str = ""
+    dynamic_flags: tuple[str, ...] = ()
 
 
 #: Measured on a 2-core AVX-512 host (benchmarks/runtime.py, docs/performance.md): data tiling packs matmul operands
@@ -79,6 +81,14 @@ _IM2COL = "--iree-global-opt-use-im2col-for-convs"
 #: or without it (the 8x8x1 tile, its bitcode inlined; real Zen 3, docs/iree-3.13-findings.md "The float32 matmul on a
 #: real AVX2 CPU"): nothing to gain there
 _MMT4D_UKERNEL = "--iree-llvmcpu-enable-ukernels=mmt4d"
+#: vector loops over a dynamic size peeled (a remainder loop) instead of masked. AVX2 only, and only for modules with a
+#: dynamic size: IREE 3.13's default masks every vector of such a loop, which AVX2 does with `vmaskmovps` loads and
+#: stores, slow on Zen 3 (AVX-512 has mask registers). Real Zen 3, one thread: exp(s - m) over [8, 272, D] 35.3 ->
+#: 14.2 ms (D static: 15.5), the small MoE model's prefill attention alone 303 -> 248 ms, Qwen3-30B-A3B's 646 -> 504
+#: (docs/iree-3.13-findings.md, "Vector loops over a dynamic size on AVX2"; docs/performance.md, "MoE prefill: where
+#: it goes against eager"): whole prefill 1.16x -> 1.08x eager (small), 1.15x -> 1.07x (30B layer). Modules with no
+#: dynamic size anywhere compile as before (not re-measured: no flag is added to them)
+_PEEL = "--iree-llvmcpu-vector-pproc-strategy=peel"
 
 
 @attrs.frozen
@@ -94,6 +104,7 @@ class CpuIsa:
     - `target_features`: `--iree-llvmcpu-target-cpu-features` with `target_cpu` ("" for none).
     - `first_rules`: the names of first-phase rules on for it (`rules.FIRST_BY_ISA`: they must see the graph before
       the ISA-neutral rules of that phase rewrite it).
+    - `dynamic_flags`: its `IreeTarget.dynamic_flags`.
     """
 
     name: str
@@ -103,6 +114,7 @@ class CpuIsa:
     perf_rules: tuple[str, ...]
     target_features: str = ""
     first_rules: tuple[str, ...] = ()
+    dynamic_flags: tuple[str, ...] = ()
 
 
 #: the llvm-cpu performance rules, in phase order (`rules/performance.py`; benchmarks/runtime.py measures each)
@@ -176,6 +188,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES),
         target_features="-sse4a",
         first_rules=_AVX2_FIRST_RULES,
+        dynamic_flags=(_PEEL,),
     ),
 }
 
@@ -212,6 +225,7 @@ def llvm_cpu(isa: str = "host") -> IreeTarget:
         perf_flags=CPU_ISAS[resolved].perf_flags if resolved else (),
         device="this host's CPU" if cpu == "host" else f"a {resolved.upper()} CPU ({cpu})",
         isa=resolved,
+        dynamic_flags=CPU_ISAS[resolved].dynamic_flags if resolved else (),
     )
 
 
