@@ -81,7 +81,7 @@ class Int4Dispatch(torch.nn.Module):
             raise ValueError(f"a weight {tuple(q.shape)}: N a multiple of {8 * tile}, K of {GROUP} (not padded)")
         self.n, self.tile, self.per = q.shape[0], tile, per
         self.register_buffer("words", pack_words(q, tile))
-        self.register_buffer("scales", pack_scales(s, tile, UNIT if z is None else 2 * UNIT))
+        self.register_buffer("scales", pack_scales(s, tile, UNIT if z is None else 1.0))
         self.register_buffer("zeros", None if z is None else pack_zeros(z, tile))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

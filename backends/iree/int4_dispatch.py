@@ -27,8 +27,6 @@ GROUP = 32
 #: the top nibble of an int32 (0xF0000000 as a signed value)
 TOP = -(1 << 28)
 UNIT = 2.0**-28
-#: a value's place beside zero points: one bit lower, so that (q - z) 2^27 fits an int32
-ZERO_UNIT = 1 << 27
 #: how far ahead of the group being summed the kernel prefetches the words, in words (16 KB: 32 groups of a tile of 4;
 #: docs/performance.md, "Where an int4 g32 decode token goes": 2048 and 8192 were no better on the real AVX2 host)
 PREFETCH = 4096
@@ -54,17 +52,17 @@ def pack_words(q: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def pack_scales(s: torch.Tensor, tile: int, unit: float = UNIT) -> torch.Tensor:
-    """Scales s [N, G] times `unit` (2^-28; 2^-27 beside zero points: exact) as [N / (8 tile), G, tile, 8]
-    (flattened)."""
+    """Scales s [N, G] times `unit` (2^-28 for the kernel without zero points, 1 beside them: exact) as
+    [N / (8 tile), G, tile, 8] (flattened)."""
     n, g = s.shape
     return (s.to(torch.float32) * unit).view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
 
 
 def pack_zeros(z: torch.Tensor, tile: int) -> torch.Tensor:
-    """Zero points z [N, G] (int4's range) times 2^27 as int32, laid out as `pack_scales` lays the scales: the
-    kernel with zero points shifts each value down to q * 2^27 and subtracts them, (q - z) 2^27 exact in int32."""
+    """Zero points z [N, G] as int32, laid out as `pack_scales` lays the scales: the kernel with zero points shifts
+    each value down to q (sign-extended) and subtracts them, (q - z) exact in int32."""
     n, g = z.shape
-    zeros = z.to(torch.int32) * ZERO_UNIT
+    zeros = z.to(torch.int32)
     return zeros.view(n // (8 * tile), tile, 8, g).permute(0, 3, 1, 2).contiguous().flatten()
 
 
@@ -72,7 +70,7 @@ def unpack(
     words: torch.Tensor, scales: torch.Tensor, n: int, tile: int, zeros: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The float32 weight [N, K], q s (or, with `zeros`, (q - z) s) that `pack_words(q, tile)`, `pack_scales(s,
-    tile)` (`pack_scales(s, tile, 2 * UNIT)`) and `pack_zeros(z, tile)` hold."""
+    tile)` (`pack_scales(s, tile, 1.0)` beside zeros) and `pack_zeros(z, tile)` hold."""
     k = words.numel() * 8 // n
     nb, g = n // (8 * tile), k // GROUP
     nib = ((words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> (4 * torch.arange(8))) & 15
@@ -81,16 +79,17 @@ def unpack(
     values = values.view(n, g, GROUP)
     unit = UNIT
     if zeros is not None:
-        z = zeros.view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g) // ZERO_UNIT
-        values, unit = values - z.unsqueeze(-1).to(torch.float32), 2 * UNIT
+        z = zeros.view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g)
+        values, unit = values - z.unsqueeze(-1).to(torch.float32), 1.0
     s = (scales / unit).view(nb, g, tile, 8).permute(0, 2, 3, 1).reshape(n, g)
     return (values * s.unsqueeze(-1)).view(n, k)
 
 
 def _kernel(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) -> str:
     """The body of the executable's function: workgroup `wg` computes tiles [wg per, min(wg per + per, N/8tile))
-    of 8 * tile channels for every row. With `zero`, each value is shifted down to q 2^27 and its group's zero point
-    (binding `bz`, `pack_zeros`) subtracted in int32 before the conversion."""
+    of 8 * tile channels for every row. With `zero`, each value moved to the top nibble is shifted down to q
+    (arithmetic: sign-extended, the values below it gone) and its group's zero point (binding `bz`, `pack_zeros`)
+    subtracted in int32 before the conversion."""
     nb, g, nw = n // (8 * tile), k // GROUP, n * k // 8
     wt, st, zt = f"memref<{nw}xi32>", f"memref<{n * g}xf32>", f"memref<{n * g}xi32>"
     xt, ot = (f"memref<{rows * k}xf32>", f"memref<{rows * n}xf32>") if rows else ("memref<?xf32>", "memref<?xf32>")
@@ -107,7 +106,7 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) 
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
         f"%sm = stream.binding.subspan %bs[%c0] : !stream.binding -> {st}",
         f"%zm = stream.binding.subspan %bz[%c0] : !stream.binding -> {zt}" if zero else "",
-        "%one = arith.constant dense<1> : vector<8xi32>" if zero else "",
+        "%down = arith.constant dense<28> : vector<8xi32>" if zero else "",
         f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}{osize}",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         f"%b0 = arith.muli %wg, %c{per}w : index",
@@ -152,13 +151,13 @@ def _kernel(rows: int, n: int, k: int, tile: int, per: int, zero: bool = False) 
                 if p < 7:  # value p to the top nibble
                     add(f"%sl{name} = arith.shli {value}, %sh{p} : vector<8xi32>")
                     value = f"%sl{name}"
-                if p > 0:  # the values below it cleared
-                    add(f"%an{name} = arith.andi {value}, %mask : vector<8xi32>")
-                    value = f"%an{name}"
-                if zero:  # (q - z) 2^27, exact
-                    add(f"%sr{name} = arith.shrsi {value}, %one : vector<8xi32>")
+                if zero:  # q - z, exact: the shift down drops the values below it
+                    add(f"%sr{name} = arith.shrsi {value}, %down : vector<8xi32>")
                     add(f"%sz{name} = arith.subi %sr{name}, %zv{t} : vector<8xi32>")
                     value = f"%sz{name}"
+                elif p > 0:  # the values below it cleared
+                    add(f"%an{name} = arith.andi {value}, %mask : vector<8xi32>")
+                    value = f"%an{name}"
                 add(f"%fl{name} = arith.sitofp {value} : vector<8xi32> to vector<8xf32>")
                 add(f"%ac{name} = vector.fma %fl{name}, %xb{w}_{p}, {acc[t]} : vector<8xf32>")
                 acc[t] = f"%ac{name}"
@@ -213,7 +212,7 @@ INT4_MATVEC = torch.ops.fx_rewrites.int4_matvec.default
 def asym_int4_matvec(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, tile: int, per: int
 ) -> torch.Tensor:
-    """`int4_matvec` with zero points: x [rows, K] times (q - z) s, held as `words`, `scales` (times 2^-27) and
+    """`int4_matvec` with zero points: x [rows, K] times (q - z) s, held as `words`, `scales` (times 1) and
     `zeros` (`pack_zeros`), transposed."""
     return x @ unpack(words, scales, n, tile, zeros).t()
 

@@ -24,7 +24,6 @@ from fx_rewrites.backends.iree.int4_dispatch import (
     ASYM_INT4_MATVEC,
     GROUP,
     INT4_MATVEC,
-    UNIT,
     pack_scales,
     pack_words,
     pack_zeros,
@@ -37,7 +36,7 @@ TILE = 4
 PER = 8
 #: the packed parameters' key suffixes (ending in `weight_layout.SUFFIX`: the archive is written as it is)
 WORDS, SCALES, ZEROS = ".int4_words" + SUFFIX, ".int4_scales" + SUFFIX, ".int4_zeros" + SUFFIX
-#: the packed-tensor memo's name for scales packed beside zero points (times 2^-27)
+#: the packed-tensor memo's name for scales packed beside zero points (not scaled by 2^-28)
 ZERO_SCALES = "zero_scales"
 
 
@@ -76,8 +75,8 @@ def _rewrite(graph: Graph, node: Node, weight: FrozenWeight) -> tuple[Node, list
         scales = (weight.scale, SCALES, packed(weight.sv, SCALES, lambda t: pack_scales(t, TILE)))
         return graph.call_function(INT4_MATVEC, (x, weight.q, weight.scale, n, TILE, PER)), [_words(weight), scales]
     if weight.zero is not None and all(int(t.min()) >= -8 and int(t.max()) <= 7 for t in (weight.qv, weight.zv)):
-        # torchao's asymmetric mapping: (q - z) 2^27 in int32, the scales times 2^-27
-        scales = (weight.scale, SCALES, packed(weight.sv, ZERO_SCALES, lambda t: pack_scales(t, TILE, 2 * UNIT)))
+        # torchao's asymmetric mapping: (q - z) in int32, the scales as they are
+        scales = (weight.scale, SCALES, packed(weight.sv, ZERO_SCALES, lambda t: pack_scales(t, TILE, 1.0)))
         zeros = (weight.zero, ZEROS, packed(weight.zv, ZEROS, lambda t: pack_zeros(t, TILE)))
         args = (x, weight.q, weight.scale, weight.zero, n, TILE, PER)
         return graph.call_function(ASYM_INT4_MATVEC, args), [_words(weight), scales, zeros]

@@ -140,8 +140,9 @@ def test_a_bfloat16_linear_keeps_the_byte_form() -> None:
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
 def test_asymmetric_zero_points_are_packed_beside_the_words(dynamic: bool) -> None:
-    """torchao's asymmetric mapping: the zero points go into the dispatch as (z 2^27) int32, subtracted from each
-    value (q 2^27) before its conversion, so (q - z) is exact as in torchao's dequantize; no float copy, no warning."""
+    """torchao's asymmetric mapping: the zero points go into the dispatch as int32, subtracted from each value
+    (shifted down to q) before its conversion, so (q - z) is exact as in torchao's dequantize; no float copy, no
+    warning."""
     model = _linear("ASYMMETRIC")
     assert not bool((model[0].weight.zero_point == 0).all())
     shapes = {"input": {1: torch.export.Dim("rows", min=1, max=2)}} if dynamic else None
