@@ -126,6 +126,19 @@ def _static_sizes(c: dict[str, Any]) -> bool | Miss:
     return True
 
 
+def _one_group_2d(node: Node) -> dict[str, Any] | Miss:
+    """`_conv(node)` where it is 2-D, of one group, with static channel and spatial sizes (im2col's and the taps')."""
+    c = _conv(node)
+    if isinstance(c, Miss):
+        return c
+    if c["spatial"] != 2:
+        return Miss(f"a {c['spatial']}-D convolution")
+    if c["groups"] != 1:
+        return Miss(f"groups={c['groups']} (grouped_conv_as_convs, depthwise_conv_as_taps)")
+    ok = _static_sizes(c)
+    return c if ok is True else ok
+
+
 def _out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 

@@ -20,7 +20,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.conv_performance import _conv, _out_size, _static_sizes
+from fx_rewrites.backends.iree.rules.conv_performance import _one_group_2d, _out_size
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -50,16 +50,9 @@ def constant_weight(weight: Any) -> bool:
 
 
 def _tap_conv(node: Node) -> dict[str, Any] | Miss:
-    c = _conv(node)
+    c = _one_group_2d(node)
     if isinstance(c, Miss):
         return c
-    if c["spatial"] != 2:
-        return Miss(f"a {c['spatial']}-D convolution")
-    if c["groups"] != 1:
-        return Miss(f"groups={c['groups']} (grouped_conv_as_convs, depthwise_conv_as_taps)")
-    ok = _static_sizes(c)
-    if ok is not True:
-        return ok
     if not constant_weight(c["weight"]):
         return Miss("the weight is not the program's own: its nine taps would be sliced and packed at every call")
     kernel = tuple(fake_value(c["weight"]).shape[2:])

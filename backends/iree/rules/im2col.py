@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.conv_performance import _conv, _out_size, _static_sizes
+from fx_rewrites.backends.iree.rules.conv_performance import _one_group_2d, _out_size
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -118,16 +118,9 @@ def im2col_wins(kernel: tuple[int, int], channels: int, positions: int) -> bool:
 
 
 def _im2col_conv(node: Node) -> dict[str, Any] | Miss:
-    c = _conv(node)
+    c = _one_group_2d(node)
     if isinstance(c, Miss):
         return c
-    if c["spatial"] != 2:
-        return Miss(f"a {c['spatial']}-D convolution")
-    if c["groups"] != 1:
-        return Miss(f"groups={c['groups']} (grouped_conv_as_convs, depthwise_conv_as_taps)")
-    ok = _static_sizes(c)
-    if ok is not True:
-        return ok
     kernel = tuple(fake_value(c["weight"]).shape[2:])
     if kernel != (1, 1) and c["stride"] == list(kernel) and not any(c["padding"]) and c["dilation"] == [1, 1]:
         return Miss("a patch convolution (patch_conv_as_matmul)")
