@@ -83,12 +83,14 @@ def test_two_ranks_llama_256_both_routes_and_the_named_refusals(tmp_path) -> Non
     _refused_in_a_world_of_one(tmp_path / "lm.rank0.vmfb")
 
 
-# Marked slow: left out of a plain pytest (CI runs it).
+# Marked slow: left out of a plain pytest (CI runs it). 2 layers, not the issue's 4: a layer is the same split
+# again (its two all_reduces), and the 2-rank test above keeps the issue's 4; at 4 layers this test took 316 CPU s,
+# the most of any test in CI (AMD EPYC, AVX2, 2 cores).
 @pytest.mark.slow
 def test_four_ranks_llama_512() -> None:
-    """The same on 4 ranks with hidden 512 (4 processes on this machine's 2 cores)."""
-    results = run_ranks(ranks.llama_routes, 4, 512, 4, 8, 4, 24)
-    _check_routes(results, 4, 24, 4)
+    """The same on 4 ranks with hidden 512, 2 layers (4 processes on this machine's 2 cores): one KV head a rank."""
+    results = run_ranks(ranks.llama_routes, 4, 512, 2, 8, 4, 24)
+    _check_routes(results, 4, 24, 2)
 
 
 def test_point_to_point_falls_back_naming_the_op() -> None:

@@ -10,7 +10,8 @@ deselect the zoo with `-m "not zoo"`; the rows kept out of CI are `slow` (desele
 
 No result may depend on what ran before: `FX_REWRITES_ZOO_SHUFFLE=SEED` runs the zoo's test modules, and
 the tests within each, in an order shuffled by SEED (each module's models still built once), e.g.
-`FX_REWRITES_ZOO_SHUFFLE=1 pytest tests/zoo`. CI runs the collected order.
+`FX_REWRITES_ZOO_SHUFFLE=1 pytest tests/zoo`. CI runs the collected order with each model's tests side by side
+(`by_model`: under pytest-xdist one worker builds the model's stages for both).
 """
 
 from __future__ import annotations
@@ -68,10 +69,27 @@ def shuffled(items: list[Any], seed: int) -> list[Any]:
     return out
 
 
+def by_model(items: list[Any]) -> list[Any]:
+    """`items` with each module's tests of one zoo model next to each other (in the order the module's first test
+    meets the models; a model's tests in their own order), the other items in their places. pytest-xdist hands each
+    worker a run of consecutive tests: a model's tests side by side build its module-scoped stages (export, rules,
+    eager outputs) on one worker, where one test function after another split them between the workers and both
+    built them."""
+    places = [i for i, item in enumerate(items) if _HERE in Path(item.path).resolve().parents]
+    groups: dict[tuple[Path, str], list[Any]] = {}
+    for i in places:
+        callspec = getattr(items[i], "callspec", None)
+        model = callspec.params.get("name") if callspec is not None else None
+        groups.setdefault((Path(items[i].path), model if model is not None else items[i].name), []).append(items[i])
+    out = list(items)
+    for i, item in zip(places, [item for group in groups.values() for item in group], strict=True):
+        out[i] = item
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seed = os.environ.get(SHUFFLE_ENV, "").strip()
-    if seed:
-        items[:] = shuffled(items, int(seed))
+    items[:] = shuffled(items, int(seed)) if seed else by_model(items)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
