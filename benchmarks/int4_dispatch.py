@@ -99,7 +99,8 @@ def compile_form(
 ) -> None:
     """Export `module` at `x` (its rows a `Dim` where `rows_dim`), import it as the backend does, splice any
     int4_matvec call, compile to `vmfb`."""
-    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+    from fx_rewrites.backends.iree.preparing import prepare_program
 
     dynamic = ({0: torch.export.Dim("rows", max=4096)},) if rows_dim else None
     program = torch.export.export(module, (x,), dynamic_shapes=dynamic)

@@ -459,7 +459,8 @@ def run(argv: list[str] | None = None) -> int:
     global BLOCK
     from cpu_isa import backend, cpu_model
 
-    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+    from fx_rewrites.backends.iree.preparing import prepare_program
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=2816)

@@ -132,7 +132,8 @@ def model_mlir(name: str, quick: bool, isa: str = "host") -> tuple[str, list[str
     from runtime_models import MODELS
 
     import fx_rewrites
-    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+    from fx_rewrites.backends.iree.preparing import prepare_program
 
     if name not in MODELS:
         raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")

@@ -56,7 +56,8 @@ def route_mlir(model: Any, x: Any, isa: str) -> tuple[str, list[str]]:
     import torch
 
     import fx_rewrites
-    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+    from fx_rewrites.backends.iree.preparing import prepare_program
 
     iree = cpu_isa.backend(isa)
     with torch.no_grad():

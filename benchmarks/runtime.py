@@ -51,8 +51,9 @@ from torch.utils import _pytree as pytree
 
 import fx_rewrites
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
 from fx_rewrites.backends.iree.parameters import inline_limit, parameter_hooks
+from fx_rewrites.backends.iree.preparing import prepare_program
 from fx_rewrites.backends.iree.rules import performance
 from fx_rewrites.ruleset import Phases
 

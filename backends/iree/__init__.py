@@ -16,7 +16,7 @@ A GraphModule (the forward graph of `torch.compile` through aot_autograd,
 see `backends.dynamo`) is imported with `FxImporter.import_graph_module`:
 the callable takes what the graph takes, parameters included, except that
 SymInt inputs which are an input's size are recomputed from that input
-(`importing` says how).
+(`preparing` says how).
 
 `iree-compile` runs as a subprocess (a compiler crash does not take Python
 down) with a time limit (`IreeBackend.compile_timeout_s`; past it,
@@ -35,8 +35,8 @@ compiles without a device; `compile` also loads on the device
 
 Modules: `errors` (what it raises), `invoke` (running iree-compile), `cpus` (the CPU llvm-cpu
 code is built for, what it needs, the host's features: `IreeBackend.for_cpu`, `IreeCpuError`),
-`cache`, `importing` (graph -> MLIR and the call plan), `assumptions` (the Dims told to IREE),
-`state` (written buffers as module globals), `parameters`, `memory`, `runtime`
+`cache`, `preparing` (a private copy of the graph and its call plan), `importing` (-> MLIR),
+`assumptions` (the Dims told to IREE), `state` (written buffers as module globals), `parameters`, `memory`, `runtime`
 (`IreeCompiled`, `IreeArtifact`), `targets` (`IreeTarget`, `TARGETS`),
 `backend` (`IreeBackend`).
 """

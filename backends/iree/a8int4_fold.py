@@ -4,7 +4,7 @@ at build time (issue 33).
 `rules/a8int4_decode.py` replaces a decode's `linear(dequantize_affine(qx, [1, K], sx, zx, int8, -128, 127),
 dequantize_affine(q, [1, 32], scale, zero, int8, -8, 7))` by `a8int4_grouped_linear(qx, sx, zx, q, scale, zero)`
 (qx [rows, K] int8, sx [rows] float32, zx [rows] int32): one op over torchao's frozen weight tensors, since a rule sees
-shapes, not values. `fold_a8int4` (run by `importing.prepare_program`) then writes it as `a8int4_matvec(qx, sx, zx,
+shapes, not values. `fold_a8int4` (run by `preparing.prepare_program`) then writes it as `a8int4_matvec(qx, sx, zx,
 bytes, groups, ...)`: the int4 values two a byte and each group's scale and sum of values (`a8int4_dispatch`) in
 place of torchao's int8 values and scales. Where the zero points are not all 0 (the kernel has none) the op becomes
 `linear` of torchao's dequantized x over the float32 dequantized weight, with a warning.

@@ -28,7 +28,7 @@ from fx_rewrites.backends.iree.cpus import CPUS, IreeCpuError, flags_for, requir
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeCompileError, IreeDeviceError, IreeUnsupportedError, compile_error
 from fx_rewrites.backends.iree.functions import IreeModule, compile_functions, from_file, loaded
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_graph_module, prepare_program
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
 from fx_rewrites.backends.iree.invoke import IreeCompilerFailed, IreeCompileTimeout, default_timeout, run_iree_compile
 from fx_rewrites.backends.iree.kernels import spliced
 from fx_rewrites.backends.iree.parameters import (
@@ -43,6 +43,7 @@ from fx_rewrites.backends.iree.parameters import (
     nbytes,
     parameter_hooks,
 )
+from fx_rewrites.backends.iree.preparing import prepare_graph_module, prepare_program
 from fx_rewrites.backends.iree.rules import OWN, phases
 from fx_rewrites.backends.iree.runtime import IreeArtifact, IreeCompiled, function_reflections, get_device
 from fx_rewrites.backends.iree.state import lift_state

@@ -1,7 +1,7 @@
 """Build-time folds of an op over frozen weight tensors: the bookkeeping `int4_fold` and `a8int4_fold` share.
 
 A rule sees shapes, not values, so it leaves one op over torchao's frozen tensors (int values, scales, zero points);
-`importing.prepare_program` then calls a fold, which rewrites each such op with the values known. `fold_frozen` finds
+`preparing.prepare_program` then calls a fold, which rewrites each such op with the values known. `fold_frozen` finds
 the ops whose weight tensors are frozen placeholders read once, hands each to the fold's `rewrite`, and keeps the
 program's signature true: a replaced placeholder's state key gains the new tensor's suffix (the old key goes where no
 other input reads it), and a scale or zero point the new op no longer reads leaves the graph and the signature.

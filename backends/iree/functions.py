@@ -37,8 +37,9 @@ from fx_rewrites.backends.iree.cache import cache_key
 from fx_rewrites.backends.iree.cpus import IreeCpuError
 from fx_rewrites.backends.iree.encoding import packer
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError, import_error
-from fx_rewrites.backends.iree.importing import iree_modules, make_importer, prepare_program, set_reflection
+from fx_rewrites.backends.iree.importing import iree_modules, make_importer, set_reflection
 from fx_rewrites.backends.iree.parameters import embed_parameters, inline_limit, nbytes, parameter_hooks
+from fx_rewrites.backends.iree.preparing import prepare_program
 from fx_rewrites.backends.iree.runtime import IreeCompiled, load_functions, save_and_reopen
 from fx_rewrites.backends.iree.state import StateGlobals, body_name, lift_state, state_tensor, wrap_state
 

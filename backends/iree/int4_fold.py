@@ -3,7 +3,7 @@
 `rules/int4_decode.py` replaces a decode's `linear(x, dequantize_affine(q, [1, 32], scale, zero, int8, -8, 7))` by
 `int4_grouped_linear(x, q, scale, zero)`: one op over the frozen tensors as torchao stores them (eager: torchao's
 dequantize, float32, and a matmul), since a rule sees shapes, not values. `fold_int4` (run by
-`importing.prepare_program`, where the values are known) then writes it as `int4_matvec(x, words, scales, ...)`,
+`preparing.prepare_program`, where the values are known) then writes it as `int4_matvec(x, words, scales, ...)`,
 the words (`int4_dispatch.pack_words`: eight values an int32) and scales a parameter each, in place of torchao's
 int8 values and scales: the module holds half int8's bytes, and no packing runs per call. Where the zero points are
 not all 0 (torchao's asymmetric mapping) the op is `asym_int4_matvec` over the zero points packed too

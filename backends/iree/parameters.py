@@ -249,7 +249,7 @@ def attribute_tensors(gm: GraphModule) -> dict[str, torch.Tensor]:
 def attribute_hooks(iree: Any, gm: GraphModule, scope: str = SCOPE, limit: int = 0) -> Any:
     """`parameter_hooks` for a GraphModule: the tensors it reads with get_attr of `limit` bytes or more
     become named parameters (keys: the get_attr targets), the others stay inline. The torch.compile route's
-    frozen weights (`backends/freezing.py`) are get_attrs, which `importing.prepare_graph_module`'s import
+    frozen weights (`backends/freezing.py`) are get_attrs, which `preparing.prepare_graph_module`'s import
     hands to `resolve_literal` as the tensors themselves, so the hooks know them by id."""
     # parameter_hooks reads a program's state_dict and constants only
     view = SimpleNamespace(state_dict=attribute_tensors(gm), constants={})

@@ -8,7 +8,7 @@ read once and converted in registers: measured on a 2816x1024 int8 weight, one r
 against 0.49 ms for the float32 matmul and 1.2 ms for the two dispatches (benchmarks/quantized.py).
 
 The rules (`rules/quantized_matmul.py`) write `fx_rewrites::blocked_rows(w, block)` on a weight that is
-program state; `fold_blocked_rows` (run by `importing.prepare_program`) replaces each such call on a frozen
+program state; `fold_blocked_rows` (run by `preparing.prepare_program`) replaces each such call on a frozen
 parameter or buffer by a parameter holding the re-laid bytes, so the module's `.irpa` holds int8 blocks and
 no layout op runs per call. Where a grouped weight's zero points are all 0 (torchao's symmetric default), the
 share the rule takes off for them is dropped here, where the values are known. The fusion needs

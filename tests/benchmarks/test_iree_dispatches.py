@@ -11,7 +11,8 @@ import torch
 
 import fx_rewrites
 from fx_rewrites import backends
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+from fx_rewrites.backends.iree.preparing import prepare_program
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -10,7 +10,8 @@ import torch
 
 from fx_rewrites.backends.iree import IreeBackend
 from fx_rewrites.backends.iree.cache import CompileCache
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, pinning_ref_tracker, prepare_program
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, pinning_ref_tracker
+from fx_rewrites.backends.iree.preparing import prepare_program
 
 N_MASKS = 48
 

@@ -15,7 +15,8 @@ from fx_rewrites import apply, backends
 from fx_rewrites.backends.convention import InputMismatch, size_form
 from fx_rewrites.backends.iree import assumptions
 from fx_rewrites.backends.iree.calling import MISS, fast_call
-from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+from fx_rewrites.backends.iree.importing import import_mlir, iree_modules
+from fx_rewrites.backends.iree.preparing import prepare_program
 
 
 class Rows(torch.nn.Module):

@@ -30,9 +30,9 @@ from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 from fx_rewrites.backends.iree import IreeBackend, a8int4_dispatch, cache, legality  # noqa: E402
 from fx_rewrites.backends.iree.a8int4_dispatch import A8INT4_MATVEC, MARK, splice, unpack, unpack_scales  # noqa: E402
 from fx_rewrites.backends.iree.a8int4_fold import A8INT4_GROUPED_LINEAR, BYTES, GROUPS, TILE  # noqa: E402
-from fx_rewrites.backends.iree.importing import prepare_program  # noqa: E402
 from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR  # noqa: E402
 from fx_rewrites.backends.iree.parameters import INLINE_ENV  # noqa: E402
+from fx_rewrites.backends.iree.preparing import prepare_program  # noqa: E402
 from fx_rewrites.backends.iree.rules import phases  # noqa: E402
 from fx_rewrites.backends.iree.rules.a8int4_decode import a8int4_decode_for_iree  # noqa: E402
 from fx_rewrites.backends.iree.rules.int4_decode import int4_decode_for_iree  # noqa: E402

@@ -27,7 +27,6 @@ from torchao.quantization.granularity import PerGroup  # noqa: E402
 from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
 from fx_rewrites.backends.iree import IreeBackend, cache, int4_dispatch, legality  # noqa: E402
-from fx_rewrites.backends.iree.importing import prepare_program  # noqa: E402
 from fx_rewrites.backends.iree.int4_dispatch import (  # noqa: E402
     ASYM_INT4_MATVEC,
     INT4_MATVEC,
@@ -38,6 +37,7 @@ from fx_rewrites.backends.iree.int4_dispatch import (  # noqa: E402
 )
 from fx_rewrites.backends.iree.int4_fold import INT4_GROUPED_LINEAR, SCALES, TILE, WORDS, ZEROS  # noqa: E402
 from fx_rewrites.backends.iree.parameters import INLINE_ENV  # noqa: E402
+from fx_rewrites.backends.iree.preparing import prepare_program  # noqa: E402
 from fx_rewrites.backends.iree.rules import phases  # noqa: E402
 from fx_rewrites.backends.iree.rules.int4_decode import int4_decode_for_iree  # noqa: E402
 from fx_rewrites.backends.iree.rules.quantized_matmul import grouped_linear_for_iree  # noqa: E402

@@ -286,7 +286,7 @@ def test_zero_points_of_zero_are_dropped_where_the_weight_is_folded(mapping: str
     `sub` takes the zero points off the weight's values) alike."""
     from torchao.quantization.quant_primitives import MappingType
 
-    from fx_rewrites.backends.iree.importing import prepare_program
+    from fx_rewrites.backends.iree.preparing import prepare_program
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 48)).eval()
