@@ -4,7 +4,7 @@ Two inputs:
 
 - an `ExportedProgram` (`prepare_program`): parameters, buffers and lifted
   constants are frozen into the module; mutated state (running means,
-  counters, caches) becomes mutable module globals (`lift_state`): `main`
+  counters, caches) becomes mutable module globals (`state.lift_state`): `main`
   reads them first and stores their new values last, so the state lives in
   the module between calls.
 - a functional ATen `GraphModule` whose placeholders carry `meta["val"]`
