@@ -13,13 +13,20 @@ dispatch reads, never a gathered copy), both exact in their work:
   integers (`item`), one matmul per expert over its rows, the products concatenated (IREE writes each into the
   result in place; `slice_scatter` into zeros when the rows are static). The expert index is a constant, so
   IREE's data tiling packs each expert's weight once, when the module loads (a copy of the experts' weights
-  for the module's lifetime); an expert without rows costs dispatches that do nothing.
-- `grouped_mm_per_row_for_iree` (decode: a few rows, static): each row's expert read as an integer, the row
-  multiplied by that expert's weight as a multiply and a sum along the dimension the weight holds contiguously
-  (one matrix-vector dispatch a row, the weight read at a dynamic offset and not packed).
+  for the module's lifetime), or at `save(params=)`, into the archive the loaded module maps; an expert without
+  rows costs dispatches that do nothing.
+- `grouped_mm_per_row_for_iree` (a few static rows, where `PER_ROW_LIMIT` lets it): each row's expert read as
+  an integer, the row multiplied by that expert's weight as a multiply and a sum along the dimension the weight
+  holds contiguously (one matrix-vector dispatch a row, the weight read at a dynamic offset and not packed).
 
-Measured in benchmarks/moe_block.py and benchmarks/moe_sort.py; docs/performance.md (MoE sections). The limit
-between the forms (`PER_ROW_LIMIT`) is a choice, not a measurement.
+`PER_ROW_LIMIT` is 0: a decode step takes the per-expert form too, so that prefill and decode read the same
+packed expert weights. With the per-row form the decode read the [E, K, N] tensor as it is and the prefill its
+packed slices: the module held both (the experts twice: in memory at load, or both in the archive
+`save(params=)` writes), and a saved Qwen3-30B-A3B layer ran at 1.9x eager's peak. The per-row form
+stays for a caller that sets the limit (a module never saved: its decode was 5-15% faster).
+
+Measured in benchmarks/moe_block.py and benchmarks/moe_sort.py; docs/performance.md (MoE sections, "MoE
+memory: the experts packed once").
 """
 
 from __future__ import annotations
@@ -44,8 +51,9 @@ aten = torch.ops.aten
 GROUPED_MM = ("transformers", "grouped_mm_fallback", "default")
 
 #: static row counts up to this many times the number of experts take the per-row form (a dispatch per row
-#: reading one expert's weight); more rows, or a dynamic count, the per-expert form (pack, mmt4d, unpack per expert)
-PER_ROW_LIMIT = 1.0
+#: reading one expert's weight); more rows, or a dynamic count, the per-expert form (pack, mmt4d, unpack per expert).
+#: 0: every count the per-expert form, so the decode reads the prefill's packed weights (one copy; module docstring)
+PER_ROW_LIMIT = 0.0
 
 #: the most experts written out (E dispatches per grouped matmul, each compiled as its own code)
 MAX_EXPERTS = 1024

@@ -13,6 +13,7 @@ from torch.export import Dim
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree.errors import IreeCompileError
+from fx_rewrites.backends.iree.rules import moe as moe_rules
 from fx_rewrites.backends.iree.rules.moe import per_expert_for_iree, per_row_for_iree
 from tests import lm_models
 
@@ -33,6 +34,12 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return torch.ops.transformers.grouped_mm_fallback(x, self.weight.transpose(-2, -1), offs) * 2.0
+
+
+@pytest.fixture
+def per_row(monkeypatch):
+    """The per-row form on for static rows up to the number of experts (off by default: `PER_ROW_LIMIT` 0)."""
+    monkeypatch.setattr(moe_rules, "PER_ROW_LIMIT", 1.0)
 
 
 def _x(rows: int, seed: int) -> torch.Tensor:
@@ -84,7 +91,7 @@ def test_grouped_mm_becomes_one_matmul_per_expert(dynamic):
         _close_to_reference(compiled(*args), module, *args)
 
 
-def test_grouped_mm_with_few_static_rows_becomes_a_product_per_row():
+def test_grouped_mm_with_few_static_rows_becomes_a_product_per_row(per_row):
     # decode: 3 rows (batch 1 x top 3) for 4 experts; one expert unused, and a row past the last offset
     module = Experts(experts=4)
     inputs = [(_x(3, 0), torch.tensor([1, 1, 2, 2])), (_x(3, 1), torch.tensor([0, 1, 2, 3]))]
@@ -112,7 +119,7 @@ class ExpertsStoredKN(torch.nn.Module):
 
 
 @pytest.mark.parametrize("stored", ["NK", "KN"])
-def test_products_per_row_sum_along_the_dimension_the_weight_holds_contiguously(stored):
+def test_products_per_row_sum_along_the_dimension_the_weight_holds_contiguously(stored, per_row):
     """transformers stores [E, N, K] and passes the transpose: the sum runs over K as the last dimension of the
     stored [N, K] slice (over [K, N] as the outer dimension IREE read the weight strided, 2.3-4.3x slower); a
     weight stored [E, K, N] keeps the sum over its first dimension."""
@@ -136,7 +143,7 @@ def test_products_per_row_sum_along_the_dimension_the_weight_holds_contiguously(
         assert (compiled(x, offs).double() - reference).abs().max().item() <= 4 * eager_error + 1e-6
 
 
-def test_each_form_declines_the_other_ones_rows():
+def test_each_form_declines_the_other_ones_rows(per_row):
     few = rt.apply_rules(rt.export(Experts(experts=4), _x(3, 0), torch.tensor([1, 1, 2, 3])), per_expert_for_iree)
     many = rt.apply_rules(rt.export(Experts(), _x(7, 0), torch.tensor([2, 2, 6])), per_row_for_iree, explain=True)
     rt.assert_not_fired(few, PER_EXPERT)
@@ -202,9 +209,20 @@ def test_qwen3_moe_experts_from_a_real_export():
             assert (compiled(x).double() - reference).abs().max().item() <= 4 * eager_error + 1e-6
 
 
+def test_few_static_rows_take_the_per_expert_form_by_default():
+    """Without the per-row form (`PER_ROW_LIMIT` 0, the default) a decode step's few static rows are multiplied
+    per expert, reading each expert's weight as the prefill does (the packed copy both share)."""
+    module = Experts(experts=4)
+    inputs = [(_x(3, 0), torch.tensor([1, 1, 2, 2])), (_x(3, 1), torch.tensor([0, 1, 2, 3]))]
+    result = rt.apply_rules(rt.export(module, *inputs[0]), per_expert_for_iree, per_row_for_iree)
+    rt.assert_fired(result, PER_EXPERT, times=1)
+    rt.assert_not_fired(result, PER_ROW)
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
+
+
 def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
-    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) takes the
-    per-expert form, the decode step (2 rows) the per-row form; the tokens equal model.generate's."""
+    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) and the
+    decode step (2 rows) take the per-expert form; the tokens equal model.generate's."""
     import transformers
 
     import fx_rewrites
@@ -227,9 +245,45 @@ def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
     assert lm_models.top2_margin(model, sequence, ids.shape[1] - 1) > 1e-3  # no greedy step near a tie
     lm = fx_rewrites.compile_lm(model, max_cache_len=ids.shape[1] + 8)
     assert lm.reports["prefill"].rewrites[PER_EXPERT] == 2  # gate_up and down
-    assert lm.reports["decode"].rewrites[PER_ROW] == 2
+    assert lm.reports["decode"].rewrites[PER_EXPERT] == 2
+    assert PER_ROW not in lm.reports["decode"].rewrites
     got = lm.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
     assert got == expected[0].tolist()
+
+
+def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
+    """issue 34: a Qwen3-MoE (8 experts, top 2, experts 80% of its weights) through compile_lm, saved with
+    `params=`: the archive holds the weights as the prefill and the decode read them, the experts packed once
+    (with the decode's per-row form it held them twice, packed for the prefill and as they are for the decode:
+    1.8x the weights); the loaded module generates model.generate's tokens."""
+    import transformers
+
+    import fx_rewrites
+
+    config = transformers.Qwen3MoeConfig(
+        **{**lm_models._attention(hidden=64, heads=4, kv=2), "num_hidden_layers": 1},
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    ids = lm_models.prompt(9)
+    expected = lm_models.reference(model, ids, new=8)
+    assert lm_models.top2_margin(model, torch.cat([ids, expected], dim=1), ids.shape[1] - 1) > 1e-3
+    lm = fx_rewrites.compile_lm(model, max_cache_len=24)
+    lm.save(tmp_path / "moe.vmfb", params=tmp_path / "moe.irpa")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+    assert experts > 0.7 * weights
+    written = (tmp_path / "moe.irpa").stat().st_size  # with the KV cache's initial values (6 KB)
+    assert written < weights + 0.2 * experts, f"{written} bytes archived for {weights} of weights ({experts} experts)"
+    loaded = fx_rewrites.load(tmp_path / "moe.vmfb")
+    assert loaded.generate(ids, max_new_tokens=8)[0, ids.shape[1] :].tolist() == expected[0].tolist()
 
 
 #: a fresh process: compile a Linear first (the IREE phases' rule index is built while transformers' op does
