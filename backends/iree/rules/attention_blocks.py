@@ -16,6 +16,11 @@ that the softmax's reductions run over the outer axis and the exponentials are p
 values as contiguous rows; each block's keys are a multiple of `ALIGN`. Measured against the form before (at most
 4 blocks, rows x keys, combined in one step) in docs/performance.md ("the prefill's attention merged block by
 block").
+
+Where a key-value head serves at least `MIN_GROUP` query heads (transformers' `repeat_kv` read through to the cache's
+own heads, as the decode rule does, or `enable_gqa`) and the mask is one for all heads, each block is written per
+key-value head with the group's query heads as more rows of its products (`_grouped`): no copy of the keys and values
+per query head (docs/performance.md, "MoE prefill's attention: forms tried against flash").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, bind, per_query_head
+from fx_rewrites.backends.iree.rules.attention_decode import _see_through_repeats
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -49,18 +55,41 @@ NEG_INF = float("-inf")
 #: each block's keys a multiple of this (the last block padded with masked zero keys): the data-tiled products'
 #: tiles (16 on AVX-512, 8 on AVX2) then hold no padding
 ALIGN = 16
+#: the fewest query heads a key-value head for the grouped form (`_grouped`: the keys and values read in place, through
+#: transformers' `repeat_kv`, the group's query heads as more rows of each product). Real AVX2 (Zen 3), one thread,
+#: the attention alone: a group of 8 (32 heads over 4 of 128, 1024 rows over 1041 keys) 601 -> 457 ms; a group of 2
+#: (8 over 4 of 64, 2048 over 2081) 287 -> 310 (slower: the group is the innermost axis of its elementwise passes);
+#: groups between not measured
+MIN_GROUP = 8
 
 
 @attrs.frozen
 class KeyBlocks:
-    """An attention whose static keys are cut into `blocks` (start, end) ranges."""
+    """An attention whose static keys are cut into `blocks` (start, end) ranges; `grouped`: written per key-value
+    head (`_grouped`), its keys and values the cache's own heads."""
 
     attention: Attention
     blocks: tuple[tuple[int, int], ...]
+    grouped: bool = False
+
+
+def _group_of(a: Attention) -> Attention | None:
+    """`a` with its keys and values read before transformers' `repeat_kv` where the query heads a key-value head
+    number at least `MIN_GROUP` and the mask is one for every head, else None."""
+    a = _see_through_repeats(a)
+    q, k, mask = (fake_value(x) for x in (a.query, a.key, a.mask))
+    if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or q.dim() != 4 or k.dim() != 4:
+        return None
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and a.enable_gqa and heads % kv_heads == 0):
+        return None
+    return a if heads // kv_heads >= MIN_GROUP else None
 
 
 def _key_blocks(node: Node) -> KeyBlocks | Miss:
     a = bind(node)
+    grouped = _group_of(a)
+    a = grouped or a
     q, k, v, mask = (fake_value(x) for x in (a.query, a.key, a.value, a.mask))
     if mask is None:
         return Miss("no mask: every block sees every row (attention_by_head_groups, attention_as_matmul_softmax)")
@@ -89,7 +118,7 @@ def _key_blocks(node: Node) -> KeyBlocks | Miss:
     count = min(MAX_BLOCKS, keys // KEY_BLOCK)
     size = -(-keys // count)
     size = -(-size // ALIGN) * ALIGN
-    return KeyBlocks(a, tuple((s, min(keys, s + size)) for s in range(0, keys, size)))
+    return KeyBlocks(a, tuple((s, min(keys, s + size)) for s in range(0, keys, size)), grouped is not None)
 
 
 def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
@@ -117,11 +146,15 @@ def _rows_let_in(rw: Rewriter, block_mask: Node, rows: Any) -> Node:
         "maxima as flash attention does; a fully masked row gives 0. A causal prefill computes about half the "
         "scores. benchmarks/prefill_attention.py, IREE 3.13 llvm-cpu, one thread, locked: 8 heads of 64, 2048 "
         "queries over 2081 keys 240 ms whole, 178 in 4 blocks of rows x keys combined at once, 153 as now (torch's "
-        "is_causal flash: 43); 32 heads of 128 over 1041 keys 317 whole, 293 as now (flash: 92)."
+        "is_causal flash: 43); 32 heads of 128 over 1041 keys 317 whole, 293 as now (flash: 92). A group of at least "
+        "8 query heads a key-value head (transformers' repeat_kv read through, or enable_gqa) is written per "
+        "key-value head, the group's query heads as rows: Qwen3-30B-A3B's layer alone 601 -> 457 ms on real AVX2."
     ),
 )
 def attention_by_key_blocks(node: Node, rw: Rewriter, *, found: KeyBlocks) -> Any:
     a = found.attention
+    if found.grouped:
+        return _grouped(node, rw, found)
     q, mask, qv = a.query, a.mask, fake_value(a.query)
     k, v = per_query_head(rw, q, a.key, a.value)
     scale = a.scale_or_default()
@@ -176,12 +209,14 @@ def _from_first(rw: Rewriter, block: tuple[Node, ...], first: Any, head: list[An
     return tuple(out)
 
 
-def _merge(rw: Rewriter, state: tuple[Node, ...], block: tuple[Node, ...], first: Any, rows: Any) -> tuple[Node, ...]:
+def _merge(
+    rw: Rewriter, state: tuple[Node, ...], block: tuple[Node, ...], first: Any, rows: Any, axis: int = -1
+) -> tuple[Node, ...]:
     """The running (max, sum, product) with one more block's, over the rows from `first` on (the rows before it
     let none of the block's keys through: kept as they are). Each merge is its own dispatches, reading its block's
     run-time row count only."""
-    before = [rw.call(aten.slice.Tensor, x, -1, 0, first) for x in state]
-    old = [rw.call(aten.slice.Tensor, x, -1, first, rows) for x in state]
+    before = [rw.call(aten.slice.Tensor, x, axis, 0, first) for x in state]
+    old = [rw.call(aten.slice.Tensor, x, axis, first, rows) for x in state]
     top, total, product = block
     new_top = rw.call(aten.maximum.default, old[0], top)
     overall = _finite(rw, new_top)
@@ -192,4 +227,71 @@ def _merge(rw: Rewriter, state: tuple[Node, ...], block: tuple[Node, ...], first
         rw.call(aten.add.Tensor, rw.call(aten.mul.Tensor, old[1], keep), rw.call(aten.mul.Tensor, total, take)),
         rw.call(aten.add.Tensor, rw.call(aten.mul.Tensor, old[2], keep), rw.call(aten.mul.Tensor, product, take)),
     )
-    return tuple(rw.call(aten.cat.default, [b, m], -1) for b, m in zip(before, merged, strict=True))
+    return tuple(rw.call(aten.cat.default, [b, m], axis) for b, m in zip(before, merged, strict=True))
+
+
+def _grouped(node: Node, rw: Rewriter, found: KeyBlocks) -> Any:
+    """The blocks per key-value head, the group's query heads as rows: queries [b, kv, e, rows, group], each block's
+    rows from `first` a contiguous [e, (rows - first) * group] operand; state [b, kv, ., rows, group]."""
+    a = found.attention
+    q, mask, qv = a.query, a.mask, fake_value(a.query)
+    k, v = a.key, a.value
+    heads, kv_heads, size = qv.shape[1], fake_value(k).shape[1], qv.shape[-1]
+    out_size = fake_value(v).shape[-1]
+    group = heads // kv_heads
+    scale = a.scale_or_default()
+    rows = rw.size(q, -2)
+    batch = rw.size(q, 0)
+    q = rw.call(aten.reshape.default, rw.call(aten.mul.Scalar, q, scale), [batch, kv_heads, group, rows, size])
+    q = rw.call(aten.permute.default, q, [0, 1, 4, 3, 2])  # [b, kv, e, rows, group]
+    ones = rw.call(aten.ones.default, [1, 1], dtype=qv.dtype, device=qv.device)
+    state: tuple[Node, ...] = ()
+    for start, end in found.blocks:
+        block_mask = rw.call(aten.slice.Tensor, mask, -1, start, end)
+        block_k = rw.call(aten.slice.Tensor, k, -2, start, end)
+        block_v = rw.call(aten.slice.Tensor, v, -2, start, end)
+        width = -(-(end - start) // ALIGN) * ALIGN
+        if width > end - start:
+            pad = width - (end - start)
+            block_mask = rw.call(aten.constant_pad_nd.default, block_mask, [0, pad], False)
+            block_k = rw.call(aten.constant_pad_nd.default, block_k, [0, 0, 0, pad], 0.0)
+            block_v = rw.call(aten.constant_pad_nd.default, block_v, [0, 0, 0, pad], 0.0)
+        first = rw.call(operator.sub, rows, _rows_let_in(rw, block_mask, rows))
+        q_rows = rw.call(aten.slice.Tensor, q, -2, first, rows)  # [b, kv, e, n, group]
+        q_rows = rw.call(aten.reshape.default, q_rows, [batch, kv_heads, size, -1])
+        scores = rw.call(aten.matmul.default, block_k, q_rows)  # [b, kv, keys, n * group]
+        scores = rw.call(aten.reshape.default, scores, [batch, kv_heads, width, -1, group])
+        shut = rw.call(aten.logical_not.default, rw.call(aten.slice.Tensor, block_mask, -2, first, rows))
+        shut = rw.call(aten.unsqueeze.default, rw.call(aten.transpose.int, shut, -2, -1), -1)  # [b, 1, keys, n, 1]
+        scores = rw.call(aten.masked_fill.Scalar, scores, shut, NEG_INF)
+        top = rw.call(aten.amax.default, scores, [-3], True)  # [b, kv, 1, n, group]
+        weights = rw.call(aten.exp.default, rw.call(aten.sub.Tensor, scores, _finite(rw, top)))
+        weights = rw.call(aten.reshape.default, weights, [batch, kv_heads, width, -1])
+        total = rw.call(aten.matmul.default, rw.call(aten.expand.default, ones, [1, width]), weights)
+        product = rw.call(aten.matmul.default, rw.call(aten.transpose.int, block_v, -2, -1), weights)
+        total = rw.call(aten.reshape.default, total, [batch, kv_heads, 1, -1, group])
+        product = rw.call(aten.reshape.default, product, [batch, kv_heads, out_size, -1, group])
+        block = (top, total, product)
+        if state:
+            state = _merge(rw, state, block, first, rows, -2)
+        else:
+            state = _from_first_grouped(rw, block, first, qv)
+    _, total, out = state
+    has_key = rw.call(aten.gt.Scalar, total, 0.0)
+    safe_total = rw.call(aten.masked_fill.Scalar, total, rw.call(aten.logical_not.default, has_key), 1.0)
+    out = rw.call(aten.div.Tensor, out, safe_total)
+    zero = rw.call(aten.scalar_tensor.default, 0.0, dtype=qv.dtype)
+    out = rw.call(aten.where.self, has_key, out, zero)  # [b, kv, e, rows, group]
+    out = rw.call(aten.permute.default, out, [0, 1, 4, 3, 2])  # [b, kv, group, rows, e]
+    rw.replace(node, rw.call(aten.reshape.default, out, [batch, heads, rows, out_size]))
+
+
+def _from_first_grouped(rw: Rewriter, block: tuple[Node, ...], first: Any, qv: Any) -> tuple[Node, ...]:
+    """`_from_first` for the grouped state [b, kv, ., rows, group]: the rows before `first` filled."""
+    out = []
+    for piece, fill in zip(block, (NEG_INF, 0.0, 0.0), strict=True):
+        pv = fake_value(piece)
+        shape = [rw.size(piece, 0), *pv.shape[1:3], first, pv.shape[-1]]
+        before = rw.call(aten.full.default, shape, fill, dtype=qv.dtype, device=qv.device)
+        out.append(rw.call(aten.cat.default, [before, piece], -2))
+    return tuple(out)
