@@ -6,10 +6,12 @@
 IREE 3.13 compiles every AVX2 float32 product to one 8x8x1 inner loop (one load and 8 broadcasts per 8 FMAs,
 whatever its flags or tuning specs: docs/iree-3.13-findings.md section 50); `f32_dispatch.py`'s kernel keeps a 6x16
 block in 12 accumulators (2 loads and 6 broadcasts per 12 FMAs) with the weight laid out [N/16, K, 16]. Alone on real
-Zen 3 it ran the linear 1024 -> 1024 over 128 rows and ViT's MLP products in 0.56-0.65 of IREE's time
-(benchmarks/f32_dispatch.py). The weight's layout is a view and permute of the weight in the graph: for the
-program's own weight IREE evaluates it once (at compile time or in the module's initializer), so the rule takes
-only such a weight (`conv_taps.constant_weight`). The kernel is static in its rows: a `Dim` row count stays IREE's.
+Zen 3 it ran the linear 1024 -> 1024 over 128 rows and ViT's MLP products in 0.57-0.62 of IREE's time
+(benchmarks/f32_dispatch.py); in the models, locked, the route without / with the rule read ViT 1.41, BERT 1.32, Llama
+1.25, the Whisper encoder 1.32 (docs/performance.md, "A float32 matmul kernel of our own on AVX2"). The weight's
+layout is a view and permute of the weight in the graph: for the program's own weight IREE evaluates it once (at
+compile time or in the module's initializer), so the rule takes only such a weight (`conv_taps.constant_weight`).
+The kernel is static in its rows: a `Dim` row count stays IREE's.
 """
 
 from __future__ import annotations
