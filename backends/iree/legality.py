@@ -53,6 +53,8 @@ SPLICED: dict[str, str] = {
     "points (int4_dispatch.py)",
     "fx_rewrites.a8int4_matvec.default": "spliced by the backend as a hand-written int8 x int4 dispatch "
     "(a8int4_dispatch.py)",
+    "fx_rewrites.f32_matmul.default": "spliced by the backend as a hand-written float32 matmul dispatch "
+    "(f32_dispatch.py)",
 }
 
 

@@ -170,6 +170,10 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmu
 # would want its own tile and VNNI, not written), 2.2x the float int4 dispatch on 2816 x 1024 and 1.28x on 32000 x
 # 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md section 53)
 _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
+# `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
+# matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,
+# locked: ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32, conv_classes.py's linear 1.25 (docs/performance.md
+# "A float32 matmul kernel of our own on AVX2"). AVX2 only: written for 8-lane ymm and 16 registers
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
@@ -185,7 +189,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         ("avx2", "fma"),
         "znver3",
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
-        (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES),
+        (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES, "linear_as_f32_dispatch"),
         target_features="-sse4a",
         first_rules=_AVX2_FIRST_RULES,
         dynamic_flags=(_PEEL,),

@@ -1,0 +1,157 @@
+"""A hand-written float32 matmul dispatch for IREE 3.13 on AVX2 (issue 32): a 6x16 register block against IREE's 8x8x1.
+
+    python benchmarks/f32_dispatch.py                              # the four shapes of issue 32's products
+    python benchmarks/f32_dispatch.py --shapes 128x1024x1024 --kc 256,512 --per 4,8
+
+y[M, N] = x[M, K] @ W^T, W [N, K] held by the program and laid out at build time as [N/16, K, 16] (`pack`): a strip
+of 16 output channels, K-major, two ymm a step of K. The kernel (`executable`) keeps a 6x16 block of y in 12 ymm
+accumulators; per step of K it loads the strip's two vectors and broadcasts x's six values (row-major x, one
+`vbroadcastss` each) into 12 FMAs (oneDNN's AVX2 shape; IREE's `mmt4d` 8x8x1 does 8 broadcasts + 1 load per 8
+FMAs). The loops, outer to inner: K blocks of `kc` (the strip's block, 16 kc floats, stays in L1 across the row
+blocks; y is re-read between K blocks), row chunks of `mc` rows (x's block in L2), the workgroup's `per` strips,
+blocks of 6 rows (the M % 6 left over by a block of that many), the K steps unrolled by 4. Workgroups go over
+the strips (N / 16 / per of them).
+
+It enters a graph as the custom op `fx_rewrites::f32_matmul(x, packed, n, 2, per)` (the kernel, its op and splice in
+`backends/iree/f32_dispatch.py`; the rule `rules/f32_matmul.py`). Timed alone, one thread (`iree-benchmark-module`
+local-sync, median CPU time of its repetitions) against IREE's own compile of `linear(x, W)` (the backend's flags
+for the ISA, its performance flags, aggressive fusion) and torch's eager `F.linear` (one thread, CPU time),
+interleaved rounds; each output against float64, beside torch's own float32 error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, MARK, f32_matmul, pack, splice
+
+
+class Dispatch(torch.nn.Module):
+    def __init__(self, w: torch.Tensor, per: int) -> None:
+        super().__init__()
+        self.n, self.per = w.shape[0], per
+        self.register_buffer("packed", pack(w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return f32_matmul(x, self.packed, self.n, 2, self.per)
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("w", w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w)
+
+
+def compile_form(module: torch.nn.Module, x: torch.Tensor, flags: list[str], vmfb: Path) -> None:
+    import subprocess
+
+    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
+
+    program = torch.export.export(module, (x,))
+    mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
+    if MARK in mlir:
+        mlir = splice(mlir)
+    src = vmfb.with_suffix(".mlir")
+    src.write_text(mlir)
+    cmd = ["iree-compile", "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
+    done = subprocess.run([*cmd, str(src), "-o", str(vmfb)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"iree-compile failed on {vmfb.stem}: {done.stderr[-3000:]}")
+
+
+def eager_ms(w: torch.Tensor, x: torch.Tensor, repetitions: int, calls: int = 10) -> float:
+    torch.set_num_threads(1)
+    samples = []
+    with torch.no_grad():
+        torch.nn.functional.linear(x, w)
+        for _ in range(repetitions):
+            start = time.process_time()
+            for _ in range(calls):
+                torch.nn.functional.linear(x, w)
+            samples.append((time.process_time() - start) / calls * 1e3)
+    return statistics.median(samples)
+
+
+def run(argv: list[str] | None = None) -> int:
+    import os
+
+    from cpu_isa import backend, cpu_model
+    from int4_dispatch import cpu_ms, run_vmfb
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="128x1024x1024,788x256x1024,788x1024x256,3136x576x64", help="MxKxN")
+    parser.add_argument("--per", default="4", help="strips of 16 channels a workgroup, comma separated")
+    parser.add_argument("--kc", default="256", help="K blocks, comma separated")
+    parser.add_argument("--mc", default="96", help="row chunks, comma separated")
+    parser.add_argument("--ks", default="128", help="K steps summed from zero before added to y, comma separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repetitions", type=int, default=10)
+    parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"))
+    parser.add_argument("--keep", default="")
+    parser.add_argument("--no-iree", action="store_true", help="skip IREE's own linear")
+    parser.add_argument("--reuse", action="store_true", help="time the .vmfb files --keep holds, not recompiled")
+    parser.add_argument("--compile-only", action="store_true", help="compile into --keep, time nothing")
+    args = parser.parse_args(argv)
+    iree = backend(args.isa)
+    flags = [*iree.flags, *iree.perf_flags, "--iree-dispatch-creation-enable-aggressive-fusion"]
+    print(f"CPU: {cpu_model()}; IREE flags {' '.join(iree.flags)}; load {os.getloadavg()}")
+    print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    variants = [(int(p), int(kc), int(mc), int(ks)) for p in args.per.split(",") for kc in args.kc.split(",")
+                for mc in args.mc.split(",") for ks in args.ks.split(",")]  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(args.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for shape in args.shapes.split(","):
+            m, k, n = map(int, shape.split("x"))
+            gen = torch.Generator().manual_seed(0)
+            w = torch.randn(n, k, generator=gen) / k**0.5
+            x = torch.randn(m, k, generator=gen)
+            ref = x.double() @ w.double().t()
+            torch_err = (torch.nn.functional.linear(x, w).double() - ref).abs().max().item()
+            vmfbs: dict[str, Path] = {}
+            if not args.no_iree:
+                vmfbs["IREE linear"] = tmp / f"iree_{shape}.vmfb"
+                if not (args.reuse and vmfbs["IREE linear"].exists()):
+                    compile_form(Linear(w), x, flags, vmfbs["IREE linear"])
+            for per, kc, mc, ks in variants:
+                BLOCKING.update(kc=kc, mc=mc, ks=ks)
+                name = f"dispatch p{per} kc{kc} mc{mc} ks{ks}"
+                vmfbs[name] = tmp / f"f32mm_{shape}_p{per}_kc{kc}_mc{mc}_ks{ks}.vmfb"
+                if not (args.reuse and vmfbs[name].exists()):
+                    compile_form(Dispatch(w, per), x, flags, vmfbs[name])
+            if args.compile_only:
+                continue
+            errs = {name: (run_vmfb(v, x).double() - ref).abs().max().item() for name, v in vmfbs.items()}
+            times: dict[str, list[float]] = {name: [] for name in [*vmfbs, "torch F.linear"]}
+            for _ in range(args.rounds):
+                for name, vmfb in vmfbs.items():
+                    times[name].append(cpu_ms(vmfb, m, k, args.repetitions))
+                times["torch F.linear"].append(eager_ms(w, x, args.repetitions))
+            errs["torch F.linear"] = torch_err
+            eager = statistics.median(times["torch F.linear"])
+            own = statistics.median(times.get("IREE linear") or [float("nan")])
+            print(f"\n{m} x {k} -> {n} (load {os.getloadavg()[0]:.1f})")
+            print("| form | ms CPU, median | min-max | / torch | / IREE's | max abs err vs float64 |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for name, ts in times.items():
+                ms = statistics.median(ts)
+                print(f"| {name} | {ms:.3f} | {min(ts):.3f}-{max(ts):.3f} | {ms / eager:.2f} | {ms / own:.2f} | "
+                      f"{errs[name]:.2e} |", flush=True)  # fmt: skip
+    print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

@@ -1,0 +1,125 @@
+"""`linear_as_f32_dispatch` (backends/iree/rules/f32_matmul.py) and its kernel (backends/iree/f32_dispatch.py).
+
+Real torch 2.13 exports of a linear (with and without a bias, over rows of rank 2 and 3, ViT's 788 rows); the graph
+after (no linear: the weight laid out [N/16, K, 16] by a view and permute, one `f32_matmul`, the bias added after);
+numerics as near float64 as torch's own float32 on two input sets; what it declines (a Dim on the rows: the kernel
+is static; a weight passed in; N off 16; few rows; float64); the layout's round trip; the AVX2 route end to end on
+IREE (the dispatch spliced and run) against float64. (Its speed: benchmarks/f32_dispatch.py, docs/performance.md.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeBackend, targets
+from fx_rewrites.backends.iree.f32_dispatch import F32_MATMUL, MARK, executable, pack, splice, unpack
+from fx_rewrites.backends.iree.legality import SPLICED
+from fx_rewrites.backends.iree.rules.f32_matmul import linear_as_f32_dispatch
+from tests.backends.iree.rules.float32_error import assert_within_torch_error
+
+aten = torch.ops.aten
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _linear(k: int, n: int, bias: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(k, n, bias=bias).eval()
+
+
+def _in_float64(module: torch.nn.Module):
+    wide = copy.deepcopy(module).double()
+    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
+
+
+#: name -> (in, out, bias, x's shape)
+CASES = {
+    "matrix_bias": (64, 48, True, (70,)),
+    "rank3_no_bias": (36, 32, False, (4, 20)),
+    "vit_mlp": (32, 128, True, (4, 197)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_linear_as_f32_dispatch(name):
+    k, n, bias, lead = CASES[name]
+    module = _linear(k, n, bias)
+    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
+    result = rt.apply_rules(rt.export(module, *inputs[0]), linear_as_f32_dispatch)
+    rt.assert_fired(result, linear_as_f32_dispatch, times=1)
+    rt.assert_ops(result, absent=[aten.linear.default, aten.addmm.default, aten.mm.default], present=[F32_MATMUL])
+    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is F32_MATMUL]
+    x, packed, *ints = call.args
+    assert tuple(x.meta["val"].shape) == (torch.Size(lead).numel(), k)
+    assert tuple(packed.meta["val"].shape) == (n * k,) and ints == [n, 2, 4]
+    assert packed.target is aten.reshape.default and packed.args[0].target is aten.permute.default
+    adds = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.add.Tensor]
+    assert len(adds) == int(bias) and (not bias or adds[0].args[0] is call), "the bias added after the product"
+    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    rt.assert_idempotent(result, linear_as_f32_dispatch)
+
+
+class WeightIn(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.nn.functional.linear(x, w)
+
+
+def test_linear_as_f32_dispatch_declines():
+    """A Dim on the rows (static: the same linear taken), a weight passed in, N off 16, K off 4, few rows, float64."""
+    module, x = _linear(64, 48), _randn(0, 2, 40, 64)
+    rt.assert_fired(rt.apply_rules(rt.export(module, x), linear_as_f32_dispatch), linear_as_f32_dispatch, times=1)
+    ep = rt.export(module, x, dynamic_shapes=({0: Dim("batch", min=2, max=16)},))
+    rt.assert_not_fired(rt.apply_rules(ep, linear_as_f32_dispatch), linear_as_f32_dispatch)
+    cases = [
+        (WeightIn(), (x, _randn(1, 48, 64))),
+        (_linear(64, 40), (x,)),
+        (_linear(62, 48), (_randn(0, 80, 62),)),
+        (_linear(64, 48), (_randn(0, 8, 64),)),
+        (_linear(64, 48).double(), (x.double(),)),
+    ]
+    for m, args in cases:
+        rt.assert_not_fired(rt.apply_rules(rt.export(m, *args), linear_as_f32_dispatch), linear_as_f32_dispatch)
+
+
+def test_layout_and_executable():
+    """`pack` lays W out [N/16, K, 16] and `unpack` inverts it; the executable's name holds the shape and blocking,
+    the op is named spliced; a module without the call is refused by `splice`."""
+    w = _randn(0, 32, 8)
+    packed = pack(w)
+    assert torch.equal(packed.view(2, 8, 16)[1, 3], w[16:32, 3]) and torch.equal(unpack(packed, 32), w)
+    name, text = executable(70, 48, 64, 2, 4)
+    assert name in text and "vector.fma" in text and "70x64x48" in name
+    assert "fx_rewrites.f32_matmul.default" in SPLICED
+    with pytest.raises(ValueError, match=r"no fx_rewrites\.f32_matmul call"):
+        splice("module {\n}")
+    assert MARK == "torch.fx_rewrites.f32_matmul"
+
+
+def test_linear_as_f32_dispatch_on_avx2():
+    assert linear_as_f32_dispatch.name in targets.CPU_ISAS["avx2"].perf_rules
+    assert linear_as_f32_dispatch.name not in targets.CPU_ISAS["avx512"].perf_rules
+
+
+@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp"])
+def test_linear_as_f32_dispatch_on_iree(name):
+    """Through the AVX2 route (any AVX2 or AVX-512 host runs its code): the rule fires, the dispatch is spliced and
+    run, and on two inputs the result is as near float64 as torch's float32, within a step (the rows a block of 6
+    and a remainder: 70 = 11 x 6 + 4, 788 = 131 x 6 + 2)."""
+    if targets.host_isa() == "":
+        pytest.skip("llvm-cpu code for AVX2 runs on an x86-64 host with AVX2 only")
+    k, n, bias, lead = CASES[name]
+    module = _linear(k, n, bias)
+    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
+    iree = IreeBackend(target=targets.llvm_cpu("avx2"))
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, linear_as_f32_dispatch, times=1)
+    fn = iree.compile(result.program, inputs[0])
+    assert_within_torch_error(fn, _in_float64(module), inputs)
