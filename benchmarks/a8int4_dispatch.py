@@ -22,6 +22,7 @@ the int8 x int4 section.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 import subprocess
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from int4_dispatch import eager_ms  # benchmarks/int4_dispatch.py
 
 from fx_rewrites.backends.iree import a8int4_dispatch as a8
 from fx_rewrites.backends.iree.int4_dispatch import GROUP, executable, executable_name, pack_scales, pack_words
@@ -185,21 +188,6 @@ def cpu_ms(vmfb: Path, repetitions: int) -> float:
     return float(found[0][1]) * UNITS[found[0][2]]
 
 
-def eager_ms(w: torch.Tensor, x: torch.Tensor, repetitions: int, calls: int = 20) -> float:
-    import time
-
-    torch.set_num_threads(1)
-    samples = []
-    with torch.no_grad():
-        torch.nn.functional.linear(x, w)
-        for _ in range(repetitions):
-            start = time.process_time()
-            for _ in range(calls):
-                torch.nn.functional.linear(x, w)
-            samples.append((time.process_time() - start) / calls * 1e3)
-    return statistics.median(samples)
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torchao's per-token asymmetric int8 quantization of x (its own ops): qx int8, sx float32, zx int32."""
     from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
@@ -265,7 +253,9 @@ def run(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds) if args.rounds else ():
                 for name, vmfb in vmfbs.items():
                     times[name].append(cpu_ms(vmfb, args.repetitions))
-                times["torch eager f32"].append(eager_ms(wf, xd.float(), args.repetitions))
+                times["torch eager f32"].append(
+                    eager_ms(functools.partial(torch.nn.functional.linear, weight=wf), xd.float(), args.repetitions)
+                )
             print("| form | vs float64 | ms CPU, median of rounds | min-max |")
             print("|---|---:|---:|---:|")
             for name, t in times.items() if args.rounds else ():

@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, MARK, f32_matmul, pack, splice
+from int4_dispatch import compile_form, cpu_ms, eager_ms, run_vmfb  # benchmarks/int4_dispatch.py
+
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, f32_matmul, pack
 
 
 class Dispatch(torch.nn.Module):
@@ -54,41 +56,10 @@ class Linear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.w)
 
 
-def compile_form(module: torch.nn.Module, x: torch.Tensor, flags: list[str], vmfb: Path) -> None:
-    import subprocess
-
-    from fx_rewrites.backends.iree.importing import import_mlir, iree_modules, prepare_program
-
-    program = torch.export.export(module, (x,))
-    mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
-    if MARK in mlir:
-        mlir = splice(mlir)
-    src = vmfb.with_suffix(".mlir")
-    src.write_text(mlir)
-    cmd = ["iree-compile", "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
-    done = subprocess.run([*cmd, str(src), "-o", str(vmfb)], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"iree-compile failed on {vmfb.stem}: {done.stderr[-3000:]}")
-
-
-def eager_ms(w: torch.Tensor, x: torch.Tensor, repetitions: int, calls: int = 10) -> float:
-    torch.set_num_threads(1)
-    samples = []
-    with torch.no_grad():
-        torch.nn.functional.linear(x, w)
-        for _ in range(repetitions):
-            start = time.process_time()
-            for _ in range(calls):
-                torch.nn.functional.linear(x, w)
-            samples.append((time.process_time() - start) / calls * 1e3)
-    return statistics.median(samples)
-
-
 def run(argv: list[str] | None = None) -> int:
     import os
 
     from cpu_isa import backend, cpu_model
-    from int4_dispatch import cpu_ms, run_vmfb
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128x1024x1024,788x256x1024,788x1024x256,3136x576x64", help="MxKxN")
@@ -138,7 +109,7 @@ def run(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for name, vmfb in vmfbs.items():
                     times[name].append(cpu_ms(vmfb, m, k, args.repetitions))
-                times["torch F.linear"].append(eager_ms(w, x, args.repetitions))
+                times["torch F.linear"].append(eager_ms(Linear(w), x, args.repetitions, calls=10))
             errs["torch F.linear"] = torch_err
             eager = statistics.median(times["torch F.linear"])
             own = statistics.median(times.get("IREE linear") or [float("nan")])

@@ -43,9 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fx_rewrites.backends.iree import kernels
 from fx_rewrites.backends.iree.int4_dispatch import (
     GROUP,
-    MARKS,
     UNIT,
     asym_int4_matvec,
     executable,
@@ -61,6 +61,8 @@ __all__ = [
     "GROUP",
     "Int4Dispatch",
     "compile_form",
+    "cpu_ms",
+    "eager_ms",
     "executable",
     "pack_scales",
     "pack_words",
@@ -105,8 +107,7 @@ def compile_form(
     dynamic = ({0: torch.export.Dim("rows", max=4096)},) if rows_dim else None
     program = torch.export.export(module, (x,), dynamic_shapes=dynamic)
     mlir = str(import_mlir(iree_modules(), prepare_program(program)[0]))
-    if any(mark in mlir for mark in MARKS):
-        mlir = splice(mlir)
+    mlir = kernels.spliced(mlir)  # every hand-written dispatch's calls, as `IreeBackend` splices them
     src = vmfb.with_suffix(".mlir")
     src.write_text(mlir)
     cmd = ["iree-compile", "--iree-input-type=torch", "--iree-hal-target-backends=llvm-cpu", *flags]
