@@ -85,8 +85,8 @@ _NOT_CLOSE = r"Tensor-likes are not close"
 _DYNAMIC_CACHE = r"Found <class 'transformers\.cache_utils\.DynamicCache'> in output"
 _DATA_DEPENDENT = r"GuardOnDataDependentSymNode|Could not guard on data-dependent expression"
 
-# What CI runs (and a plain `python -m pytest`), to keep it near 30 minutes on 2 AVX2 cores (issue 37: CPU seconds
-# per row and route in its closing note): every row's export route, but for the `ci=False`
+# What CI runs (and a plain `python -m pytest`), the zoo's share of a CI run kept small (issue 37's closing note:
+# CPU seconds per row and route; the whole run was 57-61 minutes on 2 AVX2 cores in Nov 2026, the aim 45): every row's export route, but for the `ci=False`
 # rows (the slowest to compile, or a second model of a family another row covers: the note names it); the
 # torch.compile route of 22 rows (`ci="export"` leaves it out): one per family, and every row whose graphs needed
 # a rule of their own on that route or break into several (docs/zoo.md: batch_norm_eval and pool defaults: resnet,
