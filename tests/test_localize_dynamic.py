@@ -22,7 +22,7 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites.app.localize.dynamic import dims_source
 from fx_rewrites.app.localize.pieces import build_piece, flat_inputs, record
-from fx_rewrites.backends.iree import importing
+from fx_rewrites.backends.iree import preparing
 from tests.lm_models import Mamba2Scan
 
 CHUNK = 16
@@ -42,7 +42,7 @@ def _chunked() -> tuple[torch.export.ExportedProgram, tuple[torch.Tensor]]:
 @pytest.fixture
 def unfixed(monkeypatch):
     """IREE's import without main's fix for constant SymInt sizes: the dynamic-only fault is back."""
-    monkeypatch.setattr(importing, "concrete_sizes", lambda graph: 0)
+    monkeypatch.setattr(preparing, "concrete_sizes", lambda graph: 0)
 
 
 def test_a_dynamic_only_fault_is_named_with_its_symbolic_shapes(unfixed, tmp_path):
@@ -68,8 +68,8 @@ def test_a_dynamic_only_fault_is_named_with_its_symbolic_shapes(unfixed, tmp_pat
     assert unpatched.returncode == 0, unpatched.stdout + unpatched.stderr
     wrapper = tmp_path / "unfixed.py"
     wrapper.write_text(
-        "import runpy\nfrom fx_rewrites.backends.iree import importing\n"
-        "importing.concrete_sizes = lambda graph: 0\n"
+        "import runpy\nfrom fx_rewrites.backends.iree import preparing\n"
+        "preparing.concrete_sizes = lambda graph: 0\n"
         f"runpy.run_path({str(tmp_path / 'repro.py')!r}, run_name='__main__')\n"
     )
     patched = _run(wrapper)
