@@ -34,7 +34,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, bind, per_query_head
-from fx_rewrites.backends.iree.rules.attention_decode import _see_through_repeats
+from fx_rewrites.backends.iree.rules.attention_decode import see_through_repeats
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -76,7 +76,7 @@ class KeyBlocks:
 def _group_of(a: Attention) -> Attention | None:
     """`a` with its keys and values read before transformers' `repeat_kv` where the query heads a key-value head
     number at least `MIN_GROUP` and the mask is one for every head, else None."""
-    a = _see_through_repeats(a)
+    a = see_through_repeats(a)
     q, k, mask = (fake_value(x) for x in (a.query, a.key, a.mask))
     if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or q.dim() != 4 or k.dim() != 4:
         return None

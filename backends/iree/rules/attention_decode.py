@@ -55,7 +55,7 @@ def _repeated(node: Any) -> tuple[Node, int] | None:
     return one.args[0], big.shape[2]
 
 
-def _see_through_repeats(a: Attention) -> Attention:
+def see_through_repeats(a: Attention) -> Attention:
     """`a` with keys and values read before a `repeat_kv` of both by one factor (the heads' grouping is then
     the query heads' over the cache's own heads: what `enable_gqa` says), else `a` as it is."""
     k, v = _repeated(a.key), _repeated(a.value)
@@ -65,7 +65,7 @@ def _see_through_repeats(a: Attention) -> Attention:
 
 
 def _one_query(node: Node) -> Attention | Miss:
-    a = _see_through_repeats(bind(node))
+    a = see_through_repeats(bind(node))
     q, k, v, mask = (fake_value(x) for x in (a.query, a.key, a.value, a.mask))
     if q.dtype != torch.float32 or a.dropout_p != 0.0:
         return Miss(f"{q.dtype}, dropout_p={a.dropout_p}: float32 inference only")

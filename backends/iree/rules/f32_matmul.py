@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.f32_dispatch import F32_MATMUL, KU, NR, PER
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight
-from fx_rewrites.backends.iree.rules.mlp_tiles import _linear_args
+from fx_rewrites.backends.iree.rules.mlp_tiles import linear_args
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -36,7 +36,7 @@ MIN_ROWS = 64
 
 
 def _f32_linear(node: Node) -> dict[str, Any] | Miss:
-    x, w, b = _linear_args(node)
+    x, w, b = linear_args(node)
     if not constant_weight(w):
         return Miss("the weight is not the program's own: its layout would be rewritten at every call")
     xv, wv = fake_value(x), fake_value(w)

@@ -50,7 +50,7 @@ class Mlp:
     rows: int
 
 
-def _linear_args(node: Node) -> tuple[Any, Any, Any]:
+def linear_args(node: Node) -> tuple[Any, Any, Any]:
     """`aten.linear`'s input, weight and bias (None where absent), bound by its schema."""
     named = schema.arguments(node)
     return named["input"], named["weight"], named.get("bias")
@@ -61,7 +61,7 @@ def _single_use(node: Node) -> bool:
 
 
 def _mlp(node: Node) -> Mlp | Miss:
-    x, _, _ = _linear_args(node)
+    x, _, _ = linear_args(node)
     chain: list[Node] = []
     while isinstance(x, Node) and x.target in ACTIVATIONS:
         if not _single_use(x) or len(x.args) != 1 or x.kwargs.get("approximate", "none") not in ("none", "tanh"):
@@ -101,8 +101,8 @@ def _mlp(node: Node) -> Mlp | Miss:
     ),
 )
 def mlp_rows_padded_to_tiles(node: Node, rw: Rewriter, *, found: Mlp) -> Any:
-    x, w1, b1 = _linear_args(found.first)
-    _, w2, b2 = _linear_args(node)
+    x, w1, b1 = linear_args(found.first)
+    _, w2, b2 = linear_args(node)
     value = fake_value(x)
     padded = -(-found.rows // TILE) * TILE
     rows = rw.call(aten.reshape.default, x, [found.rows, value.shape[-1]])
