@@ -220,18 +220,15 @@ def test_few_static_rows_take_the_per_expert_form_by_default():
     rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
 
 
-def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
-    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) and the
-    decode step (2 rows) take the per-expert form; the tokens equal model.generate's."""
+def _one_layer_qwen3_moe(hidden: int, heads: int, kv: int, experts: int, intermediate: int) -> torch.nn.Module:
+    """A seeded one-layer Qwen3-MoE (top 2, every layer sparse), no eos, pad 0."""
     import transformers
 
-    import fx_rewrites
-
     config = transformers.Qwen3MoeConfig(
-        **{**lm_models._attention(hidden=16, heads=2, kv=1), "num_hidden_layers": 1},
-        num_experts=4,
+        **{**lm_models._attention(hidden=hidden, heads=heads, kv=kv), "num_hidden_layers": 1},
+        num_experts=experts,
         num_experts_per_tok=2,
-        moe_intermediate_size=8,
+        moe_intermediate_size=intermediate,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         norm_topk_prob=True,
@@ -239,6 +236,15 @@ def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
+    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) and the
+    decode step (2 rows) take the per-expert form; the tokens equal model.generate's."""
+    import fx_rewrites
+
+    model = _one_layer_qwen3_moe(hidden=16, heads=2, kv=1, experts=4, intermediate=8)
     ids = lm_models.prompt()
     expected = lm_models.reference(model, ids, new=6)
     sequence = torch.cat([ids, expected], dim=1)
@@ -256,22 +262,9 @@ def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
     `params=`: the archive holds the weights as the prefill and the decode read them, the experts packed once
     (with the decode's per-row form it held them twice, packed for the prefill and as they are for the decode:
     1.8x the weights); the loaded module generates model.generate's tokens."""
-    import transformers
-
     import fx_rewrites
 
-    config = transformers.Qwen3MoeConfig(
-        **{**lm_models._attention(hidden=64, heads=4, kv=2), "num_hidden_layers": 1},
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    model = _one_layer_qwen3_moe(hidden=64, heads=4, kv=2, experts=8, intermediate=64)
     ids = lm_models.prompt(9)
     expected = lm_models.reference(model, ids, new=8)
     assert lm_models.top2_margin(model, torch.cat([ids, expected], dim=1), ids.shape[1] - 1) > 1e-3
