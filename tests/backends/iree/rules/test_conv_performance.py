@@ -16,6 +16,7 @@ import fx_rewrites
 from fx_rewrites import backends
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
+from fx_rewrites.backends.iree.rules import performance
 from fx_rewrites.backends.iree.rules.conv_performance import (
     TAPS_PER_SUM,
     conv3d_as_conv2d_over_frames,
@@ -24,6 +25,7 @@ from fx_rewrites.backends.iree.rules.conv_performance import (
     grouped_conv_as_convs,
     strided_pointwise_conv_as_slice,
 )
+from fx_rewrites.ruleset import Phases
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
@@ -310,13 +312,18 @@ def test_conv_class_rules_on_iree(name, isa):
 @pytest.mark.parametrize("isa", ["host", "avx2"])
 def test_depthwise_row_partials_on_iree(isa):
     """`depthwise_conv_as_row_partials` is among the `iree` rules of this host's ISA and of AVX2 (on for both by
-    measurement: targets.CPU_ISAS): they alone rewrite a 7x7 depthwise convolution, and IREE matches eager on two
+    measurement: targets.CPU_ISAS), after `depthwise_conv_as_dispatch`, which takes a 7x7 at stride 1 first: the
+    route less the dispatch rewrites a 7x7 depthwise convolution by the partials alone, and IREE matches eager on two
     inputs."""
     if isa != "host" and targets.host_isa() == "":
         pytest.skip("AVX2 code runs on an x86-64 host with AVX2 only")
     rule, module, inputs, _ = _more("depthwise_7x7_pad3", dynamic=False)
     iree = backends.get("iree") if isa == "host" else IreeBackend(target=targets.llvm_cpu(isa))
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    perf = performance.for_target(iree.target.name, iree.target.isa)
+    assert perf.names().index("depthwise_conv_as_dispatch") < perf.names().index(rule.name)
+    less = perf.without("depthwise_conv_as_dispatch")
+    rules = Phases(*(less if s is perf else s for s in iree.rules.sets), name=iree.rules.name)
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), rules)
     rt.assert_fired(result, rule, times=1)
     rt.assert_ops(result, absent=list(CONVS))
     fn = iree.compile(result.program, inputs[0])

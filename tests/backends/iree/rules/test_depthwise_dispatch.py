@@ -1,0 +1,139 @@
+"""`depthwise_conv_as_dispatch` (backends/iree/rules/depthwise_dispatch.py) and its kernel
+(backends/iree/depthwise_dispatch.py).
+
+Real torch 2.13 exports of depthwise convolutions (3x3, 5x5, 7x7; padded or not, with and without a bias, batch 1 and
+2); the graph after (no convolution: one `depthwise_conv2d` of the input as it is, the bias added after); numerics as
+near float64 as torch's own float32 on two input sets; what it declines (a Dim on the sizes, stride 2, dilation, a
+width off 8, a grouped convolution that is not depthwise, float64); the executable's register blocks; both ISAs'
+routes end to end on IREE (the dispatch spliced and run: the padding read inside the kernel, edge blocks and a row of
+two column blocks) against float64. (Its speed: docs/performance.md, "A depthwise convolution dispatch".)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeBackend, targets
+from fx_rewrites.backends.iree.depthwise_dispatch import DEPTHWISE_CONV2D, MARK, block, executable, splice
+from fx_rewrites.backends.iree.legality import SPLICED
+from fx_rewrites.backends.iree.rules.depthwise_dispatch import depthwise_conv_as_dispatch
+from tests.backends.iree.rules.float32_error import assert_within_torch_error
+
+aten = torch.ops.aten
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _depthwise(channels: int, kernel: int, padding: int | tuple[int, int], bias: bool = True, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Conv2d(channels, channels, kernel, padding=padding, groups=channels, bias=bias, **kw).eval()
+
+
+def _in_float64(module: torch.nn.Module):
+    wide = copy.deepcopy(module).double()
+    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
+
+
+#: name -> (channels, kernel, padding, bias, input shape N, H, W)
+CASES = {
+    "3x3_same": (16, 3, 1, True, (1, 24, 16)),
+    "7x7_same_batch2": (8, 7, 3, False, (2, 20, 24)),
+    "5x5_valid": (8, 5, 0, True, (1, 12, 20)),
+    "3x3_rows_only": (8, 3, (1, 0), True, (1, 9, 10)),
+    "7x7_width_14": (8, 7, 3, True, (1, 14, 14)),
+    "3x3_width_28": (8, 3, 1, False, (1, 6, 28)),
+}
+
+
+def _inputs(channels: int, shape: tuple[int, int, int]) -> list[tuple[torch.Tensor]]:
+    n, h, w = shape
+    return [(_randn(0, n, channels, h, w),), (3.0 * _randn(1, n, channels, h, w),)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_depthwise_conv_as_dispatch(name):
+    channels, kernel, padding, bias, shape = CASES[name]
+    module = _depthwise(channels, kernel, padding, bias)
+    inputs = _inputs(channels, shape)
+    result = rt.apply_rules(rt.export(module, *inputs[0]), depthwise_conv_as_dispatch)
+    rt.assert_fired(result, depthwise_conv_as_dispatch, times=1)
+    rt.assert_ops(result, absent=[aten.conv2d.default, aten.convolution.default, aten.constant_pad_nd.default])
+    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is DEPTHWISE_CONV2D]
+    x, w, ph, pw = call.args
+    assert x.op == "placeholder", "the input as it is: the padding is read inside the kernel"
+    assert tuple(w.meta["val"].shape) == (channels, kernel, kernel)
+    assert (ph, pw) == (padding if isinstance(padding, tuple) else (padding, padding))
+    adds = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.add.Tensor]
+    assert len(adds) == int(bias) and (not bias or adds[0].args[0] is call), "the bias added after"
+    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    rt.assert_idempotent(result, depthwise_conv_as_dispatch)
+
+
+class WeightIn(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])
+
+
+def test_depthwise_conv_as_dispatch_declines():
+    """A Dim on the sizes, stride 2, dilation 2, a width under 8, groups of two channels, float64; a weight passed in
+    is taken (the kernel reads it as it is)."""
+    x = _randn(0, 1, 8, 16, 16)
+    ep = rt.export(_depthwise(8, 3, 1), x, dynamic_shapes=({2: Dim("h", min=4, max=64)},))
+    rt.assert_not_fired(rt.apply_rules(ep, depthwise_conv_as_dispatch), depthwise_conv_as_dispatch)
+    torch.manual_seed(0)
+    cases = [
+        (_depthwise(8, 3, 1, stride=2), (x,)),
+        (_depthwise(8, 3, 2, dilation=2), (x,)),
+        (_depthwise(8, 3, 1), (_randn(0, 1, 8, 16, 7),)),
+        (torch.nn.Conv2d(8, 8, 3, padding=1, groups=4).eval(), (x,)),
+        (_depthwise(8, 3, 1).double(), (x.double(),)),
+    ]
+    for m, args in cases:
+        rt.assert_not_fired(rt.apply_rules(rt.export(m, *args), depthwise_conv_as_dispatch), depthwise_conv_as_dispatch)
+    taken = rt.apply_rules(rt.export(WeightIn(), x, _randn(1, 8, 1, 3, 3)), depthwise_conv_as_dispatch)
+    rt.assert_fired(taken, depthwise_conv_as_dispatch, times=1)
+
+
+def test_block_and_executable():
+    """The register blocks: a row of 56 as 7 vectors by 2 rows; 112 as two blocks of 7; 28 as 4 vectors, the last
+    overlapping the third; 14 as 2 overlapping by 2, 7 rows. The executable is named by its shape; the op is named
+    spliced; a module without a call is refused by `splice`."""
+    assert block(56, 56) == (2, [list(range(0, 56, 8))])
+    assert block(112, 112) == (2, [list(range(0, 56, 8)), list(range(56, 112, 8))])
+    assert block(28, 28) == (2, [[0, 8, 16, 20]]) and block(14, 14) == (7, [[0, 6]])
+    name, text = executable(1, 8, 20, 24, 7, 7, 3, 3)
+    assert name in text and "vector.fma" in text and "vector.shuffle" in text and "1x8x20x24_k7x7_p3x3" in name
+    assert "fx_rewrites.depthwise_conv2d.default" in SPLICED
+    with pytest.raises(ValueError, match=r"no depthwise_conv2d call"):
+        splice("module {\n}")
+    assert MARK == "torch.fx_rewrites.depthwise_conv2d"
+
+
+#: through IREE: the cases above and a width of two column blocks (112: 14 vectors, 7 a block)
+IREE_CASES = {**CASES, "3x3_two_column_blocks": (4, 3, 1, True, (1, 6, 112))}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("name", list(IREE_CASES))
+def test_depthwise_conv_as_dispatch_on_iree(name, isa):
+    """Through each ISA's route (the code runs where the host has the ISA): the rule fires, the dispatch is spliced
+    and run, and on two inputs the result is as near float64 as torch's float32, within a step."""
+    if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
+        pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
+    assert depthwise_conv_as_dispatch.name in targets.CPU_ISAS[isa].perf_rules
+    channels, kernel, padding, bias, shape = IREE_CASES[name]
+    module = _depthwise(channels, kernel, padding, bias)
+    inputs = _inputs(channels, shape)
+    iree = IreeBackend(target=targets.llvm_cpu(isa))
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, depthwise_conv_as_dispatch, times=1)
+    fn = iree.compile(result.program, inputs[0])
+    assert_within_torch_error(fn, _in_float64(module), inputs)
