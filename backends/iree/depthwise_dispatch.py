@@ -1,24 +1,27 @@
 """A hand-written depthwise convolution dispatch (issue 32): rows of 8-lane vectors, every tap an FMA in registers.
 
-y[n, c, oh, ow] = sum over (i, j) of xp[n, c, oh + i, ow + j] * w[c, i, j], xp the input already padded (NCHW,
-stride 1, no dilation), w [C, kh, kw]. One workgroup a (n, c) plane. The plane's output is cut into blocks of `R`
-rows by `B` vectors of 8 columns (R B accumulators, at most 12 of the 16 ymm: the loaded input vector and a
-broadcast weight are the other two); for each of the R + kh - 1 input rows a block reads, each kernel column j
-and each vector b, one unaligned load of 8 input columns feeds the FMAs of every output row that row reaches
-(kernel row i = input row - output row). The taps of an output are summed in (i, j) order, as a plain sum.
+y[n, c, oh, ow] = sum over (i, j) of x[n, c, oh sh + i - ph, ow sw + j - pw] * w[c, i, j], x NCHW, zero outside it
+(the padding), w [C, kh, kw], stride (sh, sw) 1 or 2, no dilation. One workgroup a (n, c) plane. The plane's output
+is cut into blocks of R rows by up to 7 vectors of 8 columns (at most 14 accumulators: with the loaded input vector
+and a broadcast weight, the 16 ymm); for each input row a block reads, each kernel column j and each vector, one
+load of 8 sw input columns (a shuffle takes every sw-th, and zeros for columns in the padding) feeds the FMAs of
+every output row that input row reaches (kernel row i = input row - output row x sh). An output's taps are summed
+in (i, j) order, as a plain sum. The blocks that read padding rows are written out with only their rows in the
+plane; the others are one loop. A width off 8: the last vector ends at the row's end, overlapping the one before.
 
 IREE 3.13 runs a depthwise convolution as a generic loop nest 3.5-10x slower than eager (7x7 on 96 channels,
-56x56); the project's graph forms (`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) bring it to
+56x56); the project's graph forms (`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) brought it to
 1.2-1.9x (docs/performance.md, "Per ISA"). 8-lane vectors on both ISAs (AVX-512 runs them too).
 
-It enters a graph as `fx_rewrites::depthwise_conv2d(xp, w)` (eager: torch's grouped convolution), which torch-mlir
-imports as `torch.operator "torch.fx_rewrites.depthwise_conv2d"`; `splice` (run by `IreeBackend` through
-`kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is
+It enters a graph as `fx_rewrites::depthwise_conv2d(x, w, ph, pw, sh, sw)` (eager: torch's grouped convolution),
+which torch-mlir imports as `torch.operator "torch.fx_rewrites.depthwise_conv2d"`; `splice` (run by `IreeBackend`
+through `kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is
 `rules/depthwise_dispatch.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable
@@ -55,113 +58,150 @@ def block(rows: int, cols: int) -> tuple[int, list[list[int]]]:
     return r, chunks
 
 
-def _load(x: str, add: Callable[[str], None], name: str, row: str, start: int, width: int, xt: str) -> None:
-    """`name` = the 8 input columns from `start` of the input row at index `row` (a plane's row start), the columns
-    outside [0, width) zero (the padding): one load inside the row, shuffled against zeros at its edges."""
-    vec = f"vector<{LANES}xf32>"
-    base = min(max(start, 0), width - LANES)
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One depthwise convolution's static shape: input, kernel, padding, stride; its output `oh` x `ow`."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    kh: int
+    kw: int
+    ph: int
+    pw: int
+    sh: int
+    sw: int
+
+    @property
+    def oh(self) -> int:
+        return (self.h + 2 * self.ph - self.kh) // self.sh + 1
+
+    @property
+    def ow(self) -> int:
+        return (self.w + 2 * self.pw - self.kw) // self.sw + 1
+
+    def memrefs(self) -> tuple[str, str, str]:
+        sizes = (self.n * self.c * self.h * self.w, self.c * self.kh * self.kw, self.n * self.c * self.oh * self.ow)
+        return tuple(f"memref<{size}xf32>" for size in sizes)
+
+
+def _load(add: Callable[[str], None], name: str, row: str, start: int, conv: Shape) -> None:
+    """`name` = input columns start, start + sw, ... (8 of them) of the input row at index `row` (a plane's row
+    start), those outside [0, w) zero (the padding): one load of 8 sw columns inside the row, and a shuffle that
+    takes every sw-th and zeros at the row's edges (none where the load is the columns themselves)."""
+    vec, span = f"vector<{LANES}xf32>", LANES * conv.sw
+    wide = f"vector<{span}xf32>"
+    xt = conv.memrefs()[0]
+    base = min(max(start, 0), conv.w - span)
     add(f"%{name}a = arith.addi {row}, %c{base}w : index")
-    if base == start:
-        add(f"%{name} = vector.load {x}[%{name}a] : {xt}, {vec}")
+    if base == start and conv.sw == 1:
+        add(f"%{name} = vector.load %xm[%{name}a] : {xt}, {vec}")
         return
-    add(f"%{name}l = vector.load {x}[%{name}a] : {xt}, {vec}")
-    lanes = [LANES + start + lane - base if 0 <= start + lane < width else 0 for lane in range(LANES)]
-    add(f"%{name} = vector.shuffle %zero, %{name}l [{', '.join(map(str, lanes))}] : {vec}, {vec}")
+    add(f"%{name}l = vector.load %xm[%{name}a] : {xt}, {wide}")
+    cols = [start + lane * conv.sw for lane in range(LANES)]
+    lanes = [span + col - base if 0 <= col < conv.w else 0 for col in cols]
+    add(f"%{name} = vector.shuffle %zero{span}, %{name}l [{', '.join(map(str, lanes))}] : {wide}, {wide}")
 
 
 def _block(
-    add: Callable[[str], None], tag: str, r0: str, rows_in: range, shape: tuple[int, ...], starts: list[int]
+    add: Callable[[str], None], tag: str, r0: str, rows_in: range, conv: Shape, r: int, starts: list[int]
 ) -> None:
-    """A block of R output rows from row index `r0` by the vectors of 8 columns from each of `starts`; `rows_in`:
-    the block's input rows (relative to r0 - ph) that lie in the plane (all of them for a block off the edges)."""
-    _, _, _, w, kh, kw, ph, pw, _, ow, r, xt, ot = shape
+    """A block of `r` output rows from row index `r0` by the vectors of 8 output columns from each of `starts`;
+    `rows_in`: the block's input rows (from input row r0 sh - ph) that lie in the plane (all of them off the
+    edges). Output row o takes kernel row i from the block's input row o sh + i."""
     vec = f"vector<{LANES}xf32>"
+    ot = conv.memrefs()[2]
     acc = {(o, v): "%zero" for o in range(r) for v in range(len(starts))}
+    add(f"%{tag}r0s = arith.muli {r0}, %c{conv.sh}w : index")
     for t in rows_in:
-        add(f"%{tag}ri{t} = arith.addi {r0}, %c{t}w : index")  # the input row + ph
-        add(f"%{tag}rs{t} = arith.subi %{tag}ri{t}, %c{ph}w : index")
-        add(f"%{tag}rm{t} = arith.muli %{tag}rs{t}, %c{w}w : index")
+        add(f"%{tag}ri{t} = arith.addi %{tag}r0s, %c{t}w : index")  # the input row + ph
+        add(f"%{tag}rs{t} = arith.subi %{tag}ri{t}, %c{conv.ph}w : index")
+        add(f"%{tag}rm{t} = arith.muli %{tag}rs{t}, %c{conv.w}w : index")
         add(f"%{tag}rb{t} = arith.addi %xplane, %{tag}rm{t} : index")
-        for j in range(kw):
+        for j in range(conv.kw):
             for v, start in enumerate(starts):
                 x = f"{tag}x{t}_{j}_{v}"
-                _load("%xm", add, x, f"%{tag}rb{t}", start + j - pw, w, xt)
+                _load(add, x, f"%{tag}rb{t}", start * conv.sw + j - conv.pw, conv)
                 for o in range(r):
-                    if 0 <= t - o < kh:
+                    i = t - o * conv.sh
+                    if 0 <= i < conv.kh:
                         name = f"%{tag}a{t}_{j}_{v}_{o}"
-                        add(f"{name} = vector.fma %{x}, %wv{t - o}_{j}, {acc[o, v]} : {vec}")
+                        add(f"{name} = vector.fma %{x}, %wv{i}_{j}, {acc[o, v]} : {vec}")
                         acc[o, v] = name
-    add(f"%{tag}om = arith.muli {r0}, %c{ow}w : index")
+    add(f"%{tag}om = arith.muli {r0}, %c{conv.ow}w : index")
     add(f"%{tag}ob = arith.addi %oplane, %{tag}om : index")
     for (o, v), value in acc.items():
-        add(f"%{tag}oa{o}_{v} = arith.addi %{tag}ob, %c{o * ow + starts[v]}w : index")
+        add(f"%{tag}oa{o}_{v} = arith.addi %{tag}ob, %c{o * conv.ow + starts[v]}w : index")
         add(f"vector.store {value}, %om[%{tag}oa{o}_{v}] : {ot}, {vec}")
 
 
-def _kernel(n: int, c: int, h: int, w: int, kh: int, kw: int, ph: int, pw: int) -> str:
-    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
-    if oh < 1 or min(ow, w) < LANES:
-        raise ValueError(f"an output {oh}x{ow} from {h}x{w}: widths of at least {LANES}")
+def _kernel(conv: Shape) -> str:
+    oh, ow, h, sh, ph = conv.oh, conv.ow, conv.h, conv.sh, conv.ph
+    if oh < 1 or ow < LANES or conv.w < LANES * conv.sw:
+        raise ValueError(f"an output {oh}x{ow} from {h}x{conv.w}: at least {LANES} wide, the input {LANES} strides")
     r, chunks = block(oh, ow)
     vec = f"vector<{LANES}xf32>"
-    xt, wt, ot = f"memref<{n * c * h * w}xf32>", f"memref<{c * kh * kw}xf32>", f"memref<{n * c * oh * ow}xf32>"
-    shape = (n, c, h, w, kh, kw, ph, pw, oh, ow, r, xt, ot)
+    xt, wt, ot = conv.memrefs()
     lines = [
         "%c0 = arith.constant 0 : index",
         f"%zero = arith.constant dense<0.0> : {vec}",
+        f"%zero{LANES * conv.sw} = arith.constant dense<0.0> : vector<{LANES * conv.sw}xf32>",
         f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}",
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
         f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}",
         "%p = stream.dispatch.workgroup.id[0] : index",
-        f"%ch = arith.remui %p, %c{c}w : index",
-        f"%xplane = arith.muli %p, %c{h * w}w : index",
+        f"%ch = arith.remui %p, %c{conv.c}w : index",
+        f"%xplane = arith.muli %p, %c{h * conv.w}w : index",
         f"%oplane = arith.muli %p, %c{oh * ow}w : index",
-        f"%wbase = arith.muli %ch, %c{kh * kw}w : index",
+        f"%wbase = arith.muli %ch, %c{conv.kh * conv.kw}w : index",
     ]
     add = lines.append
-    for i in range(kh):  # the plane's weights, one scalar each, broadcast where used
-        for j in range(kw):
-            add(f"%wi{i}_{j} = arith.addi %wbase, %c{i * kw + j}w : index")
+    for i in range(conv.kh):  # the plane's weights, one scalar each, broadcast where used
+        for j in range(conv.kw):
+            add(f"%wi{i}_{j} = arith.addi %wbase, %c{i * conv.kw + j}w : index")
             add(f"%ws{i}_{j} = memref.load %wm[%wi{i}_{j}] : {wt}")
             add(f"%wv{i}_{j} = vector.broadcast %ws{i}_{j} : f32 to {vec}")
-    span = r + kh - 1  # input rows a block reads, from its first output row - ph
-    inside = [r0 for r0 in range(0, oh, r) if r0 - ph >= 0 and r0 - ph + span <= h]
+    span = (r - 1) * sh + conv.kh  # input rows a block reads, from its first output row's sh - ph
+    inside = [r0 for r0 in range(0, oh, r) if r0 * sh - ph >= 0 and r0 * sh - ph + span <= h]
     for k, starts in enumerate(chunks):  # column blocks, each with its own edges
         for r0 in range(0, oh, r):  # the blocks that read padding rows: their rows in the plane only
             if r0 not in inside:
-                rows_in = range(max(0, ph - r0), min(span, h + ph - r0))
-                _block(add, f"e{r0}_{k}_", f"%c{r0}w", rows_in, shape, starts)
+                rows_in = range(max(0, ph - r0 * sh), min(span, h + ph - r0 * sh))
+                _block(add, f"e{r0}_{k}_", f"%c{r0}w", rows_in, conv, r, starts)
         if inside:
             add(f"scf.for %r0 = %c{inside[0]}w to %c{inside[-1] + r}w step %c{r}w {{")
-            _block(add, f"i{k}_", "%r0", range(span), shape, starts)
+            _block(add, f"i{k}_", "%r0", range(span), conv, r, starts)
             add("}")
     lines.append("return")
     return spliced.with_index_constants("\n".join(lines))
 
 
-def executable(n: int, c: int, h: int, w: int, kh: int, kw: int, ph: int, pw: int) -> tuple[str, str]:
+def executable(conv: Shape) -> tuple[str, str]:
     """The name (unique per shape: findings 52) and text of the `stream.executable` over N C workgroups."""
-    name = f"dwconv_{n}x{c}x{h}x{w}_k{kh}x{kw}_p{ph}x{pw}"
-    body = _kernel(n, c, h, w, kh, kw, ph, pw)
-    return name, spliced.executable(name, "%bx: !stream.binding, %bw: !stream.binding, %bo: !stream.binding", 1, body)
+    c = conv
+    name = f"dwconv_{c.n}x{c.c}x{c.h}x{c.w}_k{c.kh}x{c.kw}_p{c.ph}x{c.pw}_s{c.sh}x{c.sw}"
+    return name, spliced.executable(
+        name, "%bx: !stream.binding, %bw: !stream.binding, %bo: !stream.binding", 1, _kernel(c)
+    )
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def depthwise_conv2d(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
-    """The depthwise convolution of `x` [N, C, H, W] by `w` [C, kh, kw], stride 1, padded by (ph, pw) zeros."""
-    return torch.nn.functional.conv2d(x, w.unsqueeze(1), padding=(ph, pw), groups=w.shape[0])
+def depthwise_conv2d(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> torch.Tensor:
+    """The depthwise convolution of `x` [N, C, H, W] by `w` [C, kh, kw], padded by (ph, pw) zeros, stride (sh, sw)."""
+    return torch.nn.functional.conv2d(x, w.unsqueeze(1), stride=(sh, sw), padding=(ph, pw), groups=w.shape[0])
 
 
 @depthwise_conv2d.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
-    n, c, h, width = x.shape
-    return x.new_empty(n, c, h + 2 * ph - w.shape[1] + 1, width + 2 * pw - w.shape[2] + 1)
+def _(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> torch.Tensor:
+    conv = Shape(*x.shape, *w.shape[1:], ph, pw, sh, sw)
+    return x.new_empty(conv.n, conv.c, conv.oh, conv.ow)
 
 
 DEPTHWISE_CONV2D = torch.ops.fx_rewrites.depthwise_conv2d.default
 
 _CALL = re.compile(
-    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w]+), (%[\w]+), (%[\w]+), (%[\w]+)\) : '
+    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w]+), (%[\w]+)((?:, %[\w]+){{4}})\) : '
     r"\((.*)\) -> (.*)$"
 )
 
@@ -173,29 +213,26 @@ def splice(mlir: str) -> str:
     ints = dict(spliced._INT.findall(mlir))
     for line in mlir.splitlines():
         found = _CALL.match(line)
-        if not found or found.group(5) not in ints or found.group(6) not in ints:
+        scalars = found.group(5).split(", ")[1:] if found else []
+        if not found or any(name not in ints for name in scalars):
             if MARK in line:
                 raise ValueError(f"a depthwise_conv2d call of an unknown form: {line.strip()[:200]}")
             out.append(line)
             continue
-        pad, res, x, w, iph, ipw, types, otype = found.groups()
+        pad, res, x, w, _, types, otype = found.groups()
         vx, vw = re.findall(r"!torch\.vtensor<[^>]*>", types)[:2]
         (tx, sx), (tw, sw) = spliced._tensor(vx), spliced._tensor(vw)
         if "?" in sx + sw:
             raise ValueError(f"a depthwise_conv2d call with a dynamic size: {line.strip()[:200]}")
-        (n, c, h, width), (kh, kw), (ph, pw) = (
-            (int(s) for s in sx),
-            (int(sw[1]), int(sw[2])),
-            (int(ints[iph]), int(ints[ipw])),
-        )
-        name, text = executable(n, c, h, width, kh, kw, ph, pw)
+        conv = Shape(*(int(s) for s in sx), int(sw[1]), int(sw[2]), *(int(ints[name]) for name in scalars))
+        name, text = executable(conv)
         executables[name] = text
-        to = f"tensor<{n}x{c}x{h + 2 * ph - kh + 1}x{width + 2 * pw - kw + 1}xf32>"
+        to = f"tensor<{conv.n}x{conv.c}x{conv.oh}x{conv.ow}xf32>"
         v = f"dwc{res[1:]}"
         out += [
             f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {vx} -> {tx}",
             f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {vw} -> {tw}",
-            f"{pad}%{v}_n = arith.constant {n * c} : index",
+            f"{pad}%{v}_n = arith.constant {conv.n * conv.c} : index",
             f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n](%{v}_x, %{v}_w) : ({tx}, {tw}) -> {to}",
             f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : {to} -> {otype.strip()}",
         ]

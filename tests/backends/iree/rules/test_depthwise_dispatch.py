@@ -1,10 +1,10 @@
 """`depthwise_conv_as_dispatch` (backends/iree/rules/depthwise_dispatch.py) and its kernel
 (backends/iree/depthwise_dispatch.py).
 
-Real torch 2.13 exports of depthwise convolutions (3x3, 5x5, 7x7; padded or not, with and without a bias, batch 1 and
-2); the graph after (no convolution: one `depthwise_conv2d` of the input as it is, the bias added after); numerics as
-near float64 as torch's own float32 on two input sets; what it declines (a Dim on the sizes, stride 2, dilation, a
-width off 8, a grouped convolution that is not depthwise, float64); the executable's register blocks; both ISAs'
+Real torch 2.13 exports of depthwise convolutions (3x3, 5x5, 7x7; stride 1 and 2; padded or not, with and without a
+bias, batch 1 and 2; widths off 8); the graph after (no convolution: one `depthwise_conv2d` of the input as it is, the bias added after); numerics as
+near float64 as torch's own float32 on two input sets; what it declines (a Dim on the sizes, stride 3, dilation, too
+narrow a width, a grouped convolution that is not depthwise, float64); the executable's register blocks; both ISAs'
 routes end to end on IREE (the dispatch spliced and run: the padding read inside the kernel, edge blocks and a row of
 two column blocks) against float64. (Its speed: docs/performance.md, "A depthwise convolution dispatch".)
 """
@@ -20,7 +20,7 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
-from fx_rewrites.backends.iree.depthwise_dispatch import DEPTHWISE_CONV2D, MARK, block, executable, splice
+from fx_rewrites.backends.iree.depthwise_dispatch import DEPTHWISE_CONV2D, MARK, Shape, block, executable, splice
 from fx_rewrites.backends.iree.legality import SPLICED
 from fx_rewrites.backends.iree.rules.depthwise_dispatch import depthwise_conv_as_dispatch
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
@@ -32,9 +32,12 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _depthwise(channels: int, kernel: int, padding: int | tuple[int, int], bias: bool = True, **kw) -> torch.nn.Module:
+def _depthwise(
+    channels: int, kernel: int, padding: int | tuple[int, int], bias: bool = True, stride: int = 1, **kw
+) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Conv2d(channels, channels, kernel, padding=padding, groups=channels, bias=bias, **kw).eval()
+    conv = torch.nn.Conv2d(channels, channels, kernel, stride, padding=padding, groups=channels, bias=bias, **kw)
+    return conv.eval()
 
 
 def _in_float64(module: torch.nn.Module):
@@ -42,7 +45,7 @@ def _in_float64(module: torch.nn.Module):
     return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
-#: name -> (channels, kernel, padding, bias, input shape N, H, W)
+#: name -> (channels, kernel, padding, bias, input shape N, H, W[, stride])
 CASES = {
     "3x3_same": (16, 3, 1, True, (1, 24, 16)),
     "7x7_same_batch2": (8, 7, 3, False, (2, 20, 24)),
@@ -50,6 +53,8 @@ CASES = {
     "3x3_rows_only": (8, 3, (1, 0), True, (1, 9, 10)),
     "7x7_width_14": (8, 7, 3, True, (1, 14, 14)),
     "3x3_width_28": (8, 3, 1, False, (1, 6, 28)),
+    "3x3_stride2": (8, 3, 1, True, (1, 15, 34), 2),
+    "5x5_stride2_batch2": (4, 5, 2, False, (2, 16, 32), 2),
 }
 
 
@@ -60,17 +65,18 @@ def _inputs(channels: int, shape: tuple[int, int, int]) -> list[tuple[torch.Tens
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_depthwise_conv_as_dispatch(name):
-    channels, kernel, padding, bias, shape = CASES[name]
-    module = _depthwise(channels, kernel, padding, bias)
+    channels, kernel, padding, bias, shape, *stride = CASES[name]
+    module = _depthwise(channels, kernel, padding, bias, *stride)
     inputs = _inputs(channels, shape)
     result = rt.apply_rules(rt.export(module, *inputs[0]), depthwise_conv_as_dispatch)
     rt.assert_fired(result, depthwise_conv_as_dispatch, times=1)
     rt.assert_ops(result, absent=[aten.conv2d.default, aten.convolution.default, aten.constant_pad_nd.default])
     (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is DEPTHWISE_CONV2D]
-    x, w, ph, pw = call.args
+    x, w, ph, pw, sh, sw = call.args
     assert x.op == "placeholder", "the input as it is: the padding is read inside the kernel"
     assert tuple(w.meta["val"].shape) == (channels, kernel, kernel)
     assert (ph, pw) == (padding if isinstance(padding, tuple) else (padding, padding))
+    assert (sh, sw) == ((*stride, *stride) if stride else (1, 1))
     adds = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.add.Tensor]
     assert len(adds) == int(bias) and (not bias or adds[0].args[0] is call), "the bias added after"
     assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
@@ -83,14 +89,15 @@ class WeightIn(torch.nn.Module):
 
 
 def test_depthwise_conv_as_dispatch_declines():
-    """A Dim on the sizes, stride 2, dilation 2, a width under 8, groups of two channels, float64; a weight passed in
-    is taken (the kernel reads it as it is)."""
+    """A Dim on the sizes, stride 3, dilation 2, an output under 8 wide, an input under 16 wide at stride 2, groups
+    of two channels, float64; a weight passed in is taken (the kernel reads it as it is)."""
     x = _randn(0, 1, 8, 16, 16)
     ep = rt.export(_depthwise(8, 3, 1), x, dynamic_shapes=({2: Dim("h", min=4, max=64)},))
     rt.assert_not_fired(rt.apply_rules(ep, depthwise_conv_as_dispatch), depthwise_conv_as_dispatch)
     torch.manual_seed(0)
     cases = [
-        (_depthwise(8, 3, 1, stride=2), (x,)),
+        (_depthwise(8, 3, 1, stride=3), (_randn(0, 1, 8, 32, 32),)),
+        (_depthwise(8, 3, 1, stride=2), (_randn(0, 1, 8, 32, 15),)),
         (_depthwise(8, 3, 2, dilation=2), (x,)),
         (_depthwise(8, 3, 1), (_randn(0, 1, 8, 16, 7),)),
         (torch.nn.Conv2d(8, 8, 3, padding=1, groups=4).eval(), (x,)),
@@ -109,8 +116,9 @@ def test_block_and_executable():
     assert block(56, 56) == (2, [list(range(0, 56, 8))])
     assert block(112, 112) == (2, [list(range(0, 56, 8)), list(range(56, 112, 8))])
     assert block(28, 28) == (2, [[0, 8, 16, 20]]) and block(14, 14) == (7, [[0, 6]])
-    name, text = executable(1, 8, 20, 24, 7, 7, 3, 3)
-    assert name in text and "vector.fma" in text and "vector.shuffle" in text and "1x8x20x24_k7x7_p3x3" in name
+    name, text = executable(Shape(1, 8, 20, 24, 7, 7, 3, 3, 1, 1))
+    assert name in text and "vector.fma" in text and "vector.shuffle" in text and "1x8x20x24_k7x7_p3x3_s1x1" in name
+    assert "vector<16xf32>" in executable(Shape(1, 8, 20, 32, 3, 3, 1, 1, 2, 2))[1], "stride 2: 16 columns a load"
     assert "fx_rewrites.depthwise_conv2d.default" in SPLICED
     with pytest.raises(ValueError, match=r"no depthwise_conv2d call"):
         splice("module {\n}")
@@ -129,8 +137,8 @@ def test_depthwise_conv_as_dispatch_on_iree(name, isa):
     if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
         pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
     assert depthwise_conv_as_dispatch.name in targets.CPU_ISAS[isa].perf_rules
-    channels, kernel, padding, bias, shape = IREE_CASES[name]
-    module = _depthwise(channels, kernel, padding, bias)
+    channels, kernel, padding, bias, shape, *stride = IREE_CASES[name]
+    module = _depthwise(channels, kernel, padding, bias, *stride)
     inputs = _inputs(channels, shape)
     iree = IreeBackend(target=targets.llvm_cpu(isa))
     result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
