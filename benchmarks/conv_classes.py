@@ -55,6 +55,10 @@ CASES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
     "strided conv2d 1x1/2 256->512, 56x56": _conv(torch.nn.Conv2d, 256, 512, 1, (1, 256, 56, 56), stride=2),
     "depthwise conv2d 3x3 64, 56x56": _conv(torch.nn.Conv2d, 64, 64, 3, (1, 64, 56, 56), padding=1, groups=64),
     "depthwise conv2d 7x7 96, 56x56": _conv(torch.nn.Conv2d, 96, 96, 7, (1, 96, 56, 56), padding=3, groups=96),
+    # EfficientNet-B0's strided 5x5 (docs/performance.md: 1.6-2.8x eager as IREE's convolution or the taps)
+    "strided depthwise conv2d 5x5/2 144, 56x56": _conv(
+        torch.nn.Conv2d, 144, 144, 5, (1, 144, 56, 56), padding=2, stride=2, groups=144
+    ),
     "grouped conv2d 3x3 64->64 g8, 56x56": _conv(torch.nn.Conv2d, 64, 64, 3, (1, 64, 56, 56), padding=1, groups=8),
     "conv3d 3x3x3 32->32, 8x28x28": _conv(torch.nn.Conv3d, 32, 32, 3, (1, 32, 8, 28, 28), padding=1),
     "grouped conv2d 3x3 128->128 g32, 56x56": _conv(
