@@ -40,6 +40,9 @@ MEASURED_CHOICES = {
     "pointwise_conv_as_matmul": {"avx512": True, "avx2": True},
     "--iree-llvmcpu-enable-ukernels=mmt4d": {"avx512": True, "avx2": False},  # level or slower on AVX2
     "depthwise_conv_as_row_partials": {"avx512": True, "avx2": True},  # ConvNeXt-T faster with it on both
+    # the hand-written depthwise dispatch, before the taps and the partials: MobileNetV2, ConvNeXt-T, EfficientNet-B0,
+    # MobileNetV3-L 0.60-0.84x (AVX-512) and 0.71-0.79x (AVX2) of the route without it (Emerald Rapids, locked)
+    "depthwise_conv_as_dispatch": {"avx512": True, "avx2": True},
     # AVX2's 8x8 tiles: attention over 197 / 500 tokens padded to them (real Zen 3, locked: ViT 1.01, Whisper encoder 1.02,
     # inside the noise; one head of 500: its dispatches 2.38 -> 1.83 ms): on for neither until a quiet run shows a gain
     "attention_padded_to_tiles": {"avx512": False, "avx2": False},
