@@ -9,9 +9,9 @@ every output row that input row reaches (kernel row i = input row - output row x
 in (i, j) order, as a plain sum. The blocks that read padding rows are written out with only their rows in the
 plane; the others are one loop. A width off 8: the last vector ends at the row's end, overlapping the one before.
 
-IREE 3.13 runs a depthwise convolution as a generic loop nest 3.5-10x slower than eager (7x7 on 96 channels,
-56x56); the project's graph forms (`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) brought it to
-1.2-1.9x (docs/performance.md, "Per ISA"). 8-lane vectors on both ISAs (AVX-512 runs them too).
+IREE 3.13's own depthwise convolution runs 4.4-10.6x slower than eager (7x7 on 96 channels, 56x56: 10x); the
+project's graph forms (`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) brought it to 1.2-1.9x
+(docs/performance.md, "Per ISA"). 8-lane vectors on both ISAs (AVX-512 runs them too).
 
 It enters a graph as `fx_rewrites::depthwise_conv2d(x, w, ph, pw, sh, sw)` (eager: torch's grouped convolution),
 which torch-mlir imports as `torch.operator "torch.fx_rewrites.depthwise_conv2d"`; `splice` (run by `IreeBackend`

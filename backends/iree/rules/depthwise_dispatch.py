@@ -3,7 +3,7 @@
     conv2d(x, w, b, stride=s, padding=p, groups=C)   # x [N, C, H, W], w [C, 1, kh, kw], stride 1 or 2
     -> depthwise_conv2d(x, w.reshape(C, kh, kw), ph, pw, sh, sw) + b[:, None, None]
 
-IREE 3.13 runs a depthwise convolution as a generic loop nest (7x7 on 96 channels, 56x56: 10x eager); the graph forms
+IREE 3.13's own depthwise convolution runs 4.4-10.6x eager (7x7 on 96 channels, 56x56: 10x); the graph forms
 `depthwise_conv_as_taps` (3x3) and `depthwise_conv_as_row_partials` (5x5, 7x7) bring it to 1.2-1.9x eager.
 `depthwise_dispatch.py`'s kernel keeps a block of output rows in registers and reads each input row once per block.
 Static sizes, float32, no dilation, an output at least 8 wide and an input 8 strides wide (the kernel's vectors).
@@ -54,7 +54,7 @@ def _dispatchable(node: Node) -> dict[str, Any] | Miss:
     doc=(
         "A float32 depthwise 2-D convolution at stride 1 or 2 (no dilation, static sizes, 8 outputs wide) "
         "becomes the hand-written depthwise dispatch (`fx_rewrites::depthwise_conv2d`), the padding read in the "
-        "kernel, the bias added after: IREE 3.13 runs the convolution as a generic loop nest."
+        "kernel, the bias added after: IREE 3.13's own depthwise convolution runs 4.4-10.6x eager."
     ),
 )
 def depthwise_conv_as_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
