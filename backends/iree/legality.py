@@ -55,6 +55,8 @@ SPLICED: dict[str, str] = {
     "(a8int4_dispatch.py)",
     "fx_rewrites.f32_matmul.default": "spliced by the backend as a hand-written float32 matmul dispatch "
     "(f32_dispatch.py)",
+    "fx_rewrites.f32_linear.default": "spliced by the backend as a hand-written float32 matmul dispatch adding the "
+    "bias in its store (f32_dispatch.py)",
 }
 
 
