@@ -4,7 +4,7 @@
     python benchmarks/f32_dispatch.py --shapes 128x1024x1024 --kc 256,512 --per 4,8
     python benchmarks/f32_dispatch.py --isa avx512 --rows 12,14 --bias   # AVX-512's 32-channel blocks, with a bias
 
-`--isa avx512` times AVX-512's block (`f32_dispatch.BLOCKS`: 14x32 in zmm; `--rows` others of 32 channels),
+`--isa avx512` times AVX-512's block (`f32_dispatch.BLOCKS`: 12x32 in zmm; `--rows` others of 32 channels),
 otherwise AVX2's 6x16 (described below). `--bias`: y = x @ W^T + b, the kernel adding b in its first store of y
 (`f32_linear`), and also the kernel followed by a separate add (`+ add`), against IREE's and torch's linear with a
 bias.

@@ -8,8 +8,8 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
 - AVX2: 6x16 in 12 ymm (2 loads and 6 broadcasts per 12 FMAs: oneDNN's AVX2 shape, where IREE's `mmt4d` 8x8x1 does
   one load and 8 broadcasts per 8 FMAs: docs/iree-3.13-findings.md section 50); with the strip and one broadcast 15
   of the 16 ymm.
-- AVX-512: 14x32 in 28 zmm (2 loads and 14 broadcasts per 28 FMAs; IREE's 16x16x1 `mmt4d` ukernel: 1 and 16 per 16);
-  31 of the 32 zmm.
+- AVX-512: 12x32 in 24 zmm (2 loads and 12 broadcasts per 24 FMAs; IREE's 16x16x1 `mmt4d` ukernel: 1 and 16 per 16);
+  27 of the 32 zmm (14x32, 31 of them, ran 5-15% slower: docs/performance.md).
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
@@ -57,7 +57,7 @@ class Block:
 
 
 #: the register block per ISA, one per strip width (a benchmark may set AVX-512's to another block of 32 channels)
-BLOCKS = {"avx2": Block(8, 2, 6), "avx512": Block(16, 2, 14)}
+BLOCKS = {"avx2": Block(8, 2, 6), "avx512": Block(16, 2, 12)}
 #: K steps unrolled
 KU = 4
 OP, MARK = "fx_rewrites::f32_matmul", "torch.fx_rewrites.f32_matmul"

@@ -3,7 +3,7 @@
     linear(x, W, b)   # x [..., K] over M rows (static), W [N, K] the program's own, N % S == 0
     -> f32_linear(x.reshape(M, K), pack(W, S), b, N, S / 8, PER), viewed [..., N]   (f32_matmul without a bias)
 
-`linear_as_f32_dispatch` writes AVX2's 6x16 block (S = 16), `linear_as_f32_dispatch_avx512` AVX-512's 14x32 (S = 32;
+`linear_as_f32_dispatch` writes AVX2's 6x16 block (S = 16), `linear_as_f32_dispatch_avx512` AVX-512's 12x32 (S = 32;
 `f32_dispatch.BLOCKS`). IREE 3.13 compiles every AVX2 float32 product to one 8x8x1 inner loop (one load and 8
 broadcasts per 8 FMAs, whatever its flags or tuning specs: docs/iree-3.13-findings.md section 50); the kernel keeps a
 6x16 block in 12 accumulators (2 loads and 6 broadcasts per 12 FMAs) with the weight laid out [N/16, K, 16], the bias
@@ -99,7 +99,7 @@ def linear_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -
     priority=2,
     tags={"iree", "performance"},
     doc=(
-        "AVX-512's form of `linear_as_f32_dispatch`: the 14x32 block in 28 zmm accumulators (`f32_dispatch.BLOCKS`), "
+        "AVX-512's form of `linear_as_f32_dispatch`: the 12x32 block in 24 zmm accumulators (`f32_dispatch.BLOCKS`), "
         "the weight laid out [N/32, K, 32], N a multiple of 32."
     ),
 )

@@ -57,7 +57,7 @@ CASES = {
     "rank3_no_bias": (36, 32, False, (4, 20)),
     "vit_mlp": (32, 128, True, (4, 197)),
     # K 320: K blocks of 160 in sums of 80 (the bias in the first store, the later sums added to y); 90 rows: 15
-    # blocks of 6, 6 blocks of 14 and 6 rows
+    # blocks of 6, 7 blocks of 12 and 6 rows
     "deep_bias": (320, 64, True, (3, 30)),
     "wide_no_bias": (64, 96, False, (75,)),
 }
@@ -123,7 +123,7 @@ def test_layout_and_executable():
     name, text = executable(70, 48, 64, 2, 4)
     assert name in text and "vector<8xf32>" in text and "70x64x48" in name and "%bb" not in text
     name, text = executable(70, 64, 64, 4, 4, bias=True)
-    assert "vector<16xf32>" in text and "r14x32" in name and "%bm[" in text and name.startswith("f32lin")
+    assert "vector<16xf32>" in text and "r12x32" in name and "%bm[" in text and name.startswith("f32lin")
     with pytest.raises(ValueError, match="no register block has a strip of 48"):
         executable(70, 48, 64, 6, 4)
     assert {"fx_rewrites.f32_matmul.default", "fx_rewrites.f32_linear.default"} <= set(SPLICED)
@@ -156,8 +156,8 @@ def test_linear_as_f32_dispatch_on_iree(name):
 
 @pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
 def test_linear_as_f32_dispatch_avx512_on_iree(name):
-    """AVX-512's 14x32 block through the AVX-512 route (an AVX-512 host only): the dispatch spliced and run, on two
-    inputs as near float64 as torch's float32 (the rows 14-blocks and a remainder: 788 = 56 x 14 + 4, 90, 75)."""
+    """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the dispatch spliced and run, on two
+    inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
     k, n, bias, lead = CASES[name]
