@@ -132,8 +132,11 @@ def test_layout_and_executable():
     assert (MARK, LINEAR_MARK) == ("torch.fx_rewrites.f32_matmul", "torch.fx_rewrites.f32_linear")
 
 
-def test_linear_as_f32_dispatch_on_avx2():
+def test_each_isa_takes_its_own_block():
+    """AVX2 the 6x16 rule, AVX-512 the 12x32 one (each measured on its ISA), neither the other's."""
     assert linear_as_f32_dispatch.name in targets.CPU_ISAS["avx2"].perf_rules
+    assert linear_as_f32_dispatch_avx512.name not in targets.CPU_ISAS["avx2"].perf_rules
+    assert linear_as_f32_dispatch_avx512.name in targets.CPU_ISAS["avx512"].perf_rules
     assert linear_as_f32_dispatch.name not in targets.CPU_ISAS["avx512"].perf_rules
 
 
@@ -156,14 +159,16 @@ def test_linear_as_f32_dispatch_on_iree(name):
 
 @pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
 def test_linear_as_f32_dispatch_avx512_on_iree(name):
-    """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the dispatch spliced and run, on two
+    """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the rule fires among AVX-512's rules,
+    the dispatch is spliced and run, on two
     inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
     k, n, bias, lead = CASES[name]
     module = _linear(k, n, bias)
     inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
-    result = rt.apply_rules(rt.export(module, *inputs[0]), linear_as_f32_dispatch_avx512)
+    iree = IreeBackend(target=targets.llvm_cpu("avx512"))
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
     rt.assert_fired(result, linear_as_f32_dispatch_avx512, times=1)
-    fn = IreeBackend(target=targets.llvm_cpu("avx512")).compile(result.program, inputs[0])
+    fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, _in_float64(module), inputs)
