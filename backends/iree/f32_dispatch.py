@@ -9,7 +9,7 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
   one load and 8 broadcasts per 8 FMAs: docs/iree-3.13-findings.md section 50); with the strip and one broadcast 15
   of the 16 ymm.
 - AVX-512: 12x32 in 24 zmm (2 loads and 12 broadcasts per 24 FMAs; IREE's 16x16x1 `mmt4d` ukernel: 1 and 16 per 16);
-  27 of the 32 zmm (14x32, 31 of them, ran 5-15% slower: docs/performance.md).
+  27 of the 32 zmm (14x32, 31 of them, ran 2-21% slower: docs/performance.md).
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
