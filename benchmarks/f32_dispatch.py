@@ -1,7 +1,13 @@
-"""A hand-written float32 matmul dispatch for IREE 3.13 on AVX2 (issue 32): a 6x16 register block against IREE's 8x8x1.
+"""Hand-written float32 matmul dispatches for IREE 3.13 (issue 32): a register block per ISA against IREE's product.
 
     python benchmarks/f32_dispatch.py                              # the four shapes of issue 32's products
     python benchmarks/f32_dispatch.py --shapes 128x1024x1024 --kc 256,512 --per 4,8
+    python benchmarks/f32_dispatch.py --isa avx512 --rows 12,14 --bias   # AVX-512's 32-channel blocks, with a bias
+
+`--isa avx512` times AVX-512's block (`f32_dispatch.BLOCKS`: 12x32 in zmm; `--rows` others of 32 channels),
+otherwise AVX2's 6x16 (described below). `--bias`: y = x @ W^T + b, the kernel adding b in its first store of y
+(`f32_linear`), and also the kernel followed by a separate add (`+ add`), against IREE's and torch's linear with a
+bias.
 
 y[M, N] = x[M, K] @ W^T, W [N, K] held by the program and laid out at build time as [N/16, K, 16] (`pack`): a strip
 of 16 output channels, K-major, two ymm a step of K. The kernel (`executable`) keeps a 6x16 block of y in 12 ymm
@@ -34,26 +40,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_dispatch import compile_form, cpu_ms, eager_ms, run_vmfb  # benchmarks/int4_dispatch.py
 
-from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, f32_matmul, pack
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, BLOCKS, Block, f32_linear, f32_matmul, pack
 
 
 class Dispatch(torch.nn.Module):
-    def __init__(self, w: torch.Tensor, per: int) -> None:
+    """The kernel of `block` (`b`: the bias in its store; `separate`: added after it)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, per: int, block: Block, separate: bool = False) -> None:
         super().__init__()
-        self.n, self.per = w.shape[0], per
-        self.register_buffer("packed", pack(w))
+        self.n, self.per, self.tile, self.separate = w.shape[0], per, block.tile, separate
+        self.register_buffer("packed", pack(w, block.strip))
+        self.register_buffer("b", b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return f32_matmul(x, self.packed, self.n, 2, self.per)
+        if self.b is None or self.separate:
+            y = f32_matmul(x, self.packed, self.n, self.tile, self.per)
+            return y if self.b is None else y + self.b
+        return f32_linear(x, self.packed, self.b, self.n, self.tile, self.per)
 
 
 class Linear(torch.nn.Module):
-    def __init__(self, w: torch.Tensor) -> None:
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("w", w)
+        self.register_buffer("b", b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.w)
+        return torch.nn.functional.linear(x, self.w, self.b)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -67,6 +80,8 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--kc", default="256", help="K blocks, comma separated")
     parser.add_argument("--mc", default="96", help="row chunks, comma separated")
     parser.add_argument("--ks", default="128", help="K steps summed from zero before added to y, comma separated")
+    parser.add_argument("--rows", default="", help="AVX-512: the block's rows (of 32 channels), comma separated")
+    parser.add_argument("--bias", action="store_true", help="a bias: in the kernel's store, and added after it")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512"))
@@ -79,8 +94,12 @@ def run(argv: list[str] | None = None) -> int:
     flags = [*iree.flags, *iree.perf_flags, "--iree-dispatch-creation-enable-aggressive-fusion"]
     print(f"CPU: {cpu_model()}; IREE flags {' '.join(iree.flags)}; load {os.getloadavg()}")
     print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-    variants = [(int(p), int(kc), int(mc), int(ks)) for p in args.per.split(",") for kc in args.kc.split(",")
-                for mc in args.mc.split(",") for ks in args.ks.split(",")]  # fmt: skip
+    isa = "avx512" if args.isa == "avx512" or (args.isa == "host" and iree.target.isa == "avx512") else "avx2"
+    default = BLOCKS[isa]
+    blocks = [Block(default.lanes, default.vectors, int(r)) for r in args.rows.split(",")] if args.rows else [default]
+    variants = [(bl, int(p), int(kc), int(mc), int(ks)) for bl in blocks for p in args.per.split(",")
+                for kc in args.kc.split(",") for mc in args.mc.split(",") for ks in args.ks.split(",")]  # fmt: skip
+    print(f"blocks ({isa}): {', '.join(b.name for b in blocks)}; bias: {args.bias}")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -89,19 +108,23 @@ def run(argv: list[str] | None = None) -> int:
             gen = torch.Generator().manual_seed(0)
             w = torch.randn(n, k, generator=gen) / k**0.5
             x = torch.randn(m, k, generator=gen)
-            ref = x.double() @ w.double().t()
-            torch_err = (torch.nn.functional.linear(x, w).double() - ref).abs().max().item()
+            b = torch.randn(n, generator=gen) if args.bias else None
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            torch_err = (torch.nn.functional.linear(x, w, b).double() - ref).abs().max().item()
             vmfbs: dict[str, Path] = {}
             if not args.no_iree:
                 vmfbs["IREE linear"] = tmp / f"iree_{shape}.vmfb"
                 if not (args.reuse and vmfbs["IREE linear"].exists()):
-                    compile_form(Linear(w), x, flags, vmfbs["IREE linear"])
-            for per, kc, mc, ks in variants:
+                    compile_form(Linear(w, b), x, flags, vmfbs["IREE linear"])
+            for block, per, kc, mc, ks in variants:
                 BLOCKING.update(kc=kc, mc=mc, ks=ks)
-                name = f"dispatch p{per} kc{kc} mc{mc} ks{ks}"
-                vmfbs[name] = tmp / f"f32mm_{shape}_p{per}_kc{kc}_mc{mc}_ks{ks}.vmfb"
-                if not (args.reuse and vmfbs[name].exists()):
-                    compile_form(Dispatch(w, per), x, flags, vmfbs[name])
+                BLOCKS[isa] = block
+                for separate in (False, True) if args.bias else (False,):
+                    name = f"dispatch {block.name} p{per} kc{kc} mc{mc} ks{ks}{' + add' if separate else ''}"
+                    vmfbs[name] = tmp / f"f32_{shape}_{block.name}_p{per}_kc{kc}_mc{mc}_ks{ks}_{int(separate)}.vmfb"
+                    if not (args.reuse and vmfbs[name].exists()):
+                        compile_form(Dispatch(w, b, per, block, separate), x, flags, vmfbs[name])
+            BLOCKS[isa] = default
             if args.compile_only:
                 continue
             errs = {name: (run_vmfb(v, x).double() - ref).abs().max().item() for name, v in vmfbs.items()}
@@ -109,7 +132,7 @@ def run(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for name, vmfb in vmfbs.items():
                     times[name].append(cpu_ms(vmfb, m, k, args.repetitions))
-                times["torch F.linear"].append(eager_ms(Linear(w), x, args.repetitions, calls=10))
+                times["torch F.linear"].append(eager_ms(Linear(w, b), x, args.repetitions, calls=10))
             errs["torch F.linear"] = torch_err
             eager = statistics.median(times["torch F.linear"])
             own = statistics.median(times.get("IREE linear") or [float("nan")])

@@ -1,123 +1,200 @@
-"""A hand-written float32 matmul dispatch for AVX2 (issue 32): a 6x16 register block against IREE 3.13's 8x8x1.
+"""Hand-written float32 matmul dispatches (issue 32): a register block per ISA against IREE 3.13's own product.
 
-y[M, N] = x[M, K] @ W^T, W [N, K] laid out [N/16, K, 16] (`pack`: a strip of 16 output channels, K-major, two ymm a
-step of K). The kernel keeps a 6x16 block of y in 12 ymm accumulators; per step of K it loads the strip's two vectors
-and broadcasts six values of x (row-major, one `vbroadcastss` each) into 12 FMAs: oneDNN's AVX2 shape, where IREE's
-`mmt4d` (8x8x1, with or without its ukernel) does one load and 8 broadcasts per 8 FMAs (docs/iree-3.13-findings.md
-section 50). The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of
-6 rows (the M % 6 left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K
-steps unrolled by 4. No spills: 12 accumulators, the strip's two vectors and one broadcast are 15 of the 16 ymm.
+y[M, N] = x[M, K] @ W^T (+ b), W [N, K] laid out [N/S, K, S] (`pack`: a strip of S output channels, K-major,
+`vectors` vectors a step of K). The kernel keeps a `rows` x S block of y in accumulators; per step of K it loads the
+strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss` each) into rows x vectors FMAs.
+`BLOCKS` holds the block per ISA, as data for the one generator:
 
-It enters a graph as `fx_rewrites::f32_matmul(x, packed, n, 2, per)` (eager: the weight unpacked by torch), which
-torch-mlir imports as `torch.operator "torch.fx_rewrites.f32_matmul"`; `splice` (run by `IreeBackend` through
-`kernels.spliced`) replaces it by a `flow.dispatch` of its `stream.executable`. The rule writing it is
-`rules/f32_matmul.py`; the packing is a view and permute of the weight in the graph, which IREE evaluates once for a
-weight the program holds (in the module's initializer or at compile time). Static rows only.
+- AVX2: 6x16 in 12 ymm (2 loads and 6 broadcasts per 12 FMAs: oneDNN's AVX2 shape, where IREE's `mmt4d` 8x8x1 does
+  one load and 8 broadcasts per 8 FMAs: docs/iree-3.13-findings.md section 50); with the strip and one broadcast 15
+  of the 16 ymm.
+- AVX-512: 12x32 in 24 zmm (2 loads and 12 broadcasts per 24 FMAs; IREE's 16x16x1 `mmt4d` ukernel: 1 and 16 per 16);
+  27 of the 32 zmm (14x32, 31 of them, ran 2-21% slower: docs/performance.md).
+
+The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
+(the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
+unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored.
+
+It enters a graph as `fx_rewrites::f32_matmul(x, packed, n, tile, per)` or, with a bias, `fx_rewrites::f32_linear(x,
+packed, bias, n, tile, per)` (eager: the weight unpacked by torch), `tile` = S / 8 naming the block (2: AVX2's, 4:
+AVX-512's), which torch-mlir imports as `torch.operator "torch.fx_rewrites.f32_matmul"` (`...f32_linear`); `splice`
+(run by `IreeBackend` through `kernels.spliced`) replaces each by a `flow.dispatch` of its `stream.executable`. The
+rules writing them are `rules/f32_matmul.py`'s; the packing is a view and permute of the weight in the graph, which
+IREE evaluates once for a weight the program holds (in the module's initializer or at compile time). Static rows only.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 
 from fx_rewrites.backends.iree import spliced
 
-#: rows a register block, channels a strip, K steps unrolled
-MR, NR, KU = 6, 16, 4
+
+@dataclass(frozen=True)
+class Block:
+    """A register block: `rows` rows of y by `vectors` vectors of `lanes` float32 (a strip of lanes x vectors
+    channels): rows x vectors accumulators, `vectors` registers of the strip and one broadcast."""
+
+    lanes: int
+    vectors: int
+    rows: int
+
+    @property
+    def strip(self) -> int:
+        return self.lanes * self.vectors
+
+    @property
+    def tile(self) -> int:
+        """The op's `tile`: the strip in 8-channel units (the splice's workgroups are N / (8 tile) / per)."""
+        return self.strip // 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.rows}x{self.strip}"
+
+
+#: the register block per ISA, one per strip width (a benchmark may set AVX-512's to another block of 32 channels)
+BLOCKS = {"avx2": Block(8, 2, 6), "avx512": Block(16, 2, 12)}
+#: K steps unrolled
+KU = 4
 OP, MARK = "fx_rewrites::f32_matmul", "torch.fx_rewrites.f32_matmul"
-MARKS = (MARK,)
-#: the K block (its strip's 16 kc floats stay in L1 across the row blocks), the row chunk (x's block in L2), the K
-#: steps summed from zero before they are added to y (the error of short sums: within torch's own); benchmarks sweep
-#: them (benchmarks/f32_dispatch.py), so they are part of the executable's name
+LINEAR_OP, LINEAR_MARK = "fx_rewrites::f32_linear", "torch.fx_rewrites.f32_linear"
+MARKS = (MARK, LINEAR_MARK)
+#: the K block (its strip's S kc floats stay in L1 across the row blocks), the row chunk (x's block in L2; rounded
+#: down to the block's rows), the K steps summed from zero before they are added to y (the error of short sums: within
+#: torch's own); benchmarks sweep them (benchmarks/f32_dispatch.py), so they are part of the executable's name
 BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
-#: strips of 16 channels a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
+#: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] as [N/16, K, 16] (flattened): strip s, step k holds W[16 s .. 16 s + 15, k]."""
+def block_of(tile: int) -> Block:
+    """The block of `BLOCKS` whose strip is 8 `tile` channels."""
+    for block in BLOCKS.values():
+        if block.tile == tile:
+            return block
+    raise ValueError(f"tile {tile}: no register block has a strip of {8 * tile} channels (BLOCKS: {BLOCKS})")
+
+
+def pack(w: torch.Tensor, strip: int = 16) -> torch.Tensor:
+    """W [N, K] as [N/strip, K, strip] (flattened): strip s, step k holds W[strip s .. strip s + strip - 1, k]."""
     n, k = w.shape
-    return w.view(n // NR, NR, k).transpose(1, 2).contiguous().flatten()
+    return w.view(n // strip, strip, k).transpose(1, 2).contiguous().flatten()
 
 
-def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, n: int, strip: int = 16) -> torch.Tensor:
     k = packed.numel() // n
-    return packed.view(n // NR, k, NR).transpose(1, 2).reshape(n, k)
+    return packed.view(n // strip, k, strip).transpose(1, 2).reshape(n, k)
 
 
-def _micro(
-    rows: int, m: str, k: int, n: int, kc: int, ks: int, blocks: int, xt: str, wt: str, ot: str, tag: str
-) -> list[str]:
-    """A block of `rows` rows from row `m` of strip `%s` over K block [`%kb`, `%ke`) (`%first`: the first)."""
-    vec, lines = "vector<8xf32>", []
+@dataclass(frozen=True)
+class _Shape:
+    """One kernel's sizes and memref types (`blocks`: K's sums of `ks`; `bias`: a bias operand `%bm`)."""
+
+    k: int
+    n: int
+    kc: int
+    ks: int
+    blocks: int
+    bias: bool
+    xt: str
+    wt: str
+    ot: str
+
+
+def _stores(b: Block, rows: int, s: _Shape, tag: str, *, first: bool) -> list[str]:
+    """The accumulators stored into y (`first`: as they are, the bias added where given) or added to y."""
+    vec, lines = f"vector<{b.lanes}xf32>", []
     add = lines.append
-    accs = [(r, h) for r in range(rows) for h in range(2)]
-    add(f"%ob{tag} = arith.muli %s, %c{NR}w : index")
+    if first and s.bias:
+        for h in range(b.vectors):
+            add(f"%bo{tag}_{h} = arith.addi %ob{tag}, %c{h * b.lanes}w : index")
+            add(f"%bv{tag}_{h} = vector.load %bm[%bo{tag}_{h}] : memref<{s.n}xf32>, {vec}")
+    for i, (r, h) in enumerate((r, h) for r in range(rows) for h in range(b.vectors)):
+        val, at = f"%res{tag}#{i}", f"%oo{tag}{r}_{h}"
+        if not first:
+            add(f"%ld{tag}{r}_{h} = vector.load %om[{at}] : {s.ot}, {vec}")
+            add(f"%sum{tag}{r}_{h} = arith.addf %ld{tag}{r}_{h}, {val} : {vec}")
+            val = f"%sum{tag}{r}_{h}"
+        elif s.bias:
+            add(f"%bs{tag}{r}_{h} = arith.addf {val}, %bv{tag}_{h} : {vec}")
+            val = f"%bs{tag}{r}_{h}"
+        add(f"vector.store {val}, %om[{at}] : {s.ot}, {vec}")
+    return lines
+
+
+def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
+    """A block of `rows` rows from row `m` of strip `%s` over K block [`%kb`, `%ke`) (`%first`: the first)."""
+    vec, lines = f"vector<{b.lanes}xf32>", []
+    add = lines.append
+    accs = [(r, h) for r in range(rows) for h in range(b.vectors)]
+    add(f"%ob{tag} = arith.muli %s, %c{b.strip}w : index")
     for r in range(rows):
         add(f"%row{tag}{r} = arith.addi {m}, %c{r}w : index")
-        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{k}w : index")
-        add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{n}w : index")
+        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.k}w : index")
+        add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{s.n}w : index")
         add(f"%oo{tag}{r}_0 = arith.addi %or{tag}{r}, %ob{tag} : index")
-        add(f"%oo{tag}{r}_1 = arith.addi %oo{tag}{r}_0, %c8w : index")
+        for h in range(1, b.vectors):
+            add(f"%oo{tag}{r}_{h} = arith.addi %oo{tag}{r}_0, %c{h * b.lanes}w : index")
     types = ", ".join([vec] * len(accs))
-    init = ["%zero"] * len(accs)
-    add(f"%wb{tag} = arith.muli %s, %c{k * NR}w : index")
-    args = ", ".join(f"%a{r}_{h} = {v}" for (r, h), v in zip(accs, init, strict=True))
-    sums = kc // ks > 1
+    add(f"%wb{tag} = arith.muli %s, %c{s.k * b.strip}w : index")
+    args = ", ".join(f"%a{r}_{h} = %zero" for r, h in accs)
+    sums = s.kc // s.ks > 1
     if sums:  # the K block in sums of `ks` steps, each from zero then added to y (error as short sums')
-        add(f"scf.for %kq = %kb to %ke step %c{ks}w {{")
-        add(f"%kqe = arith.addi %kq, %c{ks}w : index")
+        add(f"scf.for %kq = %kb to %ke step %c{s.ks}w {{")
+        add(f"%kqe = arith.addi %kq, %c{s.ks}w : index")
         add("%firstq = arith.cmpi eq, %kq, %c0 : index")
     lo, hi = ("%kq", "%kqe") if sums else ("%kb", "%ke")
     add(f"%res{tag}:{len(accs)} = scf.for %k = {lo} to {hi} step %c{KU}w iter_args({args}) -> ({types}) {{")
-    add(f"%wk = arith.muli %k, %c{NR}w : index")
+    add(f"%wk = arith.muli %k, %c{b.strip}w : index")
     add(f"%wkb = arith.addi %wb{tag}, %wk : index")
     cur = {(r, h): f"%a{r}_{h}" for r, h in accs}
     for u in range(KU):
-        add(f"%w{u}_0 = arith.addi %wkb, %c{u * NR}w : index")
-        add(f"%w{u}_1 = arith.addi %wkb, %c{u * NR + 8}w : index")
-        add(f"%b{u}_0 = vector.load %wm[%w{u}_0] : {wt}, {vec}")
-        add(f"%b{u}_1 = vector.load %wm[%w{u}_1] : {wt}, {vec}")
+        for h in range(b.vectors):
+            add(f"%w{u}_{h} = arith.addi %wkb, %c{u * b.strip + h * b.lanes}w : index")
+        for h in range(b.vectors):
+            add(f"%b{u}_{h} = vector.load %wm[%w{u}_{h}] : {s.wt}, {vec}")
         for r in range(rows):
             add(f"%xo{u}_{r} = arith.addi %xr{tag}{r}, %k : index")
             add(f"%xu{u}_{r} = arith.addi %xo{u}_{r}, %c{u}w : index")
-            add(f"%xs{u}_{r} = memref.load %xm[%xu{u}_{r}] : {xt}")
+            add(f"%xs{u}_{r} = memref.load %xm[%xu{u}_{r}] : {s.xt}")
             add(f"%xb{u}_{r} = vector.broadcast %xs{u}_{r} : f32 to {vec}")
-            for h in range(2):
+            for h in range(b.vectors):
                 add(f"%f{u}_{r}_{h} = vector.fma %xb{u}_{r}, %b{u}_{h}, {cur[r, h]} : {vec}")
                 cur[r, h] = f"%f{u}_{r}_{h}"
     add(f"scf.yield {', '.join(cur[a] for a in accs)} : {types}")
     add("}")
-    stores = [f"vector.store %res{tag}#{i}, %om[%oo{tag}{r}_{h}] : {ot}, {vec}" for i, (r, h) in enumerate(accs)]
-    if blocks == 1:
-        return [*lines, *stores, *(["}"] if sums else [])]
-    add(
-        f"scf.if {'%firstq' if sums else '%first'} {{"
-    )  # each K block summed from zero, then added to y: shorter sums than one over K
-    lines += stores
+    if s.blocks == 1:
+        return [*lines, *_stores(b, rows, s, tag, first=True), *(["}"] if sums else [])]
+    add(f"scf.if {'%firstq' if sums else '%first'} {{")  # each K block summed from zero, then added to y
+    lines += _stores(b, rows, s, tag, first=True)
     add("} else {")
-    for i, (r, h) in enumerate(accs):
-        add(f"%ld{tag}{r}_{h} = vector.load %om[%oo{tag}{r}_{h}] : {ot}, {vec}")
-        add(f"%sum{tag}{r}_{h} = arith.addf %ld{tag}{r}_{h}, %res{tag}#{i} : {vec}")
-        add(f"vector.store %sum{tag}{r}_{h}, %om[%oo{tag}{r}_{h}] : {ot}, {vec}")
+    lines += _stores(b, rows, s, tag, first=False)
     add("}")
     if sums:
         add("}")
     return lines
 
 
-def _kernel(m: int, n: int, k: int, per: int, kc: int, mc: int, ks: int) -> str:
-    kc, strips = next(b for b in range(min(kc, k), 0, -KU) if k % b == 0), n // NR
-    if k % kc or kc % KU or n % NR or mc % MR:
-        raise ValueError(f"K {k} by blocks of {kc} (a multiple of {KU}), N {n} of {NR}, row chunk {mc} of {MR}")
-    ks = next(b for b in range(min(ks, kc), 0, -KU) if kc % b == 0)
-    full, tail, blocks = m - m % MR, m % MR, k // ks
+def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int) -> str:
+    kc, strips, mc = next(c for c in range(min(kc, k), 0, -KU) if k % c == 0), n // b.strip, max(b.rows, mc)
+    mc -= mc % b.rows
+    if k % kc or kc % KU or n % b.strip:
+        raise ValueError(f"K {k} by blocks of {kc} (a multiple of {KU}), N {n} of the strip's {b.strip} channels")
+    ks = next(c for c in range(min(ks, kc), 0, -KU) if kc % c == 0)
+    full, tail = m - m % b.rows, m % b.rows
     xt, wt, ot = f"memref<{m * k}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
+    s = _Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot)
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
-        "%zero = arith.constant dense<0.0> : vector<8xf32>",
+        f"%zero = arith.constant dense<0.0> : vector<{b.lanes}xf32>",
         f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}",
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
+        *([f"%bm = stream.binding.subspan %bb[%c0] : !stream.binding -> memref<{n}xf32>"] if bias else []),
         f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         f"%s0 = arith.muli %wg, %c{per}w : index",
@@ -133,8 +210,8 @@ def _kernel(m: int, n: int, k: int, per: int, kc: int, mc: int, ks: int) -> str:
             f"%mep = arith.addi %mc, %c{mc}w : index",
             f"%me = arith.minui %mep, %c{full}w : index",
             "scf.for %s = %s0 to %s1 step %c1 {",
-            f"scf.for %mb = %mc to %me step %c{MR}w {{",
-            *_micro(MR, "%mb", k, n, kc, ks, blocks, xt, wt, ot, "f"),
+            f"scf.for %mb = %mc to %me step %c{b.rows}w {{",
+            *_micro(b, b.rows, "%mb", s, "f"),
             "}",
             "}",
             "}",
@@ -143,32 +220,34 @@ def _kernel(m: int, n: int, k: int, per: int, kc: int, mc: int, ks: int) -> str:
         lines += [
             "scf.for %s = %s0 to %s1 step %c1 {",
             f"%mt = arith.addi %c0, %c{full}w : index",
-            *_micro(tail, "%mt", k, n, kc, ks, blocks, xt, wt, ot, "t"),
+            *_micro(b, tail, "%mt", s, "t"),
             "}",
         ]
     lines += ["}", "return"]
     return spliced.with_index_constants("\n".join(lines))
 
 
-def executable_name(m: int, n: int, k: int, per: int) -> str:
-    """Unique per shape and blocking (two executables may not share a name: findings 52)."""
-    return f"f32mm_{m}x{k}x{n}_p{per}_kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
+def executable_name(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> str:
+    """Unique per shape, block, bias and blocking (two executables may not share a name: findings 52)."""
+    b, blocking = block_of(tile), f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
+    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}"
 
 
-def executable(m: int, n: int, k: int, tile: int, per: int) -> tuple[str, str]:
-    """The name and text of the `stream.executable` computing x [m, k] @ W.T into [m, n] over ceil(n / 16 / per)
-    workgroups (static rows only)."""
+def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> tuple[str, str]:
+    """The name and text of the `stream.executable` computing x [m, k] @ W.T (+ b) into [m, n] with the block of
+    strip 8 `tile` over ceil(n / (8 tile) / per) workgroups (static rows only)."""
     if not m:
         raise ValueError("the float32 dispatch is static in its rows")
-    name = executable_name(m, n, k, per)
-    body = _kernel(m, n, k, per, BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"])
-    return name, spliced.executable(name, "%bx: !stream.binding, %bw: !stream.binding, %bo: !stream.binding", m, body)
+    name = executable_name(m, n, k, tile, per, bias)
+    body = _kernel(block_of(tile), m, n, k, per, bias, BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"])
+    bindings = ["%bx", "%bw", *(["%bb"] if bias else []), "%bo"]
+    return name, spliced.executable(name, ", ".join(f"{v}: !stream.binding" for v in bindings), m, body)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def f32_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, tile: int, per: int) -> torch.Tensor:
-    """x [M, K] @ W.T, W [N, K] held as `pack(W)`: what the dispatch computes (eager: unpacked by torch)."""
-    return x @ unpack(packed, n).t()
+    """x [M, K] @ W.T, W [N, K] held as `pack(W, 8 tile)`: what the dispatch computes (eager: unpacked by torch)."""
+    return x @ unpack(packed, n, 8 * tile).t()
 
 
 @f32_matmul.register_fake
@@ -176,10 +255,26 @@ def _(x: torch.Tensor, packed: torch.Tensor, n: int, tile: int, per: int) -> tor
     return x.new_empty(x.shape[0], n)
 
 
+@torch.library.custom_op(LINEAR_OP, mutates_args=())
+def f32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, n: int, tile: int, per: int) -> torch.Tensor:
+    """x [M, K] @ W.T + bias [N], W held as `pack(W, 8 tile)` (eager: torch's linear of the unpacked weight)."""
+    return torch.nn.functional.linear(x, unpack(packed, n, 8 * tile), bias)
+
+
+@f32_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, n: int, tile: int, per: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
 F32_MATMUL = torch.ops.fx_rewrites.f32_matmul.default
+F32_LINEAR = torch.ops.fx_rewrites.f32_linear.default
 
 
 def splice(mlir: str) -> str:
-    """`mlir` with every `fx_rewrites.f32_matmul` call replaced by a `flow.dispatch` of its executable
-    (`spliced.splice_calls`: N / 16 / per workgroups, `tile` 2 being the strip's two ymm)."""
-    return spliced.splice_calls(mlir, MARK, 2, executable, "fxf")
+    """`mlir` with every `fx_rewrites.f32_matmul` and `f32_linear` call replaced by a `flow.dispatch` of its
+    executable (`spliced.splice_calls`: N / (8 tile) / per workgroups). ValueError where it calls neither."""
+    if MARK in mlir or LINEAR_MARK not in mlir:
+        mlir = spliced.splice_calls(mlir, MARK, 2, executable, "fxf")
+    if LINEAR_MARK in mlir:
+        mlir = spliced.splice_calls(mlir, LINEAR_MARK, 3, functools.partial(executable, bias=True), "fxl")
+    return mlir

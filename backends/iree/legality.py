@@ -57,6 +57,8 @@ SPLICED: dict[str, str] = {
     "(f32_dispatch.py)",
     "fx_rewrites.depthwise_conv2d.default": "spliced by the backend as a hand-written depthwise convolution "
     "dispatch (depthwise_dispatch.py)",
+    "fx_rewrites.f32_linear.default": "spliced by the backend as a hand-written float32 matmul dispatch adding the "
+    "bias in its store (f32_dispatch.py)",
 }
 
 

@@ -180,14 +180,19 @@ _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispa
 # `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
 # matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,
 # locked: ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32, conv_classes.py's linear 1.25 (docs/performance.md
-# "A float32 matmul kernel of our own on AVX2"). AVX2 only: written for 8-lane ymm and 16 registers
+# "A float32 matmul kernel of our own on AVX2"). AVX2's block (6x16 in ymm) on AVX2 only
+# `linear_as_f32_dispatch_avx512`: the same through AVX-512's 12x32 block in zmm, 0.60-0.67 of IREE's data-tiled mmt4d
+# ukernel product alone on an Intel Xeon (AVX-512, Emerald Rapids class); the route with / without it, locked: ViT 0.79,
+# BERT 0.76, Llama 0.85, the Whisper encoder 0.89, ConvNeXt-T 0.95, conv_classes.py's linear 0.84 (docs/performance.md
+# "The float32 kernel on AVX-512, and the bias in its store"; findings 64). AVX2's, re-timed with the bias in the
+# kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
         (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
-        (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES),
+        (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES, "linear_as_f32_dispatch_avx512"),
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a
     # Llama decoder's module died of SIGILL on an Intel Xeon before this)

@@ -51,6 +51,10 @@ MEASURED_CHOICES = {
     # 3x3s at stride 1 as nine tap products instead of IREE's im2col: real Zen 3, locked, ResNet-50 0.90-0.97x,
     # runtime.py's resnet 0.98x of the route without it; AVX-512 not measured (no AVX-512 units on that host)
     "conv_as_tap_matmuls": {"avx512": False, "avx2": True},
+    # float32 linears through the hand-written kernel of each ISA's register block (6x16 ymm, 12x32 zmm): the
+    # transformers 12-24% faster with it on each (docs/performance.md, "The float32 kernel on AVX-512")
+    "linear_as_f32_dispatch": {"avx512": False, "avx2": True},
+    "linear_as_f32_dispatch_avx512": {"avx512": True, "avx2": False},
 }
 
 

@@ -1,10 +1,12 @@
 """`linear_as_f32_dispatch` (backends/iree/rules/f32_matmul.py) and its kernel (backends/iree/f32_dispatch.py).
 
-Real torch 2.13 exports of a linear (with and without a bias, over rows of rank 2 and 3, ViT's 788 rows); the graph
-after (no linear: the weight laid out [N/16, K, 16] by a view and permute, one `f32_matmul`, the bias added after);
+Real torch 2.13 exports of a linear (with and without a bias, over rows of rank 2 and 3, ViT's 788 rows, K in several
+sums); the graph after (no linear: the weight laid out [N/S, K, S] by a view and permute, one `f32_linear` taking the
+bias, or `f32_matmul` without one; S 16 for AVX2's rule, 32 for AVX-512's);
 numerics as near float64 as torch's own float32 on two input sets; what it declines (a Dim on the rows: the kernel
 is static; a weight passed in; N off 16; few rows; float64); the layout's round trip; the AVX2 route end to end on
-IREE (the dispatch spliced and run) against float64. (Its speed: benchmarks/f32_dispatch.py, docs/performance.md.)
+IREE (the dispatch spliced and run) against float64, and
+AVX-512's on an AVX-512 host. (Its speed: benchmarks/f32_dispatch.py, docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
-from fx_rewrites.backends.iree.f32_dispatch import F32_MATMUL, MARK, executable, pack, splice, unpack
+from fx_rewrites.backends.iree.f32_dispatch import (
+    F32_LINEAR,
+    F32_MATMUL,
+    LINEAR_MARK,
+    MARK,
+    executable,
+    pack,
+    splice,
+    unpack,
+)
 from fx_rewrites.backends.iree.legality import SPLICED
-from fx_rewrites.backends.iree.rules.f32_matmul import linear_as_f32_dispatch
+from fx_rewrites.backends.iree.rules.f32_matmul import linear_as_f32_dispatch, linear_as_f32_dispatch_avx512
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
 aten = torch.ops.aten
@@ -45,26 +56,39 @@ CASES = {
     "matrix_bias": (64, 48, True, (70,)),
     "rank3_no_bias": (36, 32, False, (4, 20)),
     "vit_mlp": (32, 128, True, (4, 197)),
+    # K 320: K blocks of 160 in sums of 80 (the bias in the first store, the later sums added to y); 90 rows: 15
+    # blocks of 6, 7 blocks of 12 and 6 rows
+    "deep_bias": (320, 64, True, (3, 30)),
+    "wide_no_bias": (64, 96, False, (75,)),
 }
+#: the rule -> its strip (the op's tile: strip / 8)
+STRIPS = {linear_as_f32_dispatch: 16, linear_as_f32_dispatch_avx512: 32}
 
 
+@pytest.mark.parametrize("which", list(STRIPS), ids=lambda r: r.name)
 @pytest.mark.parametrize("name", list(CASES))
-def test_linear_as_f32_dispatch(name):
+def test_linear_as_f32_dispatch(name, which):
     k, n, bias, lead = CASES[name]
+    strip = STRIPS[which]
     module = _linear(k, n, bias)
     inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
-    result = rt.apply_rules(rt.export(module, *inputs[0]), linear_as_f32_dispatch)
-    rt.assert_fired(result, linear_as_f32_dispatch, times=1)
-    rt.assert_ops(result, absent=[aten.linear.default, aten.addmm.default, aten.mm.default], present=[F32_MATMUL])
-    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is F32_MATMUL]
-    x, packed, *ints = call.args
+    result = rt.apply_rules(rt.export(module, *inputs[0]), which)
+    if n % strip:
+        rt.assert_not_fired(result, which)
+        return
+    rt.assert_fired(result, which, times=1)
+    op = F32_LINEAR if bias else F32_MATMUL
+    absent = [aten.linear.default, aten.addmm.default, aten.mm.default, aten.add.Tensor, F32_LINEAR, F32_MATMUL]
+    rt.assert_ops(result, absent=[a for a in absent if a is not op], present=[op])
+    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is op]
+    x, packed, *rest = call.args
     assert tuple(x.meta["val"].shape) == (torch.Size(lead).numel(), k)
-    assert tuple(packed.meta["val"].shape) == (n * k,) and ints == [n, 2, 4]
+    assert tuple(packed.meta["val"].shape) == (n * k,) and rest[-3:] == [n, strip // 8, 4]
+    assert not bias or tuple(rest[0].meta["val"].shape) == (n,), "the bias passed to the kernel"
     assert packed.target is aten.reshape.default and packed.args[0].target is aten.permute.default
-    adds = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.add.Tensor]
-    assert len(adds) == int(bias) and (not bias or adds[0].args[0] is call), "the bias added after the product"
+    assert packed.args[0].args[0].meta["val"].shape[1:] == (strip, k)
     assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
-    rt.assert_idempotent(result, linear_as_f32_dispatch)
+    rt.assert_idempotent(result, which)
 
 
 class WeightIn(torch.nn.Module):
@@ -95,20 +119,28 @@ def test_layout_and_executable():
     w = _randn(0, 32, 8)
     packed = pack(w)
     assert torch.equal(packed.view(2, 8, 16)[1, 3], w[16:32, 3]) and torch.equal(unpack(packed, 32), w)
+    assert torch.equal(unpack(pack(_randn(1, 64, 8), 32), 64, 32), _randn(1, 64, 8))
     name, text = executable(70, 48, 64, 2, 4)
-    assert name in text and "vector.fma" in text and "70x64x48" in name
-    assert "fx_rewrites.f32_matmul.default" in SPLICED
+    assert name in text and "vector<8xf32>" in text and "70x64x48" in name and "%bb" not in text
+    name, text = executable(70, 64, 64, 4, 4, bias=True)
+    assert "vector<16xf32>" in text and "r12x32" in name and "%bm[" in text and name.startswith("f32lin")
+    with pytest.raises(ValueError, match="no register block has a strip of 48"):
+        executable(70, 48, 64, 6, 4)
+    assert {"fx_rewrites.f32_matmul.default", "fx_rewrites.f32_linear.default"} <= set(SPLICED)
     with pytest.raises(ValueError, match=r"no fx_rewrites\.f32_matmul call"):
         splice("module {\n}")
-    assert MARK == "torch.fx_rewrites.f32_matmul"
+    assert (MARK, LINEAR_MARK) == ("torch.fx_rewrites.f32_matmul", "torch.fx_rewrites.f32_linear")
 
 
-def test_linear_as_f32_dispatch_on_avx2():
+def test_each_isa_takes_its_own_block():
+    """AVX2 the 6x16 rule, AVX-512 the 12x32 one (each measured on its ISA), neither the other's."""
     assert linear_as_f32_dispatch.name in targets.CPU_ISAS["avx2"].perf_rules
+    assert linear_as_f32_dispatch_avx512.name not in targets.CPU_ISAS["avx2"].perf_rules
+    assert linear_as_f32_dispatch_avx512.name in targets.CPU_ISAS["avx512"].perf_rules
     assert linear_as_f32_dispatch.name not in targets.CPU_ISAS["avx512"].perf_rules
 
 
-@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp"])
+@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias"])
 def test_linear_as_f32_dispatch_on_iree(name):
     """Through the AVX2 route (any AVX2 or AVX-512 host runs its code): the rule fires, the dispatch is spliced and
     run, and on two inputs the result is as near float64 as torch's float32, within a step (the rows a block of 6
@@ -121,5 +153,22 @@ def test_linear_as_f32_dispatch_on_iree(name):
     iree = IreeBackend(target=targets.llvm_cpu("avx2"))
     result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
     rt.assert_fired(result, linear_as_f32_dispatch, times=1)
+    fn = iree.compile(result.program, inputs[0])
+    assert_within_torch_error(fn, _in_float64(module), inputs)
+
+
+@pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
+def test_linear_as_f32_dispatch_avx512_on_iree(name):
+    """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the rule fires among AVX-512's rules,
+    the dispatch is spliced and run, on two
+    inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
+    if targets.host_isa() != "avx512":
+        pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
+    k, n, bias, lead = CASES[name]
+    module = _linear(k, n, bias)
+    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
+    iree = IreeBackend(target=targets.llvm_cpu("avx512"))
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, linear_as_f32_dispatch_avx512, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, _in_float64(module), inputs)
