@@ -140,6 +140,7 @@ _CONV_RULES = (
     "conv3d_as_conv2d_over_frames",
     "grouped_conv_as_convs",
     "depthwise_conv_as_dispatch",
+    "grouped_conv_as_dispatch",
     "depthwise_conv_as_taps",
     "depthwise_conv_as_row_partials",
 )
