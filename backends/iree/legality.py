@@ -55,10 +55,10 @@ SPLICED: dict[str, str] = {
     "(a8int4_dispatch.py)",
     "fx_rewrites.f32_matmul.default": "spliced by the backend as a hand-written float32 matmul dispatch "
     "(f32_dispatch.py)",
-    "fx_rewrites.depthwise_conv2d.default": "spliced by the backend as a hand-written depthwise convolution "
-    "dispatch (depthwise_dispatch.py)",
     "fx_rewrites.f32_linear.default": "spliced by the backend as a hand-written float32 matmul dispatch adding the "
     "bias in its store (f32_dispatch.py)",
+    "fx_rewrites.grouped_conv2d.default": "spliced by the backend as a hand-written grouped (and depthwise) "
+    "convolution dispatch (grouped_conv_dispatch.py)",
 }
 
 

@@ -67,7 +67,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
-from fx_rewrites.backends.iree.rules import conv_taps, depthwise_dispatch, f32_matmul, im2col
+from fx_rewrites.backends.iree.rules import conv_taps, f32_matmul, grouped_conv_dispatch, im2col
 from fx_rewrites.backends.iree.rules.arange_index import index_by_arange_as_view
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
@@ -425,7 +425,7 @@ ALL = RuleSet(
         *im2col.RULES,
         *conv_taps.RULES,
         *f32_matmul.RULES,
-        *depthwise_dispatch.RULES,
+        *grouped_conv_dispatch.RULES,
     ],
     name="iree-performance",
 )

@@ -1,22 +1,25 @@
-"""A hand-written depthwise convolution dispatch (issue 32): rows of 8-lane vectors, every tap an FMA in registers.
+"""A hand-written grouped (and depthwise) convolution dispatch (issue 32): rows of 8-lane vectors in registers.
 
-y[n, c, oh, ow] = sum over (i, j) of x[n, c, oh sh + i - ph, ow sw + j - pw] * w[c, i, j], x NCHW, zero outside it
-(the padding), w [C, kh, kw], stride (sh, sw) 1 or 2, no dilation. One workgroup a (n, c) plane. The plane's output
-is cut into blocks of R rows by up to 7 vectors of 8 columns (at most 14 accumulators: with the loaded input vector
-and a broadcast weight, the 16 ymm); for each input row a block reads, each kernel column j and each vector, one
-load of 8 sw input columns (a shuffle takes every sw-th, and zeros for columns in the padding) feeds the FMAs of
-every output row that input row reaches (kernel row i = input row - output row x sh). An output's taps are summed
-in (i, j) order, as a plain sum. The blocks that read padding rows are written out with only their rows in the
-plane; the others are one loop. A width off 8: the last vector ends at the row's end, overlapping the one before.
+y[n, o, oh, ow] = sum over the group's input channels k and taps (i, j) of x[n, g cg + k, oh sh + i - ph,
+ow sw + j - pw] * w[o, k, i, j], g = o's group, x NCHW, zero outside it (the padding), w [O, cg, kh, kw], stride
+(sh, sw) 1 or 2, no dilation; depthwise: cg 1. One workgroup an (n, o) plane. The plane's output is cut into blocks
+of R rows by up to 7 vectors of 8 columns (at most 14 accumulators: with the loaded input vector and a broadcast
+weight, the 16 ymm); for each input row a block reads, each kernel column j and each vector, one load of 8 sw input
+columns (a shuffle takes every sw-th, and zeros for columns in the padding) feeds the FMAs of every output row that
+input row reaches (kernel row i = input row - output row x sh); over a group's input channels, a loop carries the
+accumulators. An output's terms are summed in (k, i, j) order, as a plain sum. The blocks that read padding rows
+are written out with only their rows in the plane; the others are one loop. A width off 8: the last vector ends at
+the row's end, overlapping the one before.
 
-IREE 3.13's own depthwise convolution runs 4.4-10.6x slower than eager (7x7 on 96 channels, 56x56: 10x); the
-project's graph forms (`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) brought it to 1.2-1.9x
-(docs/performance.md, "Per ISA"). 8-lane vectors on both ISAs (AVX-512 runs them too).
+IREE 3.13's own depthwise convolution runs 4.4-10.6x slower than eager (7x7 on 96 channels, 56x56: 10x), its
+grouped ones (split per group by `grouped_conv_as_convs`) 1.1-2.6x; the graph forms for depthwise
+(`depthwise_conv_as_taps`, `depthwise_conv_as_row_partials`) brought it to 1.2-1.9x (docs/performance.md, "Per
+ISA"). 8-lane vectors on both ISAs (AVX-512 runs them too).
 
-It enters a graph as `fx_rewrites::depthwise_conv2d(x, w, ph, pw, sh, sw)` (eager: torch's grouped convolution),
-which torch-mlir imports as `torch.operator "torch.fx_rewrites.depthwise_conv2d"`; `splice` (run by `IreeBackend`
-through `kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is
-`rules/depthwise_dispatch.py`.
+It enters a graph as `fx_rewrites::grouped_conv2d(x, w, ph, pw, sh, sw)` (eager: torch's convolution), which
+torch-mlir imports as `torch.operator "torch.fx_rewrites.grouped_conv2d"`; `splice` (run by `IreeBackend` through
+`kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rules writing it are in
+`rules/grouped_conv_dispatch.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from fx_rewrites.backends.iree import spliced
 
-OP, MARK = "fx_rewrites::depthwise_conv2d", "torch.fx_rewrites.depthwise_conv2d"
+OP, MARK = "fx_rewrites::grouped_conv2d", "torch.fx_rewrites.grouped_conv2d"
 MARKS = (MARK,)
 #: lanes a vector (ymm); the input's and output's widths must be at least this
 LANES = 8
@@ -60,12 +63,15 @@ def block(rows: int, cols: int) -> tuple[int, list[list[int]]]:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One depthwise convolution's static shape: input, kernel, padding, stride; its output `oh` x `ow`."""
+    """One grouped convolution's static shape: input [n, c, h, w], weight [o, cg, kh, kw] (cg input channels a
+    group: c // cg groups), padding, stride; its output [n, o, oh, ow]."""
 
     n: int
     c: int
     h: int
     w: int
+    o: int
+    cg: int
     kh: int
     kw: int
     ph: int
@@ -81,8 +87,17 @@ class Shape:
     def ow(self) -> int:
         return (self.w + 2 * self.pw - self.kw) // self.sw + 1
 
+    @property
+    def og(self) -> int:
+        """Output channels a group."""
+        return self.o // (self.c // self.cg)
+
     def memrefs(self) -> tuple[str, str, str]:
-        sizes = (self.n * self.c * self.h * self.w, self.c * self.kh * self.kw, self.n * self.c * self.oh * self.ow)
+        sizes = (
+            self.n * self.c * self.h * self.w,
+            self.o * self.cg * self.kh * self.kw,
+            self.n * self.o * self.oh * self.ow,
+        )
         return tuple(f"memref<{size}xf32>" for size in sizes)
 
 
@@ -104,21 +119,45 @@ def _load(add: Callable[[str], None], name: str, row: str, start: int, conv: Sha
     add(f"%{name} = vector.shuffle %zero{span}, %{name}l [{', '.join(map(str, lanes))}] : {wide}, {wide}")
 
 
+def _weights(add: Callable[[str], None], prefix: str, base: str, conv: Shape) -> None:
+    """`%{prefix}{i}_{j}`: the kernel's taps at `base` (an input channel's kh x kw weights), each broadcast."""
+    wt, vec = conv.memrefs()[1], f"vector<{LANES}xf32>"
+    for i in range(conv.kh):
+        for j in range(conv.kw):
+            add(f"%{prefix}i{i}_{j} = arith.addi {base}, %c{i * conv.kw + j}w : index")
+            add(f"%{prefix}s{i}_{j} = memref.load %wm[%{prefix}i{i}_{j}] : {wt}")
+            add(f"%{prefix}{i}_{j} = vector.broadcast %{prefix}s{i}_{j} : f32 to {vec}")
+
+
 def _block(
     add: Callable[[str], None], tag: str, r0: str, rows_in: range, conv: Shape, r: int, starts: list[int]
 ) -> None:
     """A block of `r` output rows from row index `r0` by the vectors of 8 output columns from each of `starts`;
     `rows_in`: the block's input rows (from input row r0 sh - ph) that lie in the plane (all of them off the
-    edges). Output row o takes kernel row i from the block's input row o sh + i."""
+    edges). Output row o takes kernel row i from the block's input row o sh + i. Over a group's cg input channels
+    (a loop carrying the accumulators where cg > 1), in order: each output's sum runs channel, kernel row, column."""
     vec = f"vector<{LANES}xf32>"
     ot = conv.memrefs()[2]
-    acc = {(o, v): "%zero" for o in range(r) for v in range(len(starts))}
+    keys = [(o, v) for o in range(r) for v in range(len(starts))]
     add(f"%{tag}r0s = arith.muli {r0}, %c{conv.sh}w : index")
+    if conv.cg == 1:
+        plane, weight, acc = "%xplane", "wv", dict.fromkeys(keys, "%zero")
+    else:
+        types = ", ".join([vec] * len(keys))
+        inits = ", ".join(f"%{tag}c{o}_{v} = %zero" for o, v in keys)
+        loop = f"scf.for %{tag}k = %c0 to %c{conv.cg}w step %c1w"
+        add(f"%{tag}res:{len(keys)} = {loop} iter_args({inits}) -> ({types}) {{")
+        add(f"%{tag}kx = arith.muli %{tag}k, %c{conv.h * conv.w}w : index")
+        add(f"%{tag}xp = arith.addi %xplane, %{tag}kx : index")
+        add(f"%{tag}kw = arith.muli %{tag}k, %c{conv.kh * conv.kw}w : index")
+        add(f"%{tag}wb = arith.addi %wbase, %{tag}kw : index")
+        _weights(add, f"{tag}w", f"%{tag}wb", conv)
+        plane, weight, acc = f"%{tag}xp", f"{tag}w", {(o, v): f"%{tag}c{o}_{v}" for o, v in keys}
     for t in rows_in:
         add(f"%{tag}ri{t} = arith.addi %{tag}r0s, %c{t}w : index")  # the input row + ph
         add(f"%{tag}rs{t} = arith.subi %{tag}ri{t}, %c{conv.ph}w : index")
         add(f"%{tag}rm{t} = arith.muli %{tag}rs{t}, %c{conv.w}w : index")
-        add(f"%{tag}rb{t} = arith.addi %xplane, %{tag}rm{t} : index")
+        add(f"%{tag}rb{t} = arith.addi {plane}, %{tag}rm{t} : index")
         for j in range(conv.kw):
             for v, start in enumerate(starts):
                 x = f"{tag}x{t}_{j}_{v}"
@@ -127,8 +166,12 @@ def _block(
                     i = t - o * conv.sh
                     if 0 <= i < conv.kh:
                         name = f"%{tag}a{t}_{j}_{v}_{o}"
-                        add(f"{name} = vector.fma %{x}, %wv{i}_{j}, {acc[o, v]} : {vec}")
+                        add(f"{name} = vector.fma %{x}, %{weight}{i}_{j}, {acc[o, v]} : {vec}")
                         acc[o, v] = name
+    if conv.cg > 1:
+        add(f"scf.yield {', '.join(acc[key] for key in keys)} : {', '.join([vec] * len(keys))}")
+        add("}")
+        acc = {key: f"%{tag}res#{n}" for n, key in enumerate(keys)}
     add(f"%{tag}om = arith.muli {r0}, %c{conv.ow}w : index")
     add(f"%{tag}ob = arith.addi %oplane, %{tag}om : index")
     for (o, v), value in acc.items():
@@ -150,18 +193,20 @@ def _kernel(conv: Shape) -> str:
         f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}",
         f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
         f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}",
-        "%p = stream.dispatch.workgroup.id[0] : index",
-        f"%ch = arith.remui %p, %c{conv.c}w : index",
-        f"%xplane = arith.muli %p, %c{h * conv.w}w : index",
+        "%p = stream.dispatch.workgroup.id[0] : index",  # the (n, output channel) plane
+        f"%oc = arith.remui %p, %c{conv.o}w : index",
+        f"%ni = arith.divui %p, %c{conv.o}w : index",
+        f"%gr = arith.divui %oc, %c{conv.og}w : index",
+        f"%nc = arith.muli %ni, %c{conv.c}w : index",
+        f"%gc = arith.muli %gr, %c{conv.cg}w : index",
+        "%ci = arith.addi %nc, %gc : index",  # the group's first input plane
+        f"%xplane = arith.muli %ci, %c{h * conv.w}w : index",
         f"%oplane = arith.muli %p, %c{oh * ow}w : index",
-        f"%wbase = arith.muli %ch, %c{conv.kh * conv.kw}w : index",
+        f"%wbase = arith.muli %oc, %c{conv.cg * conv.kh * conv.kw}w : index",
     ]
     add = lines.append
-    for i in range(conv.kh):  # the plane's weights, one scalar each, broadcast where used
-        for j in range(conv.kw):
-            add(f"%wi{i}_{j} = arith.addi %wbase, %c{i * conv.kw + j}w : index")
-            add(f"%ws{i}_{j} = memref.load %wm[%wi{i}_{j}] : {wt}")
-            add(f"%wv{i}_{j} = vector.broadcast %ws{i}_{j} : f32 to {vec}")
+    if conv.cg == 1:  # the plane's weights, broadcast once
+        _weights(add, "wv", "%wbase", conv)
     span = (r - 1) * sh + conv.kh  # input rows a block reads, from its first output row's sh - ph
     inside = [r0 for r0 in range(0, oh, r) if r0 * sh - ph >= 0 and r0 * sh - ph + span <= h]
     for k, starts in enumerate(chunks):  # column blocks, each with its own edges
@@ -178,27 +223,29 @@ def _kernel(conv: Shape) -> str:
 
 
 def executable(conv: Shape) -> tuple[str, str]:
-    """The name (unique per shape: findings 52) and text of the `stream.executable` over N C workgroups."""
+    """The name (unique per shape: findings 52) and text of the `stream.executable` over N O workgroups."""
     c = conv
-    name = f"dwconv_{c.n}x{c.c}x{c.h}x{c.w}_k{c.kh}x{c.kw}_p{c.ph}x{c.pw}_s{c.sh}x{c.sw}"
+    name = f"gconv_{c.n}x{c.c}x{c.h}x{c.w}_o{c.o}x{c.cg}_k{c.kh}x{c.kw}_p{c.ph}x{c.pw}_s{c.sh}x{c.sw}"
     return name, spliced.executable(
         name, "%bx: !stream.binding, %bw: !stream.binding, %bo: !stream.binding", 1, _kernel(c)
     )
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def depthwise_conv2d(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> torch.Tensor:
-    """The depthwise convolution of `x` [N, C, H, W] by `w` [C, kh, kw], padded by (ph, pw) zeros, stride (sh, sw)."""
-    return torch.nn.functional.conv2d(x, w.unsqueeze(1), stride=(sh, sw), padding=(ph, pw), groups=w.shape[0])
+def grouped_conv2d(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> torch.Tensor:
+    """The convolution of `x` [N, C, H, W] by `w` [O, Cg, kh, kw] in C / Cg groups (depthwise: Cg 1), padded by
+    (ph, pw) zeros, stride (sh, sw)."""
+    groups = x.shape[1] // w.shape[1]
+    return torch.nn.functional.conv2d(x, w, stride=(sh, sw), padding=(ph, pw), groups=groups)
 
 
-@depthwise_conv2d.register_fake
+@grouped_conv2d.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> torch.Tensor:
-    conv = Shape(*x.shape, *w.shape[1:], ph, pw, sh, sw)
-    return x.new_empty(conv.n, conv.c, conv.oh, conv.ow)
+    conv = Shape(*x.shape, *w.shape, ph, pw, sh, sw)
+    return x.new_empty(conv.n, conv.o, conv.oh, conv.ow)
 
 
-DEPTHWISE_CONV2D = torch.ops.fx_rewrites.depthwise_conv2d.default
+GROUPED_CONV2D = torch.ops.fx_rewrites.grouped_conv2d.default
 
 _CALL = re.compile(
     rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w]+), (%[\w]+)((?:, %[\w]+){{4}})\) : '
@@ -207,7 +254,7 @@ _CALL = re.compile(
 
 
 def splice(mlir: str) -> str:
-    """`mlir` with every `fx_rewrites.depthwise_conv2d` call replaced by a `flow.dispatch` of its executable.
+    """`mlir` with every `fx_rewrites.grouped_conv2d` call replaced by a `flow.dispatch` of its executable.
     ValueError where a call has another form (dynamic sizes: the rule takes static ones only)."""
     out, executables = [], {}
     ints = dict(spliced._INT.findall(mlir))
@@ -216,27 +263,27 @@ def splice(mlir: str) -> str:
         scalars = found.group(5).split(", ")[1:] if found else []
         if not found or any(name not in ints for name in scalars):
             if MARK in line:
-                raise ValueError(f"a depthwise_conv2d call of an unknown form: {line.strip()[:200]}")
+                raise ValueError(f"a grouped_conv2d call of an unknown form: {line.strip()[:200]}")
             out.append(line)
             continue
         pad, res, x, w, _, types, otype = found.groups()
         vx, vw = re.findall(r"!torch\.vtensor<[^>]*>", types)[:2]
         (tx, sx), (tw, sw) = spliced._tensor(vx), spliced._tensor(vw)
         if "?" in sx + sw:
-            raise ValueError(f"a depthwise_conv2d call with a dynamic size: {line.strip()[:200]}")
-        conv = Shape(*(int(s) for s in sx), int(sw[1]), int(sw[2]), *(int(ints[name]) for name in scalars))
+            raise ValueError(f"a grouped_conv2d call with a dynamic size: {line.strip()[:200]}")
+        conv = Shape(*(int(s) for s in sx), *(int(s) for s in sw), *(int(ints[name]) for name in scalars))
         name, text = executable(conv)
         executables[name] = text
-        to = f"tensor<{conv.n}x{conv.c}x{conv.oh}x{conv.ow}xf32>"
-        v = f"dwc{res[1:]}"
+        to = f"tensor<{conv.n}x{conv.o}x{conv.oh}x{conv.ow}xf32>"
+        v = f"gcv{res[1:]}"
         out += [
             f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {vx} -> {tx}",
             f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {vw} -> {tw}",
-            f"{pad}%{v}_n = arith.constant {conv.n * conv.c} : index",
+            f"{pad}%{v}_n = arith.constant {conv.n * conv.o} : index",
             f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n](%{v}_x, %{v}_w) : ({tx}, {tw}) -> {to}",
             f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : {to} -> {otype.strip()}",
         ]
     if not executables:
-        raise ValueError("no depthwise_conv2d call in the module")
+        raise ValueError("no grouped_conv2d call in the module")
     start = next(i for i, line in enumerate(out) if line.startswith("module"))
     return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
