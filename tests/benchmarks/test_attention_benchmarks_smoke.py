@@ -67,3 +67,16 @@ def test_moe_sort_route_names_take_a_chunk_size():
     for bad in ("eager/256", "counting/x", "nonsense"):
         with pytest.raises(argparse.ArgumentTypeError):
             _route(bad)
+
+
+def test_moe_sort_peel_route_adds_the_peel_flag_only():
+    """`peel`: the default rules and flags with `--iree-llvmcpu-vector-pproc-strategy=peel` added (timed on AVX-512,
+    where the target does not add it); `counting` has it only where the target's `dynamic_flags` add it later."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.moe_sort import _route, iree_backend
+
+    flag = "--iree-llvmcpu-vector-pproc-strategy=peel"
+    plain, peel = iree_backend("counting"), iree_backend(_route("peel"))
+    assert peel.perf_flags == (*plain.perf_flags, flag)
+    assert flag not in plain.perf_flags
+    assert [r.name for r in peel.rules] == [r.name for r in plain.rules]
