@@ -19,7 +19,9 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
-  rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `replaced`: the default rules with
+  rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `peel`: the default rules, compiled with
+  `--iree-llvmcpu-vector-pproc-strategy=peel` (what AVX2's dynamic modules get, `IreeTarget.dynamic_flags`: timed
+  on AVX-512, where it is not added); `replaced`: the default rules with
   the rule of `--replace-rule FILE:NAME` (a module file, e.g. an earlier commit's: `git show REV:PATH > FILE`)
   in place of the rule of that name (a before/after of one rule in one process, with `--interleave`);
 - `saved:PATH.vmfb`: a `compile_lm` module saved before (`lm.save(PATH.vmfb, params=PATH.irpa)`) of the same model
@@ -150,7 +152,8 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")
         rules = _replaced(backend.rules, replace)
     extra = {"no-hoist": ("--iree-opt-const-expr-hoisting=false",),
-             "min-peak-memory": ("--iree-stream-partitioning-favor=min-peak-memory",)}  # fmt: skip
+             "min-peak-memory": ("--iree-stream-partitioning-favor=min-peak-memory",),
+             "peel": ("--iree-llvmcpu-vector-pproc-strategy=peel",)}  # fmt: skip
     perf = (*backend.perf_flags, *extra.get(sort, ()))
     return attrs.evolve(backend, rules=rules, flags=flags, perf_flags=perf)
 
@@ -315,7 +318,7 @@ def micro(args: argparse.Namespace) -> None:
                               "values_equal": equal}), flush=True)  # fmt: skip
 
 
-ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "replaced", "eager")
+ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "peel", "replaced", "eager")
 
 
 def _route(text: str) -> str:

@@ -13,6 +13,8 @@ on the query rows (the prompt) and compiled by the IREE backend's rules (local-s
 - `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
   `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `assumptions`'s
   (`rules:ASSUME_SHAPES=1`: the Dims passed to IREE as assumptions; off by default);
+- `ROUTE+peel`: that route compiled with `--iree-llvmcpu-vector-pproc-strategy=peel` added (the vector loops over a
+  dynamic size peeled instead of masked: on for AVX2's dynamic modules, `IreeTarget.dynamic_flags`; on AVX-512 not);
 - `eager_mask`: torch's SDPA with the mask over the cache; `eager_causal`: torch's `is_causal` flash attention
   over the prompt's keys only (what transformers' eager prefill with a DynamicCache calls).
 One thread, CPU time (time.process_time) per call, median of `--calls` after 2 warm-up calls, routes interleaved
@@ -29,8 +31,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 
+PEEL = "--iree-llvmcpu-vector-pproc-strategy=peel"
 #: query heads, key-value heads, head size, cache length
 SHAPES = {"small": (8, 4, 64, 2081), "qwen3-30b-a3b": (32, 4, 128, 1041)}
 
@@ -113,11 +117,14 @@ def main() -> None:
         if name == "eager_causal":
             calls[name] = eager_causal
             continue
-        left_out = [*args.without, *(["attention_by_key_blocks"] if name == "whole" else [])]
+        base, peel = name.removesuffix("+peel"), name.endswith("+peel")
+        left_out = [*args.without, *(["attention_by_key_blocks"] if base == "whole" else [])]
         route = IreeBackend(driver="local-sync", rules=default.rules.without(*left_out)) if left_out else default
+        if peel:
+            route = attrs.evolve(route, perf_flags=(*route.perf_flags, PEEL))
         program = testing.export(Sdpa(), *inputs, dynamic_shapes=({2: dim}, {}, {}, {2: dim}))
         start = time.monotonic()
-        with _constants(name.partition(":")[2]):
+        with _constants(base.partition(":")[2]):
             rewritten = fx_rewrites.apply(program, route.rules).program
             calls[name] = route.compile(rewritten, inputs)
         row[f"{name}_compile_s"] = round(time.monotonic() - start, 1)
