@@ -9,6 +9,9 @@
 - `grouped_conv_as_dispatch`: 1 < G < C, a kxk kernel (not 1x1), at most `MAX_GROUP_CHANNELS` input channels a
   group (ResNeXt's),
   before `grouped_conv_as_convs` (one IREE convolution a group, concatenated: 1.1-2.6x eager).
+- `conv_as_direct_dispatch`: G = 1, a kxk kernel (k >= 3), stride 1. On for no ISA: faster than IREE on AVX2's single
+  3x3 (1.63 -> 1.31x eager), slower on AVX-512's (1.26 -> 1.41) and on ResNet-50 (AVX2 1.05 -> 1.08); kept for
+  `--also-without +conv_as_direct_dispatch` (docs/performance.md, "A depthwise and grouped convolution dispatch").
 
 `grouped_conv_dispatch.py`'s kernel keeps a block of output rows in registers and reads each input row once per
 block and input channel. Static sizes, float32, no dilation, an output at least 8 wide and an input 8 strides wide
