@@ -162,9 +162,9 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmu
 # `depthwise_conv_as_row_partials` (5x5 and 7x7 depthwise at stride 1) on both ISAs by the locked model runs, with ->
 # without it: ConvNeXt-T 1.33 -> 1.50 (AVX-512), 1.35 -> 1.37 and 1.29 -> 1.34 (AVX2), EfficientNet-B0 0.83 -> 1.03 and
 # 0.79 -> 0.93, MobileNetV3-L 0.89 -> 1.00 and 0.80 -> 0.94 (docs/performance.md, "im2col and the row partials")
-# `depthwise_conv_as_dispatch` (rules/grouped_conv_dispatch.py; depthwise convolutions at stride 1 and 2 through the
-# hand-written dispatch, grouped_conv_dispatch.py) on both ISAs, before the taps and the row partials (which keep what it
-# declines: dilation, widths under 8): the route with / without it, locked on Emerald Rapids, AVX-512 and AVX2:
+# `depthwise_conv_as_dispatch` (rules/grouped_conv_dispatch.py; depthwise convolutions at stride 1 and 2 through
+# the hand-written dispatch, grouped_conv_dispatch.py) on both ISAs, before the taps and the row partials (which keep
+# what it declines: dilation, widths under 8): the route with / without it, locked on Emerald Rapids, AVX-512 and AVX2:
 # MobileNetV2 0.49 / 0.81 and 0.52 / 0.73 x eager, ConvNeXt-T 1.17 / 1.62 and 1.06 / 1.34, EfficientNet-B0 0.83 /
 # 1.18 and 0.84 / 1.15, MobileNetV3-L 0.64 / 0.80 and 0.75 / 0.99 (docs/performance.md, "A depthwise convolution
 # dispatch of our own")

@@ -9,6 +9,9 @@
 - `grouped_conv_as_dispatch`: 1 < G < C, a kxk kernel (not 1x1), at most `MAX_GROUP_CHANNELS` input channels a
   group (ResNeXt's),
   before `grouped_conv_as_convs` (one IREE convolution a group, concatenated: 1.1-2.6x eager).
+- `conv_as_direct_dispatch`: G = 1, a kxk kernel (k >= 3), stride 1. On for no ISA: faster than IREE on AVX2's single
+  3x3 (1.63 -> 1.31x eager), slower on AVX-512's (1.26 -> 1.41) and on ResNet-50 (AVX2 1.05 -> 1.08); kept for
+  `--also-without +conv_as_direct_dispatch` (docs/performance.md, "A depthwise and grouped convolution dispatch").
 
 `grouped_conv_dispatch.py`'s kernel keeps a block of output rows in registers and reads each input row once per
 block and input channel. Static sizes, float32, no dilation, an output at least 8 wide and an input 8 strides wide
@@ -31,18 +34,20 @@ from fx_rewrites.kinds import rule
 aten = torch.ops.aten
 #: the largest stride taken (a stride-2 row of 8 outputs is one load of 16 input columns and a shuffle)
 MAX_STRIDE = 2
+#: the smallest kernel `conv_as_direct_dispatch` takes
+MIN_DIRECT_KERNEL = 3
 #: the most input channels a group `grouped_conv_as_dispatch` takes (each output sums them all from registers'
 #: worth of rows: a wide group is a matmul's work, better done by a product)
 MAX_GROUP_CHANNELS = 32
 
 
 def _dispatchable(node: Node) -> dict[str, Any] | Miss:
-    """A static float32 2-D convolution of more than one group the kernel can run, or why not."""
+    """A static float32 2-D convolution the kernel can run, or why not."""
     c = _conv(node)
     if isinstance(c, Miss):
         return c
-    if c["spatial"] != 2 or c["groups"] == 1:
-        return Miss(f"a {c['spatial']}-D convolution of {c['groups']} group(s): the kernel is 2-D and grouped")
+    if c["spatial"] != 2:
+        return Miss(f"a {c['spatial']}-D convolution: the kernel is 2-D")
     ok = _static_sizes(c)
     if ok is not True:
         return ok
@@ -75,6 +80,8 @@ def _grouped(node: Node) -> dict[str, Any] | Miss:
     c = _dispatchable(node)
     if isinstance(c, Miss):
         return c
+    if c["groups"] == 1:
+        return Miss("one group (conv_as_direct_dispatch)")
     per_group, kernel = fake_value(c["weight"]).shape[1], tuple(fake_value(c["weight"]).shape[2:])
     if kernel == (1, 1):
         return Miss("a 1x1 grouped convolution: not measured (the kernel's rows serve a kernel's rows)")
@@ -82,6 +89,22 @@ def _grouped(node: Node) -> dict[str, Any] | Miss:
         return Miss("one input channel a group (depthwise_conv_as_dispatch)")
     if per_group > MAX_GROUP_CHANNELS:
         return Miss(f"{per_group} input channels a group (at most {MAX_GROUP_CHANNELS})")
+    return c
+
+
+def _direct(node: Node) -> dict[str, Any] | Miss:
+    c = _dispatchable(node)
+    if isinstance(c, Miss):
+        return c
+    if c["groups"] != 1:
+        return Miss(f"groups={c['groups']} (grouped_conv_as_dispatch)")
+    if c["stride"] != [1, 1]:
+        return Miss(f"stride {c['stride']}: a strided one ran 1.6-2.6x slower than IREE's (conv_classes.py's 3x3/2)")
+    kernel = tuple(fake_value(c["weight"]).shape[2:])
+    if min(kernel) < MIN_DIRECT_KERNEL:
+        return Miss(
+            f"a {kernel[0]}x{kernel[1]} kernel (from {MIN_DIRECT_KERNEL}x{MIN_DIRECT_KERNEL}: 1x1s are products)"
+        )
     return c
 
 
@@ -124,5 +147,20 @@ def grouped_conv_as_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any])
     _write(node, rw, found)
 
 
+@rule(
+    roots=_CONVS,
+    when=_direct,
+    priority=2,  # before conv_as_tap_matmuls
+    tags={"iree", "performance", "convolution"},
+    doc=(
+        "A float32 2-D convolution of one group with a kernel of at least 3x3 at stride 1 (no dilation, static "
+        "sizes, 8 outputs wide) becomes the hand-written convolution dispatch (`fx_rewrites::grouped_conv2d`, one "
+        "group), its rows of outputs summed over every input channel in registers, the bias added after."
+    ),
+)
+def conv_as_direct_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _write(node, rw, found)
+
+
 #: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)
-RULES = (depthwise_conv_as_dispatch, grouped_conv_as_dispatch)
+RULES = (depthwise_conv_as_dispatch, grouped_conv_as_dispatch, conv_as_direct_dispatch)

@@ -43,6 +43,9 @@ MEASURED_CHOICES = {
     # the hand-written depthwise dispatch, before the taps and the partials: MobileNetV2, ConvNeXt-T, EfficientNet-B0,
     # MobileNetV3-L 0.60-0.84x (AVX-512) and 0.71-0.79x (AVX2) of the route without it (Emerald Rapids, locked)
     "depthwise_conv_as_dispatch": {"avx512": True, "avx2": True},
+    # grouped convolutions through the same kernel: conv_classes.py's g8 and g32 rows 1.05 / 0.77 (AVX-512) and 0.86 /
+    # 0.28 (AVX2) x eager against 1.15-2.44 without it; ResNeXt-50 in docs/performance.md
+    "grouped_conv_as_dispatch": {"avx512": True, "avx2": True},
     # AVX2's 8x8 tiles: attention over 197 / 500 tokens padded to them (real Zen 3, locked: ViT 1.01, Whisper encoder 1.02,
     # inside the noise; one head of 500: its dispatches 2.38 -> 1.83 ms): on for neither until a quiet run shows a gain
     "attention_padded_to_tiles": {"avx512": False, "avx2": False},

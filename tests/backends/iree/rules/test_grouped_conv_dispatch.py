@@ -24,10 +24,15 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.grouped_conv_dispatch import GROUPED_CONV2D, MARK, Shape, block, executable, splice
 from fx_rewrites.backends.iree.legality import SPLICED
-from fx_rewrites.backends.iree.rules.grouped_conv_dispatch import depthwise_conv_as_dispatch, grouped_conv_as_dispatch
+from fx_rewrites.backends.iree.rules.grouped_conv_dispatch import (
+    conv_as_direct_dispatch,
+    depthwise_conv_as_dispatch,
+    grouped_conv_as_dispatch,
+)
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
 aten = torch.ops.aten
+RULES = (depthwise_conv_as_dispatch, grouped_conv_as_dispatch, conv_as_direct_dispatch)
 
 
 def _randn(seed: int, *shape: int) -> torch.Tensor:
@@ -66,6 +71,7 @@ CASES = {
     "g4_3x3_same": (16, 16, 4, 3, 1, True, (1, 10, 16), 1),
     "g2_3x3_stride2_wider_out": (8, 16, 2, 3, 1, False, (2, 12, 20), 2),
     "g8_5x5_channels_2": (16, 24, 8, 5, 2, True, (1, 5, 9), 1),
+    "dense_3x3": (6, 16, 1, 3, 1, True, (1, 10, 12), 1),
 }
 
 
@@ -74,14 +80,15 @@ def _case(name: str):
     module = _conv(cin, cout, groups, kernel, padding, bias, stride)
     n, h, w = shape
     inputs = [(_randn(0, n, cin, h, w),), (3.0 * _randn(1, n, cin, h, w),)]
-    rule = depthwise_conv_as_dispatch if groups == cin == cout else grouped_conv_as_dispatch
-    return module, inputs, rule
+    if groups == 1:
+        return module, inputs, conv_as_direct_dispatch
+    return module, inputs, depthwise_conv_as_dispatch if groups == cin == cout else grouped_conv_as_dispatch
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_conv_as_dispatch(name):
     module, inputs, rule = _case(name)
-    result = rt.apply_rules(rt.export(module, *inputs[0]), depthwise_conv_as_dispatch, grouped_conv_as_dispatch)
+    result = rt.apply_rules(rt.export(module, *inputs[0]), *RULES)
     rt.assert_fired(result, rule, times=1)
     rt.assert_ops(result, absent=[aten.conv2d.default, aten.convolution.default, aten.constant_pad_nd.default])
     (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is GROUPED_CONV2D]
@@ -103,10 +110,10 @@ class WeightIn(torch.nn.Module):
 
 
 def test_conv_as_dispatch_declines():
-    """A Dim on the sizes, stride 3, dilation 2, an output under 8 wide, an input under 16 wide at stride 2, one
-    group, 64 input channels a group, a grouped 1x1, float64, by both rules; each declines the other's; a weight passed in is
-    taken (the kernel reads it as it is)."""
-    both = (depthwise_conv_as_dispatch, grouped_conv_as_dispatch)
+    """A Dim on the sizes, stride 3, dilation 2, an output under 8 wide, an input under 16 wide at stride 2, a 1x1,
+    a strided dense 3x3, 64 input channels a group, a grouped 1x1, float64, by the three rules; each declines the
+    others'; a weight passed in is taken (the kernel reads it as it is)."""
+    both = RULES
     x = _randn(0, 1, 8, 16, 16)
     ep = rt.export(_conv(8, 8, 8, 3, 1), x, dynamic_shapes=({2: Dim("h", min=4, max=64)},))
     result = rt.apply_rules(ep, *both)
@@ -117,7 +124,8 @@ def test_conv_as_dispatch_declines():
         (_conv(8, 8, 4, 3, 2, dilation=2), (x,)),
         (_conv(8, 8, 8, 3, 1), (_randn(0, 1, 8, 16, 7),)),
         (_conv(8, 8, 2, 3, 1, stride=2), (_randn(0, 1, 8, 32, 15),)),
-        (_conv(8, 8, 1, 3, 1), (x,)),
+        (_conv(8, 8, 1, 1, 0), (x,)),
+        (_conv(8, 8, 1, 3, 1, stride=2), (_randn(0, 1, 8, 32, 32),)),
         (_conv(128, 128, 2, 3, 1), (_randn(0, 1, 128, 8, 8),)),
         (_conv(16, 16, 8, 1, 0), (_randn(0, 1, 16, 8, 8),)),
         (_conv(8, 8, 8, 3, 1).double(), (x.double(),)),
@@ -126,9 +134,16 @@ def test_conv_as_dispatch_declines():
         result = rt.apply_rules(rt.export(m, *args), *both)
         for rule in both:
             rt.assert_not_fired(result, rule)
-    depthwise, grouped = _conv(8, 8, 8, 3, 1), _conv(8, 8, 4, 3, 1)
-    rt.assert_not_fired(rt.apply_rules(rt.export(depthwise, x), grouped_conv_as_dispatch), grouped_conv_as_dispatch)
-    rt.assert_not_fired(rt.apply_rules(rt.export(grouped, x), depthwise_conv_as_dispatch), depthwise_conv_as_dispatch)
+    for module, rule in (
+        (_conv(8, 8, 8, 3, 1), depthwise_conv_as_dispatch),
+        (_conv(8, 8, 4, 3, 1), grouped_conv_as_dispatch),
+        (_conv(8, 8, 1, 3, 1), conv_as_direct_dispatch),
+    ):
+        result = rt.apply_rules(rt.export(module, x), *RULES)
+        rt.assert_fired(result, rule, times=1)
+        for other in RULES:
+            if other is not rule:
+                rt.assert_not_fired(result, other)
     taken = rt.apply_rules(rt.export(WeightIn(), x, _randn(1, 8, 1, 3, 3)), depthwise_conv_as_dispatch)
     rt.assert_fired(taken, depthwise_conv_as_dispatch, times=1)
 
@@ -163,9 +178,15 @@ def test_conv_as_dispatch_on_iree(name, isa):
     if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
         pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
     module, inputs, rule = _case(name)
-    assert rule.name in targets.CPU_ISAS[isa].perf_rules
     iree = IreeBackend(target=targets.llvm_cpu(isa))
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
-    rt.assert_fired(result, rule, times=1)
+    ep = rt.export(module, *inputs[0])
+    if rule.name not in targets.CPU_ISAS[isa].perf_rules:  # a rule on for no ISA (conv_as_direct_dispatch): first
+        assert rule is conv_as_direct_dispatch
+        first = rt.apply_rules(ep, rule)
+        rt.assert_fired(first, rule, times=1)
+        result = fx_rewrites.apply(first.program, iree.rules)
+    else:
+        result = fx_rewrites.apply(ep, iree.rules)
+        rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, _in_float64(module), inputs)
