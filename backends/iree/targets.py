@@ -167,7 +167,9 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmu
 # what it declines: dilation, widths under 8): the route with / without it, locked on Emerald Rapids, AVX-512 and AVX2:
 # MobileNetV2 0.49 / 0.81 and 0.52 / 0.73 x eager, ConvNeXt-T 1.17 / 1.62 and 1.06 / 1.34, EfficientNet-B0 0.83 /
 # 1.18 and 0.84 / 1.15, MobileNetV3-L 0.64 / 0.80 and 0.75 / 0.99 (docs/performance.md, "A depthwise convolution
-# dispatch of our own")
+# dispatch of our own"); `grouped_conv_as_dispatch` (the same kernel over a group's 2-32 input channels, kxk) on both,
+# before `grouped_conv_as_convs`: ResNeXt-50 0.98 / 1.03 and 0.95 / 1.11, conv_classes.py's g8 and g32 rows 1.05 /
+# 0.77 and 0.86 / 0.28 x eager (1.15-2.44 without it)
 # `int4_decode_as_dispatch_for_iree` (rules/int4_decode.py): torchao's int4 g32 linears of a decode step through the
 # hand-written int4 dispatch (int4_dispatch.py), 1.8-2.4x the byte form on real Zen 3 (docs/iree-3.13-findings.md
 # section 49). AVX2 only: its kernel is written for 8-lane ymm vectors (a tile of 4 x 8 channels, 4 accumulators and
