@@ -248,7 +248,7 @@ def _(x: torch.Tensor, w: torch.Tensor, ph: int, pw: int, sh: int, sw: int) -> t
 GROUPED_CONV2D = torch.ops.fx_rewrites.grouped_conv2d.default
 
 _CALL = re.compile(
-    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w]+), (%[\w]+)((?:, %[\w]+){{4}})\) : '
+    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+)((?:, %[\w]+){{4}})\) : '
     r"\((.*)\) -> (.*)$"
 )
 

@@ -31,7 +31,7 @@ def test_conv_classes_one_op(modules, capfd):
     assert conv_classes.main(["--cases", "g8", "--rounds", "1", "--no-inductor"]) == 0
     out = capfd.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| grouped"))
-    assert "grouped_conv_as_convs" in row and "not close" not in out, out
+    assert "grouped_conv_as_dispatch" in row and "not close" not in out, out
 
 
 def test_scale_cnn_table(modules):

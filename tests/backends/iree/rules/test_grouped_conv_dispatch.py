@@ -190,3 +190,14 @@ def test_conv_as_dispatch_on_iree(name, isa):
         rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, _in_float64(module), inputs)
+
+
+def test_splice_takes_an_operand_of_a_multi_result_op():
+    """An input that is one result of an op with several (`%35#1`: a batch norm's output in FocalNet) is spliced."""
+    call = (
+        '    %37 = torch.operator "torch.fx_rewrites.grouped_conv2d"(%35#1, %36, %int1, %int1, %int1, %int1) : '
+        "(!torch.vtensor<[2,16,8,8],f32>, !torch.vtensor<[16,1,3,3],f32>, !torch.int, !torch.int, !torch.int, "
+        "!torch.int) -> !torch.vtensor<[2,16,8,8],f32>"
+    )
+    mlir = splice("\n".join(["module {", "    %int1 = torch.constant.int 1", call, "}"]))
+    assert "torch_c.to_builtin_tensor %35#1" in mlir and "flow.dispatch @gconv_2x16x8x8_o16x1_k3x3_p1x1_s1x1" in mlir
