@@ -239,18 +239,29 @@ MAX_DEPTHWISE_TAPS = 9
 TAPS_PER_SUM = 7
 
 
-def _any_depthwise(node: Node) -> dict[str, Any] | Miss:
-    """A static depthwise 2-D convolution's arguments (`_conv`), or why not."""
+def static_2d(node: Node, why: str) -> dict[str, Any] | Miss:
+    """`_conv(node)` where it is 2-D (else a Miss saying so, then `why`) with static channel and spatial sizes."""
     c = _conv(node)
     if isinstance(c, Miss):
         return c
     if c["spatial"] != 2:
-        return Miss(f"a {c['spatial']}-D convolution: only 2-D measured")
+        return Miss(f"a {c['spatial']}-D convolution: {why}")
     ok = _static_sizes(c)
-    if ok is not True:
-        return ok
+    return c if ok is True else ok
+
+
+def is_depthwise(c: dict[str, Any]) -> bool:
+    """`_conv`'s arguments `c` are a depthwise convolution's: groups = input channels = output channels."""
     out_channels, per_group = fake_value(c["weight"]).shape[:2]
-    if not (c["groups"] == fake_value(c["input"]).shape[1] == out_channels and per_group == 1):
+    return c["groups"] == fake_value(c["input"]).shape[1] == out_channels and per_group == 1
+
+
+def _any_depthwise(node: Node) -> dict[str, Any] | Miss:
+    """A static depthwise 2-D convolution's arguments (`_conv`), or why not."""
+    c = static_2d(node, "only 2-D measured")
+    if isinstance(c, Miss):
+        return c
+    if not is_depthwise(c):
         return Miss(f"groups={c['groups']}, weight {list(fake_value(c['weight']).shape)}: not depthwise")
     return c
 

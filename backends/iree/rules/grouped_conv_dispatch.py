@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.backends.iree.grouped_conv_dispatch import GROUPED_CONV2D, LANES
-from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _conv, _out_size, _static_sizes
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, is_depthwise, static_2d
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -43,14 +43,9 @@ MAX_GROUP_CHANNELS = 32
 
 def _dispatchable(node: Node) -> dict[str, Any] | Miss:
     """A static float32 2-D convolution the kernel can run, or why not."""
-    c = _conv(node)
+    c = static_2d(node, "the kernel is 2-D")
     if isinstance(c, Miss):
         return c
-    if c["spatial"] != 2:
-        return Miss(f"a {c['spatial']}-D convolution: the kernel is 2-D")
-    ok = _static_sizes(c)
-    if ok is not True:
-        return ok
     x, w = fake_value(c["input"]), fake_value(c["weight"])
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
@@ -70,8 +65,8 @@ def _depthwise(node: Node) -> dict[str, Any] | Miss:
     c = _dispatchable(node)
     if isinstance(c, Miss):
         return c
-    channels, outs, per_group = fake_value(c["input"]).shape[1], *fake_value(c["weight"]).shape[:2]
-    if not (c["groups"] == channels == outs and per_group == 1):
+    if not is_depthwise(c):
+        channels, outs = fake_value(c["input"]).shape[1], fake_value(c["weight"]).shape[0]
         return Miss(f"groups={c['groups']}, {channels} -> {outs} channels: not depthwise (grouped_conv_as_dispatch)")
     return c
 

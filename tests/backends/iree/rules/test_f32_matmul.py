@@ -140,6 +140,19 @@ def test_each_isa_takes_its_own_block():
     assert linear_as_f32_dispatch.name not in targets.CPU_ISAS["avx512"].perf_rules
 
 
+def _through_iree(name: str, isa: str, rule) -> None:
+    """CASES[name] through `isa`'s route: `rule` fires once, the dispatch is spliced and run, and on two inputs the
+    result is as near float64 as torch's float32, within a step."""
+    k, n, bias, lead = CASES[name]
+    module = _linear(k, n, bias)
+    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
+    iree = IreeBackend(target=targets.llvm_cpu(isa))
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, rule, times=1)
+    fn = iree.compile(result.program, inputs[0])
+    assert_within_torch_error(fn, _in_float64(module), inputs)
+
+
 @pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias"])
 def test_linear_as_f32_dispatch_on_iree(name):
     """Through the AVX2 route (any AVX2 or AVX-512 host runs its code): the rule fires, the dispatch is spliced and
@@ -147,28 +160,13 @@ def test_linear_as_f32_dispatch_on_iree(name):
     and a remainder: 70 = 11 x 6 + 4, 788 = 131 x 6 + 2)."""
     if targets.host_isa() == "":
         pytest.skip("llvm-cpu code for AVX2 runs on an x86-64 host with AVX2 only")
-    k, n, bias, lead = CASES[name]
-    module = _linear(k, n, bias)
-    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
-    iree = IreeBackend(target=targets.llvm_cpu("avx2"))
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
-    rt.assert_fired(result, linear_as_f32_dispatch, times=1)
-    fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, _in_float64(module), inputs)
+    _through_iree(name, "avx2", linear_as_f32_dispatch)
 
 
 @pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
 def test_linear_as_f32_dispatch_avx512_on_iree(name):
     """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the rule fires among AVX-512's rules,
-    the dispatch is spliced and run, on two
-    inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
+    the dispatch is spliced and run, on two inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
-    k, n, bias, lead = CASES[name]
-    module = _linear(k, n, bias)
-    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
-    iree = IreeBackend(target=targets.llvm_cpu("avx512"))
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
-    rt.assert_fired(result, linear_as_f32_dispatch_avx512, times=1)
-    fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, _in_float64(module), inputs)
+    _through_iree(name, "avx512", linear_as_f32_dispatch_avx512)
