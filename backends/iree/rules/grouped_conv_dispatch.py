@@ -47,6 +47,8 @@ def _dispatchable(node: Node) -> dict[str, Any] | Miss:
     if isinstance(c, Miss):
         return c
     x, w = fake_value(c["input"]), fake_value(c["weight"])
+    if not isinstance(x.shape[0], int):
+        return Miss("a Dim on the batch: the kernel's workgroups (batch x output channels) are static")
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
     if max(c["stride"]) > MAX_STRIDE or c["dilation"] != [1, 1]:
