@@ -232,7 +232,10 @@ def _check_grouped(module, inputs, dynamic_shapes):
     for product in products:
         _, heads, keys, rows = product.meta["val"].shape  # rows: the group's query heads x the rows let in
         assert heads == kv_heads and keys % ALIGN == 0 and keys >= 256 and not isinstance(rows, int)
-    assert_within_torch_error(result.program.module(), module, inputs, torch_forms=[_math_kernel(module)])
+    # key blocks sum in another order than torch's kernels: within the largest error torch makes at these shapes
+    # (the RMS over 20 draws: 4.09e-8 against torch's 3.94e-8 and 3.84e-8, its flash and math kernels; one draw's
+    # maximum is above theirs plus a step once in 20)
+    assert_within_torch_error(result.program.module(), module, inputs, torch_forms=[_math_kernel(module)], redraws=16)
     rt.assert_idempotent(result, attention_by_key_blocks)
 
 
@@ -244,9 +247,7 @@ def test_grouped_through_repeat_kv_with_a_dim():
 
 def test_grouped_through_repeat_kv_static():
     """Two key-value heads of 8 query heads each, static: a full prompt and one of as many rows later in the cache."""
-    # (seed 30: at seed 0 the rule's graph in torch is 1.04e-6 from float64 against torch's 7.4e-7, grouped or not:
-    # the same float32 operations in the same order; 8 query heads at seed 0 pass, the test above)
-    _check_grouped(RepeatedCausal(), _grouped_inputs(16, 2, second=(300, 7, 3, 20), first_seed=30), None)
+    _check_grouped(RepeatedCausal(), _grouped_inputs(16, 2, second=(300, 7, 3, 20)), None)
 
 
 def test_grouped_by_enable_gqa():
