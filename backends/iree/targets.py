@@ -179,6 +179,10 @@ _AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmu
 # decode step through the integer a8 int4 dispatch (a8int4_dispatch.py: `vpmaddubsw`, an AVX2 instruction; AVX-512
 # would want its own tile and VNNI, not written), 2.2x the float int4 dispatch on 2816 x 1024 and 1.28x on 32000 x
 # 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md section 53)
+# `grouped_mm_packed_*_for_iree` (rules/moe_packed.py): MoE experts' weights laid out once as IREE's 16x16x1 tile
+# reads them, the prefill's mmt4d and the decode's per-row products both reading it; the decode at Qwen3-30B-A3B's
+# layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512")
+_AVX512_FIRST_RULES = ("grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree")
 _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
 # `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
 # matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,
@@ -196,6 +200,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         "x86-64-v4",
         (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
         (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES, "linear_as_f32_dispatch_avx512"),
+        first_rules=_AVX512_FIRST_RULES,
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a
     # Llama decoder's module died of SIGILL on an Intel Xeon before this)

@@ -20,6 +20,7 @@ from fx_rewrites.backends.iree.rules import (
     a8int4_decode,
     int4_decode,
     legalize,
+    moe_packed,
     ops,
     performance,
     quantized_conv,
@@ -31,7 +32,7 @@ from fx_rewrites.ruleset import Phases, RuleSet
 #: IREE's own first-phase rules, unioned with DEFAULT
 OWN: RuleSet = ops.RULES | quantized_matmul.RULES | quantized_conv.RULES
 #: first-phase rules on per vector ISA (`targets.CpuIsa.first_rules`), before OWN's rules of the same roots
-FIRST_BY_ISA: RuleSet = a8int4_decode.RULES | int4_decode.RULES
+FIRST_BY_ISA: RuleSet = a8int4_decode.RULES | int4_decode.RULES | moe_packed.RULES
 #: the second phase: decompose what IREE cannot lower, guard what it computes wrong
 LEGALIZE: RuleSet = legalize.LEGALIZE
 

@@ -25,6 +25,9 @@ packed slices: the module held both (the experts twice: in memory at load, or bo
 `save(params=)` writes), and a saved Qwen3-30B-A3B layer ran at 1.9x eager's peak. The per-row form
 stays for a caller that sets the limit (a module never saved: its decode was 5-15% faster).
 
+On AVX-512 `rules/moe_packed.py`'s forms come first (float32, the weight stored [E, N, K], N a multiple of 16): the
+experts laid out once by the graph as IREE's tile reads them, the decode's rows in the narrow tile (findings 67).
+
 Measured in benchmarks/moe_block.py and benchmarks/moe_sort.py; docs/performance.md (MoE sections, "MoE
 memory: the experts packed once").
 """

@@ -21,6 +21,15 @@ moe = pytest.importorskip("transformers.integrations.moe")  # registers transfor
 
 aten = torch.ops.aten
 PER_EXPERT, PER_ROW = "grouped_mm_per_expert_for_iree", "grouped_mm_per_row_for_iree"
+PACKED_EXPERT, PACKED_ROW = "grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree"
+
+
+def _lm_forms() -> tuple[str, str]:
+    """The rules compile_lm's prefill and decode experts take on the default backend's ISA: AVX-512's packed
+    forms (rules/moe_packed.py, float32 and N a multiple of 16), else moe.py's per-expert form in both."""
+    if backends.get("iree").target.isa == "avx512":
+        return PACKED_EXPERT, PACKED_ROW
+    return PER_EXPERT, PER_EXPERT
 
 
 class Experts(torch.nn.Module):
@@ -190,14 +199,15 @@ def _qwen3_moe_block(experts_implementation: str = "grouped_mm") -> torch.nn.Mod
 
 def test_qwen3_moe_experts_from_a_real_export():
     """transformers' own sparse MoE block (router, sort, two grouped matmuls), exported with a Dim on the tokens:
-    both matmuls are written per expert, and IREE computes the block as eager does."""
+    both matmuls are written per expert (on AVX-512 as `packed_matmul`s over the packed layout), and IREE computes
+    the block as eager does."""
     block = _qwen3_moe_block()
     g = torch.Generator().manual_seed(1)
     inputs = [(torch.randn(1, 6, 16, generator=g),), (torch.randn(1, 11, 16, generator=g),)]
     ep = rt.export(block, *inputs[0], dynamic_shapes=({1: Dim("tokens", min=2, max=64)},))
     iree = backends.get("iree")
     result = rt.apply_rules(ep, iree.rules)
-    rt.assert_fired(result, PER_EXPERT, times=2)  # gate_up and down
+    rt.assert_fired(result, _lm_forms()[0], times=2)  # gate_up and down
     assert aten.index.Tensor not in [n.target for n in result.graph_module.graph.nodes if "mm" in n.name]
     rt.assert_matches_eager(result, block, inputs, rtol=1e-5, atol=1e-6)
     compiled = iree.compile(result.program, inputs[0])
@@ -240,8 +250,9 @@ def _one_layer_qwen3_moe(hidden: int, heads: int, kv: int, experts: int, interme
 
 
 def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
-    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) and the
-    decode step (2 rows) take the per-expert form; the tokens equal model.generate's."""
+    """A one-layer Qwen3-MoE (4 experts, top 2) through compile_lm: the prefill (a Dim on the sequence) takes the
+    per-expert form, the decode step (2 rows) the per-expert form too (AVX-512: the packed per-row form reading
+    the prefill's packed weights); the tokens equal model.generate's."""
     import fx_rewrites
 
     model = _one_layer_qwen3_moe(hidden=16, heads=2, kv=1, experts=4, intermediate=8)
@@ -250,8 +261,9 @@ def test_tiny_moe_generates_through_compile_lm_as_transformers_does():
     sequence = torch.cat([ids, expected], dim=1)
     assert lm_models.top2_margin(model, sequence, ids.shape[1] - 1) > 1e-3  # no greedy step near a tie
     lm = fx_rewrites.compile_lm(model, max_cache_len=ids.shape[1] + 8)
-    assert lm.reports["prefill"].rewrites[PER_EXPERT] == 2  # gate_up and down
-    assert lm.reports["decode"].rewrites[PER_EXPERT] == 2
+    prefill, decode = _lm_forms()
+    assert lm.reports["prefill"].rewrites[prefill] == 2  # gate_up and down
+    assert lm.reports["decode"].rewrites[decode] == 2
     assert PER_ROW not in lm.reports["decode"].rewrites
     got = lm.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
     assert got == expected[0].tolist()
@@ -261,7 +273,8 @@ def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
     """issue 34: a Qwen3-MoE (8 experts, top 2, experts 80% of its weights) through compile_lm, saved with
     `params=`: the archive holds the weights as the prefill and the decode read them, the experts packed once
     (with the decode's per-row form it held them twice, packed for the prefill and as they are for the decode:
-    1.8x the weights); the loaded module generates model.generate's tokens."""
+    1.8x the weights); on AVX-512 the experts laid out once by the graph (rules/moe_packed.py) for both; the
+    loaded module generates model.generate's tokens."""
     import fx_rewrites
 
     model = _one_layer_qwen3_moe(hidden=64, heads=4, kv=2, experts=8, intermediate=64)
@@ -269,6 +282,8 @@ def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
     expected = lm_models.reference(model, ids, new=8)
     assert lm_models.top2_margin(model, torch.cat([ids, expected], dim=1), ids.shape[1] - 1) > 1e-3
     lm = fx_rewrites.compile_lm(model, max_cache_len=24)
+    prefill, decode = _lm_forms()
+    assert lm.reports["prefill"].rewrites[prefill] == 2 and lm.reports["decode"].rewrites[decode] == 2
     lm.save(tmp_path / "moe.vmfb", params=tmp_path / "moe.irpa")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
