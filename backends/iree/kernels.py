@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from fx_rewrites.backends.iree import a8int4_dispatch, f32_dispatch, grouped_conv_dispatch, int4_dispatch
+from fx_rewrites.backends.iree import (
+    a8int4_dispatch,
+    f32_dispatch,
+    grouped_conv_dispatch,
+    int4_dispatch,
+    pointwise_conv_dispatch,
+)
 
 #: the kernel modules: each has `MARKS` (its ops' names in torch-mlir's import) and `splice`
-KERNELS = (int4_dispatch, a8int4_dispatch, f32_dispatch, grouped_conv_dispatch)
+KERNELS = (int4_dispatch, a8int4_dispatch, f32_dispatch, grouped_conv_dispatch, pointwise_conv_dispatch)
 
 
 def spliced(mlir: str) -> str:

@@ -59,6 +59,8 @@ SPLICED: dict[str, str] = {
     "bias in its store (f32_dispatch.py)",
     "fx_rewrites.grouped_conv2d.default": "spliced by the backend as a hand-written grouped (and depthwise) "
     "convolution dispatch (grouped_conv_dispatch.py)",
+    "fx_rewrites.pointwise_conv2d.default": "spliced by the backend as a hand-written 1x1 convolution dispatch "
+    "(pointwise_conv_dispatch.py)",
 }
 
 
