@@ -34,8 +34,6 @@ BLOCKS = {8: (4, 3), 16: (8, 3)}
 #: input channels a block sums in registers before adding it to y (a plain sum over 1024 channels was 5-7x torch's
 #: float32 error against float64; torch's blocks its sums too)
 CHANNEL_BLOCK = 64
-#: how many channels ahead the kernel prefetches x's rows (0: none)
-PREFETCH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +127,6 @@ class _Writer:
         for u in range(v):
             add(f"%{tag}xi{u} = arith.addi %{tag}xr, %c{u * conv.lanes}w : index")
             self.load(f"%{tag}x{u}", "%xm", f"%{tag}xi{u}", u)
-        if PREFETCH:  # the same pixels `PREFETCH` channels on (rows P floats apart: no hardware prefetcher follows)
-            size = conv.n * conv.c * conv.p
-            add(f"%{tag}pa = arith.addi %{tag}xr, %c{PREFETCH * conv.p}w : index")
-            add(f"%{tag}pb = arith.minui %{tag}pa, %c{size - 1}w : index")
-            for line in range(0, v * conv.lanes, 16):
-                add(f"%{tag}pf{line} = arith.addi %{tag}pb, %c{line}w : index")
-                add(f"%{tag}pg{line} = arith.minui %{tag}pf{line}, %c{size - 1}w : index")
-                add(f"memref.prefetch %xm[%{tag}pg{line}], read, locality<3>, data : {conv.memrefs()[0]}")
         for o in range(r):
             add(f"%{tag}wi{o} = arith.addi %{tag}wk, %c{o * conv.c}w : index")
             add(f"%{tag}ws{o} = memref.load %wm[%{tag}wi{o}] : {wt}")

@@ -195,12 +195,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
         (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
-        (
-            *_TRANSFORMER_RULES,
-            *_AVX512_CONV_RULES,
-            "linear_as_f32_dispatch_avx512",
-            "pointwise_conv_as_dispatch_avx512",
-        ),
+        (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES, "linear_as_f32_dispatch_avx512"),
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a
     # Llama decoder's module died of SIGILL on an Intel Xeon before this)
@@ -209,13 +204,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         ("avx2", "fma"),
         "znver3",
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
-        (
-            *_TRANSFORMER_RULES,
-            "mlp_rows_padded_to_tiles",
-            *_AVX2_CONV_RULES,
-            "linear_as_f32_dispatch",
-            "pointwise_conv_as_dispatch",
-        ),
+        (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES, "linear_as_f32_dispatch"),
         target_features="-sse4a",
         first_rules=_AVX2_FIRST_RULES,
         dynamic_flags=(_PEEL,),

@@ -7,6 +7,12 @@
 `pointwise_conv_dispatch.BLOCKS`). Before `pointwise_conv_as_matmul` (the 1x1 as IREE's data-tiled product over
 the channels in place, which packs x and unpacks y on every call). A strided 1x1 is sliced to stride 1 first
 (`strided_pointwise_conv_as_slice`).
+
+**On for no ISA** (measured, docs/performance.md "A 1x1 convolution dispatch of our own"): the kernel alone runs
+conv_classes.py's 1x1 256->64 on 56x56 in 1.01-1.03 ms on AVX-512 (eager 0.81-0.86), and the row through the
+route read 1.3-1.5x eager against IREE's 1.7-2.1x, but ResNet-50, whose 36 1x1s it takes, gained nothing (AVX-512
+1.21 / 1.20x eager with / without, AVX2 1.10 / 1.08): IREE fuses the batch norm and ReLU after a 1x1 into its own
+product, which the dispatch leaves as a pass of their own. Kept for `--also-without +pointwise_conv_as_dispatch`.
 """
 
 from __future__ import annotations
