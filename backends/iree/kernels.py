@@ -8,10 +8,18 @@ from fx_rewrites.backends.iree import (
     grouped_conv_dispatch,
     int4_dispatch,
     packed_experts,
+    pointwise_conv_dispatch,
 )
 
 #: the kernel modules: each has `MARKS` (its ops' names in torch-mlir's import) and `splice`
-KERNELS = (int4_dispatch, a8int4_dispatch, f32_dispatch, grouped_conv_dispatch, packed_experts)
+KERNELS = (
+    int4_dispatch,
+    a8int4_dispatch,
+    f32_dispatch,
+    grouped_conv_dispatch,
+    packed_experts,
+    pointwise_conv_dispatch,
+)
 
 
 def spliced(mlir: str) -> str:

@@ -61,6 +61,8 @@ SPLICED: dict[str, str] = {
     "convolution dispatch (grouped_conv_dispatch.py)",
     "fx_rewrites.packed_matmul.default": "spliced by the backend as IREE's pack, mmt4d and unpack over a weight "
     "held packed (packed_experts.py)",
+    "fx_rewrites.pointwise_conv2d.default": "spliced by the backend as a hand-written 1x1 convolution dispatch "
+    "(pointwise_conv_dispatch.py)",
 }
 
 

@@ -67,7 +67,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fx_rewrites import schema
 from fx_rewrites.backends.iree.rules import conv_performance as conv
-from fx_rewrites.backends.iree.rules import conv_taps, f32_matmul, grouped_conv_dispatch, im2col
+from fx_rewrites.backends.iree.rules import (
+    conv_taps,
+    f32_matmul,
+    grouped_conv_dispatch,
+    im2col,
+    pointwise_conv_dispatch,
+)
 from fx_rewrites.backends.iree.rules.arange_index import index_by_arange_as_view
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
 from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_blocks
@@ -426,6 +432,7 @@ ALL = RuleSet(
         *conv_taps.RULES,
         *f32_matmul.RULES,
         *grouped_conv_dispatch.RULES,
+        *pointwise_conv_dispatch.RULES,
     ],
     name="iree-performance",
 )

@@ -1,0 +1,276 @@
+"""A hand-written 1x1 convolution dispatch over NCHW (issue 32): output channels by pixel vectors in registers.
+
+y[n, o, p] = b[o] + sum over c of w[o, c] x[n, c, p], x [N, C, P] (P = H W, the pixels contiguous), w [O, C]. A
+block is R output channels by V vectors of `lanes` pixels: for each input channel, V vector loads of x's row and R
+broadcast weights feed R x V FMAs (AVX2: 4 x 3 of 8 lanes in 12 ymm; AVX-512: 8 x 3 of 16 in 24 zmm). No packing:
+x is read as it lies (its rows of pixels are the vectors), where IREE 3.13 packs x for its data-tiled product and
+unpacks y (the 1x1 256->64 on 56x56 at 1.75-2.10x eager, docs/performance.md "Both ISAs on one AVX-512 host"). One
+workgroup an (n, chunk of V lanes pixels); it runs every block of output channels over its chunk, whose x (C x V
+lanes floats) stays in cache; the last chunk holds the rest, its partial vector masked (an overlapping chunk would
+race on y, which each block of input channels adds to). The input channels are summed in blocks of
+`CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias.
+
+It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes)` (eager: torch's convolution), imported by
+torch-mlir as `torch.operator "torch.fx_rewrites.pointwise_conv2d"`; `splice` (run by `IreeBackend` through
+`kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is in
+`rules/pointwise_conv_dispatch.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import torch
+
+from fx_rewrites.backends.iree import spliced
+
+OP, MARK = "fx_rewrites::pointwise_conv2d", "torch.fx_rewrites.pointwise_conv2d"
+MARKS = (MARK,)
+#: (output channels, vectors) a block, by lanes: R V accumulators, V loaded vectors and a broadcast weight within
+#: the ISA's vector registers (16 ymm, 32 zmm)
+BLOCKS = {8: (4, 3), 16: (8, 3)}
+#: input channels a block sums in registers before adding it to y (a plain sum over 1024 channels was 5-7x torch's
+#: float32 error against float64; torch's blocks its sums too)
+CHANNEL_BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One 1x1 convolution: x [n, c, p] (p = h w pixels), w [o, c]; `lanes` a vector's floats."""
+
+    n: int
+    c: int
+    p: int
+    o: int
+    lanes: int
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(R output channels, V vectors): R the largest divisor of o up to the ISA's, V as many vectors as fit p."""
+        rows, vectors = BLOCKS[self.lanes]
+        return max(d for d in range(1, rows + 1) if self.o % d == 0), min(vectors, -(-self.p // self.lanes))
+
+    @property
+    def chunk(self) -> int:
+        """Pixels a workgroup (the last one: the rest, `tail`)."""
+        return self.block[1] * self.lanes
+
+    @property
+    def chunks(self) -> int:
+        """Workgroups an image."""
+        return -(-self.p // self.chunk)
+
+    @property
+    def tail(self) -> int:
+        """Pixels of an image's last workgroup."""
+        return self.p - (self.chunks - 1) * self.chunk
+
+    def memrefs(self) -> tuple[str, str, str, str]:
+        sizes = (self.n * self.c * self.p, self.o * self.c, self.o, self.n * self.o * self.p)
+        return tuple(f"memref<{size}xf32>" for size in sizes)
+
+
+def _vectors(pixels: int, lanes: int) -> list[int]:
+    """The lanes in use of each vector over `pixels` (all but the last full)."""
+    return [min(lanes, pixels - start) for start in range(0, pixels, lanes)]
+
+
+class _Writer:
+    """The kernel's lines for one chunk of pixels (`vectors`: each vector's lanes in use; a partial one masked)."""
+
+    def __init__(self, add: Callable[[str], None], conv: Shape, tag: str, vectors: list[int]) -> None:
+        self.add, self.conv, self.tag, self.vectors = add, conv, tag, vectors
+        self.vec = f"vector<{conv.lanes}xf32>"
+        self.mask = f"vector<{conv.lanes}xi1>"
+        for u, used in enumerate(vectors):
+            if used < conv.lanes:
+                add(f"%{tag}m{u} = vector.constant_mask [{used}] : {self.mask}")
+
+    def load(self, name: str, memref: str, at: str, u: int) -> None:
+        c, t = self.conv, self.tag
+        if self.vectors[u] == c.lanes:
+            self.add(f"{name} = vector.load {memref}[{at}] : {self._type(memref)}, {self.vec}")
+        else:
+            self.add(
+                f"{name} = vector.maskedload {memref}[{at}], %{t}m{u}, %zero : {self._type(memref)}, {self.mask}, "
+                f"{self.vec} into {self.vec}"
+            )
+
+    def store(self, value: str, memref: str, at: str, u: int) -> None:
+        if self.vectors[u] == self.conv.lanes:
+            self.add(f"vector.store {value}, {memref}[{at}] : {self._type(memref)}, {self.vec}")
+        else:
+            types = f"{self._type(memref)}, {self.mask}, {self.vec}"
+            self.add(f"vector.maskedstore {memref}[{at}], %{self.tag}m{u}, {value} : {types}")
+
+    def _type(self, memref: str) -> str:
+        xt, _, _, ot = self.conv.memrefs()
+        return xt if memref == "%xm" else ot
+
+    def products(self, tag: str, first: str, last: str) -> list[str]:
+        """The block's R x V accumulators over input channels `first` to `last` (index values), from zero, in
+        channel order; returns their names."""
+        add, conv, vec = self.add, self.conv, self.vec
+        r, v = conv.block[0], len(self.vectors)
+        wt = conv.memrefs()[1]
+        keys = [(o, u) for o in range(r) for u in range(v)]
+        add(
+            f"%{tag}acc:{len(keys)} = scf.for %{tag}k = {first} to {last} step %c1w iter_args("
+            + ", ".join(f"%{tag}a{o}_{u} = %zero" for o, u in keys)
+            + f") -> ({', '.join([vec] * len(keys))}) {{"
+        )
+        add(f"%{tag}kx = arith.muli %{tag}k, %c{conv.p}w : index")
+        add(f"%{tag}xr = arith.addi %xb, %{tag}kx : index")
+        add(f"%{tag}wk = arith.addi %{tag}wb, %{tag}k : index")
+        for u in range(v):
+            add(f"%{tag}xi{u} = arith.addi %{tag}xr, %c{u * conv.lanes}w : index")
+            self.load(f"%{tag}x{u}", "%xm", f"%{tag}xi{u}", u)
+        for o in range(r):
+            add(f"%{tag}wi{o} = arith.addi %{tag}wk, %c{o * conv.c}w : index")
+            add(f"%{tag}ws{o} = memref.load %wm[%{tag}wi{o}] : {wt}")
+            add(f"%{tag}w{o} = vector.broadcast %{tag}ws{o} : f32 to {vec}")
+            for u in range(v):
+                add(f"%{tag}f{o}_{u} = vector.fma %{tag}x{u}, %{tag}w{o}, %{tag}a{o}_{u} : {vec}")
+        add(f"scf.yield {', '.join(f'%{tag}f{o}_{u}' for o, u in keys)} : {', '.join([vec] * len(keys))}")
+        add("}")
+        return [f"%{tag}acc#{n}" for n in range(len(keys))]
+
+    def blocks(self, tag: str, first: str, last: str, initial: bool) -> None:
+        """Every block of R output channels over input channels `first` to `last`: y = the sums + the bias where
+        `initial`, else y += the sums."""
+        add, conv, vec = self.add, self.conv, self.vec
+        r, v, bt = conv.block[0], len(self.vectors), conv.memrefs()[2]
+        add(f"scf.for %{tag}ob = %c0 to %c{conv.o}w step %c{r}w {{")
+        add(f"%{tag}wb = arith.muli %{tag}ob, %c{conv.c}w : index")
+        sums = self.products(tag, first, last)
+        for o in range(r):
+            add(f"%{tag}oc{o} = arith.addi %{tag}ob, %c{o}w : index")
+            add(f"%{tag}yo{o} = arith.muli %{tag}oc{o}, %c{conv.p}w : index")
+            add(f"%{tag}yr{o} = arith.addi %yb, %{tag}yo{o} : index")
+            if initial:
+                add(f"%{tag}bs{o} = memref.load %bm[%{tag}oc{o}] : {bt}")
+                add(f"%{tag}bv{o} = vector.broadcast %{tag}bs{o} : f32 to {vec}")
+            for u in range(v):
+                at = f"%{tag}yi{o}_{u}"
+                add(f"{at} = arith.addi %{tag}yr{o}, %c{u * conv.lanes}w : index")
+                if initial:
+                    add(f"%{tag}s{o}_{u} = arith.addf {sums[o * v + u]}, %{tag}bv{o} : {vec}")
+                else:
+                    self.load(f"%{tag}y{o}_{u}", "%om", at, u)
+                    add(f"%{tag}s{o}_{u} = arith.addf %{tag}y{o}_{u}, {sums[o * v + u]} : {vec}")
+                self.store(f"%{tag}s{o}_{u}", "%om", at, u)
+        add("}")
+
+    def chunk(self) -> None:
+        """The chunk's y: its first block of input channels with the bias, then each other block added."""
+        conv, add, t = self.conv, self.add, self.tag
+        first = min(CHANNEL_BLOCK, conv.c)
+        self.blocks(f"{t}h", "%c0", f"%c{first}w", True)
+        if conv.c > first:
+            add(f"scf.for %{t}kb = %c{first}w to %c{conv.c}w step %c{CHANNEL_BLOCK}w {{")
+            add(f"%{t}ke0 = arith.addi %{t}kb, %c{CHANNEL_BLOCK}w : index")
+            add(f"%{t}ke = arith.minui %{t}ke0, %c{conv.c}w : index")
+            self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False)
+            add("}")
+
+
+def _kernel(conv: Shape) -> str:
+    if conv.lanes not in BLOCKS:
+        raise ValueError(f"vectors of {conv.lanes} lanes: one of {sorted(BLOCKS)}")
+    xt, wt, bt, ot = conv.memrefs()
+    add = (lines := []).append
+    for line in (
+        "%c0 = arith.constant 0 : index",
+        f"%zero = arith.constant dense<0.0> : vector<{conv.lanes}xf32>",
+        f"%xm = stream.binding.subspan %bx[%c0] : !stream.binding -> {xt}",
+        f"%wm = stream.binding.subspan %bw[%c0] : !stream.binding -> {wt}",
+        f"%bm = stream.binding.subspan %bb[%c0] : !stream.binding -> {bt}",
+        f"%om = stream.binding.subspan %bo[%c0] : !stream.binding -> {ot}",
+        "%g = stream.dispatch.workgroup.id[0] : index",  # (n, chunk)
+        f"%ch = arith.remui %g, %c{conv.chunks}w : index",
+        f"%ni = arith.divui %g, %c{conv.chunks}w : index",
+        f"%p0 = arith.muli %ch, %c{conv.chunk}w : index",
+        f"%nx = arith.muli %ni, %c{conv.c * conv.p}w : index",
+        "%xb = arith.addi %nx, %p0 : index",
+        f"%ny = arith.muli %ni, %c{conv.o * conv.p}w : index",
+        "%yb = arith.addi %ny, %p0 : index",
+    ):
+        add(line)
+    if conv.tail == conv.chunk:
+        _Writer(add, conv, "f", _vectors(conv.chunk, conv.lanes)).chunk()
+    else:  # the last chunk's vectors: as many as its pixels need, the last one masked where it is partial
+        add(f"%last = arith.cmpi eq, %ch, %c{conv.chunks - 1}w : index")
+        add("scf.if %last {")
+        _Writer(add, conv, "l", _vectors(conv.tail, conv.lanes)).chunk()
+        add("} else {")
+        _Writer(add, conv, "f", _vectors(conv.chunk, conv.lanes)).chunk()
+        add("}")
+    add("return")
+    return spliced.with_index_constants("\n".join(lines))
+
+
+def executable(conv: Shape) -> tuple[str, str]:
+    """The name (unique per shape: findings 52) and text of the `stream.executable` over n x chunks workgroups."""
+    c = conv
+    name = f"pwconv_{c.n}x{c.c}x{c.p}_o{c.o}_l{c.lanes}"
+    bindings = "%bx: !stream.binding, %bw: !stream.binding, %bb: !stream.binding, %bo: !stream.binding"
+    return name, spliced.executable(name, bindings, 1, _kernel(c))
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def pointwise_conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The 1x1 convolution of `x` [N, C, H, W] by `w` [O, C] plus `b` [O] (`lanes`: the kernel's vectors)."""
+    return torch.nn.functional.conv2d(x, w[:, :, None, None], b)
+
+
+@pointwise_conv2d.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], *x.shape[2:])
+
+
+POINTWISE_CONV2D = torch.ops.fx_rewrites.pointwise_conv2d.default
+
+_CALL = re.compile(
+    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w]+)\) : '
+    r"\((.*)\) -> (.*)$"
+)
+
+
+def splice(mlir: str) -> str:
+    """`mlir` with every `fx_rewrites.pointwise_conv2d` call replaced by a `flow.dispatch` of its executable.
+    ValueError where a call has another form (dynamic sizes: the rule takes static ones only)."""
+    out, executables = [], {}
+    ints = dict(spliced._INT.findall(mlir))
+    for line in mlir.splitlines():
+        found = _CALL.match(line)
+        if not found or found.group(6) not in ints:
+            if MARK in line:
+                raise ValueError(f"a pointwise_conv2d call of an unknown form: {line.strip()[:200]}")
+            out.append(line)
+            continue
+        pad, res, x, w, b, lanes, types, otype = found.groups()
+        vx, vw, vb = re.findall(r"!torch\.vtensor<[^>]*>", types)[:3]
+        (tx, sx), (tw, sw), (tb, _) = spliced._tensor(vx), spliced._tensor(vw), spliced._tensor(vb)
+        if "?" in "".join(sx + sw):
+            raise ValueError(f"a pointwise_conv2d call with a dynamic size: {line.strip()[:200]}")
+        n, c, h, width = (int(s) for s in sx)
+        conv = Shape(n, c, h * width, int(sw[0]), int(ints[lanes]))
+        name, text = executable(conv)
+        executables[name] = text
+        to = f"tensor<{n}x{conv.o}x{h}x{width}xf32>"
+        v = f"pwc{res[1:]}"
+        out += [
+            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {vx} -> {tx}",
+            f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {vw} -> {tw}",
+            f"{pad}%{v}_b = torch_c.to_builtin_tensor {b} : {vb} -> {tb}",
+            f"{pad}%{v}_n = arith.constant {n * conv.chunks} : index",
+            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n](%{v}_x, %{v}_w, %{v}_b) : "
+            f"({tx}, {tw}, {tb}) -> {to}",
+            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : {to} -> {otype.strip()}",
+        ]
+    if not executables:
+        raise ValueError("no pointwise_conv2d call in the module")
+    start = next(i for i, line in enumerate(out) if line.startswith("module"))
+    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])

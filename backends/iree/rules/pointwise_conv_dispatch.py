@@ -1,0 +1,95 @@
+"""1x1 convolutions through the hand-written pointwise convolution dispatch (issue 32; llvm-cpu).
+
+    conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, 1, 1], stride 1, no padding, one group
+    -> pointwise_conv2d(x, w.reshape(O, C), b or zeros(O), lanes)
+
+`pointwise_conv_as_dispatch` writes AVX2's block (8 lanes), `pointwise_conv_as_dispatch_avx512` AVX-512's (16;
+`pointwise_conv_dispatch.BLOCKS`). Before `pointwise_conv_as_matmul` (the 1x1 as IREE's data-tiled product over
+the channels in place, which packs x and unpacks y on every call). A strided 1x1 is sliced to stride 1 first
+(`strided_pointwise_conv_as_slice`).
+
+**On for no ISA** (measured, docs/performance.md "A 1x1 convolution dispatch of our own"): the kernel alone runs
+conv_classes.py's 1x1 256->64 on 56x56 in 1.01-1.03 ms on AVX-512 (eager 0.81-0.86), and the row through the
+route read 1.3-1.5x eager against IREE's 1.7-2.1x, but ResNet-50, whose 36 1x1s it takes, gained nothing (AVX-512
+1.21 / 1.20x eager with / without, AVX2 1.10 / 1.08): IREE fuses the batch norm and ReLU after a 1x1 into its own
+product, which the dispatch leaves as a pass of their own. Kept for `--also-without +pointwise_conv_as_dispatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites.backends.iree.pointwise_conv_dispatch import POINTWISE_CONV2D
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
+from fx_rewrites.kinds import rule
+
+aten = torch.ops.aten
+
+
+def _pointwise(node: Node, lanes: int) -> dict[str, Any] | Miss:
+    """A static float32 1x1 convolution of one group at stride 1 with no padding, at least `lanes` pixels."""
+    c = static_2d(node, "the kernel is 2-D")
+    if isinstance(c, Miss):
+        return c
+    x, w = fake_value(c["input"]), fake_value(c["weight"])
+    if not isinstance(x.shape[0], int):
+        return Miss("a Dim on the batch: the kernel's workgroups are static")
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
+    if tuple(w.shape[2:]) != (1, 1) or c["groups"] != 1:
+        return Miss(f"a {tuple(w.shape[2:])} kernel in {c['groups']} groups: the kernel is a 1x1 of one group")
+    if c["stride"] != [1, 1] or any(c["padding"]) or c["dilation"] != [1, 1]:
+        return Miss(f"stride {c['stride']}, padding {c['padding']} (strided_pointwise_conv_as_slice first)")
+    if x.shape[2] * x.shape[3] < lanes:
+        return Miss(f"{x.shape[2]}x{x.shape[3]} pixels: fewer than a vector's {lanes}")
+    if c["bias"] is not None and not isinstance(c["bias"], Node):
+        return Miss("a bias that is not a tensor")
+    return c
+
+
+def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
+    w = fake_value(found["weight"])
+    weight = rw.call(aten.reshape.default, found["weight"], list(w.shape[:2]))
+    bias = found["bias"]
+    if bias is None:
+        bias = rw.call(aten.zeros.default, [w.shape[0]], dtype=torch.float32, device=w.device)
+    rw.replace(node, rw.call(POINTWISE_CONV2D, found["input"], weight, bias, lanes))
+
+
+_DOC = (
+    "A float32 1x1 2-D convolution of one group at stride 1, no padding, static sizes, becomes the hand-written "
+    "pointwise convolution dispatch (`fx_rewrites::pointwise_conv2d`): the input's rows of pixels read in place "
+    "as vectors, {block} output channels x pixels in registers, the bias added at the store; IREE 3.13's "
+    "data-tiled product packs the input and unpacks the output on every call."
+)
+
+
+@rule(
+    roots=_CONVS,
+    when=lambda node: _pointwise(node, 8),
+    priority=2,  # before pointwise_conv_as_matmul
+    tags={"iree", "performance", "convolution"},
+    doc=_DOC.format(block="AVX2's 4 x 24"),
+)
+def pointwise_conv_as_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _write(node, rw, found, 8)
+
+
+@rule(
+    roots=_CONVS,
+    when=lambda node: _pointwise(node, 16),
+    priority=2,  # before pointwise_conv_as_matmul
+    tags={"iree", "performance", "convolution"},
+    doc=_DOC.format(block="AVX-512's 8 x 48"),
+)
+def pointwise_conv_as_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _write(node, rw, found, 16)
+
+
+#: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)
+RULES = (pointwise_conv_as_dispatch, pointwise_conv_as_dispatch_avx512)

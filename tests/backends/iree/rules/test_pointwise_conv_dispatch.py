@@ -1,0 +1,173 @@
+"""`pointwise_conv_as_dispatch` and `pointwise_conv_as_dispatch_avx512` (backends/iree/rules/pointwise_conv_dispatch.py)
+and their kernel (backends/iree/pointwise_conv_dispatch.py).
+
+Real torch 2.13 exports of 1x1 convolutions (with and without a bias, batch 1 and 2, pixel counts off the vectors,
+more input channels than a channel block, output channels off the register block); the graph after (no convolution:
+one `pointwise_conv2d` of the input as it is, the weight [O, C], the bias or zeros, the ISA's lanes); numerics as near
+float64 as torch's own float32 on two input sets; what the rules decline (a Dim on the sizes, a kxk kernel, groups,
+stride, padding, float64, fewer pixels than a vector); the executable's blocks; both ISAs' routes end to end on IREE
+(the dispatch spliced and run: the masked last chunk, the channel blocks added to y, a strided 1x1 sliced first)
+against float64. (Its speed: docs/performance.md, "A 1x1 convolution dispatch of our own".)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fx_rewrites
+from fx_rewrites import testing as rt
+from fx_rewrites.backends.iree import IreeBackend, targets
+from fx_rewrites.backends.iree.legality import SPLICED
+from fx_rewrites.backends.iree.pointwise_conv_dispatch import (
+    CHANNEL_BLOCK,
+    MARK,
+    POINTWISE_CONV2D,
+    Shape,
+    executable,
+    splice,
+)
+from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
+from fx_rewrites.backends.iree.rules.pointwise_conv_dispatch import (
+    pointwise_conv_as_dispatch,
+    pointwise_conv_as_dispatch_avx512,
+)
+from tests.backends.iree.rules.float32_error import assert_within_torch_error
+
+aten = torch.ops.aten
+RULES = {8: pointwise_conv_as_dispatch, 16: pointwise_conv_as_dispatch_avx512}
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _conv(cin: int, cout: int, kernel: int = 1, bias: bool = True, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Conv2d(cin, cout, kernel, bias=bias, **kw).eval()
+
+
+def _in_float64(module: torch.nn.Module):
+    wide = copy.deepcopy(module).double()
+    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
+
+
+#: name -> (in channels, out channels, bias, input shape N, H, W)
+CASES = {
+    "bias_whole_chunks": (16, 24, True, (1, 12, 12)),  # 144 pixels: 6 chunks of 24 (AVX2), 3 of 48 (AVX-512)
+    "no_bias_one_pixel_tail": (8, 16, False, (1, 7, 7)),  # 49: a last chunk of one pixel, its vector masked
+    "channel_blocks_batch2": (160, 12, True, (2, 5, 9)),  # blocks of 64, 64 and 32 channels; 45 pixels
+    "out_off_the_block": (12, 20, True, (1, 9, 9)),  # 20 outputs: blocks of 4 (AVX2), 5 (AVX-512)
+    "prime_out": (8, 7, False, (1, 4, 6)),  # 7 outputs: blocks of 1 (AVX2), 7 (AVX-512)
+}
+
+
+def _case(name: str):
+    cin, cout, bias, (n, h, w) = CASES[name]
+    return _conv(cin, cout, bias=bias), [(_randn(0, n, cin, h, w),), (3.0 * _randn(1, n, cin, h, w),)]
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_pointwise_conv_as_dispatch(name, lanes):
+    module, inputs = _case(name)
+    rule = RULES[lanes]
+    result = rt.apply_rules(rt.export(module, *inputs[0]), rule)
+    rt.assert_fired(result, rule, times=1)
+    rt.assert_ops(result, absent=[aten.conv2d.default, aten.convolution.default])
+    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is POINTWISE_CONV2D]
+    x, w, b, call_lanes = call.args
+    assert x.op == "placeholder", "the input as it is"
+    assert w.target is aten.reshape.default and list(w.meta["val"].shape) == list(module.weight.shape[:2])
+    if module.bias is not None:
+        assert b.op == "placeholder", "the bias as it is, added at the store"
+    else:
+        assert b.target is aten.zeros.default and b.meta["val"].shape == (module.out_channels,)
+    assert call_lanes == lanes
+    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    rt.assert_idempotent(result, rule)
+
+
+class WeightIn(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.nn.functional.conv2d(x, w)
+
+
+def test_pointwise_conv_as_dispatch_declines():
+    """A Dim on a spatial size or on the batch, a 3x3, two groups, stride 2 (`strided_pointwise_conv_as_slice`
+    slices it first), padding, float64, fewer pixels than a vector (AVX-512's 16, AVX2 taking them); a weight passed
+    in is taken (the kernel reads it as it is)."""
+    rules = tuple(RULES.values())
+    x = _randn(0, 1, 8, 8, 8)
+    for dim in ({2: Dim("h", min=4, max=64)}, {0: Dim("batch", min=1, max=8)}):
+        ep = rt.export(_conv(8, 8), _randn(0, 2, 8, 16, 16), dynamic_shapes=(dim,))
+        result = rt.apply_rules(ep, *rules)
+        for rule in rules:
+            rt.assert_not_fired(result, rule)
+    cases = [
+        (_conv(8, 8, 3, padding=1), (x,)),
+        (_conv(8, 8, groups=2), (x,)),
+        (_conv(8, 8, stride=2), (x,)),
+        (_conv(8, 8, padding=1), (x,)),
+        (_conv(8, 8).double(), (x.double(),)),
+    ]
+    for m, args in cases:
+        result = rt.apply_rules(rt.export(m, *args), *rules)
+        for rule in rules:
+            rt.assert_not_fired(result, rule)
+    narrow = rt.export(_conv(8, 8), _randn(0, 1, 8, 3, 4))  # 12 pixels
+    rt.assert_not_fired(rt.apply_rules(narrow, pointwise_conv_as_dispatch_avx512), pointwise_conv_as_dispatch_avx512)
+    rt.assert_fired(rt.apply_rules(narrow, pointwise_conv_as_dispatch), pointwise_conv_as_dispatch, times=1)
+    taken = rt.apply_rules(rt.export(WeightIn(), x, _randn(1, 16, 8, 1, 1)), pointwise_conv_as_dispatch)
+    rt.assert_fired(taken, pointwise_conv_as_dispatch, times=1)
+
+
+def test_shape_and_executable():
+    """The blocks: AVX2 4 outputs x 3 vectors of 8, AVX-512 8 x 3 of 16 (fewer where o or p is smaller); the chunks
+    and the last one's pixels; a masked vector only where the last chunk is partial; channel blocks a loop only past
+    `CHANNEL_BLOCK`; the op is named spliced; a module without a call is refused."""
+    assert Shape(1, 256, 3136, 64, 8).block == (4, 3) and Shape(1, 256, 3136, 64, 16).block == (8, 3)
+    assert Shape(1, 8, 49, 20, 16).block == (5, 3) and Shape(1, 8, 20, 7, 16).block == (7, 2)
+    conv = Shape(1, 8, 49, 16, 16)
+    assert (conv.chunk, conv.chunks, conv.tail) == (48, 2, 1)
+    name, text = executable(conv)
+    assert name in text and "pwconv_1x8x49_o16_l16" in name
+    assert "vector.constant_mask [1] : vector<16xi1>" in text and "vector.maskedstore" in text
+    assert "vector.maskedload" in text and "scf.if %last" in text
+    whole = executable(Shape(1, 8, 96, 16, 16))[1]
+    assert "mask" not in whole and "scf.if" not in whole and "%kb" not in whole
+    assert f"step %c{CHANNEL_BLOCK}w" in executable(Shape(1, CHANNEL_BLOCK + 1, 96, 16, 16))[1]
+    assert "fx_rewrites.pointwise_conv2d.default" in SPLICED
+    with pytest.raises(ValueError, match=r"no pointwise_conv2d call"):
+        splice("module {\n}")
+    assert MARK == "torch.fx_rewrites.pointwise_conv2d"
+
+
+#: through IREE: the cases above and a strided 1x1 (sliced to stride 1 by `strided_pointwise_conv_as_slice`)
+IREE_CASES = [*CASES, "strided"]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("name", IREE_CASES)
+def test_pointwise_conv_as_dispatch_on_iree(name, isa):
+    """The ISA's rule (on for no ISA: applied first), then the ISA's route (the code runs where the host has the
+    ISA): the dispatch is spliced and run, and on two inputs (and 16 redraws of each for torch's error: the kernel sums its channels in
+    blocks) the result is as near float64 as torch's float32, within a step."""
+    if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
+        pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
+    if name == "strided":
+        module, inputs = _conv(24, 16, stride=2), [(_randn(0, 1, 24, 14, 18),), (3.0 * _randn(1, 1, 24, 14, 18),)]
+    else:
+        module, inputs = _case(name)
+    rule = RULES[16 if isa == "avx512" else 8]
+    iree = IreeBackend(target=targets.llvm_cpu(isa))
+    assert rule.name not in targets.CPU_ISAS[isa].perf_rules  # on for no ISA (measured): the rule first
+    first = rt.apply_rules(rt.export(module, *inputs[0]), strided_pointwise_conv_as_slice, rule)
+    rt.assert_fired(first, rule, times=1)
+    result = fx_rewrites.apply(first.program, iree.rules)
+    fn = iree.compile(result.program, inputs[0])
+    assert MARK in fn.mlir and "flow.dispatch @pwconv_" in splice(fn.mlir)
+    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
