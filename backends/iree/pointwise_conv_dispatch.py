@@ -10,7 +10,8 @@ lanes floats) stays in cache; the last chunk holds the rest, its partial vector 
 race on y, which each block of input channels adds to). The input channels are summed in blocks of
 `CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias.
 
-It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes)` (eager: torch's convolution), imported by
+It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes, relu)` (eager: torch's convolution, then
+the ReLU where `relu` is 1), imported by
 torch-mlir as `torch.operator "torch.fx_rewrites.pointwise_conv2d"`; `splice` (run by `IreeBackend` through
 `kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is in
 `rules/pointwise_conv_dispatch.py`.
@@ -38,13 +39,15 @@ CHANNEL_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One 1x1 convolution: x [n, c, p] (p = h w pixels), w [o, c]; `lanes` a vector's floats."""
+    """One 1x1 convolution: x [n, c, p] (p = h w pixels), w [o, c]; `lanes` a vector's floats; `relu`: y's
+    negative values stored as 0."""
 
     n: int
     c: int
     p: int
     o: int
     lanes: int
+    relu: bool = False
 
     @property
     def block(self) -> tuple[int, int]:
@@ -137,9 +140,9 @@ class _Writer:
         add("}")
         return [f"%{tag}acc#{n}" for n in range(len(keys))]
 
-    def blocks(self, tag: str, first: str, last: str, initial: bool) -> None:
+    def blocks(self, tag: str, first: str, last: str, initial: bool, relu: bool) -> None:
         """Every block of R output channels over input channels `first` to `last`: y = the sums + the bias where
-        `initial`, else y += the sums."""
+        `initial`, else y += the sums; then max(y, 0) where `relu` (the last block of input channels)."""
         add, conv, vec = self.add, self.conv, self.vec
         r, v, bt = conv.block[0], len(self.vectors), conv.memrefs()[2]
         add(f"scf.for %{tag}ob = %c0 to %c{conv.o}w step %c{r}w {{")
@@ -160,20 +163,28 @@ class _Writer:
                 else:
                     self.load(f"%{tag}y{o}_{u}", "%om", at, u)
                     add(f"%{tag}s{o}_{u} = arith.addf %{tag}y{o}_{u}, {sums[o * v + u]} : {vec}")
-                self.store(f"%{tag}s{o}_{u}", "%om", at, u)
+                value = f"%{tag}s{o}_{u}"
+                if relu:
+                    add(f"%{tag}r{o}_{u} = arith.maximumf {value}, %zero : {vec}")
+                    value = f"%{tag}r{o}_{u}"
+                self.store(value, "%om", at, u)
         add("}")
 
     def chunk(self) -> None:
-        """The chunk's y: its first block of input channels with the bias, then each other block added."""
+        """The chunk's y: its first block of input channels with the bias, then each other block added, the last
+        with the ReLU where the convolution has one."""
         conv, add, t = self.conv, self.add, self.tag
-        first = min(CHANNEL_BLOCK, conv.c)
-        self.blocks(f"{t}h", "%c0", f"%c{first}w", True)
-        if conv.c > first:
-            add(f"scf.for %{t}kb = %c{first}w to %c{conv.c}w step %c{CHANNEL_BLOCK}w {{")
-            add(f"%{t}ke0 = arith.addi %{t}kb, %c{CHANNEL_BLOCK}w : index")
-            add(f"%{t}ke = arith.minui %{t}ke0, %c{conv.c}w : index")
-            self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False)
+        starts = list(range(0, conv.c, CHANNEL_BLOCK))
+        if len(starts) == 1:
+            self.blocks(f"{t}h", "%c0", f"%c{conv.c}w", True, conv.relu)
+            return
+        self.blocks(f"{t}h", "%c0", f"%c{CHANNEL_BLOCK}w", True, False)
+        if len(starts) > 2:  # the whole blocks between the first and the last
+            add(f"scf.for %{t}kb = %c{starts[1]}w to %c{starts[-1]}w step %c{CHANNEL_BLOCK}w {{")
+            add(f"%{t}ke = arith.addi %{t}kb, %c{CHANNEL_BLOCK}w : index")
+            self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False, False)
             add("}")
+        self.blocks(f"{t}z", f"%c{starts[-1]}w", f"%c{conv.c}w", False, conv.relu)
 
 
 def _kernel(conv: Shape) -> str:
@@ -214,26 +225,28 @@ def _kernel(conv: Shape) -> str:
 def executable(conv: Shape) -> tuple[str, str]:
     """The name (unique per shape: findings 52) and text of the `stream.executable` over n x chunks workgroups."""
     c = conv
-    name = f"pwconv_{c.n}x{c.c}x{c.p}_o{c.o}_l{c.lanes}"
+    name = f"pwconv_{c.n}x{c.c}x{c.p}_o{c.o}_l{c.lanes}{'_relu' if c.relu else ''}"
     bindings = "%bx: !stream.binding, %bw: !stream.binding, %bb: !stream.binding, %bo: !stream.binding"
     return name, spliced.executable(name, bindings, 1, _kernel(c))
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def pointwise_conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int) -> torch.Tensor:
-    """The 1x1 convolution of `x` [N, C, H, W] by `w` [O, C] plus `b` [O] (`lanes`: the kernel's vectors)."""
-    return torch.nn.functional.conv2d(x, w[:, :, None, None], b)
+def pointwise_conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int, relu: int) -> torch.Tensor:
+    """The 1x1 convolution of `x` [N, C, H, W] by `w` [O, C] plus `b` [O], then a ReLU where `relu` is 1 (`lanes`:
+    the kernel's vectors)."""
+    y = torch.nn.functional.conv2d(x, w[:, :, None, None], b)
+    return torch.relu(y) if relu else y
 
 
 @pointwise_conv2d.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int, relu: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], *x.shape[2:])
 
 
 POINTWISE_CONV2D = torch.ops.fx_rewrites.pointwise_conv2d.default
 
 _CALL = re.compile(
-    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w]+)\) : '
+    rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w]+), (%[\w]+)\) : '
     r"\((.*)\) -> (.*)$"
 )
 
@@ -245,18 +258,18 @@ def splice(mlir: str) -> str:
     ints = dict(spliced._INT.findall(mlir))
     for line in mlir.splitlines():
         found = _CALL.match(line)
-        if not found or found.group(6) not in ints:
+        if not found or found.group(6) not in ints or found.group(7) not in ints:
             if MARK in line:
                 raise ValueError(f"a pointwise_conv2d call of an unknown form: {line.strip()[:200]}")
             out.append(line)
             continue
-        pad, res, x, w, b, lanes, types, otype = found.groups()
+        pad, res, x, w, b, lanes, relu, types, otype = found.groups()
         vx, vw, vb = re.findall(r"!torch\.vtensor<[^>]*>", types)[:3]
         (tx, sx), (tw, sw), (tb, _) = spliced._tensor(vx), spliced._tensor(vw), spliced._tensor(vb)
         if "?" in "".join(sx + sw):
             raise ValueError(f"a pointwise_conv2d call with a dynamic size: {line.strip()[:200]}")
         n, c, h, width = (int(s) for s in sx)
-        conv = Shape(n, c, h * width, int(sw[0]), int(ints[lanes]))
+        conv = Shape(n, c, h * width, int(sw[0]), int(ints[lanes]), bool(int(ints[relu])))
         name, text = executable(conv)
         executables[name] = text
         to = f"tensor<{n}x{conv.o}x{h}x{width}xf32>"

@@ -145,7 +145,19 @@ _CONV_RULES = (
     "depthwise_conv_as_row_partials",
 )
 #: AVX-512: convolutions as im2col + matmul per shape (rules/im2col.py) instead of IREE's global flag
-_AVX512_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_im2col_matmul")
+_AVX512_CONV_RULES = (
+    *_CONV_RULES,
+    "pointwise_conv_as_dispatch_avx512",
+    "batch_norm_into_pointwise_conv",
+    "relu_into_pointwise_conv",
+    "pointwise_conv_as_matmul",
+    "conv_as_im2col_matmul",
+)
+# `pointwise_conv_as_dispatch_avx512` with the batch norm folded into it and the ReLU in its store
+# (rules/pointwise_conv_dispatch.py): AVX-512 only, locked on Emerald Rapids, the route / eager without -> with:
+# ResNet-50 1.12 -> 1.02 (quiet) and 1.08 -> 0.99 (load 4), MobileNetV2 0.43 -> 0.40, ResNeXt-50 1.12 -> 1.05,
+# EfficientNet-B0 0.81 -> 0.75, MobileNetV3-L 0.56 -> 0.48 (load 4); on AVX2 ResNet-50 read 1.10 -> 1.07 and the
+# other models were not measured (docs/performance.md, "A 1x1 convolution dispatch of our own")
 #: AVX2: IREE's global im2col flag, and before it the 1x1s as a matmul over the channels in place (rules/im2col.py).
 #: Real Zen 3, locked, route with -> without `pointwise_conv_as_matmul`: MobileNetV2 0.86x (0.81x, 0.83x in earlier
 #: runs), EfficientNet-B0 0.94x, MobileNetV3-L 0.70x, ResNet-50 0.95x, runtime.py's resnet 0.98x

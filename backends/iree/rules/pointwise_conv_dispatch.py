@@ -24,6 +24,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.pointwise_conv_dispatch import POINTWISE_CONV2D
 from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
+from fx_rewrites.backends.iree.rules.conv_taps import constant_weight
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -58,7 +59,7 @@ def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
     bias = found["bias"]
     if bias is None:
         bias = rw.call(aten.zeros.default, [w.shape[0]], dtype=torch.float32, device=w.device)
-    rw.replace(node, rw.call(POINTWISE_CONV2D, found["input"], weight, bias, lanes))
+    rw.replace(node, rw.call(POINTWISE_CONV2D, found["input"], weight, bias, lanes, 0))
 
 
 _DOC = (
@@ -91,5 +92,80 @@ def pointwise_conv_as_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[s
     _write(node, rw, found, 16)
 
 
+def _constant(node: Any) -> bool:
+    """`node` is the program's own value (`constant_weight`), or a reshape or zeros of such (what `_write` passes)."""
+    if node is None or constant_weight(node):
+        return True
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    if node.target is aten.zeros.default:
+        return True
+    return node.target is aten.reshape.default and constant_weight(node.args[0])
+
+
+def _sole_input_call(node: Node) -> Node | Miss:
+    """`node`'s input, a `pointwise_conv2d` without its ReLU used by `node` alone, or why not."""
+    conv = node.args[0]
+    if not isinstance(conv, Node) or conv.target is not POINTWISE_CONV2D:
+        return Miss("not after a pointwise_conv2d")
+    if len(conv.users) != 1:
+        return Miss(f"the pointwise_conv2d has {len(conv.users)} users")
+    if conv.args[4]:
+        return Miss("after the pointwise_conv2d's ReLU")
+    return conv
+
+
+def _folded_norm(node: Node, *, args: dict[str, Any]) -> Node | Miss:
+    """An inference batch norm of a `pointwise_conv2d` whose weight, bias and statistics are the program's own."""
+    if args["training"]:
+        return Miss("a training batch norm (its batch statistics)")
+    conv = _sole_input_call(node)
+    if isinstance(conv, Miss):
+        return conv
+    names = ("weight", "bias", "running_mean", "running_var")
+    if not all(_constant(v) for v in (*conv.args[1:3], *(args[k] for k in names))) or args["running_var"] is None:
+        return Miss("a weight, bias or statistic that is not the program's own: it would be folded at every call")
+    return conv
+
+
+@rule(
+    roots=(aten.batch_norm.default,),
+    when=_folded_norm,
+    tags={"iree", "performance", "convolution"},
+    doc=(
+        "An inference batch norm after a `pointwise_conv2d` is folded into its weight and bias (scale = gamma / "
+        "sqrt(var + eps): w scale, (b - mean) scale + beta; the program's own values, evaluated once by IREE): "
+        "IREE fuses a batch norm into its own product, which the dispatch would leave as a pass of its own."
+    ),
+)
+def batch_norm_into_pointwise_conv(node: Node, rw: Rewriter, *, args: dict[str, Any], found: Node) -> Any:
+    x, w, b, lanes, _ = found.args
+    inverse = rw.call(aten.rsqrt.default, rw.call(aten.add.Tensor, args["running_var"], args["eps"]))
+    scale = inverse if args["weight"] is None else rw.call(aten.mul.Tensor, args["weight"], inverse)
+    weight = rw.call(aten.mul.Tensor, w, rw.call(aten.unsqueeze.default, scale, 1))
+    bias = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, b, args["running_mean"]), scale)
+    if args["bias"] is not None:
+        bias = rw.call(aten.add.Tensor, bias, args["bias"])
+    rw.replace(node, rw.call(POINTWISE_CONV2D, x, weight, bias, lanes, 0))
+
+
+@rule(
+    roots=(aten.relu.default,),
+    when=lambda node: _sole_input_call(node),
+    tags={"iree", "performance", "convolution"},
+    doc=(
+        "A ReLU of a `pointwise_conv2d` is done in the dispatch's last store (`relu` 1): IREE fuses a ReLU into its "
+        "own product, which the dispatch would leave as a pass of its own."
+    ),
+)
+def relu_into_pointwise_conv(node: Node, rw: Rewriter, *, found: Node) -> Any:
+    rw.replace(node, rw.call(POINTWISE_CONV2D, *found.args[:4], 1))
+
+
 #: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)
-RULES = (pointwise_conv_as_dispatch, pointwise_conv_as_dispatch_avx512)
+RULES = (
+    pointwise_conv_as_dispatch,
+    pointwise_conv_as_dispatch_avx512,
+    batch_norm_into_pointwise_conv,
+    relu_into_pointwise_conv,
+)

@@ -32,8 +32,10 @@ from fx_rewrites.backends.iree.pointwise_conv_dispatch import (
 )
 from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
 from fx_rewrites.backends.iree.rules.pointwise_conv_dispatch import (
+    batch_norm_into_pointwise_conv,
     pointwise_conv_as_dispatch,
     pointwise_conv_as_dispatch_avx512,
+    relu_into_pointwise_conv,
 )
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
@@ -79,14 +81,14 @@ def test_pointwise_conv_as_dispatch(name, lanes):
     rt.assert_fired(result, rule, times=1)
     rt.assert_ops(result, absent=[aten.conv2d.default, aten.convolution.default])
     (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is POINTWISE_CONV2D]
-    x, w, b, call_lanes = call.args
+    x, w, b, call_lanes, relu = call.args
     assert x.op == "placeholder", "the input as it is"
     assert w.target is aten.reshape.default and list(w.meta["val"].shape) == list(module.weight.shape[:2])
     if module.bias is not None:
         assert b.op == "placeholder", "the bias as it is, added at the store"
     else:
         assert b.target is aten.zeros.default and b.meta["val"].shape == (module.out_channels,)
-    assert call_lanes == lanes
+    assert call_lanes == lanes and relu == 0
     assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
     rt.assert_idempotent(result, rule)
 
@@ -127,8 +129,9 @@ def test_pointwise_conv_as_dispatch_declines():
 
 def test_shape_and_executable():
     """The blocks: AVX2 4 outputs x 3 vectors of 8, AVX-512 8 x 3 of 16 (fewer where o or p is smaller); the chunks
-    and the last one's pixels; a masked vector only where the last chunk is partial; channel blocks a loop only past
-    `CHANNEL_BLOCK`; the op is named spliced; a module without a call is refused."""
+    and the last one's pixels; a masked vector only where the last chunk is partial; channel blocks: the first, a
+    loop over the whole ones between, the last (with the ReLU); the op is named spliced; a module without a call is
+    refused."""
     assert Shape(1, 256, 3136, 64, 8).block == (4, 3) and Shape(1, 256, 3136, 64, 16).block == (8, 3)
     assert Shape(1, 8, 49, 20, 16).block == (5, 3) and Shape(1, 8, 20, 7, 16).block == (7, 2)
     conv = Shape(1, 8, 49, 16, 16)
@@ -139,7 +142,12 @@ def test_shape_and_executable():
     assert "vector.maskedload" in text and "scf.if %last" in text
     whole = executable(Shape(1, 8, 96, 16, 16))[1]
     assert "mask" not in whole and "scf.if" not in whole and "%kb" not in whole
-    assert f"step %c{CHANNEL_BLOCK}w" in executable(Shape(1, CHANNEL_BLOCK + 1, 96, 16, 16))[1]
+    two, three = (executable(Shape(1, CHANNEL_BLOCK * k + 1, 96, 16, 16))[1] for k in (1, 2))
+    assert "%fzacc" in two and "%fkb" not in two, "two blocks of channels: the first and the last, no loop"
+    assert f"step %c{CHANNEL_BLOCK}w" in three and "%fkb" in three, "three: a loop over the whole ones between"
+    relu = executable(Shape(1, CHANNEL_BLOCK * 2 + 1, 96, 16, 16, relu=True))
+    assert relu[0].endswith("_relu") and relu[1].count("arith.maximumf") == 8 * 3, "in the last block's stores only"
+    assert "arith.maximumf" not in three
     assert "fx_rewrites.pointwise_conv2d.default" in SPLICED
     with pytest.raises(ValueError, match=r"no pointwise_conv2d call"):
         splice("module {\n}")
@@ -153,8 +161,8 @@ IREE_CASES = [*CASES, "strided"]
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("name", IREE_CASES)
 def test_pointwise_conv_as_dispatch_on_iree(name, isa):
-    """The ISA's rule (on for no ISA: applied first), then the ISA's route (the code runs where the host has the
-    ISA): the dispatch is spliced and run, and on two inputs (and 16 redraws of each for torch's error: the kernel sums its channels in
+    """The ISA's route (AVX2's rule, on for AVX-512 only, applied first; the code runs where the host has the ISA):
+    the dispatch is spliced and run, and on two inputs (and 16 redraws of each for torch's error: the kernel sums its channels in
     blocks) the result is as near float64 as torch's float32, within a step."""
     if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
         pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
@@ -164,10 +172,106 @@ def test_pointwise_conv_as_dispatch_on_iree(name, isa):
         module, inputs = _case(name)
     rule = RULES[16 if isa == "avx512" else 8]
     iree = IreeBackend(target=targets.llvm_cpu(isa))
-    assert rule.name not in targets.CPU_ISAS[isa].perf_rules  # on for no ISA (measured): the rule first
+    assert (rule.name in targets.CPU_ISAS[isa].perf_rules) == (isa == "avx512")  # on for AVX-512 (measured)
     first = rt.apply_rules(rt.export(module, *inputs[0]), strided_pointwise_conv_as_slice, rule)
     rt.assert_fired(first, rule, times=1)
-    result = fx_rewrites.apply(first.program, iree.rules)
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]) if isa == "avx512" else first.program, iree.rules)
+    if isa == "avx512":
+        rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert MARK in fn.mlir and "flow.dispatch @pwconv_" in splice(fn.mlir)
+    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
+
+
+class ConvNormRelu(torch.nn.Module):
+    """A ResNet layer's 1x1: convolution, batch norm with running statistics that are not the identity, ReLU."""
+
+    def __init__(self, cin: int, cout: int, bias: bool = False, relu: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(cin, cout, 1, bias=bias)
+        self.norm = torch.nn.BatchNorm2d(cout)
+        self.relu = relu
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 2.0)
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+        self.eval()
+
+    def forward(self, x):
+        y = self.norm(self.conv(x))
+        return torch.relu(y) if self.relu else y
+
+
+FOLDS = {  # name -> (in, out, conv bias, relu, input N, H, W): the last ReLU'd over one and over three channel blocks
+    "norm_relu": (16, 24, False, True, (1, 7, 7)),
+    "norm_no_relu_conv_bias": (12, 20, True, False, (2, 5, 9)),
+    "norm_relu_three_channel_blocks": (CHANNEL_BLOCK * 2 + 8, 16, False, True, (1, 6, 6)),
+}
+
+
+def _fold_case(name: str):
+    cin, cout, bias, relu, (n, h, w) = FOLDS[name]
+    module = ConvNormRelu(cin, cout, bias, relu)
+    return module, [(_randn(0, n, cin, h, w),), (3.0 * _randn(1, n, cin, h, w),)]
+
+
+@pytest.mark.parametrize("name", list(FOLDS))
+def test_batch_norm_and_relu_into_pointwise_conv(name):
+    """The batch norm folded into the weight and bias (computed from the program's own values), the ReLU into the
+    call's last store: one `pointwise_conv2d`, no batch norm or ReLU left; as near float64 as torch's float32."""
+    module, inputs = _fold_case(name)
+    rules = (pointwise_conv_as_dispatch, batch_norm_into_pointwise_conv, relu_into_pointwise_conv)
+    result = rt.apply_rules(rt.export(module, *inputs[0]), *rules)
+    rt.assert_fired(result, batch_norm_into_pointwise_conv, times=1)
+    if module.relu:
+        rt.assert_fired(result, relu_into_pointwise_conv, times=1)
+    rt.assert_ops(result, absent=[aten.batch_norm.default, aten.relu.default, aten.conv2d.default])
+    (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is POINTWISE_CONV2D]
+    assert call.args[4] == int(module.relu)
+    assert_within_torch_error(result.program.module(), _in_float64(module), inputs, redraws=16)
+    rt.assert_idempotent(result, *rules)
+
+
+class NormTwice(torch.nn.Module):
+    """The convolution's output used by the batch norm and by the sum after it: not folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ConvNormRelu(8, 8, relu=False)
+
+    def forward(self, x):
+        y = self.inner.conv(x)
+        return torch.relu(self.inner.norm(y)) + y
+
+
+def test_folds_decline():
+    """A convolution output with another user keeps its batch norm and ReLU; a batch norm in training mode is not
+    folded."""
+    rules = (pointwise_conv_as_dispatch, batch_norm_into_pointwise_conv, relu_into_pointwise_conv)
+    x = _randn(0, 1, 8, 6, 6)
+    result = rt.apply_rules(rt.export(NormTwice().eval(), x), *rules)
+    rt.assert_fired(result, pointwise_conv_as_dispatch, times=1)
+    rt.assert_not_fired(result, batch_norm_into_pointwise_conv)
+    rt.assert_not_fired(result, relu_into_pointwise_conv)
+    training = torch.export.export(ConvNormRelu(8, 8).train(), (x,))  # batch_norm(..., training=True, ...)
+    result = rt.apply_rules(training, *rules)
+    rt.assert_fired(result, pointwise_conv_as_dispatch, times=1)
+    rt.assert_not_fired(result, batch_norm_into_pointwise_conv)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("name", list(FOLDS))
+def test_folded_pointwise_conv_on_iree(name, isa):
+    """The folded call through IREE: the ReLU in the kernel's last store, over one and three channel blocks."""
+    if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
+        pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
+    module, inputs = _fold_case(name)
+    rules = (RULES[16 if isa == "avx512" else 8], batch_norm_into_pointwise_conv, relu_into_pointwise_conv)
+    first = rt.apply_rules(rt.export(module, *inputs[0]), *rules)
+    rt.assert_fired(first, batch_norm_into_pointwise_conv, times=1)
+    iree = IreeBackend(target=targets.llvm_cpu(isa))
+    fn = iree.compile(fx_rewrites.apply(first.program, iree.rules).program, inputs[0])
+    assert ("_relu" in splice(fn.mlir)) == module.relu
     assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
