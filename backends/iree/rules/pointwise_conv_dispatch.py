@@ -8,11 +8,12 @@
 the channels in place, which packs x and unpacks y on every call). A strided 1x1 is sliced to stride 1 first
 (`strided_pointwise_conv_as_slice`).
 
-**On for no ISA** (measured, docs/performance.md "A 1x1 convolution dispatch of our own"): the kernel alone runs
-conv_classes.py's 1x1 256->64 on 56x56 in 1.01-1.03 ms on AVX-512 (eager 0.81-0.86), and the row through the
-route read 1.3-1.5x eager against IREE's 1.7-2.1x, but ResNet-50, whose 36 1x1s it takes, gained nothing (AVX-512
-1.21 / 1.20x eager with / without, AVX2 1.10 / 1.08): IREE fuses the batch norm and ReLU after a 1x1 into its own
-product, which the dispatch leaves as a pass of their own. Kept for `--also-without +pointwise_conv_as_dispatch`.
+`batch_norm_into_pointwise_conv` folds an inference batch norm after the call into its weight and bias, and
+`relu_into_pointwise_conv` puts a ReLU after it into the kernel's last store: alone, the dispatch gained nothing on
+ResNet-50 (IREE fuses the batch norm and ReLU after a 1x1 into its own product); with both, on AVX-512 ResNet-50 read
+1.12 -> 1.02x eager and MobileNetV2, ResNeXt-50, EfficientNet-B0, MobileNetV3-L gained 7-14% (docs/performance.md,
+"A 1x1 convolution dispatch of our own"). On for AVX-512 (`targets.py`); AVX2's is kept for `--also-without
++pointwise_conv_as_dispatch+...` (ResNet-50 1.10 -> 1.07x, its other models not measured).
 """
 
 from __future__ import annotations
