@@ -8,13 +8,13 @@ unpacks y (the 1x1 256->64 on 56x56 at 1.75-2.10x eager, docs/performance.md "Bo
 workgroup an (n, chunk of V lanes pixels); it runs every block of output channels over its chunk, whose x (C x V
 lanes floats) stays in cache; the last chunk holds the rest, its partial vector masked (an overlapping chunk would
 race on y, which each block of input channels adds to). The input channels are summed in blocks of
-`CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias.
+`CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias, the last with the
+ReLU where the call has one.
 
-It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes, relu)` (eager: torch's convolution, then
-the ReLU where `relu` is 1), imported by
-torch-mlir as `torch.operator "torch.fx_rewrites.pointwise_conv2d"`; `splice` (run by `IreeBackend` through
-`kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`. The rule writing it is in
-`rules/pointwise_conv_dispatch.py`.
+It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes, relu)` (eager: torch's convolution, then the
+ReLU where `relu` is 1), imported by torch-mlir as `torch.operator "torch.fx_rewrites.pointwise_conv2d"`; `splice`
+(run by `IreeBackend` through `kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`.
+The rules writing it (and folding a batch norm and a ReLU into it) are in `rules/pointwise_conv_dispatch.py`.
 """
 
 from __future__ import annotations
