@@ -123,8 +123,10 @@ def _folded_norm(node: Node, *, args: dict[str, Any]) -> Node | Miss:
     conv = _sole_input_call(node)
     if isinstance(conv, Miss):
         return conv
+    if args["running_mean"] is None or args["running_var"] is None:
+        return Miss("no running statistics (the batch's own are used)")
     names = ("weight", "bias", "running_mean", "running_var")
-    if not all(_constant(v) for v in (*conv.args[1:3], *(args[k] for k in names))) or args["running_var"] is None:
+    if not all(_constant(v) for v in (*conv.args[1:3], *(args[k] for k in names))):
         return Miss("a weight, bias or statistic that is not the program's own: it would be folded at every call")
     return conv
 
