@@ -256,34 +256,21 @@ _CALL = re.compile(
 def splice(mlir: str) -> str:
     """`mlir` with every `fx_rewrites.grouped_conv2d` call replaced by a `flow.dispatch` of its executable.
     ValueError where a call has another form (dynamic sizes: the rule takes static ones only)."""
-    out, executables = [], {}
-    ints = dict(spliced._INT.findall(mlir))
-    for line in mlir.splitlines():
-        found = _CALL.match(line)
-        scalars = found.group(5).split(", ")[1:] if found else []
-        if not found or any(name not in ints for name in scalars):
-            if MARK in line:
-                raise ValueError(f"a grouped_conv2d call of an unknown form: {line.strip()[:200]}")
-            out.append(line)
-            continue
-        pad, res, x, w, _, types, otype = found.groups()
-        vx, vw = re.findall(r"!torch\.vtensor<[^>]*>", types)[:2]
-        (tx, sx), (tw, sw) = spliced._tensor(vx), spliced._tensor(vw)
-        if "?" in sx + sw:
-            raise ValueError(f"a grouped_conv2d call with a dynamic size: {line.strip()[:200]}")
-        conv = Shape(*(int(s) for s in sx), *(int(s) for s in sw), *(int(ints[name]) for name in scalars))
-        name, text = executable(conv)
-        executables[name] = text
-        to = f"tensor<{conv.n}x{conv.o}x{conv.oh}x{conv.ow}xf32>"
-        v = f"gcv{res[1:]}"
-        out += [
-            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {vx} -> {tx}",
-            f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {vw} -> {tw}",
-            f"{pad}%{v}_n = arith.constant {conv.n * conv.o} : index",
-            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n](%{v}_x, %{v}_w) : ({tx}, {tw}) -> {to}",
-            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : {to} -> {otype.strip()}",
-        ]
-    if not executables:
-        raise ValueError("no grouped_conv2d call in the module")
-    start = next(i for i, line in enumerate(out) if line.startswith("module"))
-    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+    return spliced.splice_each(mlir, MARK, "grouped_conv2d", _convert)
+
+
+def _convert(line: str, ints: dict[str, str]) -> spliced.Spliced:
+    found = _CALL.match(line)
+    scalars = found.group(5).split(", ")[1:] if found else []
+    if not found or any(name not in ints for name in scalars):
+        raise ValueError(f"a grouped_conv2d call of an unknown form: {line.strip()[:200]}")
+    pad, res, x, w, _, types, otype = found.groups()
+    vx, vw = re.findall(r"!torch\.vtensor<[^>]*>", types)[:2]
+    sx, sw = spliced._tensor(vx)[1], spliced._tensor(vw)[1]
+    if "?" in sx + sw:
+        raise ValueError(f"a grouped_conv2d call with a dynamic size: {line.strip()[:200]}")
+    conv = Shape(*(int(s) for s in sx), *(int(s) for s in sw), *(int(ints[name]) for name in scalars))
+    name, text = executable(conv)
+    to = f"tensor<{conv.n}x{conv.o}x{conv.oh}x{conv.ow}xf32>"
+    lines = spliced.dispatch_lines(pad, f"gcv{res[1:]}", name, [(x, vx), (w, vw)], conv.n * conv.o, to, res, otype)
+    return lines, name, text

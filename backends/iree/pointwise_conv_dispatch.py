@@ -254,36 +254,21 @@ _CALL = re.compile(
 def splice(mlir: str) -> str:
     """`mlir` with every `fx_rewrites.pointwise_conv2d` call replaced by a `flow.dispatch` of its executable.
     ValueError where a call has another form (dynamic sizes: the rule takes static ones only)."""
-    out, executables = [], {}
-    ints = dict(spliced._INT.findall(mlir))
-    for line in mlir.splitlines():
-        found = _CALL.match(line)
-        if not found or found.group(6) not in ints or found.group(7) not in ints:
-            if MARK in line:
-                raise ValueError(f"a pointwise_conv2d call of an unknown form: {line.strip()[:200]}")
-            out.append(line)
-            continue
-        pad, res, x, w, b, lanes, relu, types, otype = found.groups()
-        vx, vw, vb = re.findall(r"!torch\.vtensor<[^>]*>", types)[:3]
-        (tx, sx), (tw, sw), (tb, _) = spliced._tensor(vx), spliced._tensor(vw), spliced._tensor(vb)
-        if "?" in "".join(sx + sw):
-            raise ValueError(f"a pointwise_conv2d call with a dynamic size: {line.strip()[:200]}")
-        n, c, h, width = (int(s) for s in sx)
-        conv = Shape(n, c, h * width, int(sw[0]), int(ints[lanes]), bool(int(ints[relu])))
-        name, text = executable(conv)
-        executables[name] = text
-        to = f"tensor<{n}x{conv.o}x{h}x{width}xf32>"
-        v = f"pwc{res[1:]}"
-        out += [
-            f"{pad}%{v}_x = torch_c.to_builtin_tensor {x} : {vx} -> {tx}",
-            f"{pad}%{v}_w = torch_c.to_builtin_tensor {w} : {vw} -> {tw}",
-            f"{pad}%{v}_b = torch_c.to_builtin_tensor {b} : {vb} -> {tb}",
-            f"{pad}%{v}_n = arith.constant {n * conv.chunks} : index",
-            f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n](%{v}_x, %{v}_w, %{v}_b) : "
-            f"({tx}, {tw}, {tb}) -> {to}",
-            f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : {to} -> {otype.strip()}",
-        ]
-    if not executables:
-        raise ValueError("no pointwise_conv2d call in the module")
-    start = next(i for i, line in enumerate(out) if line.startswith("module"))
-    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+    return spliced.splice_each(mlir, MARK, "pointwise_conv2d", _convert)
+
+
+def _convert(line: str, ints: dict[str, str]) -> spliced.Spliced:
+    found = _CALL.match(line)
+    if not found or found.group(6) not in ints or found.group(7) not in ints:
+        raise ValueError(f"a pointwise_conv2d call of an unknown form: {line.strip()[:200]}")
+    pad, res, x, w, b, lanes, relu, types, otype = found.groups()
+    vx, vw, vb = re.findall(r"!torch\.vtensor<[^>]*>", types)[:3]
+    sx, sw = spliced._tensor(vx)[1], spliced._tensor(vw)[1]
+    if "?" in "".join(sx + sw):
+        raise ValueError(f"a pointwise_conv2d call with a dynamic size: {line.strip()[:200]}")
+    n, c, h, width = (int(s) for s in sx)
+    conv = Shape(n, c, h * width, int(sw[0]), int(ints[lanes]), bool(int(ints[relu])))
+    name, text = executable(conv)
+    to = f"tensor<{n}x{conv.o}x{h}x{width}xf32>"
+    operands = [(x, vx), (w, vw), (b, vb)]
+    return spliced.dispatch_lines(pad, f"pwc{res[1:]}", name, operands, n * conv.chunks, to, res, otype), name, text

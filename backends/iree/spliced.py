@@ -4,9 +4,10 @@ A kernel module (`int4_dispatch`, `a8int4_dispatch`) defines a `torch.library` o
 and torch-mlir imports as `torch.operator "torch.fx_rewrites.NAME"(tensors..., n, tile, per)`, and the text of a
 `stream.executable` per shape. `splice_calls` replaces each such line by a `flow.dispatch` of that executable
 between `torch_c` conversions (the executables declared once at the module's start; a dynamic row count passed as
-an operand). `kernels.py` lists the kernel modules: `IreeBackend` splices them all (`kernels.spliced`), the compile
-cache keys a module by its spliced text (a kernel's code and constants are in it), and `legality.SPLICED` names
-their ops.
+an operand); the convolution kernels, whose calls take other operands, convert each line themselves and share the
+rest (`splice_each`, `dispatch_lines`). `kernels.py` lists the kernel modules: `IreeBackend` splices them all
+(`kernels.spliced`), the compile cache keys a module by its spliced text (a kernel's code and constants are in it),
+and `legality.SPLICED` names their ops.
 """
 
 from __future__ import annotations
@@ -50,6 +51,50 @@ def _tensor(vtensor: str) -> tuple[str, list[str]]:
     return f"tensor<{'x'.join([*sizes, _DTYPES[dtype]])}>", sizes
 
 
+#: what a kernel's `convert` gives `splice_each` for one call: its lines, the executable's name and text
+Spliced = tuple[list[str], str, str]
+
+
+def splice_each(mlir: str, mark: str, what: str, convert: Callable[[str, dict[str, str]], Spliced]) -> str:
+    """`mlir` with every line naming `mark` replaced by `convert(line, ints)`'s lines (`ints`: the module's
+    `torch.constant.int` values by SSA name), the executables it names declared once at the module's start.
+    `convert` raises ValueError for a call it cannot take; ValueError "no <what> call in the module" where none is."""
+    ints = dict(_INT.findall(mlir))
+    out, executables = [], {}
+    for line in mlir.splitlines():
+        if mark not in line:
+            out.append(line)
+            continue
+        lines, name, text = convert(line, ints)
+        executables[name] = text
+        out += lines
+    if not executables:
+        raise ValueError(f"no {what} call in the module")
+    start = next(i for i, line in enumerate(out) if line.startswith("module"))
+    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+
+
+def dispatch_lines(
+    pad: str, prefix: str, name: str, operands: list[tuple[str, str]], count: int, result: str, res: str, otype: str
+) -> list[str]:
+    """The lines of a static call of executable `name` over `count` workgroups: each operand (SSA value, its
+    `!torch.vtensor` type) converted to a builtin tensor, the `flow.dispatch` giving `result` (a builtin tensor
+    type), converted back to `res` of type `otype`; `prefix` names the SSA values added."""
+    lines, values, types = [], [], []
+    for i, (value, vtype) in enumerate(operands):
+        builtin = _tensor(vtype)[0]
+        lines.append(f"{pad}%{prefix}_{i} = torch_c.to_builtin_tensor {value} : {vtype} -> {builtin}")
+        values.append(f"%{prefix}_{i}")
+        types.append(builtin)
+    return [
+        *lines,
+        f"{pad}%{prefix}_n = arith.constant {count} : index",
+        f"{pad}%{prefix}_d = flow.dispatch @{name}::@{name}[%{prefix}_n]({', '.join(values)}) : "
+        f"({', '.join(types)}) -> {result}",
+        f"{pad}{res} = torch_c.from_builtin_tensor %{prefix}_d : {result} -> {otype.strip()}",
+    ]
+
+
 def splice_calls(
     mlir: str, mark: str, tensors: int, build: Callable[[int, int, int, int, int], tuple[str, str]], prefix: str
 ) -> str:
@@ -58,16 +103,12 @@ def splice_calls(
     workgroups; `build(rows, n, k, tile, per)` gives the executable's name and text (rows 0: dynamic); `prefix`
     names the SSA values it adds. ValueError where there is no call, or one of another form."""
     call = re.compile(rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(mark)}"\(([^)]*)\) : \((.*)\) -> (.*)$')
-    ints = dict(_INT.findall(mlir))
     unknown = f"an {mark.rsplit('.', 1)[-1]} call of an unknown form"
-    out, executables = [], {}
-    for line in mlir.splitlines():
+
+    def convert(line: str, ints: dict[str, str]) -> Spliced:
         found = call.match(line)
         if not found or len(found.group(3).split(", ")) != tensors + 3:
-            if mark in line:
-                raise ValueError(f"{unknown}: {line.strip()[:200]}")
-            out.append(line)
-            continue
+            raise ValueError(f"{unknown}: {line.strip()[:200]}")
         pad, res, operands, types, otype = found.groups()
         names = operands.split(", ")
         vtypes = re.findall(r"!torch\.vtensor<[^>]*>", types)[:tensors]
@@ -78,8 +119,7 @@ def splice_calls(
         rows_s, k = typed[0][1][0], int(typed[0][1][1])
         rows = 0 if rows_s == "?" else int(rows_s)
         name, text = build(rows, n, k, tile, per)
-        executables[name] = text
-        v = f"{prefix}{res[1:]}"
+        v, out = f"{prefix}{res[1:]}", []
         for i, (operand, vt, (tt, _)) in enumerate(zip(names[:tensors], vtypes, typed, strict=True)):
             out.append(f"{pad}%{v}_{i} = torch_c.to_builtin_tensor {operand} : {vt} -> {tt}")
         out.append(f"{pad}%{v}_n = arith.constant {-(-n // (8 * tile) // per)} : index")
@@ -94,7 +134,6 @@ def splice_calls(
             f"{pad}%{v}_d = flow.dispatch @{name}::@{name}[%{v}_n]({ops}) : ({sig}) -> {result}",
             f"{pad}{res} = torch_c.from_builtin_tensor %{v}_d : tensor<{rows_s}x{n}xf32> -> {otype.strip()}",
         ]
-    if not executables:
-        raise ValueError(f"no {mark.removeprefix('torch.')} call in the module")
-    start = next(i for i, line in enumerate(out) if line.startswith("module"))
-    return "\n".join([*out[: start + 1], *executables.values(), *out[start + 1 :]])
+        return out, name, text
+
+    return splice_each(mlir, mark, mark.removeprefix("torch."), convert)
