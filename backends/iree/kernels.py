@@ -9,6 +9,7 @@ from fx_rewrites.backends.iree import (
     int4_dispatch,
     packed_experts,
     pointwise_conv_dispatch,
+    tap_conv_dispatch,
 )
 
 #: the kernel modules: each has `MARKS` (its ops' names in torch-mlir's import) and `splice`
@@ -19,6 +20,7 @@ KERNELS = (
     grouped_conv_dispatch,
     packed_experts,
     pointwise_conv_dispatch,
+    tap_conv_dispatch,
 )
 
 

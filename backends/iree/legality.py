@@ -63,6 +63,8 @@ SPLICED: dict[str, str] = {
     "held packed (packed_experts.py)",
     "fx_rewrites.pointwise_conv2d.default": "spliced by the backend as a hand-written 1x1 convolution dispatch "
     "(pointwise_conv_dispatch.py)",
+    "fx_rewrites.tap_conv2d.default": "spliced by the backend as a hand-written kxk convolution dispatch "
+    "(tap_conv_dispatch.py)",
 }
 
 

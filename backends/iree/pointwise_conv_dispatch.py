@@ -11,6 +11,9 @@ race on y, which each block of input channels adds to). The input channels are s
 `CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias, the last with the
 ReLU where the call has one.
 
+The same kernel runs a kxk convolution as k k taps (`Shape.taps`: each a fixed offset into x's flattened, padded
+channel; `tap_conv_dispatch.py`), its channel blocks then `CHANNEL_BLOCK` products a sum.
+
 It enters a graph as `fx_rewrites::pointwise_conv2d(x, w, b, lanes, relu)` (eager: torch's convolution, then the
 ReLU where `relu` is 1), imported by torch-mlir as `torch.operator "torch.fx_rewrites.pointwise_conv2d"`; `splice`
 (run by `IreeBackend` through `kernels.spliced`) replaces each call by a `flow.dispatch` of its `stream.executable`.
@@ -39,8 +42,10 @@ CHANNEL_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One 1x1 convolution: x [n, c, p] (p = h w pixels), w [o, c]; `lanes` a vector's floats; `relu`: y's
-    negative values stored as 0."""
+    """One convolution as taps over flattened pixels: y[n, o, q] = b[o] + sum over c, t of w[o, c, t] x[n, c, q +
+    taps[t]], x [n, c, span] (`span` floats a channel: p by default), w [o, c, len(taps)], y [n, o, p]; `lanes` a
+    vector's floats; `relu`: y's negative values stored as 0. A 1x1 is the one tap 0 (q a pixel of h w); a kxk is
+    k k taps over a padded image (`tap_conv_dispatch.py`)."""
 
     n: int
     c: int
@@ -48,6 +53,22 @@ class Shape:
     o: int
     lanes: int
     relu: bool = False
+    taps: tuple[int, ...] = (0,)
+    span: int = 0
+
+    def __post_init__(self) -> None:
+        if self.span and self.p - 1 + max(self.taps) >= self.span:
+            raise ValueError(f"taps up to {max(self.taps)} over {self.p} positions read past a channel's {self.span}")
+
+    @property
+    def stride(self) -> int:
+        """x's floats a channel."""
+        return self.span or self.p
+
+    @property
+    def channel_block(self) -> int:
+        """Input channels summed in registers before y is added to: `CHANNEL_BLOCK` products a sum."""
+        return max(1, CHANNEL_BLOCK // len(self.taps))
 
     @property
     def block(self) -> tuple[int, int]:
@@ -71,7 +92,7 @@ class Shape:
         return self.p - (self.chunks - 1) * self.chunk
 
     def memrefs(self) -> tuple[str, str, str, str]:
-        sizes = (self.n * self.c * self.p, self.o * self.c, self.o, self.n * self.o * self.p)
+        sizes = (self.n * self.c * self.stride, self.o * self.c * len(self.taps), self.o, self.n * self.o * self.p)
         return tuple(f"memref<{size}xf32>" for size in sizes)
 
 
@@ -124,19 +145,24 @@ class _Writer:
             + ", ".join(f"%{tag}a{o}_{u} = %zero" for o, u in keys)
             + f") -> ({', '.join([vec] * len(keys))}) {{"
         )
-        add(f"%{tag}kx = arith.muli %{tag}k, %c{conv.p}w : index")
+        taps = len(conv.taps)
+        add(f"%{tag}kx = arith.muli %{tag}k, %c{conv.stride}w : index")
         add(f"%{tag}xr = arith.addi %xb, %{tag}kx : index")
-        add(f"%{tag}wk = arith.addi %{tag}wb, %{tag}k : index")
-        for u in range(v):
-            add(f"%{tag}xi{u} = arith.addi %{tag}xr, %c{u * conv.lanes}w : index")
-            self.load(f"%{tag}x{u}", "%xm", f"%{tag}xi{u}", u)
-        for o in range(r):
-            add(f"%{tag}wi{o} = arith.addi %{tag}wk, %c{o * conv.c}w : index")
-            add(f"%{tag}ws{o} = memref.load %wm[%{tag}wi{o}] : {wt}")
-            add(f"%{tag}w{o} = vector.broadcast %{tag}ws{o} : f32 to {vec}")
+        add(f"%{tag}kt = arith.muli %{tag}k, %c{taps}w : index")
+        add(f"%{tag}wk = arith.addi %{tag}wb, %{tag}kt : index")
+        sums = {key: f"%{tag}a{key[0]}_{key[1]}" for key in keys}
+        for t, offset in enumerate(conv.taps):
             for u in range(v):
-                add(f"%{tag}f{o}_{u} = vector.fma %{tag}x{u}, %{tag}w{o}, %{tag}a{o}_{u} : {vec}")
-        add(f"scf.yield {', '.join(f'%{tag}f{o}_{u}' for o, u in keys)} : {', '.join([vec] * len(keys))}")
+                add(f"%{tag}xi{t}_{u} = arith.addi %{tag}xr, %c{offset + u * conv.lanes}w : index")
+                self.load(f"%{tag}x{t}_{u}", "%xm", f"%{tag}xi{t}_{u}", u)
+            for o in range(r):
+                add(f"%{tag}wi{t}_{o} = arith.addi %{tag}wk, %c{o * conv.c * taps + t}w : index")
+                add(f"%{tag}ws{t}_{o} = memref.load %wm[%{tag}wi{t}_{o}] : {wt}")
+                add(f"%{tag}w{t}_{o} = vector.broadcast %{tag}ws{t}_{o} : f32 to {vec}")
+                for u in range(v):
+                    add(f"%{tag}f{t}_{o}_{u} = vector.fma %{tag}x{t}_{u}, %{tag}w{t}_{o}, {sums[o, u]} : {vec}")
+                    sums[o, u] = f"%{tag}f{t}_{o}_{u}"
+        add(f"scf.yield {', '.join(sums[key] for key in keys)} : {', '.join([vec] * len(keys))}")
         add("}")
         return [f"%{tag}acc#{n}" for n in range(len(keys))]
 
@@ -146,7 +172,7 @@ class _Writer:
         add, conv, vec = self.add, self.conv, self.vec
         r, v, bt = conv.block[0], len(self.vectors), conv.memrefs()[2]
         add(f"scf.for %{tag}ob = %c0 to %c{conv.o}w step %c{r}w {{")
-        add(f"%{tag}wb = arith.muli %{tag}ob, %c{conv.c}w : index")
+        add(f"%{tag}wb = arith.muli %{tag}ob, %c{conv.c * len(conv.taps)}w : index")
         sums = self.products(tag, first, last)
         for o in range(r):
             add(f"%{tag}oc{o} = arith.addi %{tag}ob, %c{o}w : index")
@@ -174,14 +200,15 @@ class _Writer:
         """The chunk's y: its first block of input channels with the bias, then each other block added, the last
         with the ReLU where the convolution has one."""
         conv, add, t = self.conv, self.add, self.tag
-        starts = list(range(0, conv.c, CHANNEL_BLOCK))
+        block = conv.channel_block
+        starts = list(range(0, conv.c, block))
         if len(starts) == 1:
             self.blocks(f"{t}h", "%c0", f"%c{conv.c}w", True, conv.relu)
             return
-        self.blocks(f"{t}h", "%c0", f"%c{CHANNEL_BLOCK}w", True, False)
+        self.blocks(f"{t}h", "%c0", f"%c{block}w", True, False)
         if len(starts) > 2:  # the whole blocks between the first and the last
-            add(f"scf.for %{t}kb = %c{starts[1]}w to %c{starts[-1]}w step %c{CHANNEL_BLOCK}w {{")
-            add(f"%{t}ke = arith.addi %{t}kb, %c{CHANNEL_BLOCK}w : index")
+            add(f"scf.for %{t}kb = %c{starts[1]}w to %c{starts[-1]}w step %c{block}w {{")
+            add(f"%{t}ke = arith.addi %{t}kb, %c{block}w : index")
             self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False, False)
             add("}")
         self.blocks(f"{t}z", f"%c{starts[-1]}w", f"%c{conv.c}w", False, conv.relu)
@@ -203,7 +230,7 @@ def _kernel(conv: Shape) -> str:
         f"%ch = arith.remui %g, %c{conv.chunks}w : index",
         f"%ni = arith.divui %g, %c{conv.chunks}w : index",
         f"%p0 = arith.muli %ch, %c{conv.chunk}w : index",
-        f"%nx = arith.muli %ni, %c{conv.c * conv.p}w : index",
+        f"%nx = arith.muli %ni, %c{conv.c * conv.stride}w : index",
         "%xb = arith.addi %nx, %p0 : index",
         f"%ny = arith.muli %ni, %c{conv.o * conv.p}w : index",
         "%yb = arith.addi %ny, %p0 : index",
@@ -222,10 +249,11 @@ def _kernel(conv: Shape) -> str:
     return spliced.with_index_constants("\n".join(lines))
 
 
-def executable(conv: Shape) -> tuple[str, str]:
-    """The name (unique per shape: findings 52) and text of the `stream.executable` over n x chunks workgroups."""
+def executable(conv: Shape, name: str = "") -> tuple[str, str]:
+    """The name (unique per shape: findings 52; `name` where the caller makes it) and text of the
+    `stream.executable` over n x chunks workgroups."""
     c = conv
-    name = f"pwconv_{c.n}x{c.c}x{c.p}_o{c.o}_l{c.lanes}{'_relu' if c.relu else ''}"
+    name = name or f"pwconv_{c.n}x{c.c}x{c.p}_o{c.o}_l{c.lanes}{'_relu' if c.relu else ''}"
     bindings = "%bx: !stream.binding, %bw: !stream.binding, %bb: !stream.binding, %bo: !stream.binding"
     return name, spliced.executable(name, bindings, 1, _kernel(c))
 

@@ -147,6 +147,7 @@ _CONV_RULES = (
 #: AVX-512: convolutions as im2col + matmul per shape (rules/im2col.py) instead of IREE's global flag
 _AVX512_CONV_RULES = (
     *_CONV_RULES,
+    "conv_as_tap_dispatch_avx512",
     "pointwise_conv_as_dispatch_avx512",
     "batch_norm_into_pointwise_conv",
     "relu_into_pointwise_conv",
@@ -154,10 +155,13 @@ _AVX512_CONV_RULES = (
     "conv_as_im2col_matmul",
 )
 # `pointwise_conv_as_dispatch_avx512` with the batch norm folded into it and the ReLU in its store
-# (rules/pointwise_conv_dispatch.py): AVX-512 only, locked on Emerald Rapids, the route / eager without -> with:
-# ResNet-50 1.12 -> 1.02 (quiet) and 1.08 -> 0.99 (load 4), MobileNetV2 0.43 -> 0.40, ResNeXt-50 1.12 -> 1.05,
-# EfficientNet-B0 0.81 -> 0.75, MobileNetV3-L 0.56 -> 0.48 (load 4); on AVX2 ResNet-50 read 1.10 -> 1.07 and the
-# other models were not measured (docs/performance.md, "A 1x1 convolution dispatch of our own")
+# (rules/pointwise_conv_dispatch.py), locked on Emerald Rapids, the route / eager without -> with: ResNet-50 1.12 ->
+# 1.02 (quiet) and 1.08 -> 0.99 (load 4), MobileNetV2 0.43 -> 0.40, ResNeXt-50 1.12 -> 1.05, EfficientNet-B0 0.81 ->
+# 0.75, MobileNetV3-L 0.56 -> 0.48 (load 4) (docs/performance.md, "A 1x1 convolution dispatch of our own").
+# `conv_as_tap_dispatch[_avx512]` (rules/tap_conv_dispatch.py): 3x3s (and AVX2's 7x7 stem) through the same kernel as
+# taps, the batch norm and ReLU folded in as above; with it AVX2 takes the 1x1 dispatch and the folds too. The route
+# / eager without -> with, locked: ResNet-50 AVX-512 1.02 -> 0.88, AVX2 1.09 -> 0.95 (docs/performance.md, "A kxk
+# convolution dispatch of our own", with the other models)
 #: AVX2: IREE's global im2col flag, and before it the 1x1s as a matmul over the channels in place (rules/im2col.py).
 #: Real Zen 3, locked, route with -> without `pointwise_conv_as_matmul`: MobileNetV2 0.86x (0.81x, 0.83x in earlier
 #: runs), EfficientNet-B0 0.94x, MobileNetV3-L 0.70x, ResNet-50 0.95x, runtime.py's resnet 0.98x
@@ -167,7 +171,15 @@ _AVX512_CONV_RULES = (
 #: ResNet-50's export route 0.97, 0.90, 0.90, 0.82 (0.94x eager against 1.04x; 1.10 once at load 12.7), runtime.py's
 #: resnet 0.98, conv_classes.py's 3x3 64->64 0.80; torch.compile with the weights as inputs 1.03, 1.14, 0.90 (not taken
 #: there: the rule declines a weight passed in) (docs/performance.md, "3x3 convolutions as tap products")
-_AVX2_CONV_RULES = (*_CONV_RULES, "pointwise_conv_as_matmul", "conv_as_tap_matmuls")
+_AVX2_CONV_RULES = (
+    *_CONV_RULES,
+    "conv_as_tap_dispatch",
+    "pointwise_conv_as_dispatch",
+    "batch_norm_into_pointwise_conv",
+    "relu_into_pointwise_conv",
+    "pointwise_conv_as_matmul",
+    "conv_as_tap_matmuls",
+)
 # `mlp_rows_padded_to_tiles` (rules/mlp_tiles.py, AVX2's 8-row tiles): ViT, the one runtime.py model it touches, 0.88x
 # of the route with it on real Zen 3, locked and unlocked (docs/performance.md, "Where ViT and the Whisper encoder lose
 # on AVX2"); not measured on AVX-512 (16-row tiles there)

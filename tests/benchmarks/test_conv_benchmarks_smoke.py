@@ -150,10 +150,11 @@ def test_also_without_plus_a_whole_flag_adds_it(modules):
 
 
 @pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is AVX-512's (targets.CPU_ISAS)")
-def test_conv_classes_shapes_names_the_im2col_rule(modules, capfd):
-    """`--shapes`: ResNet-50's convolutions one by one; a 3x3 over 512 channels on 7x7 takes the rule on AVX-512,
-    and keeps its convolution (IREE's global im2col flag) on AVX2. The ISA is the one this process's torch runs:
-    AVX-512 code cannot run on an AVX2 CPU, and a suite held to AVX2 (README) measures AVX2."""
+def test_conv_classes_shapes_names_the_rules_that_fired(modules, capfd):
+    """`--shapes`: ResNet-50's convolutions one by one; a 3x3 over 512 channels on 7x7 takes the ISA's kxk dispatch
+    (`conv_as_tap_dispatch_avx512` on AVX-512, `conv_as_tap_dispatch` on AVX2), named in the row's rules. The ISA is
+    the one this process's torch runs: AVX-512 code cannot run on an AVX2 CPU, and a suite held to AVX2 (README)
+    measures AVX2."""
     import torch
 
     conv_classes, _ = modules
@@ -162,4 +163,6 @@ def test_conv_classes_shapes_names_the_im2col_rule(modules, capfd):
     assert conv_classes.main([*argv, "--isa", "avx512" if avx512 else "avx2"]) == 0
     out = capfd.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 3x3 512->512, 7x7"))
-    assert ("conv_as_im2col_matmul" in row) == avx512 and "not close" not in out, out
+    fired = row.rstrip(" |").rsplit("|", 1)[-1].strip().split(", ")
+    assert ("conv_as_tap_dispatch_avx512" if avx512 else "conv_as_tap_dispatch") in fired, out
+    assert "conv_as_im2col_matmul" not in fired and "not close" not in out, out

@@ -73,6 +73,7 @@ from fx_rewrites.backends.iree.rules import (
     grouped_conv_dispatch,
     im2col,
     pointwise_conv_dispatch,
+    tap_conv_dispatch,
 )
 from fx_rewrites.backends.iree.rules.arange_index import index_by_arange_as_view
 from fx_rewrites.backends.iree.rules.attention import SDPA, Attention, attention_as_matmul_softmax, bind
@@ -433,6 +434,7 @@ ALL = RuleSet(
         *f32_matmul.RULES,
         *grouped_conv_dispatch.RULES,
         *pointwise_conv_dispatch.RULES,
+        *tap_conv_dispatch.RULES,
     ],
     name="iree-performance",
 )

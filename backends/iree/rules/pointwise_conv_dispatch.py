@@ -8,12 +8,13 @@
 the channels in place, which packs x and unpacks y on every call). A strided 1x1 is sliced to stride 1 first
 (`strided_pointwise_conv_as_slice`).
 
-`batch_norm_into_pointwise_conv` folds an inference batch norm after the call into its weight and bias, and
-`relu_into_pointwise_conv` puts a ReLU after it into the kernel's last store: alone, the dispatch gained nothing on
-ResNet-50 (IREE fuses the batch norm and ReLU after a 1x1 into its own product); with both, on AVX-512 ResNet-50 read
-1.12 -> 1.02x eager and MobileNetV2, ResNeXt-50, EfficientNet-B0, MobileNetV3-L gained 7-14% (docs/performance.md,
-"A 1x1 convolution dispatch of our own"). On for AVX-512 (`targets.py`); AVX2's is kept for `--also-without
-+pointwise_conv_as_dispatch+...` (ResNet-50 1.10 -> 1.07x, its other models not measured).
+`batch_norm_into_pointwise_conv` folds an inference batch norm after the call (or after a `tap_conv2d`,
+rules/tap_conv_dispatch.py) into its weight and bias, and `relu_into_pointwise_conv` puts a ReLU after it into the
+kernel's last store: alone, the dispatch gained nothing on ResNet-50 (IREE fuses the batch norm and ReLU after a 1x1
+into its own product); with both, on AVX-512 ResNet-50 read 1.12 -> 1.02x eager and MobileNetV2, ResNeXt-50,
+EfficientNet-B0, MobileNetV3-L gained 7-14% (docs/performance.md, "A 1x1 convolution dispatch of our own"). Maps of
+fewer than `MIN_PIXELS` pixels keep IREE's product. On for both ISAs (`targets.py`), AVX2's with the kxk dispatch
+(docs/performance.md, "A kxk convolution dispatch of our own").
 """
 
 from __future__ import annotations
@@ -26,15 +27,21 @@ from torch.fx import Node
 from fx_rewrites.backends.iree.pointwise_conv_dispatch import POINTWISE_CONV2D
 from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight
+from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
 
+#: the fewest pixels a map has for the dispatch: ResNet-50's 1x1s (+ batch norm + ReLU) over 14x14 ran 0.89-0.92 of
+#: IREE's product with it, over 7x7 1.07-1.25 (2048->512; the strided 1024->2048 1.25-1.24), on both ISAs
+#: (docs/performance.md "A kxk convolution dispatch of our own")
+MIN_PIXELS = 196
 
-def _pointwise(node: Node, lanes: int) -> dict[str, Any] | Miss:
-    """A static float32 1x1 convolution of one group at stride 1 with no padding, at least `lanes` pixels."""
+
+def _pointwise(node: Node) -> dict[str, Any] | Miss:
+    """A static float32 1x1 convolution of one group at stride 1 with no padding, at least `MIN_PIXELS` pixels."""
     c = static_2d(node, "the kernel is 2-D")
     if isinstance(c, Miss):
         return c
@@ -47,8 +54,8 @@ def _pointwise(node: Node, lanes: int) -> dict[str, Any] | Miss:
         return Miss(f"a {tuple(w.shape[2:])} kernel in {c['groups']} groups: the kernel is a 1x1 of one group")
     if c["stride"] != [1, 1] or any(c["padding"]) or c["dilation"] != [1, 1]:
         return Miss(f"stride {c['stride']}, padding {c['padding']} (strided_pointwise_conv_as_slice first)")
-    if x.shape[2] * x.shape[3] < lanes:
-        return Miss(f"{x.shape[2]}x{x.shape[3]} pixels: fewer than a vector's {lanes}")
+    if x.shape[2] * x.shape[3] < MIN_PIXELS:
+        return Miss(f"{x.shape[2]}x{x.shape[3]} pixels: fewer than {MIN_PIXELS} (IREE's product is faster there)")
     if c["bias"] is not None and not isinstance(c["bias"], Node):
         return Miss("a bias that is not a tensor")
     return c
@@ -73,7 +80,7 @@ _DOC = (
 
 @rule(
     roots=_CONVS,
-    when=lambda node: _pointwise(node, 8),
+    when=_pointwise,
     priority=2,  # before pointwise_conv_as_matmul
     tags={"iree", "performance", "convolution"},
     doc=_DOC.format(block="AVX2's 4 x 24"),
@@ -84,7 +91,7 @@ def pointwise_conv_as_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any
 
 @rule(
     roots=_CONVS,
-    when=lambda node: _pointwise(node, 16),
+    when=_pointwise,
     priority=2,  # before pointwise_conv_as_matmul
     tags={"iree", "performance", "convolution"},
     doc=_DOC.format(block="AVX-512's 8 x 48"),
@@ -104,20 +111,25 @@ def _constant(node: Any) -> bool:
     return node.target is aten.reshape.default and constant_weight(node.args[0])
 
 
+#: the convolution dispatches a batch norm and a ReLU fold into: the position of the call's `relu` argument
+_RELU_ARGUMENT = {POINTWISE_CONV2D: 4, TAP_CONV2D: 7}
+
+
 def _sole_input_call(node: Node) -> Node | Miss:
-    """`node`'s input, a `pointwise_conv2d` without its ReLU used by `node` alone, or why not."""
+    """`node`'s input, a `pointwise_conv2d` or `tap_conv2d` without its ReLU used by `node` alone, or why not."""
     conv = node.args[0]
-    if not isinstance(conv, Node) or conv.target is not POINTWISE_CONV2D:
-        return Miss("not after a pointwise_conv2d")
+    if not isinstance(conv, Node) or conv.target not in _RELU_ARGUMENT:
+        return Miss("not after a pointwise_conv2d or tap_conv2d")
     if len(conv.users) != 1:
-        return Miss(f"the pointwise_conv2d has {len(conv.users)} users")
-    if conv.args[4]:
-        return Miss("after the pointwise_conv2d's ReLU")
+        return Miss(f"the {conv.target.name()} has {len(conv.users)} users")
+    if conv.args[_RELU_ARGUMENT[conv.target]]:
+        return Miss(f"after the {conv.target.name()}'s ReLU")
     return conv
 
 
 def _folded_norm(node: Node, *, args: dict[str, Any]) -> Node | Miss:
-    """An inference batch norm of a `pointwise_conv2d` whose weight, bias and statistics are the program's own."""
+    """An inference batch norm of a `pointwise_conv2d` or `tap_conv2d` whose weight, bias and statistics are the
+    program's own."""
     if args["training"]:
         return Miss("a training batch norm (its batch statistics)")
     conv = _sole_input_call(node)
@@ -136,20 +148,22 @@ def _folded_norm(node: Node, *, args: dict[str, Any]) -> Node | Miss:
     when=_folded_norm,
     tags={"iree", "performance", "convolution"},
     doc=(
-        "An inference batch norm after a `pointwise_conv2d` is folded into its weight and bias (scale = gamma / "
-        "sqrt(var + eps): w scale, (b - mean) scale + beta; the program's own values, evaluated once by IREE): "
-        "IREE fuses a batch norm into its own product, which the dispatch would leave as a pass of its own."
+        "An inference batch norm after a `pointwise_conv2d` or `tap_conv2d` is folded into its weight and bias "
+        "(scale = gamma / sqrt(var + eps): w scale, (b - mean) scale + beta; the program's own values, evaluated "
+        "once by IREE): IREE fuses a batch norm into its own product, "
+        "which the dispatch would leave as a pass of its own."
     ),
 )
 def batch_norm_into_pointwise_conv(node: Node, rw: Rewriter, *, args: dict[str, Any], found: Node) -> Any:
-    x, w, b, lanes, _ = found.args
+    x, w, b, *rest = found.args
     inverse = rw.call(aten.rsqrt.default, rw.call(aten.add.Tensor, args["running_var"], args["eps"]))
     scale = inverse if args["weight"] is None else rw.call(aten.mul.Tensor, args["weight"], inverse)
-    weight = rw.call(aten.mul.Tensor, w, rw.call(aten.unsqueeze.default, scale, 1))
+    per_output = [-1] + [1] * (fake_value(w).dim() - 1)
+    weight = rw.call(aten.mul.Tensor, w, rw.call(aten.reshape.default, scale, per_output))
     bias = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, b, args["running_mean"]), scale)
     if args["bias"] is not None:
         bias = rw.call(aten.add.Tensor, bias, args["bias"])
-    rw.replace(node, rw.call(POINTWISE_CONV2D, x, weight, bias, lanes, 0))
+    rw.replace(node, rw.call(found.target, x, weight, bias, *rest))
 
 
 @rule(
@@ -157,12 +171,13 @@ def batch_norm_into_pointwise_conv(node: Node, rw: Rewriter, *, args: dict[str, 
     when=lambda node: _sole_input_call(node),
     tags={"iree", "performance", "convolution"},
     doc=(
-        "A ReLU of a `pointwise_conv2d` is done in the dispatch's last store (`relu` 1): IREE fuses a ReLU into its "
-        "own product, which the dispatch would leave as a pass of its own."
+        "A ReLU of a `pointwise_conv2d` or `tap_conv2d` is done in the dispatch's last store (`relu` 1): IREE fuses "
+        "a ReLU into its own product, which the dispatch would leave as a pass of its own."
     ),
 )
 def relu_into_pointwise_conv(node: Node, rw: Rewriter, *, found: Node) -> Any:
-    rw.replace(node, rw.call(POINTWISE_CONV2D, *found.args[:4], 1))
+    relu = _RELU_ARGUMENT[found.target]
+    rw.replace(node, rw.call(found.target, *found.args[:relu], 1))
 
 
 #: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)

@@ -18,6 +18,7 @@ from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.rules.conv_taps import MIN_TAP_CHANNELS as C
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight, conv_as_tap_matmuls
+from fx_rewrites.backends.iree.rules.tap_conv_dispatch import conv_as_tap_dispatch
 from fx_rewrites.ruleset import Phases
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
@@ -174,11 +175,16 @@ def test_conv_as_tap_matmuls_on_iree(dynamic):
         pytest.skip("llvm-cpu code for AVX2 runs on an x86-64 host with AVX2 only")
     module, inputs, ep = _export("3x3_pad1", dynamic)
     iree = IreeBackend(target=targets.llvm_cpu("avx2"))
-    result = fx_rewrites.apply(ep, iree.rules)
+
+    def without(name, rules=iree.rules):
+        return Phases(*(s.without(name) if name in s.names() else s for s in rules.sets))
+
+    # a static 3x3 goes to the kxk dispatch first (test_tap_conv_dispatch.py); a Dim to this rule
+    route = without(conv_as_tap_dispatch.name) if not dynamic else iree.rules
+    result = fx_rewrites.apply(ep, route)
     rt.assert_fired(result, conv_as_tap_matmuls, times=1)
     rt.assert_ops(result, absent=list(CONVS))
-    name = conv_as_tap_matmuls.name
-    before = fx_rewrites.apply(ep, Phases(*(s.without(name) if name in s.names() else s for s in iree.rules.sets)))
+    before = fx_rewrites.apply(ep, without(conv_as_tap_matmuls.name, route))
     assert set(rt.targets(before)) & set(CONVS), "the route without the rule keeps its convolution"
     fn, fn_before = iree.compile(result.program, inputs[0]), iree.compile(before.program, inputs[0])
     exact = _in_float64(module)

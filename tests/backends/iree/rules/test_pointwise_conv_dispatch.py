@@ -5,7 +5,7 @@ Real torch 2.13 exports of 1x1 convolutions (with and without a bias, batch 1 an
 more input channels than a channel block, output channels off the register block); the graph after (no convolution:
 one `pointwise_conv2d` of the input as it is, the weight [O, C], the bias or zeros, the ISA's lanes); numerics as near
 float64 as torch's own float32 on two input sets; what the rules decline (a Dim on the sizes, a kxk kernel, groups,
-stride, padding, float64, fewer pixels than a vector); the executable's blocks; both ISAs' routes end to end on IREE
+stride, padding, float64, a 7x7 map); the executable's blocks; both ISAs' routes end to end on IREE
 (the dispatch spliced and run: the masked last chunk, the channel blocks added to y, a strided 1x1 sliced first)
 against float64. (Its speed: docs/performance.md, "A 1x1 convolution dispatch of our own".)
 """
@@ -30,8 +30,8 @@ from fx_rewrites.backends.iree.pointwise_conv_dispatch import (
     executable,
     splice,
 )
-from fx_rewrites.backends.iree.rules.conv_performance import strided_pointwise_conv_as_slice
 from fx_rewrites.backends.iree.rules.pointwise_conv_dispatch import (
+    MIN_PIXELS,
     batch_norm_into_pointwise_conv,
     pointwise_conv_as_dispatch,
     pointwise_conv_as_dispatch_avx512,
@@ -59,11 +59,11 @@ def _in_float64(module: torch.nn.Module):
 
 #: name -> (in channels, out channels, bias, input shape N, H, W)
 CASES = {
-    "bias_whole_chunks": (16, 24, True, (1, 12, 12)),  # 144 pixels: 6 chunks of 24 (AVX2), 3 of 48 (AVX-512)
-    "no_bias_one_pixel_tail": (8, 16, False, (1, 7, 7)),  # 49: a last chunk of one pixel, its vector masked
-    "channel_blocks_batch2": (160, 12, True, (2, 5, 9)),  # blocks of 64, 64 and 32 channels; 45 pixels
-    "out_off_the_block": (12, 20, True, (1, 9, 9)),  # 20 outputs: blocks of 4 (AVX2), 5 (AVX-512)
-    "prime_out": (8, 7, False, (1, 4, 6)),  # 7 outputs: blocks of 1 (AVX2), 7 (AVX-512)
+    "bias_whole_chunks": (16, 24, True, (1, 12, 24)),  # 288 pixels: 12 chunks of 24 (AVX2), 6 of 48 (AVX-512)
+    "no_bias_one_pixel_tail": (8, 16, False, (1, 17, 17)),  # 289: a last chunk of one pixel, its vector masked
+    "channel_blocks_batch2": (160, 12, True, (2, 14, 15)),  # blocks of 64, 64 and 32 channels; 210 pixels
+    "out_off_the_block": (12, 20, True, (1, 14, 14)),  # 20 outputs: blocks of 4 (AVX2), 5 (AVX-512)
+    "prime_out": (8, 7, False, (1, 14, 15)),  # 7 outputs: blocks of 1 (AVX2), 7 (AVX-512)
 }
 
 
@@ -100,10 +100,10 @@ class WeightIn(torch.nn.Module):
 
 def test_pointwise_conv_as_dispatch_declines():
     """A Dim on a spatial size or on the batch, a 3x3, two groups, stride 2 (`strided_pointwise_conv_as_slice`
-    slices it first), padding, float64, fewer pixels than a vector (AVX-512's 16, AVX2 taking them); a weight passed
-    in is taken (the kernel reads it as it is)."""
+    slices it first), padding, float64, fewer pixels than `MIN_PIXELS` (a 7x7 map); a weight passed in is taken
+    (the kernel reads it as it is)."""
     rules = tuple(RULES.values())
-    x = _randn(0, 1, 8, 8, 8)
+    x = _randn(0, 1, 8, 16, 16)
     for dim in ({2: Dim("h", min=4, max=64)}, {0: Dim("batch", min=1, max=8)}):
         ep = rt.export(_conv(8, 8), _randn(0, 2, 8, 16, 16), dynamic_shapes=(dim,))
         result = rt.apply_rules(ep, *rules)
@@ -120,9 +120,11 @@ def test_pointwise_conv_as_dispatch_declines():
         result = rt.apply_rules(rt.export(m, *args), *rules)
         for rule in rules:
             rt.assert_not_fired(result, rule)
-    narrow = rt.export(_conv(8, 8), _randn(0, 1, 8, 3, 4))  # 12 pixels
-    rt.assert_not_fired(rt.apply_rules(narrow, pointwise_conv_as_dispatch_avx512), pointwise_conv_as_dispatch_avx512)
-    rt.assert_fired(rt.apply_rules(narrow, pointwise_conv_as_dispatch), pointwise_conv_as_dispatch, times=1)
+    narrow = rt.apply_rules(rt.export(_conv(8, 8), _randn(0, 1, 8, 7, 7)), *rules)  # 49 pixels
+    for rule in rules:
+        rt.assert_not_fired(narrow, rule)
+    assert MIN_PIXELS == 14 * 14
+    rt.assert_fired(rt.apply_rules(rt.export(_conv(8, 8), _randn(0, 1, 8, 14, 14)), *rules), rules[0], times=1)
     taken = rt.apply_rules(rt.export(WeightIn(), x, _randn(1, 16, 8, 1, 1)), pointwise_conv_as_dispatch)
     rt.assert_fired(taken, pointwise_conv_as_dispatch, times=1)
 
@@ -161,23 +163,19 @@ IREE_CASES = [*CASES, "strided"]
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("name", IREE_CASES)
 def test_pointwise_conv_as_dispatch_on_iree(name, isa):
-    """The ISA's route (AVX2's rule, on for AVX-512 only, applied first; the code runs where the host has the ISA):
-    the dispatch is spliced and run, and on two inputs (and 16 redraws of each for torch's error: the kernel sums its channels in
+    """The ISA's route (the code runs where the host has the ISA): the dispatch is spliced and run, and on two inputs (and 16 redraws of each for torch's error: the kernel sums its channels in
     blocks) the result is as near float64 as torch's float32, within a step."""
     if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
         pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
     if name == "strided":
-        module, inputs = _conv(24, 16, stride=2), [(_randn(0, 1, 24, 14, 18),), (3.0 * _randn(1, 1, 24, 14, 18),)]
+        module, inputs = _conv(24, 16, stride=2), [(_randn(0, 1, 24, 28, 30),), (3.0 * _randn(1, 1, 24, 28, 30),)]
     else:
         module, inputs = _case(name)
     rule = RULES[16 if isa == "avx512" else 8]
     iree = IreeBackend(target=targets.llvm_cpu(isa))
-    assert (rule.name in targets.CPU_ISAS[isa].perf_rules) == (isa == "avx512")  # on for AVX-512 (measured)
-    first = rt.apply_rules(rt.export(module, *inputs[0]), strided_pointwise_conv_as_slice, rule)
-    rt.assert_fired(first, rule, times=1)
-    result = fx_rewrites.apply(rt.export(module, *inputs[0]) if isa == "avx512" else first.program, iree.rules)
-    if isa == "avx512":
-        rt.assert_fired(result, rule, times=1)
+    assert rule.name in targets.CPU_ISAS[isa].perf_rules  # on for both (measured)
+    result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
+    rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert MARK in fn.mlir and "flow.dispatch @pwconv_" in splice(fn.mlir)
     assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
@@ -205,9 +203,9 @@ class ConvNormRelu(torch.nn.Module):
 
 
 FOLDS = {  # name -> (in, out, conv bias, relu, input N, H, W): the last ReLU'd over one and over three channel blocks
-    "norm_relu": (16, 24, False, True, (1, 7, 7)),
-    "norm_no_relu_conv_bias": (12, 20, True, False, (2, 5, 9)),
-    "norm_relu_three_channel_blocks": (CHANNEL_BLOCK * 2 + 8, 16, False, True, (1, 6, 6)),
+    "norm_relu": (16, 24, False, True, (1, 17, 17)),
+    "norm_no_relu_conv_bias": (12, 20, True, False, (2, 14, 15)),
+    "norm_relu_three_channel_blocks": (CHANNEL_BLOCK * 2 + 8, 16, False, True, (1, 14, 14)),
 }
 
 
@@ -250,7 +248,7 @@ def test_folds_decline():
     """A convolution output with another user keeps its batch norm and ReLU; a batch norm in training mode is not
     folded."""
     rules = (pointwise_conv_as_dispatch, batch_norm_into_pointwise_conv, relu_into_pointwise_conv)
-    x = _randn(0, 1, 8, 6, 6)
+    x = _randn(0, 1, 8, 14, 14)
     result = rt.apply_rules(rt.export(NormTwice().eval(), x), *rules)
     rt.assert_fired(result, pointwise_conv_as_dispatch, times=1)
     rt.assert_not_fired(result, batch_norm_into_pointwise_conv)

@@ -1,0 +1,117 @@
+"""kxk convolutions through the hand-written tap convolution dispatch (issue 32; llvm-cpu).
+
+    conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, k, k], stride 1 or 2, padding p, one group
+    -> tap_conv2d(phases(pad(x)), w, b or zeros(O), s, Ho, Wo, lanes)
+
+The input is padded (its border p, then up to the phases' whole rows and columns) and, at stride 2, split into its
+four phases (`tap_conv_dispatch.phases`); the kernel reads each tap of each output at a fixed offset of the
+flattened phases (`tap_conv_dispatch.py`). `conv_as_tap_dispatch` writes AVX2's block (8 lanes),
+`conv_as_tap_dispatch_avx512` AVX-512's (16). Before `conv_as_im2col_matmul` and `conv_as_tap_matmuls`. The batch
+norm and the ReLU after the call fold into it (`batch_norm_into_pointwise_conv`, `relu_into_pointwise_conv`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
+from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D, phase_rows
+from fx_rewrites.engine import Miss, Rewriter
+from fx_rewrites.engine.values import fake_value
+from fx_rewrites.kinds import rule
+
+aten = torch.ops.aten
+
+#: the kernel sizes the dispatch takes, by lanes (the ISA), and its strides (measured: docs/performance.md "A kxk
+#: convolution dispatch of our own"): ResNet-50's 7x7/2 stem 3->64 read 1.72 -> 0.89x eager with it on AVX2 and
+#: 0.74 -> 0.84x on AVX-512, where IREE's own convolution is faster
+KERNELS = {8: (3, 7), 16: (3,)}
+STRIDES = (1, 2)
+
+
+def _tap_conv(node: Node, lanes: int) -> dict[str, Any] | Miss:
+    """A static float32 kxk convolution of one group (k in `KERNELS[lanes]`) at a stride of `STRIDES`, no
+    dilation."""
+    c = static_2d(node, "the kernel is 2-D")
+    if isinstance(c, Miss):
+        return c
+    x, w = fake_value(c["input"]), fake_value(c["weight"])
+    if not isinstance(x.shape[0], int):
+        return Miss("a Dim on the batch: the kernel's workgroups are static")
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
+    kh, kw = w.shape[2:]
+    if kh != kw or kh not in KERNELS[lanes] or c["groups"] != 1:
+        return Miss(f"a {kh}x{kw} kernel in {c['groups']} groups: the kernel takes {KERNELS[lanes]} square, one group")
+    if c["stride"][0] != c["stride"][1] or c["stride"][0] not in STRIDES or c["dilation"] != [1, 1]:
+        return Miss(f"stride {c['stride']}, dilation {c['dilation']}: strides {STRIDES}, no dilation")
+    stride, (ph, pw) = c["stride"][0], c["padding"]
+    height, width = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+    rows, cols = (height - kh) // stride + 1, (width - kw) // stride + 1
+    if rows < 1 or cols < 1:
+        return Miss("no output position")
+    wq = -(-width // stride)
+    if rows * wq < lanes:
+        return Miss(f"{rows}x{cols} outputs: fewer than a vector's {lanes} positions")
+    if c["bias"] is not None and not isinstance(c["bias"], Node):
+        return Miss("a bias that is not a tensor")
+    hq = phase_rows(kh, stride, rows, -(-height // stride), wq)
+    c["geometry"] = (stride, kh, rows, cols, hq, wq)
+    return c
+
+
+def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
+    stride, _, rows, cols, hq, wq = found["geometry"]
+    x, w = fake_value(found["input"]), fake_value(found["weight"])
+    n, channels, height, width = x.shape
+    ph, pw = found["padding"]
+    pad = [pw, wq * stride - width - pw, ph, hq * stride - height - ph]
+    padded = rw.call(aten.constant_pad_nd.default, found["input"], pad, 0.0)
+    if stride == 1:
+        phases = rw.call(aten.unsqueeze.default, padded, 2)
+    else:
+        split = rw.call(aten.reshape.default, padded, [n, channels, hq, stride, wq, stride])
+        moved = rw.call(aten.permute.default, split, [0, 1, 3, 5, 2, 4])
+        phases = rw.call(aten.reshape.default, moved, [n, channels, stride * stride, hq, wq])
+    bias = found["bias"]
+    if bias is None:
+        bias = rw.call(aten.zeros.default, [w.shape[0]], dtype=torch.float32, device=w.device)
+    call = rw.call(TAP_CONV2D, phases, found["weight"], bias, stride, rows, cols, lanes, 0)
+    rw.replace(node, call)
+
+
+_DOC = (
+    "A float32 3x3 2-D convolution of one group at stride 1 or 2, static sizes, becomes the hand-written tap "
+    "convolution dispatch (`fx_rewrites::tap_conv2d`): the input padded (and at stride 2 split into its phases), "
+    "each tap a vector load at a fixed offset, {block} output channels x positions in registers, the bias added at "
+    "the store; IREE 3.13 runs it through im2col or its direct convolution, 1.2-1.7x eager."
+)
+
+
+@rule(
+    roots=_CONVS,
+    when=lambda node: _tap_conv(node, 8),
+    priority=2,  # before conv_as_tap_matmuls and conv_as_im2col_matmul
+    tags={"iree", "performance", "convolution"},
+    doc=_DOC.format(block="AVX2's 4 x 24"),
+)
+def conv_as_tap_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _write(node, rw, found, 8)
+
+
+@rule(
+    roots=_CONVS,
+    when=lambda node: _tap_conv(node, 16),
+    priority=2,  # before conv_as_im2col_matmul
+    tags={"iree", "performance", "convolution"},
+    doc=_DOC.format(block="AVX-512's 8 x 48"),
+)
+def conv_as_tap_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _write(node, rw, found, 16)
+
+
+#: the rules of this module (performance.ALL; on for an ISA: targets.CPU_ISAS)
+RULES = (conv_as_tap_dispatch, conv_as_tap_dispatch_avx512)
