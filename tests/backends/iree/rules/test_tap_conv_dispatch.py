@@ -6,7 +6,7 @@ sizes off the vectors, more input channels than a channel block, output channels
 after (the input padded, at stride 2 split into its phases, one `tap_conv2d`); numerics as near float64 as torch's own
 float32 on two input sets; what the rules decline (a Dim, other kernels, groups, dilation, stride 3, float64, fewer
 positions than a vector); the taps' offsets and the phases; both ISAs' routes end to end on IREE against float64; the
-batch norm and ReLU folded in. (Its speed: docs/performance.md, "A 3x3 convolution dispatch of our own".)
+batch norm and ReLU folded in. (Its speed: docs/performance.md, "A kxk convolution dispatch of our own".)
 """
 
 from __future__ import annotations
