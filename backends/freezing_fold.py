@@ -54,6 +54,10 @@ EVALUATED = frozenset(
 )
 #: the attribute prefix of a folded weight or bias on the graph module
 ATTR = "_folded_"
+#: ops other than `aten.convolution` that compute a convolution (x, w [O, ...], b [O], *rest), by the position of an
+#: argument that must be 0 for a fold (a ReLU in the op's store), or None: a backend's dispatch ops, registered by
+#: the module defining them (the IREE backend's 1x1 and kxk convolution dispatches)
+CONVOLUTIONS: dict[Any, int | None] = {}
 
 
 def _attribute(gm: GraphModule, node: Node) -> Any:
@@ -97,8 +101,9 @@ def _per_channel(value: Any, out: torch.Tensor) -> torch.Tensor | None:
     return value.reshape(-1).expand(channels).contiguous()
 
 
-def _foldable(gm: GraphModule, node: Node, cache: dict[Node, Any]) -> tuple[Node, torch.Tensor] | None:
-    """(the convolution, the per-channel operand) when `node` folds into the convolution it reads."""
+def _foldable(gm: GraphModule, node: Node, cache: dict[Node, Any]) -> tuple[Node, torch.Tensor, Any, Any] | None:
+    """(the convolution, the per-channel operand, its weight's and bias's values) when `node` folds into the
+    convolution it reads."""
     if node.target not in AFFINE or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
         return None
     first, other = node.args
@@ -106,31 +111,51 @@ def _foldable(gm: GraphModule, node: Node, cache: dict[Node, Any]) -> tuple[Node
     if node.target in (aten.mul.Tensor, aten.add.Tensor):
         candidates.append((other, first))
     for conv, operand in candidates:
-        if not (isinstance(conv, Node) and conv.target is aten.convolution.default and len(conv.users) == 1):
+        if not (isinstance(conv, Node) and _convolution(conv) and len(conv.users) == 1):
             continue
-        weight, bias, transposed = conv.args[1], conv.args[2], conv.args[6]
+        transposed = conv.args[6] if conv.target is aten.convolution.default else False
         out, result = conv.meta.get("val"), node.meta.get("val")
         if transposed or not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
             continue
         if not isinstance(result, torch.Tensor) or result.shape != out.shape or result.dtype != out.dtype:
             continue
-        if not (isinstance(weight, Node) and weight.op == "get_attr"):
-            continue
-        if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
+        weight, bias = _frozen_value(gm, conv.args[1], cache), _bias(gm, conv.args[2], out.dtype, cache)
+        if not isinstance(conv.args[1], Node) or not isinstance(weight, torch.Tensor) or bias is False:
             continue
         if isinstance(operand, Node) and operand.op == "placeholder":
             continue
         channel = _per_channel(_frozen_value(gm, operand, cache), out)
         if channel is None or (node.target is aten.div.Tensor and bool((channel == 0).any())):
             continue
-        return conv, channel
+        return conv, channel, weight, bias
     return None
 
 
-def _fold_one(gm: GraphModule, node: Node, conv: Node, channel: torch.Tensor, count: int) -> int:
+def _convolution(node: Node) -> bool:
+    """`node` is `aten.convolution` or a registered convolution op (`CONVOLUTIONS`) without its ReLU."""
+    if node.target is aten.convolution.default:
+        return True
+    if node.op != "call_function" or node.target not in CONVOLUTIONS:
+        return False
+    relu = CONVOLUTIONS[node.target]
+    return relu is None or not node.args[relu]
+
+
+def _bias(gm: GraphModule, bias: Any, dtype: torch.dtype, cache: dict[Node, Any]) -> Any:
+    """A convolution's bias: None, its frozen value, zeros for `aten.zeros` (a dispatch op's bias where the
+    convolution had none), or False where it is none of these."""
+    if bias is None:
+        return None
+    if isinstance(bias, Node) and bias.op == "call_function" and bias.target is aten.zeros.default:
+        return torch.zeros(*bias.args[:1], dtype=dtype)
+    value = _frozen_value(gm, bias, cache) if isinstance(bias, Node) else None
+    return value if isinstance(value, torch.Tensor) else False
+
+
+def _fold_one(
+    gm: GraphModule, node: Node, conv: Node, channel: torch.Tensor, weight: torch.Tensor, bias: Any, count: int
+) -> int:
     graph = gm.graph
-    weight = _attribute(gm, conv.args[1])
-    bias = _attribute(gm, conv.args[2]) if conv.args[2] is not None else None
     op = node.target
     if AFFINE[op] == "scale":
         new_weight = op(weight, channel.reshape([-1] + [1] * (weight.dim() - 1)))
@@ -140,7 +165,7 @@ def _fold_one(gm: GraphModule, node: Node, conv: Node, channel: torch.Tensor, co
         new_bias = op(bias if bias is not None else torch.zeros_like(channel), channel)
     names = []
     for tensor in (new_weight, new_bias):
-        if tensor is None or tensor is weight:
+        if tensor is None or (tensor is weight and conv.args[1].op == "get_attr"):
             names.append(None)
             continue
         name = f"{ATTR}{count}"
@@ -151,10 +176,10 @@ def _fold_one(gm: GraphModule, node: Node, conv: Node, channel: torch.Tensor, co
         w = graph.get_attr(names[0]) if names[0] else conv.args[1]
         b = graph.get_attr(names[1]) if names[1] else None
     for attr, tensor in ((w, new_weight), (b, new_bias)):
-        if isinstance(attr, Node) and attr is not conv.args[1]:
+        if isinstance(attr, Node) and attr.op == "get_attr" and attr is not conv.args[1]:
             attr.meta["val"] = tensor
     with graph.inserting_before(node):
-        folded = graph.call_function(aten.convolution.default, (conv.args[0], w, b, *conv.args[3:]))
+        folded = graph.call_function(conv.target, (conv.args[0], w, b, *conv.args[3:]))
     folded.meta = dict(conv.meta)
     node.replace_all_uses_with(folded)
     graph.erase_node(node)
@@ -190,4 +215,4 @@ def fold_conv_affine(gm: GraphModule) -> int:
     return folded
 
 
-__all__ = ["ATTR", "fold_conv_affine"]
+__all__ = ["ATTR", "CONVOLUTIONS", "fold_conv_affine"]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from fx_rewrites.backends import freezing_fold
 from fx_rewrites.backends.iree import spliced
 
 OP, MARK = "fx_rewrites::pointwise_conv2d", "torch.fx_rewrites.pointwise_conv2d"
@@ -272,6 +273,7 @@ def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lanes: int, relu: int) 
 
 
 POINTWISE_CONV2D = torch.ops.fx_rewrites.pointwise_conv2d.default
+freezing_fold.CONVOLUTIONS[POINTWISE_CONV2D] = 4  # its `relu` argument: the torch.compile route folds a batch norm in
 
 _CALL = re.compile(
     rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w]+), (%[\w]+)\) : '

@@ -21,6 +21,7 @@ import re
 
 import torch
 
+from fx_rewrites.backends import freezing_fold
 from fx_rewrites.backends.iree import spliced
 from fx_rewrites.backends.iree.pointwise_conv_dispatch import Shape, executable
 
@@ -74,6 +75,7 @@ def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, stride: int, rows: int,
 
 
 TAP_CONV2D = torch.ops.fx_rewrites.tap_conv2d.default
+freezing_fold.CONVOLUTIONS[TAP_CONV2D] = 7  # its `relu` argument: the torch.compile route folds a batch norm in
 
 _CALL = re.compile(
     rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), '

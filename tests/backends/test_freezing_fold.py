@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from fx_rewrites.backends import freezing
+from fx_rewrites.backends import freezing, freezing_fold
 from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
 from fx_rewrites.backends.freezing_fold import fold_conv_affine
 from fx_rewrites.backends.iree import CompileCache, IreeBackend
@@ -31,8 +31,8 @@ class ConvBn(torch.nn.Module):
         super().__init__()
         self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = torch.nn.BatchNorm2d(8)
-        # 3x3, not 1x1: a 1x1 convolution is a matmul by the time the graph is frozen on AVX-512
-        # and AVX2 (`pointwise_conv_as_matmul`), which this fold does not take
+        # 3x3s: by the time the graph is frozen on llvm-cpu they are the kxk dispatch's calls
+        # (`conv_as_tap_dispatch[_avx512]`, registered in `freezing_fold.CONVOLUTIONS`)
         self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
         self.bn2 = torch.nn.BatchNorm2d(8)
         self.conv3 = torch.nn.Conv2d(8, 8, 3, padding=1)
@@ -52,6 +52,14 @@ class ConvBn(torch.nn.Module):
 
 def _ops(gm: torch.fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+#: what a convolution is by the time the graph is frozen: ATen's, or the llvm-cpu route's kxk and 1x1 dispatches
+CONVOLUTIONS = (aten.convolution.default, *freezing_fold.CONVOLUTIONS)
+
+
+def _convs(ops: collections.Counter) -> int:
+    return sum(ops[str(op)] for op in CONVOLUTIONS)
 
 
 def _float64(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -87,17 +95,47 @@ def test_eval_batch_norm_folds_into_the_frozen_convolutions(monkeypatch, dynamic
             assert (got.double() - reference).abs().max() <= 4 * (expected.double() - reference).abs().max() + 1e-6
     ((before, after, count),) = folded
     # the aot graph decomposes each batch norm: sub mean, mul scale, add shift (and rsqrt(var + eps) * gamma)
-    assert before[str(aten.convolution.default)] == 3 and before[str(aten.rsqrt.default)] == 3
+    assert _convs(before) == 3 and before[str(aten.rsqrt.default)] == 3
     assert count == 6  # bn1 and bn2: sub, mul, add each; bn3 reads a conv that its residual reads too
     ops = _ops(after)
-    assert ops[str(aten.convolution.default)] == 3 and ops[str(aten.rsqrt.default)] == 1
+    assert _convs(ops) == 3 and ops[str(aten.rsqrt.default)] == 1
     assert ops[str(aten.sub.Tensor)] == 1 and ops[str(aten.relu.default)] == 1
-    convs = after.graph.find_nodes(op="call_function", target=aten.convolution.default)
+    convs = [n for op in CONVOLUTIONS for n in after.graph.find_nodes(op="call_function", target=op)]
     assert sum(str(c.args[1].target).startswith("_folded_") for c in convs) == 2
     assert all(c.args[2] is not None and c.args[2].op == "get_attr" for c in convs)
     (graph,) = graphs
     assert "torch.aten.rsqrt" in graph.compiled.mlir  # bn3 (not folded) only
     assert graph.compiled.mlir.count("torch.aten.rsqrt") == 1
+
+
+class PointwiseBn(torch.nn.Module):
+    """A 1x1 without a bias over a 14x14 map (the 1x1 dispatch's: its weight reshaped to [O, C], its bias zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(16, 8, 1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.bn.running_mean.uniform_(-1, 1)
+        self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_batch_norm_folds_into_the_pointwise_dispatch(monkeypatch):
+    """The 1x1 dispatch's call reads its weight through a reshape and a zeros bias: both are computed from frozen
+    values, so the batch norm folds (sub, mul, add) and the result is as near float64 as eager's."""
+    counts: list[int] = []
+    monkeypatch.setattr(freezing, "fold_conv_affine", lambda gm: counts.append(fold_conv_affine(gm)) or counts[-1])
+    torch.manual_seed(0)
+    model = PointwiseBn().eval()
+    compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(cache=CompileCache()), strict=True))
+    x = torch.randn(1, 16, 14, 14)
+    with torch.no_grad():
+        got, expected = compiled(x), model(x)
+    reference = _float64(model, x)
+    assert (got.double() - reference).abs().max() <= 4 * (expected.double() - reference).abs().max() + 1e-6
+    assert counts == [3]
 
 
 def test_off_by_default(monkeypatch):

@@ -394,9 +394,9 @@ def test_performance_rules_per_target():
 
 
 def test_relu_conv_stays_on_iree():
-    """A 3x3 convolution is no rule's: it reaches IREE as a convolution and matches eager."""
+    """A dilated 3x3 convolution is no rule's: it reaches IREE as a convolution and matches eager."""
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.ReLU()).eval()
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2, padding=2, dilation=2), torch.nn.ReLU()).eval()
     iree = backends.get("iree")
     x = _randn(0, 2, 3, 9, 9)
     result = fx_rewrites.apply(rt.export(module, x), iree.rules)
