@@ -30,8 +30,8 @@ atexit.register(_DEVICES.clear)
 
 
 def get_device(rt: Any, uri: str) -> Any:
-    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator (or glibc's
-    heap: `$FX_REWRITES_IREE_ALLOCATOR`, `allocators`).
+    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator bounded to a
+    capacity over glibc's heap (or unbounded, or glibc's heap alone: `$FX_REWRITES_IREE_ALLOCATOR`, `allocators`).
 
     With IREE's default allocator every call's transient buffers are new
     allocations, and each page of them faults in again on first touch: the
@@ -40,7 +40,10 @@ def get_device(rt: Any, uri: str) -> Any:
     `--device_allocator=caching`). The caching allocator keeps freed blocks
     for the next call, as torch's CPU allocator reuses its heap: the memory
     a process's calls freed stays with it until the device is dropped (at
-    exit).
+    exit). Unbounded it keeps every size it was asked for (a MoE prefill's
+    transients take sizes from the routing: +1.0-1.6 GB a new prompt), so
+    by default its pool is bounded and what passes the bound goes back to
+    glibc's heap, which reuses it for any size (`allocators.py`).
     """
     device = _DEVICES.get(uri)
     if device is None:
