@@ -73,6 +73,24 @@ def keep_freed_blocks(limit: int = KEEP_LIMIT) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, limit)) and bool(mallopt(_M_TRIM_THRESHOLD, limit))
 
 
+def give_back_freed() -> bool:
+    """Return the free memory glibc's heap keeps (`keep_freed_blocks`) to the system: `malloc_trim(0)`, its free
+    pages released wherever they lie in the heap (a later request faults them in again). For the moments a process
+    frees much for good (`runtime.trim_devices`: a module's packed copy after `save(params=)`). False where there is
+    no glibc."""
+    path = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(path)
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
+
 def bounded_spec(capacity: int | None = None) -> str:
     """IREE's allocator spec of a caching pool over the device's one heap holding at most `capacity` bytes (in use
     and free; default `CAPACITY`), its free-list count IREE's default (64)."""

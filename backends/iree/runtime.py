@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
-from fx_rewrites.backends.iree.allocators import cpu_allocators
+from fx_rewrites.backends.iree.allocators import cpu_allocators, give_back_freed
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
 from fx_rewrites.backends.iree.calling import MISS, Invoker, UncheckedCall, fast_call, host_array, to_torch
 from fx_rewrites.backends.iree.cpus import check
@@ -271,9 +271,11 @@ def reopen(calls: Mapping[str, IreeCompiled], packed: bytes, archive: Path) -> N
 
 
 def trim_devices() -> None:
-    """Give back the memory the devices' caching allocators keep for reuse (`get_device`): what was freed."""
+    """Give back the memory the devices' caching allocators keep for reuse (`get_device`): what was freed, and
+    what glibc's heap then keeps of it (`allocators.give_back_freed`: the default allocator keeps freed blocks)."""
     for device in _DEVICES.values():
         device.allocator.trim()
+    give_back_freed()
 
 
 def run_inputs(plan: Plan) -> list[str]:

@@ -132,6 +132,39 @@ def test_the_heap_keeps_a_freed_block_for_the_next_request():
     assert out["heap"][1] < pages // 20  # with it the second block is the first one's pages
 
 
+_GIVE_BACK = """
+import ctypes, json
+from fx_rewrites.backends.iree.allocators import give_back_freed, keep_freed_blocks
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 64 << 20
+
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) << 10
+
+keep_freed_blocks()
+start = anon()
+p = libc.malloc(SIZE)
+ctypes.memset(p, 1, SIZE)
+libc.free(p)
+kept = anon() - start
+given = give_back_freed()
+print(json.dumps({"kept": kept, "after": anon() - start, "given": given}))
+"""
+
+
+@glibc
+def test_what_the_heap_keeps_is_given_back_on_request():
+    """glibc's heap set to keep freed blocks keeps a freed 64 MiB block resident; `give_back_freed` (called by
+    `runtime.trim_devices`, after a save frees a module's packed copy) returns its pages."""
+    out = _child(_GIVE_BACK, None)
+    assert out["given"] is True
+    assert out["kept"] > (48 << 20), out
+    assert out["after"] < (8 << 20), out
+
+
 _MODULE = """
 import gc, json, resource
 import torch
