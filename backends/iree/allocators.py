@@ -38,7 +38,7 @@ import os
 #: environment variable: `bounded` (default), `caching` or `heap`
 ALLOCATOR_ENV = "FX_REWRITES_IREE_ALLOCATOR"
 CHOICES = ("bounded", "caching", "heap")
-#: `bounded`'s pool capacity in bytes: buffers in use and free together, past which the oldest free ones go back
+#: `bounded`'s pool capacity in bytes: buffers in use and free together, past which free ones go back to the heap
 CAPACITY = 256 << 20
 
 #: glibc's mallopt parameters (malloc.h)
