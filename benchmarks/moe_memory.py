@@ -8,11 +8,14 @@ Each route runs in its own child with the same imports (torch, transformers, fx_
 builds `moe_sort.py`'s model from its seeded weights and calls `model.generate`; `saved:PATH.vmfb` loads a
 `compile_lm` module saved with `lm.save(PATH.vmfb, params=PATH.irpa)` (`fx_rewrites.load`; the torch model is not
 built) and calls its `generate`; `saved:PATH.vmfb:ALLOCATOR[:C]` with `FX_REWRITES_IREE_ALLOCATOR=ALLOCATOR`
-(`caching`, the default, or `heap`: backends/iree/allocators.py), prefilled in chunks of C (`prefill_chunk_size`).
-A generate of 1 + `--decode` tokens warms up, then `--rounds` more are timed (prefill: CPU ms to the first token;
-decode: 1 / the median step). Peak: VmHWM of /proc/self/status over the generate calls, the mark reset after the
-build or load; RSS counts the archive's file pages as they are read (`RssFile`) beside the process's own
-(`RssAnon`). One thread each (IREE local-sync). Prints a JSON line a route.
+(`bounded`, the default, `caching` or `heap`: backends/iree/allocators.py; empty: the default), prefilled in chunks
+of C (`prefill_chunk_size`). A generate of 1 + `--decode` tokens warms up, then `--rounds` more are timed (prefill:
+CPU ms to the first token; decode: 1 / the median step). `--distinct`: each round's prompt another one of the same
+length (as a user's prompts are: a MoE prefill's transients have sizes read from the routing, so a prompt repeated
+call after call reuses buffers a new one does not); each round's resident set is printed (`rss_rounds`). Peak: VmHWM
+of /proc/self/status over the generate calls, the mark reset after the build or load; RSS counts the archive's file
+pages as they are read (`RssFile`) beside the process's own (`RssAnon`). One thread each (IREE local-sync). Prints a
+JSON line a route.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def _status() -> dict[str, int]:
 
 
 def _saved(route: str) -> tuple[str, str, str]:
-    """`saved:PATH.vmfb[:ALLOCATOR[:C]]` -> (PATH.vmfb, allocator, chunk)."""
+    """`saved:PATH.vmfb[:ALLOCATOR[:C]]` -> (PATH.vmfb, allocator ("" the default), chunk)."""
     path, *rest = route.removeprefix("saved:").split(":")
-    return path, rest[0] if rest else "caching", rest[1] if len(rest) > 1 else ""
+    return path, rest[0] if rest else "", rest[1] if len(rest) > 1 else ""
 
 
 def child(args: argparse.Namespace) -> None:
@@ -78,8 +81,10 @@ def child(args: argparse.Namespace) -> None:
     out["loaded"] = _status()
     ids = _prompt(args.prompt)
     _hwm_reset()
-    prefill, steps = [], []
+    prefill, steps, rss = [], [], []
     for r in range(args.rounds + 1):
+        if args.distinct and r:
+            ids = torch.randint(1, 4096, (1, args.prompt), generator=torch.Generator().manual_seed(10_000 + r))
         clock = StepClock()
         start = time.process_time()
         tokens = run(ids, clock)
@@ -88,7 +93,8 @@ def child(args: argparse.Namespace) -> None:
         else:
             prefill.append(round(1e3 * (clock.times[0] - start)))
             steps += clock.steps()
-    out |= {"peak": _status(), "prefill_ms_rounds": prefill, "load": round(os.getloadavg()[0], 2)}
+        rss.append(_status()["VmRSS"])
+    out |= {"peak": _status(), "prefill_ms_rounds": prefill, "rss_rounds": rss, "load": round(os.getloadavg()[0], 2)}
     if steps:
         out["decode_tok_s"] = round(1 / statistics.median(steps), 2)
     print(json.dumps(out), flush=True)
@@ -103,6 +109,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--distinct", action="store_true", help="a new prompt each round (same length)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -110,8 +117,11 @@ def main() -> None:
     print(f"# load {os.getloadavg()[0]:.2f}", flush=True)
     eager_tokens = None
     for route in args.routes:
-        env = {**os.environ, "FX_REWRITES_IREE_ALLOCATOR": _saved(route)[1] if route != "eager" else "caching"}
+        env = {k: v for k, v in os.environ.items() if k != "FX_REWRITES_IREE_ALLOCATOR"}
+        if route != "eager" and _saved(route)[1]:
+            env["FX_REWRITES_IREE_ALLOCATOR"] = _saved(route)[1]
         common = ["--shape", args.shape, "--experts", str(args.experts), "--top", str(args.top)]
+        common += ["--distinct"] if args.distinct else []
         sizes = ["--prompt", str(args.prompt), "--decode", str(args.decode), "--rounds", str(args.rounds)]
         command = [sys.executable, __file__, "--child", "--routes", route, *common, *sizes]
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)

@@ -44,9 +44,10 @@ set at that reset (what the calls add is the peak less it). Every route's tokens
 `--isa avx2`: the children run torch held to AVX2 and IREE compiled for the AVX2 target, as `benchmarks/cpu_isa.py`
 does it (znver3 without AMD's SSE4a, `cpu_isa.AVX2_ENV`; the child checks torch's capability), the way an AVX2
 machine runs both.
-`--allocator heap`: the children's IREE CPU device on IREE's default allocator with glibc's heap keeping freed
-blocks (`FX_REWRITES_IREE_ALLOCATOR=heap`, backends/iree/allocators.py: process-wide, so with `--interleave` eager's
-tensors come from that heap too) instead of the caching allocator, which keeps every transient size it has seen.
+`--allocator`: the children's IREE CPU device's allocator (`FX_REWRITES_IREE_ALLOCATOR`, backends/iree/allocators.py):
+`bounded` (the default: IREE's caching allocator with a capacity, over glibc's heap keeping freed blocks), `caching`
+(unbounded: it keeps every transient size it has seen) or `heap` (IREE's default allocator over that heap); glibc's
+setting is process-wide, so with `--interleave` eager's tensors come from that heap too.
 `--micro`: two layers' expert-id sorts alone (topk of [T, E] router probabilities, then the sort of the flattened
 ids), rewritten by the IREE rules and compiled with a Dim on T: the sort's own cost per prompt, ranks vs counting.
 """
@@ -353,8 +354,8 @@ def main() -> None:
     parser.add_argument("--replace-rule", help="FILE:NAME, the rule the route `replaced` uses in place of NAME")
     parser.add_argument(
         "--allocator",
-        choices=["caching", "heap"],
-        default="caching",
+        choices=["bounded", "caching", "heap"],
+        default="bounded",
         help="the IREE CPU device's allocator (FX_REWRITES_IREE_ALLOCATOR in the children)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

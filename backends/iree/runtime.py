@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fx_rewrites.backends.convention import Plan, bind
-from fx_rewrites.backends.iree.allocators import cpu_allocators
+from fx_rewrites.backends.iree.allocators import cpu_allocators, give_back_freed
 from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_from_json, save
 from fx_rewrites.backends.iree.calling import MISS, Invoker, UncheckedCall, fast_call, host_array, to_torch
 from fx_rewrites.backends.iree.cpus import check
@@ -30,8 +30,8 @@ atexit.register(_DEVICES.clear)
 
 
 def get_device(rt: Any, uri: str) -> Any:
-    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator (or glibc's
-    heap: `$FX_REWRITES_IREE_ALLOCATOR`, `allocators`).
+    """The IREE device at `uri`; a CPU device (`local-sync`, `local-task`) with a caching allocator bounded to a
+    capacity over glibc's heap (or unbounded, or glibc's heap alone: `$FX_REWRITES_IREE_ALLOCATOR`, `allocators`).
 
     With IREE's default allocator every call's transient buffers are new
     allocations, and each page of them faults in again on first touch: the
@@ -40,7 +40,10 @@ def get_device(rt: Any, uri: str) -> Any:
     `--device_allocator=caching`). The caching allocator keeps freed blocks
     for the next call, as torch's CPU allocator reuses its heap: the memory
     a process's calls freed stays with it until the device is dropped (at
-    exit).
+    exit). Unbounded it keeps every size it was asked for (a MoE prefill's
+    transients take sizes from the routing: +1.0-1.6 GB a new prompt), so
+    by default its pool is bounded and what passes the bound goes back to
+    glibc's heap, which reuses it for any size (`allocators.py`).
     """
     device = _DEVICES.get(uri)
     if device is None:
@@ -268,9 +271,11 @@ def reopen(calls: Mapping[str, IreeCompiled], packed: bytes, archive: Path) -> N
 
 
 def trim_devices() -> None:
-    """Give back the memory the devices' caching allocators keep for reuse (`get_device`): what was freed."""
+    """Give back the memory the devices' caching allocators keep for reuse (`get_device`): what was freed, and
+    what glibc's heap then keeps of it (`allocators.give_back_freed`: the default allocator keeps freed blocks)."""
     for device in _DEVICES.values():
         device.allocator.trim()
+    give_back_freed()
 
 
 def run_inputs(plan: Plan) -> list[str]:

@@ -165,8 +165,9 @@ def test_the_cpu_backend_runs_on_the_device_asked_for():
 
 
 def test_the_cpu_device_reuses_buffers_without_stale_values():
-    """CPU devices use IREE's caching allocator (backends/iree/runtime.py `get_device`): a call's transient
-    buffers are the last call's, so a kernel that forgot to initialise one would show the last call's numbers."""
+    """CPU devices use IREE's caching allocator (bounded by default: backends/iree/runtime.py `get_device`): a
+    call's transient buffers are the last call's, so a kernel that forgot to initialise one would show the last
+    call's numbers."""
     from fx_rewrites.backends.iree.runtime import get_device
 
     class Reduce(torch.nn.Module):
