@@ -17,6 +17,7 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
+  `no-flash`: the rules with `attention_as_flash_dispatch_avx512` left out (the attention as before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
   rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `peel`: the default rules, compiled with
@@ -147,6 +148,8 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks
         rules = backend.rules.without("attention_by_key_blocks")
+    if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512
+        rules = backend.rules.without("attention_as_flash_dispatch_avx512")
     if sort == "replaced":
         if not replace:
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")
@@ -318,7 +321,17 @@ def micro(args: argparse.Namespace) -> None:
                               "values_equal": equal}), flush=True)  # fmt: skip
 
 
-ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "peel", "replaced", "eager")
+ROUTES = (
+    "counting",
+    "ranks",
+    "whole-attention",
+    "no-flash",
+    "no-hoist",
+    "min-peak-memory",
+    "peel",
+    "replaced",
+    "eager",
+)
 
 
 def _route(text: str) -> str:

@@ -70,6 +70,7 @@ from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.backends.iree.rules import (
     conv_taps,
     f32_matmul,
+    flash_attention,
     grouped_conv_dispatch,
     im2col,
     pointwise_conv_dispatch,
@@ -433,6 +434,7 @@ ALL = RuleSet(
         *f32_matmul.RULES,
         *grouped_conv_dispatch.RULES,
         *pointwise_conv_dispatch.RULES,
+        *flash_attention.RULES,
     ],
     name="iree-performance",
 )
