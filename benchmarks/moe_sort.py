@@ -195,8 +195,11 @@ def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None 
     start = time.perf_counter()
     lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route, isa, replace))
     fired = {
-        f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
-    } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
+        f"{name}:{k}": v
+        for name, report in lm.reports.items()
+        for k, v in report.rewrites.items()
+        if any(word in k for word in ("sort", "grouped", "attention"))
+    }
     print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
 
     def run(ids: torch.Tensor, n: int, clock: StepClock | None = None) -> torch.Tensor:

@@ -38,7 +38,11 @@ import torch
 
 PEEL = "--iree-llvmcpu-vector-pproc-strategy=peel"
 #: query heads, key-value heads, head size, cache length
-SHAPES = {"small": (8, 4, 64, 2081), "qwen3-30b-a3b": (32, 4, 128, 1041)}
+SHAPES = {
+    "small": (8, 4, 64, 2081),
+    "qwen3-30b-a3b": (32, 4, 128, 1041),
+    "llama-0.1b": (12, 4, 64, 192),  # benchmarks/generate.py's 0.1B Llama, its cache (prompt 128 + 64 new)
+}
 
 
 class Sdpa(torch.nn.Module):

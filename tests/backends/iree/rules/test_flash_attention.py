@@ -159,3 +159,29 @@ def test_on_iree(name):
     rt.assert_fired(result, RULE, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, module, inputs, torch_forms=[_math(module)], redraws=16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is on in AVX-512's performance rules")
+def test_tiny_moe_generates_as_transformers_does():
+    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 on the default route: both layers' prefill attention
+    through the dispatch, and the tokens equal model.generate's for a prompt of 300, one of 30, and the first in
+    chunks (`prefill_chunk_size`: each chunk's rows over the cache at its offset)."""
+    import transformers
+
+    from tests import lm_models
+
+    cls, config = lm_models.BUILDERS["qwen3_moe"](transformers)
+    config.max_position_embeddings, config.head_dim = 1024, 16  # heads of 16: one vector (the tiny models' 8: none)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    lm = fx_rewrites.compile_lm(model, max_cache_len=600)
+    assert lm.reports["prefill"].rewrites[RULE.name] == 2
+    for length, chunk in ((300, None), (30, None), (300, 37)):
+        ids = lm_models.prompt(length)
+        expected = lm_models.reference(model, ids, new=6)
+        assert lm_models.top2_margin(model, torch.cat([ids, expected], 1), length - 1) > 1e-3  # no near tie
+        mask = torch.ones_like(ids)
+        got = lm.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=chunk)[0, length:]
+        assert got.tolist() == expected[0].tolist(), (length, chunk)
