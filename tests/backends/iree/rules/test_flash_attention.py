@@ -6,7 +6,8 @@ cache's heads, a bool mask of the positions each query may see, padding included
 static; the graph after (one `flash_attention` of the queries, the keys laid out in blocks, the mask as int8, no SDPA);
 what the rule declines (static rows, a float mask, no mask, is_causal, a head size off the vectors); and the default
 AVX-512 route end to end on IREE against float64 on two input sets (row counts off the row block and under it, a tail
-key block, fully masked rows, a mask per head, a head size of 128, enable_gqa). (Its speed: docs/performance.md,
+key block, fully masked rows, a mask per head, a head size of 128, enable_gqa, a batch of 2 with its own padding a
+row); compile_lm of a tiny Qwen3-MoE generating as transformers does. (Its speed: docs/performance.md,
 "MoE prefill's attention as a dispatch of our own".)
 """
 
@@ -49,8 +50,10 @@ class Prefill(torch.nn.Module):
         self.gqa, self.per_head = gqa, per_head
 
     def forward(self, q, k, v, positions, keep):
-        allowed = (torch.arange(k.shape[-2])[None, :] <= positions[:, None]) & keep[None, :].bool()
-        allowed = allowed[None, None]
+        allowed = (torch.arange(k.shape[-2])[None, :] <= positions[:, None])[None] & keep.view(
+            -1, 1, k.shape[-2]
+        ).bool()
+        allowed = allowed[:, None]  # [b or 1, 1, rows, keys]: keep [keys] or one row a batch entry
         if self.per_head:  # head h also shuts every key of rows h, h + 3, ...: fully masked rows per head
             rows = torch.arange(q.shape[-2])[None, :] % 3 != torch.arange(q.shape[1])[:, None] % 3
             allowed = allowed & rows[None, :, :, None]
@@ -62,13 +65,15 @@ class Prefill(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.gqa)
 
 
-def _inputs(rows: int, start: int, pad: int, seed: int, heads=4, kv=2, keys=200, size=64):
-    keep = torch.ones(keys, dtype=torch.long)
-    keep[:pad] = 0
+def _inputs(rows: int, start: int, pad: int, seed: int, heads=4, kv=2, keys=200, size=64, batch=1):
+    keep = torch.ones(keys, dtype=torch.long) if batch == 1 else torch.ones(batch, keys, dtype=torch.long)
+    keep[..., :pad] = 0
+    if batch > 1:
+        keep[1:, : pad + 2] = 0  # left padding of its own a batch entry
     return (
-        _randn(seed, 1, heads, rows, size),
-        _randn(seed + 1, 1, kv, keys, size),
-        _randn(seed + 2, 1, kv, keys, size),
+        _randn(seed, batch, heads, rows, size),
+        _randn(seed + 1, batch, kv, keys, size),
+        _randn(seed + 2, batch, kv, keys, size),
         torch.arange(start, start + rows),
         keep,
     )
@@ -139,21 +144,22 @@ def test_executable_and_splice():
         splice(f'module {{\n  %0 = torch.operator "{MARK}"(%a) : (!torch.int) -> !torch.int\n}}')
 
 
-#: name -> (module, [(rows, start, pad, seed)] x 2, heads, kv, keys, size)
+#: name -> (module, [(rows, start, pad, seed)] x 2, heads, kv, keys, size[, batch])
 CASES = {
     # 37 rows: six row blocks, the last of one row; 200 keys: a tail key block of 8; padding: fully masked rows
     "repeat_kv": (Prefill(), [(37, 0, 0, 0), (40, 0, 3, 10)], 4, 2, 200, 64),
     "under_a_row_block": (Prefill(), [(ROWS - 1, 190, 0, 0), (2, 0, 1, 10)], 4, 2, 200, 64),
     "per_head_mask": (Prefill(per_head=True), [(23, 0, 0, 0), (9, 100, 2, 10)], 4, 4, 130, 32),
     "gqa_head_128": (Prefill(gqa=True), [(30, 0, 0, 0), (7, 60, 0, 10)], 8, 2, 2 * KEYS, 128),
+    "batch_2_own_padding": (Prefill(), [(20, 0, 2, 0), (9, 40, 0, 10)], 4, 2, 100, 16, 2),
 }
 
 
 @pytest.mark.skipif(targets.host_isa() != "avx512", reason="the kernel is AVX-512's (16-lane zmm)")
 @pytest.mark.parametrize("name", list(CASES))
 def test_on_iree(name):
-    module, sets, heads, kv, keys, size = CASES[name]
-    inputs = [_inputs(*s, heads=heads, kv=kv, keys=keys, size=size) for s in sets]
+    module, sets, heads, kv, keys, size, *batch = CASES[name]
+    inputs = [_inputs(*s, heads=heads, kv=kv, keys=keys, size=size, batch=(batch or [1])[0]) for s in sets]
     iree = IreeBackend(target=targets.llvm_cpu("avx512"), driver="local-sync")
     result = fx_rewrites.apply(rt.export(module, *inputs[0], dynamic_shapes=_dims(keys)), iree.rules)
     rt.assert_fired(result, RULE, times=1)
