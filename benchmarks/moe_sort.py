@@ -137,6 +137,14 @@ def _replaced(rules: Any, spec: str) -> Any:
     return Phases(*sets, name=rules.name)
 
 
+FLASH = "attention_as_flash_dispatch_avx512"
+
+
+def _present(rules: Any, *names: str) -> list[str]:
+    """Those of `names` that `rules` holds (the flash dispatch's rule is AVX-512's only)."""
+    return [name for name in names if name in rules]
+
+
 def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> Any:
     """IREE local-sync with the experts' sort as a counting sort (`counting`, the default rules) or as ranks
     (`ranks`: the counting sort left out, as before it existed); `isa` avx2: `cpu_isa`'s AVX2 target (znver3
@@ -146,10 +154,10 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
     backend = cpu_isa.backend("avx2", driver="local-sync") if isa == "avx2" else IreeBackend(driver="local-sync")
     flags = backend.flags
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
-    if sort == "whole-attention":  # the rules before attention_by_key_blocks
-        rules = backend.rules.without("attention_by_key_blocks")
-    if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512
-        rules = backend.rules.without("attention_as_flash_dispatch_avx512")
+    if sort == "whole-attention":  # the rules before attention_by_key_blocks (and the flash dispatch)
+        rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", FLASH))
+    if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512 (AVX-512's: AVX2 has none)
+        rules = backend.rules.without(*_present(backend.rules, FLASH))
     if sort == "replaced":
         if not replace:
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")

@@ -125,8 +125,9 @@ def main() -> None:
             continue
         base, peel = name.removesuffix("+peel"), name.endswith("+peel")
         left_out = [*args.without, *(["attention_by_key_blocks"] if base == "whole" else [])]
-        if base.partition(":")[0] in ("blocks", "whole"):  # the forms before the flash dispatch
-            left_out.append("attention_as_flash_dispatch_avx512")
+        flash = "attention_as_flash_dispatch_avx512"  # AVX-512's only
+        if base.partition(":")[0] in ("blocks", "whole") and flash in default.rules:  # the forms before it
+            left_out.append(flash)
         route = IreeBackend(driver="local-sync", rules=default.rules.without(*left_out)) if left_out else default
         if peel:
             route = attrs.evolve(route, perf_flags=(*route.perf_flags, PEEL))

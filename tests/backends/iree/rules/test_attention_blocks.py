@@ -31,8 +31,8 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 def _key_blocks_route():
     """The default `iree` route without AVX-512's flash dispatch (rules/flash_attention.py), which takes a masked
     prefill's attention over a Dim before this rule where the host has AVX-512."""
-    iree = backends.get("iree")
-    return attrs.evolve(iree, rules=iree.rules.without("attention_as_flash_dispatch_avx512"))
+    iree, flash = backends.get("iree"), "attention_as_flash_dispatch_avx512"
+    return attrs.evolve(iree, rules=iree.rules.without(flash)) if flash in iree.rules else iree
 
 
 class CachedCausal(torch.nn.Module):
