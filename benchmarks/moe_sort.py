@@ -17,6 +17,7 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
+  `no-flash`: the rules with `attention_as_flash_dispatch_avx512` left out (the attention as before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
   rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `peel`: the default rules, compiled with
@@ -137,6 +138,14 @@ def _replaced(rules: Any, spec: str) -> Any:
     return Phases(*sets, name=rules.name)
 
 
+FLASH = "attention_as_flash_dispatch_avx512"
+
+
+def _present(rules: Any, *names: str) -> list[str]:
+    """Those of `names` that `rules` holds (the flash dispatch's rule is AVX-512's only)."""
+    return [name for name in names if name in rules]
+
+
 def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> Any:
     """IREE local-sync with the experts' sort as a counting sort (`counting`, the default rules) or as ranks
     (`ranks`: the counting sort left out, as before it existed); `isa` avx2: `cpu_isa`'s AVX2 target (znver3
@@ -146,8 +155,10 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
     backend = cpu_isa.backend("avx2", driver="local-sync") if isa == "avx2" else IreeBackend(driver="local-sync")
     flags = backend.flags
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
-    if sort == "whole-attention":  # the rules before attention_by_key_blocks
-        rules = backend.rules.without("attention_by_key_blocks")
+    if sort == "whole-attention":  # the rules before attention_by_key_blocks (and the flash dispatch)
+        rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", FLASH))
+    if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512 (AVX-512's: AVX2 has none)
+        rules = backend.rules.without(*_present(backend.rules, FLASH))
     if sort == "replaced":
         if not replace:
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")
@@ -193,8 +204,11 @@ def _runner(route: str, model: Any, max_len: int, isa: str, replace: str | None 
     start = time.perf_counter()
     lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=iree_backend(route, isa, replace))
     fired = {
-        f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "sort" in k
-    } | {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items() if "grouped" in k}
+        f"{name}:{k}": v
+        for name, report in lm.reports.items()
+        for k, v in report.rewrites.items()
+        if any(word in k for word in ("sort", "grouped", "attention"))
+    }
     print(json.dumps({"route": route, "compile_s": round(time.perf_counter() - start, 1), "fired": fired}), flush=True)
 
     def run(ids: torch.Tensor, n: int, clock: StepClock | None = None) -> torch.Tensor:
@@ -319,7 +333,17 @@ def micro(args: argparse.Namespace) -> None:
                               "values_equal": equal}), flush=True)  # fmt: skip
 
 
-ROUTES = ("counting", "ranks", "whole-attention", "no-hoist", "min-peak-memory", "peel", "replaced", "eager")
+ROUTES = (
+    "counting",
+    "ranks",
+    "whole-attention",
+    "no-flash",
+    "no-hoist",
+    "min-peak-memory",
+    "peel",
+    "replaced",
+    "eager",
+)
 
 
 def _route(text: str) -> str:

@@ -8,8 +8,10 @@
 transformers' eager prefill over compile_lm's static cache: `repeat_kv` of the 4 key-value heads, a bool causal
 mask over the cache's positions (row i lets keys 0..i through), `scaled_dot_product_attention`, exported with a Dim
 on the query rows (the prompt) and compiled by the IREE backend's rules (local-sync):
-- `rules`: the default rules (`attention_by_key_blocks` where it applies);
-- `whole`: without `attention_by_key_blocks` (written out over every key);
+- `rules`: the default rules (on AVX-512 `attention_as_flash_dispatch_avx512`: the hand-written flash dispatch;
+  elsewhere `attention_by_key_blocks` where it applies);
+- `blocks`: the default rules without the flash dispatch (`attention_by_key_blocks`);
+- `whole`: without either (written out over every key);
 - `rules:NAME=VALUE,...`: the default rules with `attention_blocks`' constants set so while rewriting (e.g.
   `rules:ALIGN=1,MAX_BLOCKS=4`: the blocks as they were before they were aligned), or `assumptions`'s
   (`rules:ASSUME_SHAPES=1`: the Dims passed to IREE as assumptions; off by default);
@@ -36,7 +38,11 @@ import torch
 
 PEEL = "--iree-llvmcpu-vector-pproc-strategy=peel"
 #: query heads, key-value heads, head size, cache length
-SHAPES = {"small": (8, 4, 64, 2081), "qwen3-30b-a3b": (32, 4, 128, 1041)}
+SHAPES = {
+    "small": (8, 4, 64, 2081),
+    "qwen3-30b-a3b": (32, 4, 128, 1041),
+    "llama-0.1b": (12, 4, 64, 192),  # benchmarks/generate.py's 0.1B Llama, its cache (prompt 128 + 64 new)
+}
 
 
 class Sdpa(torch.nn.Module):
@@ -119,6 +125,9 @@ def main() -> None:
             continue
         base, peel = name.removesuffix("+peel"), name.endswith("+peel")
         left_out = [*args.without, *(["attention_by_key_blocks"] if base == "whole" else [])]
+        flash = "attention_as_flash_dispatch_avx512"  # AVX-512's only
+        if base.partition(":")[0] in ("blocks", "whole") and flash in default.rules:  # the forms before it
+            left_out.append(flash)
         route = IreeBackend(driver="local-sync", rules=default.rules.without(*left_out)) if left_out else default
         if peel:
             route = attrs.evolve(route, perf_flags=(*route.perf_flags, PEEL))

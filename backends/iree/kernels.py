@@ -5,6 +5,7 @@ from __future__ import annotations
 from fx_rewrites.backends.iree import (
     a8int4_dispatch,
     f32_dispatch,
+    flash_attention_dispatch,
     grouped_conv_dispatch,
     int4_dispatch,
     packed_experts,
@@ -17,6 +18,7 @@ KERNELS = (
     int4_dispatch,
     a8int4_dispatch,
     f32_dispatch,
+    flash_attention_dispatch,
     grouped_conv_dispatch,
     packed_experts,
     pointwise_conv_dispatch,

@@ -57,6 +57,8 @@ SPLICED: dict[str, str] = {
     "(f32_dispatch.py)",
     "fx_rewrites.f32_linear.default": "spliced by the backend as a hand-written float32 matmul dispatch adding the "
     "bias in its store (f32_dispatch.py)",
+    "fx_rewrites.flash_attention.default": "spliced by the backend as a hand-written masked attention dispatch "
+    "(flash_attention_dispatch.py)",
     "fx_rewrites.grouped_conv2d.default": "spliced by the backend as a hand-written grouped (and depthwise) "
     "convolution dispatch (grouped_conv_dispatch.py)",
     "fx_rewrites.packed_matmul.default": "spliced by the backend as IREE's pack, mmt4d and unpack over a weight "

@@ -217,13 +217,23 @@ _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispa
 # BERT 0.76, Llama 0.85, the Whisper encoder 0.89, ConvNeXt-T 0.95, conv_classes.py's linear 0.84 (docs/performance.md
 # "The float32 kernel on AVX-512, and the bias in its store"; findings 64). AVX2's, re-timed with the bias in the
 # kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92
+# `attention_as_flash_dispatch_avx512` (rules/flash_attention.py): a masked attention over a Dim of query rows
+# (compile_lm's prefill) through the hand-written flash dispatch (flash_attention_dispatch.py), before the other
+# attention rules; AVX-512 only (its 16-lane zmm blocks; AVX2 not measured) (docs/performance.md, "MoE prefill's
+# attention as a dispatch of our own")
+_AVX512_ATTENTION = "attention_as_flash_dispatch_avx512"
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
         "x86-64-v4",
         (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
-        (*_TRANSFORMER_RULES, *_AVX512_CONV_RULES, "linear_as_f32_dispatch_avx512"),
+        (
+            _AVX512_ATTENTION,
+            *_TRANSFORMER_RULES,
+            *_AVX512_CONV_RULES,
+            "linear_as_f32_dispatch_avx512",
+        ),
         first_rules=_AVX512_FIRST_RULES,
     ),
     # znver3 without SSE4a: AMD's own extension, which Intel CPUs lack; LLVM emits its `insertq` for znver3 (a

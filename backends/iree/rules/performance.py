@@ -70,6 +70,7 @@ from fx_rewrites.backends.iree.rules import conv_performance as conv
 from fx_rewrites.backends.iree.rules import (
     conv_taps,
     f32_matmul,
+    flash_attention,
     grouped_conv_dispatch,
     im2col,
     pointwise_conv_dispatch,
@@ -435,6 +436,7 @@ ALL = RuleSet(
         *grouped_conv_dispatch.RULES,
         *pointwise_conv_dispatch.RULES,
         *tap_conv_dispatch.RULES,
+        *flash_attention.RULES,
     ],
     name="iree-performance",
 )

@@ -58,6 +58,9 @@ MEASURED_CHOICES = {
     # transformers 12-24% faster with it on each (docs/performance.md, "The float32 kernel on AVX-512")
     "linear_as_f32_dispatch": {"avx512": False, "avx2": True},
     "linear_as_f32_dispatch_avx512": {"avx512": True, "avx2": False},
+    # a masked attention over a Dim of rows (compile_lm's prefill) through the hand-written flash dispatch: the MoE
+    # prefill's attention alone 0.43 / 0.36x of the key blocks' time (docs/performance.md); AVX2 not measured
+    "attention_as_flash_dispatch_avx512": {"avx512": True, "avx2": False},
 }
 
 
