@@ -34,8 +34,8 @@ from fx_rewrites.kinds import rule
 
 aten = torch.ops.aten
 
-#: the fewest pixels a map has for the dispatch: ResNet-50's 1x1s (+ batch norm + ReLU) over 14x14 ran 0.89-0.92 of
-#: IREE's product with it, over 7x7 1.07-1.25 (2048->512; the strided 1024->2048 1.25-1.24), on both ISAs
+#: the fewest pixels a map has for the dispatch: ResNet-50's 1x1s (+ batch norm + ReLU) over 14x14 ran 0.90-0.92 of
+#: IREE's product with it, over 7x7 1.03-1.07 (2048->512) and 1.24-1.25 (the strided 1024->2048), on both ISAs
 #: (docs/performance.md "A kxk convolution dispatch of our own")
 MIN_PIXELS = 196
 
