@@ -1,6 +1,6 @@
 """kxk convolutions through the hand-written tap convolution dispatch (issue 32; llvm-cpu).
 
-    conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, k, k], stride 1 or 2, padding p, one group
+    conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, k, k] (k in KERNELS), stride 1 or 2, padding p, one group
     -> tap_conv2d(phases(pad(x)), w, b or zeros(O), s, Ho, Wo, lanes)
 
 The input is padded (its border p, then up to the phases' whole rows and columns) and, at stride 2, split into its
@@ -84,8 +84,8 @@ def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
 
 
 _DOC = (
-    "A float32 3x3 2-D convolution of one group at stride 1 or 2, static sizes, becomes the hand-written tap "
-    "convolution dispatch (`fx_rewrites::tap_conv2d`): the input padded (and at stride 2 split into its phases), "
+    "A float32 kxk 2-D convolution ({kernels}) of one group at stride 1 or 2, static sizes, becomes the hand-written "
+    "tap convolution dispatch (`fx_rewrites::tap_conv2d`): the input padded (and at stride 2 split into its phases), "
     "each tap a vector load at a fixed offset, {block} output channels x positions in registers, the bias added at "
     "the store; IREE 3.13 runs it through im2col or its direct convolution, 1.2-1.7x eager."
 )
@@ -96,7 +96,7 @@ _DOC = (
     when=lambda node: _tap_conv(node, 8),
     priority=2,  # before conv_as_tap_matmuls and conv_as_im2col_matmul
     tags={"iree", "performance", "convolution"},
-    doc=_DOC.format(block="AVX2's 4 x 24"),
+    doc=_DOC.format(block="AVX2's 4 x 24", kernels="3x3 and 7x7"),
 )
 def conv_as_tap_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     _write(node, rw, found, 8)
@@ -107,7 +107,7 @@ def conv_as_tap_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> 
     when=lambda node: _tap_conv(node, 16),
     priority=2,  # before conv_as_im2col_matmul
     tags={"iree", "performance", "convolution"},
-    doc=_DOC.format(block="AVX-512's 8 x 48"),
+    doc=_DOC.format(block="AVX-512's 8 x 48", kernels="3x3"),
 )
 def conv_as_tap_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     _write(node, rw, found, 16)
