@@ -250,6 +250,22 @@ def static_2d(node: Node, why: str) -> dict[str, Any] | Miss:
     return c if ok is True else ok
 
 
+def dispatchable_2d(node: Node) -> dict[str, Any] | Miss:
+    """`static_2d(node)` where a hand-written convolution dispatch can take it: a static batch (its workgroups are
+    static), float32 input and weight, the bias a tensor or none; else a Miss saying which."""
+    c = static_2d(node, "the kernel is 2-D")
+    if isinstance(c, Miss):
+        return c
+    x, w = fake_value(c["input"]), fake_value(c["weight"])
+    if not isinstance(x.shape[0], int):
+        return Miss("a Dim on the batch: the kernel's workgroups are static")
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
+    if c["bias"] is not None and not isinstance(c["bias"], Node):
+        return Miss("a bias that is not a tensor")
+    return c
+
+
 def is_depthwise(c: dict[str, Any]) -> bool:
     """`_conv`'s arguments `c` are a depthwise convolution's: groups = input channels = output channels."""
     out_channels, per_group = fake_value(c["weight"]).shape[:2]

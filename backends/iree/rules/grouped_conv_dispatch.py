@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.backends.iree.grouped_conv_dispatch import GROUPED_CONV2D, LANES
-from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, is_depthwise, static_2d
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, dispatchable_2d, is_depthwise
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -43,14 +43,10 @@ MAX_GROUP_CHANNELS = 32
 
 def _dispatchable(node: Node) -> dict[str, Any] | Miss:
     """A static float32 2-D convolution the kernel can run, or why not."""
-    c = static_2d(node, "the kernel is 2-D")
+    c = dispatchable_2d(node)
     if isinstance(c, Miss):
         return c
     x, w = fake_value(c["input"]), fake_value(c["weight"])
-    if not isinstance(x.shape[0], int):
-        return Miss("a Dim on the batch: the kernel's workgroups (batch x output channels) are static")
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
     if max(c["stride"]) > MAX_STRIDE or c["dilation"] != [1, 1]:
         return Miss(f"stride {c['stride']}, dilation {c['dilation']}: the kernel's strides 1 and 2, no dilation")
     kh, kw = w.shape[2:]
@@ -58,8 +54,6 @@ def _dispatchable(node: Node) -> dict[str, Any] | Miss:
     rows, cols = _out_size(height, kh, sh, ph, 1), _out_size(width, kw, sw, pw, 1)
     if rows < 1 or cols < LANES or width < LANES * sw:
         return Miss(f"an output {rows}x{cols} from {height}x{width}: at least {LANES} wide, the input {LANES} strides")
-    if c["bias"] is not None and not isinstance(c["bias"], Node):
-        return Miss("a bias that is not a tensor")
     return c
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.backends.iree.pointwise_conv_dispatch import POINTWISE_CONV2D
-from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, dispatchable_2d
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight
 from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D
 from fx_rewrites.engine import Miss, Rewriter
@@ -42,22 +42,16 @@ MIN_PIXELS = 196
 
 def _pointwise(node: Node) -> dict[str, Any] | Miss:
     """A static float32 1x1 convolution of one group at stride 1 with no padding, at least `MIN_PIXELS` pixels."""
-    c = static_2d(node, "the kernel is 2-D")
+    c = dispatchable_2d(node)
     if isinstance(c, Miss):
         return c
     x, w = fake_value(c["input"]), fake_value(c["weight"])
-    if not isinstance(x.shape[0], int):
-        return Miss("a Dim on the batch: the kernel's workgroups are static")
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
     if tuple(w.shape[2:]) != (1, 1) or c["groups"] != 1:
         return Miss(f"a {tuple(w.shape[2:])} kernel in {c['groups']} groups: the kernel is a 1x1 of one group")
     if c["stride"] != [1, 1] or any(c["padding"]) or c["dilation"] != [1, 1]:
         return Miss(f"stride {c['stride']}, padding {c['padding']} (strided_pointwise_conv_as_slice first)")
     if x.shape[2] * x.shape[3] < MIN_PIXELS:
         return Miss(f"{x.shape[2]}x{x.shape[3]} pixels: fewer than {MIN_PIXELS} (IREE's product is faster there)")
-    if c["bias"] is not None and not isinstance(c["bias"], Node):
-        return Miss("a bias that is not a tensor")
     return c
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, static_2d
+from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, dispatchable_2d
 from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D, phase_rows
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
@@ -35,29 +35,23 @@ STRIDES = (1, 2)
 def _tap_conv(node: Node, lanes: int) -> dict[str, Any] | Miss:
     """A static float32 kxk convolution of one group (k in `KERNELS[lanes]`) at a stride of `STRIDES`, no
     dilation."""
-    c = static_2d(node, "the kernel is 2-D")
+    c = dispatchable_2d(node)
     if isinstance(c, Miss):
         return c
     x, w = fake_value(c["input"]), fake_value(c["weight"])
-    if not isinstance(x.shape[0], int):
-        return Miss("a Dim on the batch: the kernel's workgroups are static")
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        return Miss(f"{x.dtype} x {w.dtype}: the kernel is float32")
     kh, kw = w.shape[2:]
     if kh != kw or kh not in KERNELS[lanes] or c["groups"] != 1:
         return Miss(f"a {kh}x{kw} kernel in {c['groups']} groups: the kernel takes {KERNELS[lanes]} square, one group")
     if c["stride"][0] != c["stride"][1] or c["stride"][0] not in STRIDES or c["dilation"] != [1, 1]:
         return Miss(f"stride {c['stride']}, dilation {c['dilation']}: strides {STRIDES}, no dilation")
     stride, (ph, pw) = c["stride"][0], c["padding"]
-    height, width = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
-    rows, cols = (height - kh) // stride + 1, (width - kw) // stride + 1
+    rows, cols = _out_size(x.shape[2], kh, stride, ph, 1), _out_size(x.shape[3], kw, stride, pw, 1)
+    height, width = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw  # padded
     if rows < 1 or cols < 1:
         return Miss("no output position")
     wq = -(-width // stride)
     if rows * wq < lanes:
         return Miss(f"{rows}x{cols} outputs: fewer than a vector's {lanes} positions")
-    if c["bias"] is not None and not isinstance(c["bias"], Node):
-        return Miss("a bias that is not a tensor")
     hq = phase_rows(kh, stride, rows, -(-height // stride), wq)
     c["geometry"] = (stride, kh, rows, cols, hq, wq)
     return c
