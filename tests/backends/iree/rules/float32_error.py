@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+
+
+def in_float64(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module` that runs a float64 input in float64 (a copy of it in float64: the reference
+    `assert_within_torch_error` compares with) and any other input as it is."""
+    wide = copy.deepcopy(module).double()
+    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
 def redrawn(args: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,7 @@ from fx_rewrites.backends.iree.rules.conv_taps import MIN_TAP_CHANNELS as C
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight, conv_as_tap_matmuls
 from fx_rewrites.backends.iree.rules.tap_conv_dispatch import conv_as_tap_dispatch
 from fx_rewrites.ruleset import Phases
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
@@ -62,11 +62,6 @@ def _inputs(name: str) -> list[tuple[torch.Tensor]]:
     return [(_randn(s, 2, *CASES[name][1]),) for s in (0, 1)]
 
 
-def _in_float64(module: torch.nn.Module):
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
-
-
 def _native(module: torch.nn.Module):
     """`module` through torch's native CPU convolution, not oneDNN's: the other of torch's float32 convolutions."""
 
@@ -102,10 +97,10 @@ def test_conv_as_tap_matmuls(name, dynamic):
     adds = [n for n in rt.graph_module(result).graph.nodes if n.target == aten.add.Tensor]
     assert len(adds) == 8 + (conv.bias is not None), "the taps summed, then the bias"
     rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs, torch_forms=[_native(module)])
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs, torch_forms=[_native(module)])
     wide = copy.deepcopy(result.program.module()).double()  # the same sum: float64 runs agree to float64's rounding
     for (x,) in inputs:
-        torch.testing.assert_close(wide(x.double()), _in_float64(module)(x.double()), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(wide(x.double()), in_float64(module)(x.double()), rtol=1e-12, atol=1e-12)
     rt.assert_idempotent(result, conv_as_tap_matmuls)
 
 
@@ -187,7 +182,7 @@ def test_conv_as_tap_matmuls_on_iree(dynamic):
     before = fx_rewrites.apply(ep, without(conv_as_tap_matmuls.name, route))
     assert set(rt.targets(before)) & set(CONVS), "the route without the rule keeps its convolution"
     fn, fn_before = iree.compile(result.program, inputs[0]), iree.compile(before.program, inputs[0])
-    exact = _in_float64(module)
+    exact = in_float64(module)
     for (x,) in inputs:
         want = exact(x.double())
 

@@ -11,8 +11,6 @@ AVX-512's on an AVX-512 host. (Its speed: benchmarks/f32_dispatch.py, docs/perfo
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.export import Dim
@@ -32,7 +30,7 @@ from fx_rewrites.backends.iree.f32_dispatch import (
 )
 from fx_rewrites.backends.iree.legality import SPLICED
 from fx_rewrites.backends.iree.rules.f32_matmul import linear_as_f32_dispatch, linear_as_f32_dispatch_avx512
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 
@@ -44,11 +42,6 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 def _linear(k: int, n: int, bias: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Linear(k, n, bias=bias).eval()
-
-
-def _in_float64(module: torch.nn.Module):
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
 #: name -> (in, out, bias, x's shape)
@@ -87,7 +80,7 @@ def test_linear_as_f32_dispatch(name, which):
     assert not bias or tuple(rest[0].meta["val"].shape) == (n,), "the bias passed to the kernel"
     assert packed.target is aten.reshape.default and packed.args[0].target is aten.permute.default
     assert packed.args[0].args[0].meta["val"].shape[1:] == (strip, k)
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
     rt.assert_idempotent(result, which)
 
 
@@ -150,7 +143,7 @@ def _through_iree(name: str, isa: str, rule) -> None:
     result = fx_rewrites.apply(rt.export(module, *inputs[0]), iree.rules)
     rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, _in_float64(module), inputs)
+    assert_within_torch_error(fn, in_float64(module), inputs)
 
 
 @pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias"])

@@ -13,8 +13,6 @@ docs/performance.md, "A depthwise convolution dispatch of our own".)
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.export import Dim
@@ -29,7 +27,7 @@ from fx_rewrites.backends.iree.rules.grouped_conv_dispatch import (
     depthwise_conv_as_dispatch,
     grouped_conv_as_dispatch,
 )
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 RULES = (depthwise_conv_as_dispatch, grouped_conv_as_dispatch, conv_as_direct_dispatch)
@@ -51,11 +49,6 @@ def _conv(
 ) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Conv2d(cin, cout, kernel, stride, padding=padding, groups=groups, bias=bias, **kw).eval()
-
-
-def _in_float64(module: torch.nn.Module):
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
 #: name -> (in channels, out channels, groups, kernel, padding, bias, input shape N, H, W, stride)
@@ -100,7 +93,7 @@ def test_conv_as_dispatch(name):
     adds = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.add.Tensor]
     bias = CASES[name][5]
     assert len(adds) == int(bias) and (not bias or adds[0].args[0] is call), "the bias added after"
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
     rt.assert_idempotent(result, rule)
 
 
@@ -190,7 +183,7 @@ def test_conv_as_dispatch_on_iree(name, isa):
         result = fx_rewrites.apply(ep, iree.rules)
         rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, _in_float64(module), inputs)
+    assert_within_torch_error(fn, in_float64(module), inputs)
 
 
 def test_splice_takes_an_operand_of_a_multi_result_op():
@@ -216,4 +209,4 @@ def test_a_dim_batch_keeps_the_route_working_on_iree():
     result = fx_rewrites.apply(ep, iree.rules)
     rt.assert_not_fired(result, depthwise_conv_as_dispatch)
     fn = iree.compile(result.program, inputs[0])
-    assert_within_torch_error(fn, _in_float64(module), inputs)
+    assert_within_torch_error(fn, in_float64(module), inputs)

@@ -25,7 +25,7 @@ from fx_rewrites.backends.iree.rules.im2col import (
     pointwise_conv_as_matmul,
 )
 from fx_rewrites.ruleset import Phases
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
@@ -73,12 +73,6 @@ def _inputs(name: str) -> list[tuple[torch.Tensor]]:
     return [(_randn(s, 2, *CASES[name][1]),) for s in (0, 1)]
 
 
-def _in_float64(module: torch.nn.Module):
-    """`module` that runs a float64 input in float64 (the reference `assert_within_torch_error` compares with)."""
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
-
-
 def _native(module: torch.nn.Module):
     """`module` through torch's native CPU convolution (its own im2col + GEMM), not oneDNN's: the other of torch's
     two float32 convolutions, whose error (up to 8e-7 here, oneDNN's 4.5e-7) is torch's own too."""
@@ -91,7 +85,7 @@ def _native(module: torch.nn.Module):
 
 
 def _assert_within_torch_error(got_of, module: torch.nn.Module, inputs) -> None:
-    assert_within_torch_error(got_of, _in_float64(module), inputs, torch_forms=[_native(module)])
+    assert_within_torch_error(got_of, in_float64(module), inputs, torch_forms=[_native(module)])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -117,7 +111,7 @@ def test_conv_as_im2col_matmul(name, dynamic):
     _assert_within_torch_error(result.program.module(), module, inputs)
     wide = copy.deepcopy(result.program.module()).double()  # the same sum: float64 runs agree to float64's rounding
     for (x,) in inputs:
-        torch.testing.assert_close(wide(x.double()), _in_float64(module)(x.double()), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(wide(x.double()), in_float64(module)(x.double()), rtol=1e-12, atol=1e-12)
     rt.assert_idempotent(result, conv_as_im2col_matmul)
 
 
@@ -172,7 +166,7 @@ def test_pointwise_conv_as_matmul_declines():
 
 
 def _error(fn, module: torch.nn.Module, x: torch.Tensor) -> float:
-    return (fn(x).double() - _in_float64(module)(x.double())).abs().max().item()
+    return (fn(x).double() - in_float64(module)(x.double())).abs().max().item()
 
 
 @pytest.mark.parametrize("name", ["1x1_stride2_no_bias", "3x2_strided_dilated_no_bias"])
@@ -205,5 +199,5 @@ def test_conv_as_im2col_matmul_on_iree(name, dynamic):
         _assert_within_torch_error(fn, module, inputs)
     for (x,) in inputs:
         torch_error = max(_error(module, module, x), _error(_native(module), module, x))
-        step = torch.finfo(torch.float32).eps * _in_float64(module)(x.double()).abs().max().item()
+        step = torch.finfo(torch.float32).eps * in_float64(module)(x.double()).abs().max().item()
         assert _error(fn, module, x) <= max(torch_error, _error(fn_direct, module, x)) + step

@@ -12,8 +12,6 @@ against float64. (Its speed: docs/performance.md, "A 1x1 convolution dispatch of
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.export import Dim
@@ -37,7 +35,7 @@ from fx_rewrites.backends.iree.rules.pointwise_conv_dispatch import (
     pointwise_conv_as_dispatch_avx512,
     relu_into_pointwise_conv,
 )
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 RULES = {8: pointwise_conv_as_dispatch, 16: pointwise_conv_as_dispatch_avx512}
@@ -50,11 +48,6 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 def _conv(cin: int, cout: int, kernel: int = 1, bias: bool = True, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Conv2d(cin, cout, kernel, bias=bias, **kw).eval()
-
-
-def _in_float64(module: torch.nn.Module):
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
 #: name -> (in channels, out channels, bias, input shape N, H, W)
@@ -89,7 +82,7 @@ def test_pointwise_conv_as_dispatch(name, lanes):
     else:
         assert b.target is aten.zeros.default and b.meta["val"].shape == (module.out_channels,)
     assert call_lanes == lanes and relu == 0
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
     rt.assert_idempotent(result, rule)
 
 
@@ -178,7 +171,7 @@ def test_pointwise_conv_as_dispatch_on_iree(name, isa):
     rt.assert_fired(result, rule, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert MARK in fn.mlir and "flow.dispatch @pwconv_" in splice(fn.mlir)
-    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(fn, in_float64(module), inputs, redraws=16)
 
 
 class ConvNormRelu(torch.nn.Module):
@@ -228,7 +221,7 @@ def test_batch_norm_and_relu_into_pointwise_conv(name):
     rt.assert_ops(result, absent=[aten.batch_norm.default, aten.relu.default, aten.conv2d.default])
     (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is POINTWISE_CONV2D]
     assert call.args[4] == int(module.relu)
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs, redraws=16)
     rt.assert_idempotent(result, *rules)
 
 
@@ -272,4 +265,4 @@ def test_folded_pointwise_conv_on_iree(name, isa):
     iree = IreeBackend(target=targets.llvm_cpu(isa))
     fn = iree.compile(fx_rewrites.apply(first.program, iree.rules).program, inputs[0])
     assert ("_relu" in splice(fn.mlir)) == module.relu
-    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(fn, in_float64(module), inputs, redraws=16)

@@ -11,8 +11,6 @@ batch norm and ReLU folded in. (Its speed: docs/performance.md, "A kxk convoluti
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.export import Dim
@@ -37,7 +35,7 @@ from fx_rewrites.backends.iree.tap_conv_dispatch import (
     splice,
     taps,
 )
-from tests.backends.iree.rules.float32_error import assert_within_torch_error
+from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
 RULES = {8: conv_as_tap_dispatch, 16: conv_as_tap_dispatch_avx512}
@@ -50,11 +48,6 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 def _conv(cin: int, cout: int, kernel: int = 3, bias: bool = True, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Conv2d(cin, cout, kernel, bias=bias, **kw).eval()
-
-
-def _in_float64(module: torch.nn.Module):
-    wide = copy.deepcopy(module).double()
-    return lambda x: (wide if x.dtype == torch.float64 else module)(x)
 
 
 #: name -> (in channels, out channels, bias, stride, padding, input N, H, W)
@@ -93,7 +86,7 @@ def test_conv_as_tap_dispatch(name, lanes):
         assert b.op == "placeholder", "the bias as it is, added at the store"
     else:
         assert b.target is aten.zeros.default and b.meta["val"].shape == (module.out_channels,)
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
     rt.assert_idempotent(result, rule)
 
 
@@ -163,7 +156,7 @@ def test_conv_as_tap_dispatch_on_iree(name, isa):
     fn = iree.compile(result.program, inputs[0])
     spliced = splice(fn.mlir)
     assert "flow.dispatch @tapconv_" in spliced and "tensor.extract_slice" in spliced
-    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(fn, in_float64(module), inputs, redraws=16)
 
 
 class ConvNormRelu(torch.nn.Module):
@@ -199,11 +192,11 @@ def test_batch_norm_and_relu_into_tap_conv(stride, isa):
     rt.assert_ops(result, absent=[aten.batch_norm.default, aten.relu.default, aten.conv2d.default])
     (call,) = [node for node in rt.graph_module(result).graph.nodes if node.target is TAP_CONV2D]
     assert call.args[7] == 1 and call.args[1].meta["val"].shape == (12, 10, 3, 3)
-    assert_within_torch_error(result.program.module(), _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs, redraws=16)
     rt.assert_idempotent(result, *rules)
     if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
         return  # the graph's check above runs anywhere; the module's code needs the ISA
     iree = IreeBackend(target=targets.llvm_cpu(isa))
     fn = iree.compile(fx_rewrites.apply(result.program, iree.rules).program, inputs[0])
     assert "_relu" in splice(fn.mlir)
-    assert_within_torch_error(fn, _in_float64(module), inputs, redraws=16)
+    assert_within_torch_error(fn, in_float64(module), inputs, redraws=16)
