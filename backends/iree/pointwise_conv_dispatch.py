@@ -2,7 +2,7 @@
 
 y[n, o, p] = b[o] + sum over c of w[o, c] x[n, c, p], x [N, C, P] (P = H W, the pixels contiguous), w [O, C]. A
 block is R output channels by V vectors of `lanes` pixels: for each input channel, V vector loads of x's row and R
-broadcast weights feed R x V FMAs (AVX2: 4 x 3 of 8 lanes in 12 ymm; AVX-512: 8 x 3 of 16 in 24 zmm). No packing:
+broadcast weights feed R x V FMAs (AVX2: 4 x 3 of 8 lanes in 12 ymm; AVX-512: 4 x 6 of 16 in 24 zmm). No packing:
 x is read as it lies (its rows of pixels are the vectors), where IREE 3.13 packs x for its data-tiled product and
 unpacks y (the 1x1 256->64 on 56x56 at 1.75-2.10x eager, docs/performance.md "Both ISAs on one AVX-512 host"). One
 workgroup an (n, chunk of V lanes pixels); it runs every block of output channels over its chunk, whose x (C x V
@@ -34,8 +34,10 @@ from fx_rewrites.backends.iree import spliced
 OP, MARK = "fx_rewrites::pointwise_conv2d", "torch.fx_rewrites.pointwise_conv2d"
 MARKS = (MARK,)
 #: (output channels, vectors) a block, by lanes: R V accumulators, V loaded vectors and a broadcast weight within
-#: the ISA's vector registers (16 ymm, 32 zmm)
-BLOCKS = {8: (4, 3), 16: (8, 3)}
+#: the ISA's vector registers (16 ymm, 32 zmm). AVX-512's 4 x 6 (96 pixels a workgroup) ran 0-12% faster than 8 x 3
+#: on each of ten ResNet-50 1x1 and kxk shapes (docs/performance.md, "A call's inputs read where they lie"); AVX2's
+#: 4 x 3 beat 2 x 5 and 2 x 6 (the latter spill)
+BLOCKS = {8: (4, 3), 16: (4, 6)}
 #: input channels a block sums in registers before adding it to y (a plain sum over 1024 channels was 5-7x torch's
 #: float32 error against float64; torch's blocks its sums too)
 CHANNEL_BLOCK = 64

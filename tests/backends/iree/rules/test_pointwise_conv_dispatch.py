@@ -123,16 +123,16 @@ def test_pointwise_conv_as_dispatch_declines():
 
 
 def test_shape_and_executable():
-    """The blocks: AVX2 4 outputs x 3 vectors of 8, AVX-512 8 x 3 of 16 (fewer where o or p is smaller); the chunks
+    """The blocks: AVX2 4 outputs x 3 vectors of 8, AVX-512 4 x 6 of 16 (fewer where o or p is smaller); the chunks
     and the last one's pixels; a masked vector only where the last chunk is partial; channel blocks: the first, a
     loop over the whole ones between, the last (with the ReLU); the op is named spliced; a module without a call is
     refused."""
-    assert Shape(1, 256, 3136, 64, 8).block == (4, 3) and Shape(1, 256, 3136, 64, 16).block == (8, 3)
-    assert Shape(1, 8, 49, 20, 16).block == (5, 3) and Shape(1, 8, 20, 7, 16).block == (7, 2)
-    conv = Shape(1, 8, 49, 16, 16)
-    assert (conv.chunk, conv.chunks, conv.tail) == (48, 2, 1)
+    assert Shape(1, 256, 3136, 64, 8).block == (4, 3) and Shape(1, 256, 3136, 64, 16).block == (4, 6)
+    assert Shape(1, 8, 49, 20, 16).block == (4, 4) and Shape(1, 8, 20, 6, 16).block == (3, 2)
+    conv = Shape(1, 8, 113, 16, 16)
+    assert (conv.chunk, conv.chunks, conv.tail) == (96, 2, 17)
     name, text = executable(conv)
-    assert name in text and "pwconv_1x8x49_o16_l16" in name
+    assert name in text and "pwconv_1x8x113_o16_l16" in name
     assert "vector.constant_mask [1] : vector<16xi1>" in text and "vector.maskedstore" in text
     assert "vector.maskedload" in text and "scf.if %last" in text
     whole = executable(Shape(1, 8, 96, 16, 16))[1]
@@ -141,7 +141,7 @@ def test_shape_and_executable():
     assert "%fzacc" in two and "%fkb" not in two, "two blocks of channels: the first and the last, no loop"
     assert f"step %c{CHANNEL_BLOCK}w" in three and "%fkb" in three, "three: a loop over the whole ones between"
     relu = executable(Shape(1, CHANNEL_BLOCK * 2 + 1, 96, 16, 16, relu=True))
-    assert relu[0].endswith("_relu") and relu[1].count("arith.maximumf") == 8 * 3, "in the last block's stores only"
+    assert relu[0].endswith("_relu") and relu[1].count("arith.maximumf") == 4 * 6, "in the last block's stores only"
     assert "arith.maximumf" not in three
     assert "fx_rewrites.pointwise_conv2d.default" in SPLICED
     with pytest.raises(ValueError, match=r"no pointwise_conv2d call"):
