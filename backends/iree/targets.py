@@ -158,7 +158,7 @@ _AVX512_CONV_RULES = (
 # (rules/pointwise_conv_dispatch.py), locked on Emerald Rapids, the route / eager without -> with: ResNet-50 1.12 ->
 # 1.02 (quiet) and 1.08 -> 0.99 (load 4), MobileNetV2 0.43 -> 0.40, ResNeXt-50 1.12 -> 1.05, EfficientNet-B0 0.81 ->
 # 0.75, MobileNetV3-L 0.56 -> 0.48 (load 4) (docs/performance.md, "A 1x1 convolution dispatch of our own").
-# `conv_as_tap_dispatch[_avx512]` (rules/tap_conv_dispatch.py): 3x3s (and AVX2's 7x7 stem) through the same kernel as
+# `conv_as_tap_dispatch[_avx512]` (rules/tap_conv_dispatch.py): 3x3s and 7x7 stems through the same kernel as
 # taps, the batch norm and ReLU folded in as above; with it AVX2 takes the 1x1 dispatch and the folds too. The route
 # / eager without -> with, locked: ResNet-50 AVX-512 1.02 -> 0.88, AVX2 1.09 -> 0.95 (docs/performance.md, "A kxk
 # convolution dispatch of our own", with the other models)

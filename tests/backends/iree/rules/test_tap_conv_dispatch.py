@@ -56,13 +56,16 @@ CASES = {
     "valid_no_bias": (6, 12, False, 1, 0, (1, 10, 12)),  # no padding: the phases only padded to the taps' reach
     "strided_odd": (8, 12, True, 2, 1, (1, 11, 13)),  # four phases of an odd image
     "channel_blocks_batch2": (20, 8, True, 1, 1, (2, 7, 7)),  # blocks of 7, 7 and 6 channels (63 products a sum)
-    "strided_prime_out": (9, 7, False, 2, 1, (1, 12, 12)),  # 7 outputs: blocks of 1 (AVX2), 7 (AVX-512)
+    "strided_prime_out": (9, 7, False, 2, 1, (1, 12, 12)),  # 7 outputs: blocks of one output channel
+    "stem_7x7_strided": (3, 8, False, 2, 3, (1, 19, 21)),  # a ResNet stem's 7x7/2: 49 taps, a channel a block
 }
+#: the cases whose kernel is not 3x3
+KERNEL_SIZES = {"stem_7x7_strided": 7}
 
 
 def _case(name: str):
     cin, cout, bias, stride, padding, (n, h, w) = CASES[name]
-    module = _conv(cin, cout, bias=bias, stride=stride, padding=padding)
+    module = _conv(cin, cout, KERNEL_SIZES.get(name, 3), bias=bias, stride=stride, padding=padding)
     return module, [(_randn(0, n, cin, h, w),), (3.0 * _randn(1, n, cin, h, w),)]
 
 
