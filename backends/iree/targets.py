@@ -206,7 +206,11 @@ _AVX2_CONV_RULES = (
 # `grouped_mm_packed_*_for_iree` (rules/moe_packed.py): MoE experts' weights laid out once as IREE's 16x16x1 tile
 # reads them, the prefill's mmt4d and the decode's per-row products both reading it; the decode at Qwen3-30B-A3B's
 # layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512")
-_AVX512_FIRST_RULES = ("grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree")
+_AVX512_FIRST_RULES = (
+    "grouped_mm_packed_as_dispatch_for_iree",
+    "grouped_mm_packed_per_expert_for_iree",
+    "grouped_mm_packed_per_row_for_iree",
+)
 _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
 # `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
 # matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fx_rewrites.backends.iree.grouped_experts_dispatch import BLOCK, GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.packed_experts import PACKED_MATMUL, STRIP
 from fx_rewrites.backends.iree.rules.moe import (
     Grouped,
@@ -79,6 +80,13 @@ def _few_rows(node: Node) -> Grouped | Miss:
     found = _packable(node)
     if isinstance(found, Grouped) and not _few(found):
         return Miss(f"rows {found.rows} (run-time, or over {PER_ROW_LIMIT} x {found.experts}): the per-expert form")
+    return found
+
+
+def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
+    found = _many_rows(node)
+    if isinstance(found, Grouped) and found.out_features % BLOCK.strip:
+        return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {BLOCK.strip}")
     return found
 
 
@@ -146,6 +154,24 @@ def grouped_mm_packed_per_expert_for_iree(node: Node, rw: Rewriter, *, found: Gr
 
 @rule(
     roots=(_not_registered,),
+    when=_many_rows_in_pairs,
+    tags={"iree", "moe"},
+    priority=30,  # before the per-expert form below
+    doc=(
+        "AVX-512: transformers' `grouped_mm_fallback(input, weight, offs)` with many or run-time rows (prefill) "
+        "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
+        "a workgroup per expert and 128 channels, 12 x 32 register blocks) reading each expert's row range from "
+        "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
+        "decode's tensor); no per-expert dispatches, packs, unpacks or host reads; rows past the last offset 0."
+    ),
+)
+def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
+    ends = rw.call(aten._to_copy.default, _nondecreasing_ends(rw, found), dtype=torch.int32)
+    rw.replace(node, rw.call(GROUPED_PACKED_MATMUL, found.x, _packed(rw, found), ends))
+
+
+@rule(
+    roots=(_not_registered,),
     when=_few_rows,
     tags={"iree", "moe"},
     priority=20,  # before moe.py's per-expert form of the same op
@@ -175,7 +201,10 @@ def grouped_mm_packed_per_row_for_iree(node: Node, rw: Rewriter, *, found: Group
     rw.replace(node, rw.call(aten.where.self, rw.call(aten.unsqueeze.default, inside, 1), out, zero))
 
 
+packed_as_dispatch_for_iree = _OnRegisteredOp(grouped_mm_packed_as_dispatch_for_iree)
 packed_per_expert_for_iree = _OnRegisteredOp(grouped_mm_packed_per_expert_for_iree)
 packed_per_row_for_iree = _OnRegisteredOp(grouped_mm_packed_per_row_for_iree)
 
-RULES = RuleSet([packed_per_expert_for_iree, packed_per_row_for_iree], name="iree-moe-packed")
+RULES = RuleSet(
+    [packed_as_dispatch_for_iree, packed_per_expert_for_iree, packed_per_row_for_iree], name="iree-moe-packed"
+)
