@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fx_rewrites.backends.iree.f32_dispatch import KU
 from fx_rewrites.backends.iree.grouped_experts_dispatch import BLOCK, GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.packed_experts import PACKED_MATMUL, STRIP
 from fx_rewrites.backends.iree.rules.moe import (
@@ -87,6 +88,8 @@ def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
     found = _many_rows(node)
     if isinstance(found, Grouped) and found.out_features % BLOCK.strip:
         return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {BLOCK.strip}")
+    if isinstance(found, Grouped) and found.x.meta["val"].shape[1] % KU:
+        return Miss(f"{found.x.meta['val'].shape[1]} input features, not a multiple of the dispatch's {KU} K steps")
     return found
 
 

@@ -196,7 +196,7 @@ def test_many_rows_take_one_grouped_dispatch(dynamic):
     rt.assert_idempotent(result, packed_as_dispatch_for_iree)
 
 
-def test_output_features_off_the_dispatch_s_pairs_take_the_per_expert_form():
+def test_sizes_off_the_dispatch_s_block_take_the_per_expert_form():
     module = Experts(n=48)  # a multiple of 16 (the packed layout), not of 32 (the dispatch's block)
     ep = rt.export(module, _x(7, 0), torch.tensor([2, 2, 5, 6]))
     result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_per_expert_for_iree)
@@ -204,6 +204,11 @@ def test_output_features_off_the_dispatch_s_pairs_take_the_per_expert_form():
     rt.assert_fired(result, PER_EXPERT, times=1)
     node = next(n for n in ep.graph.nodes if "grouped_mm" in str(n.target))
     assert "not a multiple of the dispatch's 32" in str(moe_packed._many_rows_in_pairs(node))
+    odd_k = Experts(k=6, n=32)  # K steps unrolled by 4
+    ep = rt.export(odd_k, _x(7, 0, 6), torch.tensor([2, 2, 5, 6]))
+    result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_per_expert_for_iree)
+    rt.assert_not_fired(result, AS_DISPATCH)
+    rt.assert_fired(result, PER_EXPERT, times=1)
 
 
 def test_the_op_s_eager_meaning():
