@@ -205,7 +205,10 @@ _AVX2_CONV_RULES = (
 # 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md section 53)
 # `grouped_mm_packed_*_for_iree` (rules/moe_packed.py): MoE experts' weights laid out once as IREE's 16x16x1 tile
 # reads them, the prefill's mmt4d and the decode's per-row products both reading it; the decode at Qwen3-30B-A3B's
-# layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512")
+# layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512");
+# `grouped_mm_packed_as_dispatch_for_iree` first: the prefill's experts as one hand-written dispatch over all experts
+# reading that layout, 0.85-0.88x the prefill at the 30B layer, 0.80x small, peaks 0.95x / 0.90x eager (findings 70;
+# docs/performance.md "MoE prefill's experts as one dispatch over all experts")
 _AVX512_FIRST_RULES = (
     "grouped_mm_packed_as_dispatch_for_iree",
     "grouped_mm_packed_per_expert_for_iree",
