@@ -15,8 +15,9 @@ in place twice:
   dispatches, packs, unpacks or host reads (the 30B layer's prefill 0.85-0.88x, the small model's 0.80x);
 - `grouped_mm_packed_per_expert_for_iree` (many or run-time rows, where the dispatch declines): per expert,
   `packed_matmul(rows, packed[e])`, spliced as IREE's pack of the rows, `linalg.mmt4d` and unpack
-  (`packed_experts.splice`); the expert index read at run time (with a constant one IREE hoists each expert's slice into a global of its own: beside the
-  decode's whole tensor the experts twice, a saved one-layer Qwen3-MoE's archive 1.81x its weights);
+  (`packed_experts.splice`); the expert index read at run time (with a constant one IREE hoists each expert's slice into
+  a global of its own: beside the decode's whole tensor the experts twice, a saved one-layer Qwen3-MoE's archive 1.81x
+  its weights);
 - `grouped_mm_packed_per_row_for_iree` (static rows, at most as many as experts: a decode step's batch x top_k):
   each row's expert read at run time, `packed_matmul(row, packed[e])` with one static row: IREE's narrow 1x16x1
   `mmt4d` tile over the expert's strips where they lie.
