@@ -240,6 +240,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
             *_TRANSFORMER_RULES,
             *_AVX512_CONV_RULES,
             "linear_as_f32_dispatch_avx512",
+            "linear_over_rows_as_grouped_dispatch_avx512",
         ),
         first_rules=_AVX512_FIRST_RULES,
     ),
