@@ -208,7 +208,10 @@ _AVX2_CONV_RULES = (
 # layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512");
 # `grouped_mm_packed_as_dispatch_for_iree` first: the prefill's experts as one hand-written dispatch over all experts
 # reading that layout, 0.85-0.88x the prefill at the 30B layer, 0.80x small, peaks 0.95x / 0.90x eager (findings 70;
-# docs/performance.md "MoE prefill's experts as one dispatch over all experts")
+# docs/performance.md "MoE prefill's experts as one dispatch over all experts");
+# `linear_over_rows_as_grouped_dispatch_avx512` (rules/f32_matmul.py, the same kernel for a linear over a Dim of rows)
+# is off: 0.83-0.95x the prefill where measured, but the prefill then reads a packed copy of each projection the
+# decode does not (the archive +76.5 MB at the 30B layer)
 _AVX512_FIRST_RULES = (
     "grouped_mm_packed_as_dispatch_for_iree",
     "grouped_mm_packed_per_expert_for_iree",
@@ -240,7 +243,6 @@ CPU_ISAS: dict[str, CpuIsa] = {
             *_TRANSFORMER_RULES,
             *_AVX512_CONV_RULES,
             "linear_as_f32_dispatch_avx512",
-            "linear_over_rows_as_grouped_dispatch_avx512",
         ),
         first_rules=_AVX512_FIRST_RULES,
     ),
