@@ -18,6 +18,8 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
   `no-flash`: the rules with `attention_as_flash_dispatch_avx512` left out (the attention as before that rule);
+  `no-grouped`: the rules with `grouped_mm_packed_as_dispatch_for_iree` left out (AVX-512's prefill experts per
+  expert, `packed_matmul` each, as before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
   rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `peel`: the default rules, compiled with
@@ -139,6 +141,7 @@ def _replaced(rules: Any, spec: str) -> Any:
 
 
 FLASH = "attention_as_flash_dispatch_avx512"
+GROUPED = "grouped_mm_packed_as_dispatch_for_iree"
 
 
 def _present(rules: Any, *names: str) -> list[str]:
@@ -159,6 +162,8 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
         rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", FLASH))
     if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512 (AVX-512's: AVX2 has none)
         rules = backend.rules.without(*_present(backend.rules, FLASH))
+    if sort == "no-grouped":  # the rules before grouped_mm_packed_as_dispatch_for_iree (AVX-512's first rules)
+        rules = backend.rules.without(*_present(backend.rules, GROUPED))
     if sort == "replaced":
         if not replace:
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")
@@ -338,6 +343,7 @@ ROUTES = (
     "ranks",
     "whole-attention",
     "no-flash",
+    "no-grouped",
     "no-hoist",
     "min-peak-memory",
     "peel",

@@ -61,6 +61,8 @@ SPLICED: dict[str, str] = {
     "(flash_attention_dispatch.py)",
     "fx_rewrites.grouped_conv2d.default": "spliced by the backend as a hand-written grouped (and depthwise) "
     "convolution dispatch (grouped_conv_dispatch.py)",
+    "fx_rewrites.grouped_packed_matmul.default": "spliced by the backend as a hand-written dispatch of MoE experts' "
+    "products over their row ranges (grouped_experts_dispatch.py)",
     "fx_rewrites.packed_matmul.default": "spliced by the backend as IREE's pack, mmt4d and unpack over a weight "
     "held packed (packed_experts.py)",
     "fx_rewrites.pointwise_conv2d.default": "spliced by the backend as a hand-written 1x1 convolution dispatch "

@@ -205,8 +205,18 @@ _AVX2_CONV_RULES = (
 # 1024 on real Zen 3 (benchmarks/a8int4_dispatch.py, docs/iree-3.13-findings.md section 53)
 # `grouped_mm_packed_*_for_iree` (rules/moe_packed.py): MoE experts' weights laid out once as IREE's 16x16x1 tile
 # reads them, the prefill's mmt4d and the decode's per-row products both reading it; the decode at Qwen3-30B-A3B's
-# layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512")
-_AVX512_FIRST_RULES = ("grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree")
+# layer had run its one-row experts in 16-row tiles (findings 66, 67; docs/performance.md "MoE on AVX-512");
+# `grouped_mm_packed_as_dispatch_for_iree` first: the prefill's experts as one hand-written dispatch over all experts
+# reading that layout, 0.85-0.88x the prefill at the 30B layer, 0.80x small, peaks 0.95x / 0.90x eager (findings 70;
+# docs/performance.md "MoE prefill's experts as one dispatch over all experts");
+# `linear_over_rows_as_grouped_dispatch_avx512` (rules/f32_matmul.py, the same kernel for a linear over a Dim of rows)
+# is off: 0.83-0.95x the prefill where measured, but the prefill then reads a packed copy of each projection the
+# decode does not (the archive +76.5 MB at the 30B layer)
+_AVX512_FIRST_RULES = (
+    "grouped_mm_packed_as_dispatch_for_iree",
+    "grouped_mm_packed_per_expert_for_iree",
+    "grouped_mm_packed_per_row_for_iree",
+)
 _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
 # `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
 # matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,

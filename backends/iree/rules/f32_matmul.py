@@ -12,7 +12,11 @@ in 0.57-0.62 of IREE's time (benchmarks/f32_dispatch.py); in the models, locked,
 read ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32 (docs/performance.md, "A float32 matmul kernel of our
 own on AVX2"). The weight's layout is a view and permute of the weight in the graph: for the program's own weight IREE
 evaluates it once (at compile time or in the module's initializer), so the rules take only such a weight
-(`conv_taps.constant_weight`). The kernel is static in its rows: a `Dim` row count stays IREE's.
+(`conv_taps.constant_weight`). The kernel is static in its rows; on AVX-512 a linear over a `Dim` of rows (compile_lm's
+prefill) can take `linear_over_rows_as_grouped_dispatch_avx512`: grouped_experts_dispatch.py's run-time-rows kernel
+(the same 12x32 block) with one group, the weight laid out [1, N/16, K, 16]. Off by default (not in `targets.CPU_ISAS`):
+0.83-0.95x the prefill of the 30B MoE layer and the 0.1B Llama, but the decode reads the weight as it is, so a module
+holds each projection twice (docs/performance.md, "MoE prefill's experts as one dispatch over all experts").
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from torch.fx import Node
 
 from fx_rewrites.backends.iree.f32_dispatch import BLOCKS, F32_LINEAR, F32_MATMUL, KU, PER
+from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
+from fx_rewrites.backends.iree.packed_experts import STRIP
 from fx_rewrites.backends.iree.rules.conv_taps import constant_weight
 from fx_rewrites.backends.iree.rules.mlp_tiles import linear_args
 from fx_rewrites.engine import Miss, Rewriter
@@ -107,4 +113,50 @@ def linear_as_f32_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, 
     _as_dispatch(node, rw, found, _AVX512)
 
 
-RULES = (linear_as_f32_dispatch, linear_as_f32_dispatch_avx512)
+#: the ends of the one group: past any row count (the kernel clamps them to the rows)
+_ALL_ROWS = 2**31 - 1
+
+
+def _over_run_time_rows(node: Node) -> dict[str, Any] | Miss:
+    x, w, b = linear_args(node)
+    if not constant_weight(w):
+        return Miss("the weight is not the program's own: its layout would be rewritten at every call")
+    xv, wv = fake_value(x), fake_value(w)
+    if xv.dtype != torch.float32 or wv.dtype != torch.float32 or xv.dim() < 2 or wv.dim() != 2:
+        return Miss(f"{xv.dtype} x {wv.dtype}, ranks {xv.dim()} and {wv.dim()}: float32 x [..., K] @ [N, K].T")
+    if all(isinstance(size, int) for size in xv.shape[:-1]) or not isinstance(xv.shape[-1], int):
+        return Miss("no Dim in x's rows (static rows: linear_as_f32_dispatch_avx512)")
+    n, k = wv.shape
+    if n % _AVX512 or k % KU:
+        return Miss(f"{k} -> {n}: N a multiple of {_AVX512}, K of {KU}")
+    if b is not None and not (isinstance(b, Node) and fake_value(b).dtype == torch.float32):
+        return Miss("a bias that is not a float32 tensor")
+    return {"x": x, "w": w, "b": b, "n": n, "k": k, "lead": xv.dim() - 1}
+
+
+@rule(
+    roots=(aten.linear.default,),
+    when=_over_run_time_rows,
+    priority=2,
+    tags={"iree", "performance"},
+    doc=(
+        "AVX-512: a float32 linear over a run-time row count (a Dim in x's leading sizes: compile_lm's prefill) with "
+        "a weight the program holds, N a multiple of 32, becomes grouped_experts_dispatch.py's kernel with one "
+        "group (`grouped_packed_matmul`: the 12x32 register block over the rows read at run time) over the weight "
+        "laid out [1, N/16, K, 16]; a bias added after."
+    ),
+)
+def linear_over_rows_as_grouped_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    n, k, x = found["n"], found["k"], found["x"]
+    lead = [rw.size(x, d) for d in range(found["lead"])]
+    flat = rw.call(aten.reshape.default, x, [-1, k])
+    strips = rw.call(aten.view.default, found["w"], [1, n // STRIP, STRIP, k])
+    packed = rw.call(aten.transpose.int, strips, 2, 3)  # [1, N/16, K, 16]
+    ends = rw.call(aten.full.default, [1], _ALL_ROWS, dtype=torch.int32, device=fake_value(x).device)
+    y = rw.call(GROUPED_PACKED_MATMUL, flat, packed, ends)
+    if found["b"] is not None:
+        y = rw.call(aten.add.Tensor, y, found["b"])
+    rw.replace(node, rw.call(aten.reshape.default, y, [*lead, n]))
+
+
+RULES = (linear_as_f32_dispatch, linear_as_f32_dispatch_avx512, linear_over_rows_as_grouped_dispatch_avx512)

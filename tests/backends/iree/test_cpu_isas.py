@@ -61,6 +61,10 @@ MEASURED_CHOICES = {
     # a masked attention over a Dim of rows (compile_lm's prefill) through the hand-written flash dispatch: the MoE
     # prefill's attention alone 0.43 / 0.36x of the key blocks' time (docs/performance.md); AVX2 not measured
     "attention_as_flash_dispatch_avx512": {"avx512": True, "avx2": False},
+    # a linear over a Dim of rows through the grouped experts kernel: the prefill 0.83-0.95x, but a packed copy of each
+    # projection beside the decode's weight (a 0.1B Llama's archive 1.03x -> 1.63x its weights): off until the decode
+    # reads the same copy (docs/performance.md, "MoE prefill's experts as one dispatch over all experts")
+    "linear_over_rows_as_grouped_dispatch_avx512": {"avx512": False, "avx2": False},
 }
 
 

@@ -28,8 +28,14 @@ from fx_rewrites.backends.iree.f32_dispatch import (
     splice,
     unpack,
 )
+from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.legality import SPLICED
-from fx_rewrites.backends.iree.rules.f32_matmul import linear_as_f32_dispatch, linear_as_f32_dispatch_avx512
+from fx_rewrites.backends.iree.rules.f32_matmul import (
+    linear_as_f32_dispatch,
+    linear_as_f32_dispatch_avx512,
+    linear_over_rows_as_grouped_dispatch_avx512,
+)
+from fx_rewrites.ruleset import RuleSet
 from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
@@ -163,3 +169,63 @@ def test_linear_as_f32_dispatch_avx512_on_iree(name):
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
     _through_iree(name, "avx512", linear_as_f32_dispatch_avx512)
+
+
+ROWS_RULE = linear_over_rows_as_grouped_dispatch_avx512
+#: name -> (in, out, bias, x's shape, the Dim's axis): compile_lm's prefill [1, T, K], a matrix of rows
+DIM_CASES = {"prefill_bias": (64, 96, True, (1, 37), 1), "deep_no_bias": (320, 64, False, (45,), 0)}
+
+
+def _dim_export(name: str):
+    k, n, bias, lead, axis = DIM_CASES[name]
+    module = _linear(k, n, bias)
+    other = list(lead)
+    other[axis] = 13 if lead[axis] > 20 else 61
+    inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *other, k),)]
+    return module, inputs, rt.export(module, *inputs[0], dynamic_shapes=({axis: Dim("rows", min=2, max=128)},))
+
+
+@pytest.mark.parametrize("name", list(DIM_CASES))
+def test_a_linear_over_a_dim_of_rows_takes_the_grouped_kernel(name):
+    """AVX-512: a Dim on the rows (what `linear_as_f32_dispatch_avx512` declines) becomes the grouped kernel with one
+    group: no linear left, one `grouped_packed_matmul`, a bias added after; eager-equal on two row counts."""
+    module, inputs, ep = _dim_export(name)
+    rt.assert_not_fired(rt.apply_rules(ep, linear_as_f32_dispatch_avx512), linear_as_f32_dispatch_avx512)
+    result = rt.apply_rules(ep, ROWS_RULE)
+    rt.assert_fired(result, ROWS_RULE, times=1)
+    found = rt.targets(result)
+    assert aten.linear.default not in found and found.count(GROUPED_PACKED_MATMUL) == 1
+    assert (aten.add.Tensor in found) == DIM_CASES[name][2]
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-5, atol=1e-5)
+    rt.assert_idempotent(result, ROWS_RULE)
+    # off by default: the prefill's packed copy beside the decode's weight (a module holds each projection twice)
+    assert ROWS_RULE.name not in targets.CPU_ISAS["avx512"].perf_rules
+    assert ROWS_RULE.name not in targets.CPU_ISAS["avx2"].perf_rules
+
+
+def test_the_grouped_linear_declines():
+    """Static rows (the 12x32 static kernel's), N off 32, K off 4, a weight passed in, float64."""
+    x = _randn(0, 1, 40, 64)
+    dim = ({1: Dim("rows", min=2, max=128)},)
+    rt.assert_not_fired(rt.apply_rules(rt.export(_linear(64, 64), x), ROWS_RULE), ROWS_RULE)
+    cases = [
+        (_linear(64, 48), (x,), dim),
+        (_linear(62, 64), (_randn(0, 1, 40, 62),), dim),
+        (WeightIn(), (x, _randn(1, 64, 64)), ({1: Dim("rows", min=2, max=128)}, None)),
+        (_linear(64, 64).double(), (x.double(),), dim),
+    ]
+    for m, args, shapes in cases:
+        rt.assert_not_fired(rt.apply_rules(rt.export(m, *args, dynamic_shapes=shapes), ROWS_RULE), ROWS_RULE)
+
+
+@pytest.mark.parametrize("name", list(DIM_CASES))
+def test_the_grouped_linear_on_iree(name):
+    """Through the AVX-512 route with the Dim (an AVX-512 host only): the rule fires, the kernel is spliced and run
+    over two row counts (37 and 13: 3 blocks of 12 and 1, 1 block and 1; 45 and 61), as near float64 as torch."""
+    if targets.host_isa() != "avx512":
+        pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
+    module, inputs, ep = _dim_export(name)
+    iree = IreeBackend(target=targets.llvm_cpu("avx512"))
+    result = fx_rewrites.apply(ep, iree.rules | RuleSet([ROWS_RULE], name="the rule, off by default"))
+    rt.assert_fired(result, ROWS_RULE, times=1)
+    assert_within_torch_error(iree.compile(result.program, inputs[0]), in_float64(module), inputs)

@@ -22,13 +22,15 @@ moe = pytest.importorskip("transformers.integrations.moe")  # registers transfor
 aten = torch.ops.aten
 PER_EXPERT, PER_ROW = "grouped_mm_per_expert_for_iree", "grouped_mm_per_row_for_iree"
 PACKED_EXPERT, PACKED_ROW = "grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree"
+PACKED_DISPATCH = "grouped_mm_packed_as_dispatch_for_iree"
 
 
-def _lm_forms() -> tuple[str, str]:
+def _lm_forms(pairs: bool = False) -> tuple[str, str]:
     """The rules compile_lm's prefill and decode experts take on the default backend's ISA: AVX-512's packed
-    forms (rules/moe_packed.py, float32 and N a multiple of 16), else moe.py's per-expert form in both."""
+    forms (rules/moe_packed.py, float32 and N a multiple of 16; the prefill's as one grouped dispatch where every
+    product's N is a multiple of 32: `pairs`), else moe.py's per-expert form in both."""
     if backends.get("iree").target.isa == "avx512":
-        return PACKED_EXPERT, PACKED_ROW
+        return PACKED_DISPATCH if pairs else PACKED_EXPERT, PACKED_ROW
     return PER_EXPERT, PER_EXPERT
 
 
@@ -273,8 +275,9 @@ def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
     """issue 34: a Qwen3-MoE (8 experts, top 2, experts 80% of its weights) through compile_lm, saved with
     `params=`: the archive holds the weights as the prefill and the decode read them, the experts packed once
     (with the decode's per-row form it held them twice, packed for the prefill and as they are for the decode:
-    1.8x the weights); on AVX-512 the experts laid out once by the graph (rules/moe_packed.py) for both; the
-    loaded module generates model.generate's tokens."""
+    1.8x the weights); on AVX-512 the experts laid out once by the graph (rules/moe_packed.py) for both (the
+    prefill's grouped dispatch and the decode's per-row products); the loaded module generates model.generate's
+    tokens."""
     import fx_rewrites
 
     model = _one_layer_qwen3_moe(hidden=64, heads=4, kv=2, experts=8, intermediate=64)
@@ -282,7 +285,7 @@ def test_a_saved_moe_archive_holds_its_experts_packed_once(tmp_path):
     expected = lm_models.reference(model, ids, new=8)
     assert lm_models.top2_margin(model, torch.cat([ids, expected], dim=1), ids.shape[1] - 1) > 1e-3
     lm = fx_rewrites.compile_lm(model, max_cache_len=24)
-    prefill, decode = _lm_forms()
+    prefill, decode = _lm_forms(pairs=True)  # gate_up N 128, down N 64
     assert lm.reports["prefill"].rewrites[prefill] == 2 and lm.reports["decode"].rewrites[decode] == 2
     lm.save(tmp_path / "moe.vmfb", params=tmp_path / "moe.irpa")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -10,15 +10,21 @@ from torch.export import Dim
 
 import fx_rewrites
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.iree import IreeBackend, packed_experts, targets
+from fx_rewrites.backends.iree import IreeBackend, grouped_experts_dispatch, packed_experts, targets
 from fx_rewrites.backends.iree.rules import moe_packed
-from fx_rewrites.backends.iree.rules.moe_packed import packed_per_expert_for_iree, packed_per_row_for_iree
+from fx_rewrites.backends.iree.rules.moe_packed import (
+    packed_as_dispatch_for_iree,
+    packed_per_expert_for_iree,
+    packed_per_row_for_iree,
+)
 from fx_rewrites.ruleset import Phases
 
 pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 
 aten = torch.ops.aten
 PER_EXPERT, PER_ROW = "grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree"
+AS_DISPATCH = "grouped_mm_packed_as_dispatch_for_iree"
+GROUPED = grouped_experts_dispatch.GROUPED_PACKED_MATMUL
 avx512_host = pytest.mark.skipif(targets.host_isa() != "avx512", reason="AVX-512 code runs on an AVX-512 host")
 
 
@@ -61,8 +67,8 @@ def _avx512() -> IreeBackend:
 
 
 def test_the_rules_are_avx512s():
-    assert PER_EXPERT in targets.CPU_ISAS["avx512"].first_rules and PER_ROW in targets.CPU_ISAS["avx512"].first_rules
-    assert not {PER_EXPERT, PER_ROW} & set(targets.CPU_ISAS["avx2"].first_rules)
+    assert {AS_DISPATCH, PER_EXPERT, PER_ROW} <= set(targets.CPU_ISAS["avx512"].first_rules)
+    assert not {AS_DISPATCH, PER_EXPERT, PER_ROW} & set(targets.CPU_ISAS["avx2"].first_rules)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
@@ -124,7 +130,8 @@ def test_a_weight_stored_k_major_is_declined():
 def _moe_py_route() -> IreeBackend:
     """The AVX-512 backend without these rules: moe.py's per-expert form, IREE's data tiling packing the experts."""
     sets = [
-        s.without(PER_EXPERT, PER_ROW) if PER_EXPERT in {r.name for r in s.rules} else s for s in _avx512().rules.sets
+        s.without(AS_DISPATCH, PER_EXPERT, PER_ROW) if PER_EXPERT in {r.name for r in s.rules} else s
+        for s in _avx512().rules.sets
     ]
     return IreeBackend(target=targets.llvm_cpu("avx512"), driver="local-sync", rules=Phases(*sets))
 
@@ -171,3 +178,82 @@ def test_the_splice_writes_irees_pack_mmt4d_and_unpack():
     with pytest.raises(ValueError, match="no packed_matmul call"):
         packed_experts.splice("module {\n}")
     assert moe_packed.PER_ROW_LIMIT == 1.0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+def test_many_rows_take_one_grouped_dispatch(dynamic):
+    # 7 and 9 rows for 4 experts, N 64 (two pairs of strips); an expert without rows, a row past the last offset
+    module = Experts(n=64)
+    inputs = [(_x(7, 0), torch.tensor([2, 2, 5, 6])), (_x(9 if dynamic else 7, 1), torch.tensor([0, 4, 4, 7]))]
+    ep = rt.export(module, *inputs[0], dynamic_shapes=({0: Dim("rows", min=5)}, None) if dynamic else None)
+    result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_per_expert_for_iree, packed_per_row_for_iree)
+    rt.assert_fired(result, AS_DISPATCH, times=1)
+    rt.assert_not_fired(result, PER_EXPERT)
+    found = rt.targets(result)
+    assert found.count(GROUPED) == 1 and packed_experts.PACKED_MATMUL not in found and aten.mm.default not in found
+    assert aten.item.default not in found and aten.index.Tensor not in found  # no host reads, no gathered weights
+    rt.assert_matches_eager(result, module, inputs, rtol=1e-6, atol=1e-6)
+    rt.assert_idempotent(result, packed_as_dispatch_for_iree)
+
+
+def test_sizes_off_the_dispatch_s_block_take_the_per_expert_form():
+    module = Experts(n=48)  # a multiple of 16 (the packed layout), not of 32 (the dispatch's block)
+    ep = rt.export(module, _x(7, 0), torch.tensor([2, 2, 5, 6]))
+    result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_per_expert_for_iree)
+    rt.assert_not_fired(result, AS_DISPATCH)
+    rt.assert_fired(result, PER_EXPERT, times=1)
+    node = next(n for n in ep.graph.nodes if "grouped_mm" in str(n.target))
+    assert "not a multiple of the dispatch's 32" in str(moe_packed._many_rows_in_pairs(node))
+    odd_k = Experts(k=6, n=32)  # K steps unrolled by 4
+    ep = rt.export(odd_k, _x(7, 0, 6), torch.tensor([2, 2, 5, 6]))
+    result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_per_expert_for_iree)
+    rt.assert_not_fired(result, AS_DISPATCH)
+    rt.assert_fired(result, PER_EXPERT, times=1)
+
+
+def test_the_op_s_eager_meaning():
+    x, packed_w = _x(9, 0), packed_experts.pack(Experts(n=32).weight)
+    ends = torch.tensor([3, 3, 7, 20], dtype=torch.int32)  # an expert without rows; the last end past the rows
+    got = grouped_experts_dispatch.grouped_packed_matmul(x, packed_w, ends)
+    weight = Experts(n=32).weight
+    assert torch.equal(got[:3], x[:3] @ weight[0].t()) and torch.equal(got[3:7], x[3:7] @ weight[2].t())
+    assert torch.equal(got[7:], x[7:] @ weight[3].t())
+
+
+def test_the_splice_writes_one_dispatch_over_experts_and_strips():
+    line = (
+        '    %7 = torch.operator "torch.fx_rewrites.grouped_packed_matmul"(%3, %4, %5) : (!torch.vtensor<[?,64],f32>, '
+        "!torch.vtensor<[4,10,64,16],f32>, !torch.vtensor<[4],si32>) -> !torch.vtensor<[?,160],f32>"
+    )
+    text = grouped_experts_dispatch.splice(f"module {{\n{line}\n}}")
+    assert "torch.operator" not in text
+    assert "%gpmm7_n = arith.constant 8 : index" in text  # 4 experts x ceil(5 pairs / 4 a workgroup)
+    assert "tensor<?x64xf32>{%gpmm7_r}, tensor<4x10x64x16xf32>, tensor<4xi32>, index) -> tensor<?x160xf32>" in text
+    assert "stream.executable private @gpmm_e4_64x160_r12x32_p4" in text and "scf.index_switch %tail" in text
+    with pytest.raises(ValueError, match="operands"):
+        grouped_experts_dispatch.splice(f"module {{\n{line.replace('16],f32', '8],f32')}\n}}")
+    with pytest.raises(ValueError, match="no grouped_packed_matmul call"):
+        grouped_experts_dispatch.splice("module {\n}")
+
+
+@avx512_host
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
+@pytest.mark.parametrize("k, n", [(8, 64), (512, 160)])
+def test_the_grouped_dispatch_through_iree_on_avx512(dynamic, k, n):
+    """The dispatch through the AVX-512 backend's rules on two inputs each (an expert without rows, ranges with and
+    without a tail of fewer than 12 rows, rows past the last offset, K in blocks at 512, a workgroup's partial
+    strips at 160): as near float64 as torch's float32; the decode's rows still take the per-row form."""
+    module = Experts(k=k, n=n)
+    many = [
+        (_x(37, 0, k), torch.tensor([5, 5, 30, 36])),
+        (_x(61 if dynamic else 37, 1, k), torch.tensor([0, 13, 13, 37])),
+    ]
+    shapes = ({0: Dim("rows", min=5)}, None) if dynamic else None
+    result = fx_rewrites.apply(rt.export(module, *many[0], dynamic_shapes=shapes), _avx512().rules)
+    rt.assert_fired(result, AS_DISPATCH, times=1)
+    rt.assert_not_fired(result, PER_EXPERT)
+    compiled = _avx512().compile(result.program, many[0])
+    for args in many:
+        got = compiled(*args)
+        assert torch.equal(got[args[1][-1] :], torch.zeros_like(got[args[1][-1] :]))
+        _within_torch_error(got, module, *args)
