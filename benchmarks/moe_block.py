@@ -33,7 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.moe_sort import AVX2_ENV, SHAPES, _cpu, _hwm_mb, _hwm_reset, iree_backend  # noqa: E402
+from benchmarks.cpu_isa import cpu_model  # noqa: E402
+from benchmarks.moe_sort import AVX2_ENV, SHAPES, _hwm_mb, _hwm_reset, iree_backend  # noqa: E402
 
 
 def block(shape: str, experts: int, top: int) -> torch.nn.Module:
@@ -132,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    print(f"# {_cpu()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
+    print(f"# {cpu_model()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}")
     env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
     head = {"shape": args.shape, "experts": args.experts, "top": args.top, "tokens": args.tokens}
     for routes in [args.routes] if args.interleave else [[r] for r in args.routes]:
