@@ -224,8 +224,9 @@ _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispa
 # 64-key block): the small MoE model's prefill attention alone 0.40x of the key blocks' time (1.17x torch's is_causal
 # flash), locked, this host emulating AVX2
 # `unmasked_attention_as_flash_dispatch[_avx512]`: an attention without a mask over static rows (ViT, the Whisper
-# encoder) through the same dispatch, no mask read: alone 0.57-0.81x of the written-out form's time; the models'
-# route with / without it, locked: see docs/performance.md "The flash dispatch on AVX2, and encoders' attention"
+# encoder) through the same dispatch, no mask read: alone 0.57-0.81x of the written-out form's time; runtime.py's
+# route without / with it, locked: ViT 1.05 / 1.05, the Whisper encoder 1.05 / 1.09 (AVX2 / AVX-512); the MoE small
+# prefill (AVX2) 0.80x of the key blocks' (docs/performance.md, "The flash dispatch on AVX2, and encoders' attention")
 _AVX512_ATTENTION = ("attention_as_flash_dispatch_avx512", "unmasked_attention_as_flash_dispatch_avx512")
 _AVX2_ATTENTION = ("attention_as_flash_dispatch", "unmasked_attention_as_flash_dispatch")
 CPU_ISAS: dict[str, CpuIsa] = {
