@@ -12,7 +12,9 @@ in 0.57-0.62 of IREE's time (benchmarks/f32_dispatch.py); in the models, locked,
 read ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32 (docs/performance.md, "A float32 matmul kernel of our
 own on AVX2"). The weight's layout is a view and permute of the weight in the graph: for the program's own weight IREE
 evaluates it once (at compile time or in the module's initializer), so the rules take only such a weight
-(`conv_taps.constant_weight`). The kernel is static in its rows: a `Dim` row count stays IREE's.
+(`conv_taps.constant_weight`), also seen through permutes and reshapes (conv1d_as_matmul's and patch_conv_as_matmul's
+weights: Whisper's stem and ViT's patches, 0.92-0.97x of the route without them, docs/performance.md). The kernel is
+static in its rows: a `Dim` row count stays IREE's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,21 @@ aten = torch.ops.aten
 MIN_ROWS = 64
 
 
+#: the layout ops a weight the program holds may pass through and stay one IREE evaluates once (conv1d_as_matmul's
+#: weight: the convolution's [O, C, k] permuted to [O, k, C] and reshaped to [O, k C])
+_LAYOUT = (aten.permute.default, aten.reshape.default, aten.view.default)
+
+
+def _held(w: Any) -> bool:
+    """`w` is the program's own weight, or one seen through layout ops (`_LAYOUT`) alone."""
+    while isinstance(w, Node) and w.op == "call_function" and w.target in _LAYOUT:
+        w = w.args[0]
+    return constant_weight(w)
+
+
 def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
     x, w, b = linear_args(node)
-    if not constant_weight(w):
+    if not _held(w):
         return Miss("the weight is not the program's own: its layout would be rewritten at every call")
     xv, wv = fake_value(x), fake_value(w)
     if xv.dtype != torch.float32 or wv.dtype != torch.float32:
