@@ -216,7 +216,10 @@ _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispa
 # ukernel product alone on an Intel Xeon (AVX-512, Emerald Rapids class); the route with / without it, locked: ViT 0.79,
 # BERT 0.76, Llama 0.85, the Whisper encoder 0.89, ConvNeXt-T 0.95, conv_classes.py's linear 0.84 (docs/performance.md
 # "The float32 kernel on AVX-512, and the bias in its store"; findings 64). AVX2's, re-timed with the bias in the
-# kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92
+# kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92. Both
+# take conv1d_as_matmul's and patch_conv_as_matmul's linears too (a weight seen through permutes and reshapes): with /
+# without, locked, ViT 0.971 / 0.946 and the Whisper encoder 0.923 / 0.947 (AVX2 / AVX-512; docs/performance.md,
+# "The flash dispatch on AVX2, and encoders' attention through it")
 # `attention_as_flash_dispatch_avx512` (rules/flash_attention.py): a masked attention over a Dim of query rows
 # (compile_lm's prefill) through the hand-written flash dispatch (flash_attention_dispatch.py) with AVX-512's block (6
 # rows x 64 keys in zmm), before the other attention rules (docs/performance.md, "MoE prefill's attention as a dispatch

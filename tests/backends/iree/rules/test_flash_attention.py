@@ -247,11 +247,13 @@ def test_unmasked_on_iree(name, isa):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is on in AVX-512's performance rules")
-def test_tiny_moe_generates_as_transformers_does():
-    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 on the default route: both layers' prefill attention
-    through the dispatch, and the tokens equal model.generate's for a prompt of 300, one of 30, and the first in
-    chunks (`prefill_chunk_size`: each chunk's rows over the cache at its offset)."""
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_tiny_moe_generates_as_transformers_does(isa):
+    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 on the ISA's default route: both layers' prefill
+    attention through the ISA's dispatch, and the tokens equal model.generate's for a prompt of 300, one of 30, and the
+    first in chunks (`prefill_chunk_size`: each chunk's rows over the cache at its offset)."""
+    if isa not in RUNS:
+        pytest.skip(f"this host does not run {isa} code")
     import transformers
 
     from tests import lm_models
@@ -261,8 +263,8 @@ def test_tiny_moe_generates_as_transformers_does():
     torch.manual_seed(0)
     model = cls(config).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
-    lm = fx_rewrites.compile_lm(model, max_cache_len=600)
-    assert lm.reports["prefill"].rewrites[RULE.name] == 2
+    lm = fx_rewrites.compile_lm(model, max_cache_len=600, backend=IreeBackend(target=targets.llvm_cpu(isa)))
+    assert lm.reports["prefill"].rewrites[ISA_RULES[isa][0].name] == 2
     for length, chunk in ((300, None), (30, None), (300, 37)):
         ids = lm_models.prompt(length)
         expected = lm_models.reference(model, ids, new=6)
