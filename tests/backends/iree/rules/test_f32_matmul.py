@@ -182,8 +182,9 @@ class Stem(torch.nn.Module):
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_a_weight_seen_through_layout_ops(isa):
     """conv1d_as_matmul's linear, whose weight is the convolution's permuted and reshaped, takes the dispatch (IREE
-    evaluates the layout of a weight the program holds once); a weight passed in stays declined through them; on
-    the ISA's route the stem is as near float64 as torch's float32."""
+    evaluates the layout of a weight the program holds once); a weight passed in stays declined through them, and
+    conv_as_im2col_matmul's layout (a 4-D weight permuted); on the ISA's route the stem is as near float64 as torch's
+    float32."""
     rule = linear_as_f32_dispatch if isa == "avx2" else linear_as_f32_dispatch_avx512
     inputs = [(_randn(0, 2, 16, 80),), (3.0 * _randn(1, 2, 16, 80),)]  # 2 x 80 rows, then 2 x 40
     iree = IreeBackend(target=targets.llvm_cpu(isa))
@@ -197,6 +198,17 @@ def test_a_weight_seen_through_layout_ops(isa):
 
     passed = rt.apply_rules(rt.export(Passed(), _randn(0, 80, 64), _randn(1, 64, 48)), rule)
     rt.assert_not_fired(passed, rule)
+
+    class Im2colWeight(torch.nn.Module):  # conv_as_im2col_matmul's layout (a 4-D weight permuted): not measured
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(_randn(2, 32, 4, 2, 2))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w.permute(0, 2, 3, 1).reshape(32, 16))
+
+    im2col = rt.apply_rules(rt.export(Im2colWeight(), _randn(0, 80, 16)), rule)
+    rt.assert_not_fired(im2col, rule)
     if isa not in {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(targets.host_isa(), []):
         return
     fn = iree.compile(result.program, inputs[0])
