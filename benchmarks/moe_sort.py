@@ -17,7 +17,7 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   writes them), the experts' sorts as counting sorts (the rules as they are) or as ranks
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
-  `no-flash`: the rules with `attention_as_flash_dispatch_avx512` left out (the attention as before that rule);
+  `no-flash`: the rules with the ISA's `attention_as_flash_dispatch[_avx512]` left out (the attention as before);
   `no-grouped`: the rules with `grouped_mm_packed_as_dispatch_for_iree` left out (AVX-512's prefill experts per
   expert, `packed_matmul` each, as before that rule);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
@@ -140,12 +140,13 @@ def _replaced(rules: Any, spec: str) -> Any:
     return Phases(*sets, name=rules.name)
 
 
-FLASH = "attention_as_flash_dispatch_avx512"
+#: the flash dispatch's rules for a masked Dim prefill (AVX-512's, AVX2's)
+FLASH = ("attention_as_flash_dispatch_avx512", "attention_as_flash_dispatch")
 GROUPED = "grouped_mm_packed_as_dispatch_for_iree"
 
 
 def _present(rules: Any, *names: str) -> list[str]:
-    """Those of `names` that `rules` holds (the flash dispatch's rule is AVX-512's only)."""
+    """Those of `names` that `rules` holds (each ISA holds its own flash dispatch rule)."""
     return [name for name in names if name in rules]
 
 
@@ -159,9 +160,9 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
     flags = backend.flags
     rules = backend.rules.without("counting_sort_for_iree") if sort == "ranks" else backend.rules
     if sort == "whole-attention":  # the rules before attention_by_key_blocks (and the flash dispatch)
-        rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", FLASH))
-    if sort == "no-flash":  # the rules before attention_as_flash_dispatch_avx512 (AVX-512's: AVX2 has none)
-        rules = backend.rules.without(*_present(backend.rules, FLASH))
+        rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", *FLASH))
+    if sort == "no-flash":  # the rules before the flash dispatch (attention_as_flash_dispatch[_avx512])
+        rules = backend.rules.without(*_present(backend.rules, *FLASH))
     if sort == "no-grouped":  # the rules before grouped_mm_packed_as_dispatch_for_iree (AVX-512's first rules)
         rules = backend.rules.without(*_present(backend.rules, GROUPED))
     if sort == "replaced":

@@ -30,19 +30,49 @@ from fx_rewrites.backends.iree import spliced
 
 OP, MARK = "fx_rewrites::flash_attention", "torch.fx_rewrites.flash_attention"
 MARKS = (MARK,)
-#: query rows a workgroup (the scores' register block: ROWS x KEYS keys in 4 ROWS zmm; 12 x 32 measured 3-12% slower)
-ROWS = 6
-#: keys a block: a row's scores in four 16-lane vectors
+#: keys a block (one softmax step and one packed block of K, on every ISA)
 KEYS = 64
-#: P.V's register block: rows by vectors of 16 of the head size
-PV_ROWS, PV_VECTORS = 6, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A register block per ISA: `rows` query rows a workgroup, their scores over `chunk` keys at a time in rows x
+    chunk / lanes accumulators (a block's `KEYS` keys in KEYS / chunk passes, kept on the stack between passes
+    where chunk < KEYS), P.V in `pv_rows` x `pv_vectors` accumulators of `lanes` float32."""
+
+    lanes: int
+    rows: int
+    chunk: int
+    pv_rows: int
+    pv_vectors: int
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rows}x{self.chunk}l{self.lanes}"
+
+
+#: AVX-512: 6 rows x 64 keys in 24 zmm (12 x 32 measured 3-12% slower); AVX2: 6 x 16 in 12 ymm, four passes a block
+#: (docs/performance.md, "MoE prefill's attention as a dispatch of our own" and the section after it)
+BLOCKS = {"avx2": Block(8, 6, 16, 6, 2), "avx512": Block(16, 6, 64, 6, 4)}
+#: the row block of both ISAs (a test's row counts are chosen around it)
+ROWS = 6
+#: the head size's multiple: one vector of AVX-512's
 LANES = 16
+
+
+def block_of(lanes: int) -> Block:
+    """The block of `BLOCKS` of vectors of `lanes` float32 (the op's `lanes` argument names it)."""
+    for block in BLOCKS.values():
+        if block.lanes == lanes:
+            return block
+    raise ValueError(f"lanes={lanes}: no flash attention block has vectors of {lanes} float32 (BLOCKS: {BLOCKS})")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """One attention: q [b, heads, rows (run time), size], keys and values [b, kv, keys, size] (the keys padded to
-    `padded`), the mask [b, mask_heads (1 or heads), rows, keys] int8."""
+    `padded`), the mask [b, mask_heads (1 or heads), rows, keys] int8 (mask_heads 0: no mask), the ISA's block of
+    vectors of `lanes`."""
 
     b: int
     heads: int
@@ -51,6 +81,7 @@ class Shape:
     size: int
     mask_heads: int
     scale: float
+    lanes: int = 16
 
     @property
     def padded(self) -> int:
@@ -63,7 +94,8 @@ class Shape:
     @property
     def name(self) -> str:
         bits = struct.unpack("<I", struct.pack("<f", self.scale))[0]
-        return f"flash_{self.b}x{self.heads}x{self.kv}_k{self.keys}_d{self.size}_m{self.mask_heads}_s{bits:08x}"
+        head = f"flash_{self.b}x{self.heads}x{self.kv}_k{self.keys}_d{self.size}_m{self.mask_heads}"
+        return f"{head}_s{bits:08x}_{block_of(self.lanes).name}"
 
 
 def _f32(x: float) -> str:
@@ -73,14 +105,15 @@ def _f32(x: float) -> str:
 
 class _Kernel:
     def __init__(self, s: Shape) -> None:
-        self.s, self.lines = s, []
-        self.v32, self.v16 = f"vector<{KEYS}xf32>", f"vector<{LANES}xf32>"
+        self.s, self.lines, self.k = s, [], block_of(s.lanes)
+        self.v32, self.v16 = f"vector<{KEYS}xf32>", f"vector<{self.k.lanes}xf32>"
 
     def add(self, line: str) -> None:
         self.lines.append(line)
 
     def prologue(self) -> None:
-        s, add = self.s, self.add
+        s, add, rows, lanes = self.s, self.add, self.k.rows, self.k.lanes
+        kt = f"memref<{s.b * s.kv * s.padded * s.size}xf32>"
         for line in (
             "%c0 = arith.constant 0 : index",
             "%c1 = arith.constant 1 : index",
@@ -93,20 +126,18 @@ class _Kernel:
             f"%scale = arith.constant dense<{_f32(s.scale)}> : {self.v32}",
             f"%zi8 = arith.constant dense<0> : vector<{KEYS}xi8>",
             f"%qsize = arith.muli %rows, %c{s.b * s.heads * s.size}w : index",
-            f"%msize = arith.muli %rows, %c{s.b * s.mask_heads * s.keys}w : index",
             "%qm = stream.binding.subspan %bq[%c0] : !stream.binding -> memref<?xf32>{%qsize}",
-            f"%km = stream.binding.subspan %bk[%c0] : !stream.binding -> memref<{s.b * s.kv * s.padded * s.size}xf32>",
-            f"%vm = stream.binding.subspan %bv[%c0] : !stream.binding -> memref<{s.b * s.kv * s.padded * s.size}xf32>",
-            "%mm = stream.binding.subspan %bm[%c0] : !stream.binding -> memref<?xi8>{%msize}",
+            f"%km = stream.binding.subspan %bk[%c0] : !stream.binding -> {kt}",
+            f"%vm = stream.binding.subspan %bv[%c0] : !stream.binding -> {kt}",
             "%om = stream.binding.subspan %bo[%c0] : !stream.binding -> memref<?xf32>{%qsize}",
-            f"%obuf = memref.alloca() : memref<{ROWS * s.size}xf32>",
-            f"%qbuf = memref.alloca() : memref<{ROWS * s.size}xf32>",
-            f"%pbuf = memref.alloca() : memref<{ROWS * KEYS}xf32>",
-            f"%lbuf = memref.alloca() : memref<{ROWS * KEYS}xf32>",
-            f"%mbuf = memref.alloca() : memref<{ROWS}xf32>",
-            f"%abuf = memref.alloca() : memref<{ROWS}xf32>",
+            f"%obuf = memref.alloca() : memref<{rows * s.size}xf32>",
+            f"%qbuf = memref.alloca() : memref<{rows * s.size}xf32>",
+            f"%pbuf = memref.alloca() : memref<{rows * KEYS}xf32>",
+            f"%lbuf = memref.alloca() : memref<{rows * KEYS}xf32>",
+            f"%mbuf = memref.alloca() : memref<{rows}xf32>",
+            f"%abuf = memref.alloca() : memref<{rows}xf32>",
             "%g = stream.dispatch.workgroup.id[0] : index",
-            f"%nb = arith.ceildivui %rows, %c{ROWS}w : index",
+            f"%nb = arith.ceildivui %rows, %c{rows}w : index",
             "%bh = arith.divui %g, %nb : index",
             "%rb = arith.remui %g, %nb : index",
             f"%bi = arith.divui %bh, %c{s.heads}w : index",
@@ -115,38 +146,45 @@ class _Kernel:
             f"%bkv0 = arith.muli %bi, %c{s.kv}w : index",
             "%bkv = arith.addi %bkv0, %kvi : index",
             f"%kbase = arith.muli %bkv, %c{s.padded * s.size}w : index",
-            f"%r0 = arith.muli %rb, %c{ROWS}w : index",
+            f"%r0 = arith.muli %rb, %c{rows}w : index",
             "%rlast = arith.subi %rows, %c1 : index",
             "%bhr = arith.muli %bh, %rows : index",
         ):
             add(line)
-        if s.mask_heads == 1:
-            add("%mh = arith.muli %bi, %rows : index")
-        else:
-            add("%mh = arith.muli %bh, %rows : index")
-        for i in range(ROWS):
+        if self.k.chunk < KEYS:
+            add(f"%sbuf = memref.alloca() : memref<{rows * KEYS}xf32>")
+        if s.mask_heads:
+            add(f"%msize = arith.muli %rows, %c{s.b * s.mask_heads * s.keys}w : index")
+            add("%mm = stream.binding.subspan %bm[%c0] : !stream.binding -> memref<?xi8>{%msize}")
+            add(f"%mh = arith.muli {'%bi' if s.mask_heads == 1 else '%bh'}, %rows : index")
+        for i in range(rows):
             add(f"%row{i} = arith.addi %r0, %c{i}w : index")
             add(f"%ri{i} = arith.minui %row{i}, %rlast : index")
             add(f"%qr{i}a = arith.addi %bhr, %ri{i} : index")
             add(f"%qr{i} = arith.muli %qr{i}a, %c{s.size}w : index")  # q's and out's row
-            add(f"%mr{i}a = arith.addi %mh, %ri{i} : index")
-            add(f"%mr{i} = arith.muli %mr{i}a, %c{s.keys}w : index")  # the mask's row
+            if s.mask_heads:
+                add(f"%mr{i}a = arith.addi %mh, %ri{i} : index")
+                add(f"%mr{i} = arith.muli %mr{i}a, %c{s.keys}w : index")  # the mask's row
             add(f"%ib{i} = arith.constant {i} : index")
-            add(f"memref.store %ninf, %mbuf[%ib{i}] : memref<{ROWS}xf32>")
-            add(f"vector.store %zero32, %lbuf[%c{i * KEYS}w] : memref<{ROWS * KEYS}xf32>, {self.v32}")
-            for u in range(0, s.size, LANES):
+            add(f"memref.store %ninf, %mbuf[%ib{i}] : memref<{rows}xf32>")
+            add(f"vector.store %zero32, %lbuf[%c{i * KEYS}w] : memref<{rows * KEYS}xf32>, {self.v32}")
+            for u in range(0, s.size, lanes):
                 at = f"%c{i * s.size + u}w"
-                add(f"vector.store %zero16, %obuf[{at}] : memref<{ROWS * s.size}xf32>, {self.v16}")
+                add(f"vector.store %zero16, %obuf[{at}] : memref<{rows * s.size}xf32>, {self.v16}")
                 add(f"%qa{i}_{u} = arith.addi %qr{i}, %c{u}w : index")
                 add(f"%qv{i}_{u} = vector.load %qm[%qa{i}_{u}] : memref<?xf32>, {self.v16}")
-                add(f"vector.store %qv{i}_{u}, %qbuf[{at}] : memref<{ROWS * s.size}xf32>, {self.v16}")
+                add(f"vector.store %qv{i}_{u}, %qbuf[{at}] : memref<{rows * s.size}xf32>, {self.v16}")
 
     def block(self, t: str, j0: str, kb: str, valid: int) -> None:
         """One key block from key `j0` (packed block `kb`), `valid` keys of it real (the rest padding)."""
-        add, mt = self.add, f"vector<{KEYS}xi8>"
+        add, mt, rows = self.add, f"vector<{KEYS}xi8>", self.k.rows
         if valid < KEYS:
             add(f"%{t}km = vector.constant_mask [{valid}] : vector<{KEYS}xi1>")
-        for i in range(ROWS):
+        if not self.s.mask_heads:  # every key seen: no mask to load, no block to skip
+            self.softmax(t, self.scores(t, kb), valid)
+            self.products(t, j0, valid)
+            return
+        for i in range(rows):
             add(f"%{t}ma{i} = arith.addi %mr{i}, {j0} : index")
             if valid == KEYS:
                 add(f"%{t}mv{i} = vector.load %mm[%{t}ma{i}] : memref<?xi8>, {mt}")
@@ -156,79 +194,99 @@ class _Kernel:
                     f"vector<{KEYS}xi1>, {mt} into {mt}"
                 )
         add(f"%{t}or0 = arith.ori %{t}mv0, %{t}mv1 : {mt}")
-        for i in range(2, ROWS):
+        for i in range(2, rows):
             add(f"%{t}or{i - 1} = arith.ori %{t}or{i - 2}, %{t}mv{i} : {mt}")
-        add(f"%{t}nz = arith.cmpi ne, %{t}or{ROWS - 2}, %zi8 : {mt}")
+        add(f"%{t}nz = arith.cmpi ne, %{t}or{rows - 2}, %zi8 : {mt}")
         add(f"%{t}any = vector.reduction <or>, %{t}nz : vector<{KEYS}xi1> into i1")
         add(f"scf.if %{t}any {{")
-        self.scores(t, kb)
-        self.softmax(t)
+        self.softmax(t, self.scores(t, kb), valid)
         self.products(t, j0, valid)
         add("}")
 
-    def scores(self, t: str, kb: str) -> None:
-        s, add, v32 = self.s, self.add, self.v32
-        kt = f"memref<{s.b * s.kv * s.padded * s.size}xf32>"
+    def scores(self, t: str, kb: str) -> list[str]:
+        """The block's scores, a row's KEYS keys a value, `chunk` keys at a time (each pass on the stack where a
+        block takes more than one)."""
+        s, add, rows, chunk = self.s, self.add, self.k.rows, self.k.chunk
+        kt, vc = f"memref<{s.b * s.kv * s.padded * s.size}xf32>", f"vector<{chunk}xf32>"
         add(f"%{t}kb0 = arith.muli {kb}, %c{s.size * KEYS}w : index")
         add(f"%{t}kb = arith.addi %kbase, %{t}kb0 : index")
-        inits = ", ".join(f"%{t}a{i} = %zero32" for i in range(ROWS))
-        add(f"%{t}s:{ROWS} = scf.for %{t}d = %c0 to %c{s.size}w step %c4w iter_args({inits}) -> "
-            f"({', '.join([v32] * ROWS)}) {{")  # fmt: skip
-        acc = [f"%{t}a{i}" for i in range(ROWS)]
-        for step in range(4):
-            add(f"%{t}d{step} = arith.addi %{t}d, %c{step}w : index")
-            add(f"%{t}kd{step}a = arith.muli %{t}d{step}, %c{KEYS}w : index")
-            add(f"%{t}kd{step} = arith.addi %{t}kb, %{t}kd{step}a : index")
-            add(f"%{t}k{step} = vector.load %km[%{t}kd{step}] : {kt}, {v32}")
-            for i in range(ROWS):
-                add(f"%{t}qi{step}_{i} = arith.addi %{t}d{step}, %c{i * s.size}w : index")
-                add(f"%{t}qs{step}_{i} = memref.load %qbuf[%{t}qi{step}_{i}] : memref<{ROWS * s.size}xf32>")
-                add(f"%{t}qb{step}_{i} = vector.broadcast %{t}qs{step}_{i} : f32 to {v32}")
-                add(f"%{t}f{step}_{i} = vector.fma %{t}k{step}, %{t}qb{step}_{i}, {acc[i]} : {v32}")
-                acc[i] = f"%{t}f{step}_{i}"
-        add(f"scf.yield {', '.join(acc)} : {', '.join([v32] * ROWS)}")
-        add("}")
+        zero = "%zero32" if chunk == KEYS else f"%{t}z"
+        if chunk < KEYS:
+            add(f"%{t}z = arith.constant dense<0.0> : {vc}")
+        for c in range(0, KEYS, chunk):
+            u = f"{t}c{c}"
+            inits = ", ".join(f"%{u}a{i} = {zero}" for i in range(rows))
+            add(f"%{u}s:{rows} = scf.for %{u}d = %c0 to %c{s.size}w step %c4w iter_args({inits}) -> "
+                f"({', '.join([vc] * rows)}) {{")  # fmt: skip
+            acc = [f"%{u}a{i}" for i in range(rows)]
+            for step in range(4):
+                add(f"%{u}d{step} = arith.addi %{u}d, %c{step}w : index")
+                add(f"%{u}kd{step}a = arith.muli %{u}d{step}, %c{KEYS}w : index")
+                add(f"%{u}kd{step}b = arith.addi %{t}kb, %{u}kd{step}a : index")
+                add(f"%{u}kd{step} = arith.addi %{u}kd{step}b, %c{c}w : index")
+                add(f"%{u}k{step} = vector.load %km[%{u}kd{step}] : {kt}, {vc}")
+                for i in range(rows):
+                    add(f"%{u}qi{step}_{i} = arith.addi %{u}d{step}, %c{i * s.size}w : index")
+                    add(f"%{u}qs{step}_{i} = memref.load %qbuf[%{u}qi{step}_{i}] : memref<{rows * s.size}xf32>")
+                    add(f"%{u}qb{step}_{i} = vector.broadcast %{u}qs{step}_{i} : f32 to {vc}")
+                    add(f"%{u}f{step}_{i} = vector.fma %{u}k{step}, %{u}qb{step}_{i}, {acc[i]} : {vc}")
+                    acc[i] = f"%{u}f{step}_{i}"
+            add(f"scf.yield {', '.join(acc)} : {', '.join([vc] * rows)}")
+            add("}")
+            if chunk == KEYS:
+                return [f"%{u}s#{i}" for i in range(rows)]
+            for i in range(rows):
+                add(f"vector.store %{u}s#{i}, %sbuf[%c{i * KEYS + c}w] : memref<{rows * KEYS}xf32>, {vc}")
+        for i in range(rows):
+            add(f"%{t}s{i} = vector.load %sbuf[%c{i * KEYS}w] : memref<{rows * KEYS}xf32>, {self.v32}")
+        return [f"%{t}s{i}" for i in range(rows)]
 
-    def softmax(self, t: str) -> None:
-        add, v32 = self.add, self.v32
-        lt = f"memref<{ROWS * KEYS}xf32>"
-        for i in range(ROWS):
-            add(f"%{t}x{i} = arith.mulf %{t}s#{i}, %scale : {v32}")
-            add(f"%{t}c{i} = arith.cmpi ne, %{t}mv{i}, %zi8 : vector<{KEYS}xi8>")
-            add(f"%{t}y{i} = arith.select %{t}c{i}, %{t}x{i}, %ninf32 : vector<{KEYS}xi1>, {v32}")
-            add(f"%{t}bm{i} = vector.reduction <maxnumf>, %{t}y{i} : {v32} into f32")
-            add(f"%{t}mo{i} = memref.load %mbuf[%ib{i}] : memref<{ROWS}xf32>")
+    def softmax(self, t: str, scores: list[str], valid: int) -> None:
+        """The block's mask (or its padding keys), the rows' running maxima, exponentials and sums."""
+        add, v32, rows, lanes = self.add, self.v32, self.k.rows, self.k.lanes
+        lt = f"memref<{rows * KEYS}xf32>"
+        for i in range(rows):
+            add(f"%{t}x{i} = arith.mulf {scores[i]}, %scale : {v32}")
+            if self.s.mask_heads:
+                add(f"%{t}c{i} = arith.cmpi ne, %{t}mv{i}, %zi8 : vector<{KEYS}xi8>")
+                add(f"%{t}y{i} = arith.select %{t}c{i}, %{t}x{i}, %ninf32 : vector<{KEYS}xi1>, {v32}")
+            elif valid < KEYS:  # the padding keys of the last block
+                add(f"%{t}y{i} = arith.select %{t}km, %{t}x{i}, %ninf32 : vector<{KEYS}xi1>, {v32}")
+            y = f"%{t}y{i}" if self.s.mask_heads or valid < KEYS else f"%{t}x{i}"
+            add(f"%{t}bm{i} = vector.reduction <maxnumf>, {y} : {v32} into f32")
+            add(f"%{t}mo{i} = memref.load %mbuf[%ib{i}] : memref<{rows}xf32>")
             add(f"%{t}mn{i} = arith.maxnumf %{t}mo{i}, %{t}bm{i} : f32")
             add(f"%{t}none{i} = arith.cmpf oeq, %{t}mn{i}, %ninf : f32")
             add(f"%{t}ms{i} = arith.select %{t}none{i}, %fzero, %{t}mn{i} : f32")
             add(f"%{t}al{i}a = arith.subf %{t}mo{i}, %{t}ms{i} : f32")
-            add(f"memref.store %{t}mn{i}, %mbuf[%ib{i}] : memref<{ROWS}xf32>")
+            add(f"memref.store %{t}mn{i}, %mbuf[%ib{i}] : memref<{rows}xf32>")
         # the rows' rescale factors exp(old max - new max) in one vector exp
-        diffs = [f"%{t}al{i}a" for i in range(ROWS)] + ["%fzero"] * (-ROWS % LANES)
+        diffs = [f"%{t}al{i}a" for i in range(rows)] + ["%fzero"] * (-rows % lanes)
         width = len(diffs)
         add(f"%{t}ad = vector.from_elements {', '.join(diffs)} : vector<{width}xf32>")
         add(f"%{t}av = math.exp %{t}ad : vector<{width}xf32>")
-        for i in range(ROWS):
+        for i in range(rows):
             add(f"%{t}al{i} = vector.extract %{t}av[{i}] : f32 from vector<{width}xf32>")
             add(f"%{t}mb{i} = vector.broadcast %{t}ms{i} : f32 to {v32}")
-            add(f"%{t}e{i}a = arith.subf %{t}y{i}, %{t}mb{i} : {v32}")
+            y = f"%{t}y{i}" if self.s.mask_heads or valid < KEYS else f"%{t}x{i}"
+            add(f"%{t}e{i}a = arith.subf {y}, %{t}mb{i} : {v32}")
             add(f"%{t}e{i} = math.exp %{t}e{i}a : {v32}")
             add(f"vector.store %{t}e{i}, %pbuf[%c{i * KEYS}w] : {lt}, {v32}")
             add(f"%{t}l{i}o = vector.load %lbuf[%c{i * KEYS}w] : {lt}, {v32}")
             add(f"%{t}ab{i} = vector.broadcast %{t}al{i} : f32 to {v32}")
             add(f"%{t}l{i} = vector.fma %{t}l{i}o, %{t}ab{i}, %{t}e{i} : {v32}")
             add(f"vector.store %{t}l{i}, %lbuf[%c{i * KEYS}w] : {lt}, {v32}")
-            add(f"memref.store %{t}al{i}, %abuf[%ib{i}] : memref<{ROWS}xf32>")
+            add(f"memref.store %{t}al{i}, %abuf[%ib{i}] : memref<{rows}xf32>")
 
     def products(self, t: str, j0: str, valid: int) -> None:
         """P.V over the block's `valid` keys, added to the rows' outputs after they are rescaled."""
-        s, add, v16 = self.s, self.add, self.v16
-        vt, ot = f"memref<{s.b * s.kv * s.padded * s.size}xf32>", f"memref<{ROWS * s.size}xf32>"
-        pt = f"memref<{ROWS * KEYS}xf32>"
-        for r0 in range(0, ROWS, PV_ROWS):
-            rows = range(r0, min(ROWS, r0 + PV_ROWS))
-            for d0 in range(0, s.size, PV_VECTORS * LANES):
-                vecs = range(min(PV_VECTORS, (s.size - d0) // LANES))
+        s, add, v16, k = self.s, self.add, self.v16, self.k
+        vt, ot = f"memref<{s.b * s.kv * s.padded * s.size}xf32>", f"memref<{k.rows * s.size}xf32>"
+        pt = f"memref<{k.rows * KEYS}xf32>"
+        for r0 in range(0, k.rows, k.pv_rows):
+            rows = range(r0, min(k.rows, r0 + k.pv_rows))
+            for d0 in range(0, s.size, k.pv_vectors * k.lanes):
+                vecs = range(min(k.pv_vectors, (s.size - d0) // k.lanes))
                 u = f"{t}_{r0}_{d0}"
                 keys = [(r, w) for r in rows for w in vecs]
                 inits = ", ".join(f"%{u}i{r}_{w} = %zero16" for r, w in keys)
@@ -238,7 +296,7 @@ class _Kernel:
                 add(f"%{u}vr = arith.muli %{u}jj, %c{s.size}w : index")
                 add(f"%{u}vb = arith.addi %kbase, %{u}vr : index")
                 for w in vecs:
-                    add(f"%{u}va{w} = arith.addi %{u}vb, %c{d0 + w * LANES}w : index")
+                    add(f"%{u}va{w} = arith.addi %{u}vb, %c{d0 + w * k.lanes}w : index")
                     add(f"%{u}v{w} = vector.load %vm[%{u}va{w}] : {vt}, {v16}")
                 for r in rows:
                     add(f"%{u}pa{r} = arith.addi %{u}j, %c{r * KEYS}w : index")
@@ -250,26 +308,26 @@ class _Kernel:
                 add("}")
                 for n, (r, w) in enumerate(keys):
                     if w == 0:
-                        add(f"%{u}al{r} = memref.load %abuf[%ib{r}] : memref<{ROWS}xf32>")
+                        add(f"%{u}al{r} = memref.load %abuf[%ib{r}] : memref<{k.rows}xf32>")
                         add(f"%{u}ab{r} = vector.broadcast %{u}al{r} : f32 to {v16}")
-                    at = f"%c{r * s.size + d0 + w * LANES}w"
+                    at = f"%c{r * s.size + d0 + w * k.lanes}w"
                     add(f"%{u}o{r}_{w} = vector.load %obuf[{at}] : {ot}, {v16}")
                     add(f"%{u}n{r}_{w} = vector.fma %{u}o{r}_{w}, %{u}ab{r}, %{u}acc#{n} : {v16}")
                     add(f"vector.store %{u}n{r}_{w}, %obuf[{at}] : {ot}, {v16}")
 
     def epilogue(self) -> None:
-        s, add, v16, v32 = self.s, self.add, self.v16, self.v32
-        ot = f"memref<{ROWS * s.size}xf32>"
-        for i in range(ROWS):
+        s, add, v16, v32, rows = self.s, self.add, self.v16, self.v32, self.k.rows
+        ot = f"memref<{rows * s.size}xf32>"
+        for i in range(rows):
             add(f"%in{i} = arith.cmpi ult, %row{i}, %rows : index")
             add(f"scf.if %in{i} {{")
-            add(f"%lv{i} = vector.load %lbuf[%c{i * KEYS}w] : memref<{ROWS * KEYS}xf32>, {v32}")
+            add(f"%lv{i} = vector.load %lbuf[%c{i * KEYS}w] : memref<{rows * KEYS}xf32>, {v32}")
             add(f"%ls{i} = vector.reduction <add>, %lv{i} : {v32} into f32")
             add(f"%lp{i} = arith.cmpf ogt, %ls{i}, %fzero : f32")
             add(f"%lr{i} = arith.divf %fone, %ls{i} : f32")
             add(f"%inv{i} = arith.select %lp{i}, %lr{i}, %fzero : f32")
             add(f"%ivb{i} = vector.broadcast %inv{i} : f32 to {v16}")
-            for u in range(0, s.size, LANES):
+            for u in range(0, s.size, self.k.lanes):
                 add(f"%ov{i}_{u} = vector.load %obuf[%c{i * s.size + u}w] : {ot}, {v16}")
                 add(f"%ow{i}_{u} = arith.mulf %ov{i}_{u}, %ivb{i} : {v16}")
                 add(f"%oa{i}_{u} = arith.addi %qr{i}, %c{u}w : index")
@@ -292,17 +350,19 @@ class _Kernel:
 
 
 def executable(s: Shape) -> tuple[str, str]:
-    """The name (unique per shape) and text of the `stream.executable`, over b x heads x ceil(rows / ROWS)
-    workgroups, taking q, the packed keys, the padded values, the int8 mask and the row count."""
-    if s.size % (4 * LANES) and s.size % LANES:
-        raise ValueError(f"a head size of {s.size}: a multiple of {LANES}")
-    bindings = "%bq: !stream.binding, %bk: !stream.binding, %bv: !stream.binding, %bm: !stream.binding, " \
-        "%bo: !stream.binding"  # fmt: skip
+    """The name (unique per shape and block) and text of the `stream.executable`, over b x heads x ceil(rows / the
+    block's rows) workgroups, taking q, the packed keys, the padded values, the int8 mask (none where mask_heads is
+    0) and the row count."""
+    lanes = block_of(s.lanes).lanes
+    if s.size % lanes:
+        raise ValueError(f"a head size of {s.size}: a multiple of {lanes}")
+    names = ["%bq", "%bk", "%bv", *(["%bm"] if s.mask_heads else []), "%bo"]
+    bindings = ", ".join(f"{n}: !stream.binding" for n in names)
     return s.name, spliced.executable(s.name, bindings, 0, _Kernel(s).text())
 
 
 def pack_keys(k: torch.Tensor) -> torch.Tensor:
-    """k [b, kv, keys, D] as [b, kv, padded / 32, D, 32] (the keys padded with zeros to a multiple of 32)."""
+    """k [b, kv, keys, D] as [b, kv, padded / KEYS, D, KEYS] (the keys padded with zeros to a multiple of KEYS)."""
     b, kv, keys, size = k.shape
     padded = -(-keys // KEYS) * KEYS
     k = torch.nn.functional.pad(k, (0, 0, 0, padded - keys))
@@ -316,13 +376,15 @@ def pad_values(v: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(OP, mutates_args=())
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, keys: int, lanes: int
 ) -> torch.Tensor:
-    """Masked attention of `q` [b, h, rows, D] over keys `k` (`pack_keys`) and values `v` (`pad_values`) of kv heads
-    (h a multiple of kv), `mask` [b, 1 or h, rows, keys] int8 (nonzero: the key is seen); 0 where a row sees none."""
+    """Attention of `q` [b, h, rows, D] over the first `keys` keys of `k` (`pack_keys`) and values `v`
+    (`pad_values`) of kv heads (h a multiple of kv), `mask` [b, 1 or h, rows, keys] int8 (nonzero: the key is seen;
+    None: every key); 0 where a row sees none. `lanes` names the ISA's block (`BLOCKS`; the same numbers in eager)."""
     b, kv, blocks, size, _ = k.shape
-    keys = mask.shape[-1]
     keys_ = k.transpose(-1, -2).reshape(b, kv, blocks * KEYS, size)[:, :, :keys]
+    if mask is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, keys_, v[:, :, :keys], scale=scale, enable_gqa=True)
     seen = mask != 0
     out = torch.nn.functional.scaled_dot_product_attention(
         q, keys_, v[:, :, :keys], attn_mask=seen, scale=scale, enable_gqa=True
@@ -331,7 +393,9 @@ def flash_attention(
 
 
 @flash_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, keys: int, lanes: int
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -339,32 +403,38 @@ FLASH_ATTENTION = torch.ops.fx_rewrites.flash_attention.default
 
 _CALL = re.compile(
     rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w#]+), '
-    r"(%[\w.+\-]+)\) : \((.*)\) -> (.*)$"
+    r"(%[\w.+\-]+), (%[\w.+\-]+), (%[\w.+\-]+)\) : \((.*)\) -> (.*)$"
 )
 _FLOAT = re.compile(r"^\s*(%[\w.+\-]+) = torch\.constant\.float (\S+)", re.M)
+_NONE = re.compile(r"^\s*(%[\w.+\-]+) = torch\.constant\.none\b", re.M)
 
 
 def splice(mlir: str) -> str:
     """`mlir` with every `fx_rewrites.flash_attention` call replaced by a `flow.dispatch` of its executable."""
-    floats = dict(_FLOAT.findall(mlir))
+    floats, nones = dict(_FLOAT.findall(mlir)), set(_NONE.findall(mlir))
 
     def convert(line: str, ints: dict[str, str]) -> spliced.Spliced:
         found = _CALL.match(line)
-        if not found or found.group(7) not in floats:
+        if not found or found.group(7) not in floats or not {found.group(8), found.group(9)} <= ints.keys():
             raise ValueError(f"a flash_attention call of an unknown form: {line.strip()[:200]}")
-        pad, res, q, k, v, m, scale, types, otype = found.groups()
-        vts = re.findall(r"!torch\.vtensor<[^>]*>", types)[:4]
-        (tq, sq), (tk, sk), (tv, sv), (tm, sm) = (spliced._tensor(t) for t in vts)
+        pad, res, q, k, v, m, scale, keys, lanes, types, otype = found.groups()
+        operands = (q, k, v) if m in nones else (q, k, v, m)
+        vts = re.findall(r"!torch\.vtensor<[^>]*>", types)[: len(operands)]
+        typed = [spliced._tensor(t) for t in vts]
+        (tq, sq), (tk, sk), (tv, sv) = typed[:3]
+        sm = typed[3][1] if m not in nones else ["0", "0", sq[2], ints[keys]]
         if len(sk) != 5 or sk[4] != str(KEYS) or "?" in "".join(sq[:2] + sq[3:] + sk + sv + sm[:2] + sm[3:]):
             raise ValueError(f"a flash_attention call with a dynamic size other than the rows: {line.strip()[:200]}")
-        shape = Shape(int(sq[0]), int(sq[1]), int(sk[1]), int(sm[3]), int(sq[3]), int(sm[1]), float(floats[scale]))
+        mask_heads = int(sm[1]) if m not in nones else 0
+        shape = Shape(int(sq[0]), int(sq[1]), int(sk[1]), int(ints[keys]), int(sq[3]), mask_heads,
+                      float(floats[scale]), int(ints[lanes]))  # fmt: skip
         name, text = executable(shape)
         p = f"fa{res[1:]}"
         out = [f"{pad}%{p}_{i} = torch_c.to_builtin_tensor {x} : {vt} -> {tt}"
-               for i, (x, vt, tt) in enumerate(zip((q, k, v, m), vts, (tq, tk, tv, tm), strict=True))]  # fmt: skip
+               for i, (x, vt, (tt, _)) in enumerate(zip(operands, vts, typed, strict=True))]  # fmt: skip
         out += [
             f"{pad}%{p}_two = arith.constant 2 : index",
-            f"{pad}%{p}_rows = arith.constant {ROWS} : index",
+            f"{pad}%{p}_rows = arith.constant {block_of(shape.lanes).rows} : index",
             f"{pad}%{p}_bh = arith.constant {shape.b * shape.heads} : index",
             f"{pad}%{p}_r = tensor.dim %{p}_0, %{p}_two : {tq}",
             f"{pad}%{p}_nb = arith.ceildivui %{p}_r, %{p}_rows : index",
@@ -372,10 +442,10 @@ def splice(mlir: str) -> str:
         ]
         dq = "{%" + p + "_r}" if sq[2] == "?" else ""
         dm = "{%" + p + "_r}" if sm[2] == "?" else ""
-        sig = f"{tq}{dq}, {tk}, {tv}, {tm}{dm}, index"
+        sig = ", ".join([f"{tq}{dq}", tk, tv, *([f"{typed[3][0]}{dm}"] if len(operands) == 4 else []), "index"])
+        values = ", ".join(f"%{p}_{i}" for i in range(len(operands)))
         out += [
-            f"{pad}%{p}_d = flow.dispatch @{name}::@{name}[%{p}_n](%{p}_0, %{p}_1, %{p}_2, %{p}_3, %{p}_r) : ({sig}) "
-            f"-> {tq}{dq}",
+            f"{pad}%{p}_d = flow.dispatch @{name}::@{name}[%{p}_n]({values}, %{p}_r) : ({sig}) -> {tq}{dq}",
             f"{pad}{res} = torch_c.from_builtin_tensor %{p}_d : {tq} -> {otype.strip()}",
         ]
         return out, name, text

@@ -226,12 +226,22 @@ _AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispa
 # ukernel product alone on an Intel Xeon (AVX-512, Emerald Rapids class); the route with / without it, locked: ViT 0.79,
 # BERT 0.76, Llama 0.85, the Whisper encoder 0.89, ConvNeXt-T 0.95, conv_classes.py's linear 0.84 (docs/performance.md
 # "The float32 kernel on AVX-512, and the bias in its store"; findings 64). AVX2's, re-timed with the bias in the
-# kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92
+# kernel's store (this host emulating AVX2): ViT 0.88, BERT 0.80, Llama 0.82, Whisper 0.88, ConvNeXt-T 0.92. Both
+# take conv1d_as_matmul's and patch_conv_as_matmul's linears too (a weight seen through permutes and reshapes): with /
+# without, locked, ViT 0.971 / 0.946 and the Whisper encoder 0.923 / 0.947 (AVX2 / AVX-512; docs/performance.md,
+# "The flash dispatch on AVX2, and encoders' attention through it")
 # `attention_as_flash_dispatch_avx512` (rules/flash_attention.py): a masked attention over a Dim of query rows
-# (compile_lm's prefill) through the hand-written flash dispatch (flash_attention_dispatch.py), before the other
-# attention rules; AVX-512 only (its 16-lane zmm blocks; AVX2 not measured) (docs/performance.md, "MoE prefill's
-# attention as a dispatch of our own")
-_AVX512_ATTENTION = "attention_as_flash_dispatch_avx512"
+# (compile_lm's prefill) through the hand-written flash dispatch (flash_attention_dispatch.py) with AVX-512's block (6
+# rows x 64 keys in zmm), before the other attention rules (docs/performance.md, "MoE prefill's attention as a dispatch
+# of our own"); `attention_as_flash_dispatch`: the same with AVX2's block (6 rows x 16 keys in 12 ymm, four passes a
+# 64-key block): the small MoE model's prefill attention alone 0.40x of the key blocks' time (1.17x torch's is_causal
+# flash), locked, this host emulating AVX2
+# `unmasked_attention_as_flash_dispatch[_avx512]`: an attention without a mask over static rows (ViT, the Whisper
+# encoder) through the same dispatch, no mask read: alone 0.57-0.81x of the written-out form's time; runtime.py's
+# route without / with it, locked: ViT 1.05 / 1.05, the Whisper encoder 1.05 / 1.09 (AVX2 / AVX-512); the MoE small
+# prefill (AVX2) 0.80x of the key blocks' (docs/performance.md, "The flash dispatch on AVX2, and encoders' attention")
+_AVX512_ATTENTION = ("attention_as_flash_dispatch_avx512", "unmasked_attention_as_flash_dispatch_avx512")
+_AVX2_ATTENTION = ("attention_as_flash_dispatch", "unmasked_attention_as_flash_dispatch")
 CPU_ISAS: dict[str, CpuIsa] = {
     "avx512": CpuIsa(
         "avx512",
@@ -239,7 +249,7 @@ CPU_ISAS: dict[str, CpuIsa] = {
         "x86-64-v4",
         (_DATA_TILING, _CHANNELS_LAST, _MMT4D_UKERNEL),
         (
-            _AVX512_ATTENTION,
+            *_AVX512_ATTENTION,
             *_TRANSFORMER_RULES,
             *_AVX512_CONV_RULES,
             "linear_as_f32_dispatch_avx512",
@@ -253,7 +263,13 @@ CPU_ISAS: dict[str, CpuIsa] = {
         ("avx2", "fma"),
         "znver3",
         (_DATA_TILING, _IM2COL, _CHANNELS_LAST),
-        (*_TRANSFORMER_RULES, "mlp_rows_padded_to_tiles", *_AVX2_CONV_RULES, "linear_as_f32_dispatch"),
+        (
+            *_AVX2_ATTENTION,
+            *_TRANSFORMER_RULES,
+            "mlp_rows_padded_to_tiles",
+            *_AVX2_CONV_RULES,
+            "linear_as_f32_dispatch",
+        ),
         target_features="-sse4a",
         first_rules=_AVX2_FIRST_RULES,
         dynamic_flags=(_PEEL,),

@@ -39,6 +39,20 @@ def test_prefill_attention_takes_rows_of_a_multiple_with_and_without_assumptions
         assert row[f"{route}_max_abs_diff"] < 1e-5, row
 
 
+def test_prefill_attention_times_an_encoders_attention_on_avx2():
+    """`--shape vit`: ViT's attention (static rows, no mask) through the unmasked flash dispatch (`flash`) and the
+    route without it (`blocks`), AVX2 code (on an AVX-512 host: znver3 code and torch held to AVX2 in a child)."""
+    args = ["--shape", "vit", "--isa", "avx2", "--calls", "1", "--routes", "flash", "blocks", "eager"]
+    script = ROOT / "benchmarks" / "prefill_attention.py"
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (row["isa"], row["tokens"]) == ("avx2", 197)
+    for route in ("flash", "blocks"):
+        assert row[f"{route}_max_abs_diff"] < 1e-5, row  # 197 keys of 64: eager's flash ~5e-7 off
+    assert row["eager_ms"] > 0
+
+
 def test_moe_sort_replaces_a_rule_by_one_loaded_from_a_file():
     sys.path.insert(0, str(ROOT))
     from benchmarks.moe_sort import _replaced

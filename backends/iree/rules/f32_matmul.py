@@ -12,11 +12,13 @@ in 0.57-0.62 of IREE's time (benchmarks/f32_dispatch.py); in the models, locked,
 read ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32 (docs/performance.md, "A float32 matmul kernel of our
 own on AVX2"). The weight's layout is a view and permute of the weight in the graph: for the program's own weight IREE
 evaluates it once (at compile time or in the module's initializer), so the rules take only such a weight
-(`conv_taps.constant_weight`). The kernel is static in its rows; on AVX-512 a linear over a `Dim` of rows (compile_lm's
-prefill) can take `linear_over_rows_as_grouped_dispatch_avx512`: grouped_experts_dispatch.py's run-time-rows kernel
-(the same 12x32 block) with one group, the weight laid out [1, N/16, K, 16]. Off by default (not in `targets.CPU_ISAS`):
-0.83-0.95x the prefill of the 30B MoE layer and the 0.1B Llama, but the decode reads the weight as it is, so a module
-holds each projection twice (docs/performance.md, "MoE prefill's experts as one dispatch over all experts").
+(`conv_taps.constant_weight`), also in conv1d_as_matmul's and patch_conv_as_matmul's layouts of it (Whisper's stem
+and ViT's patches: 0.92-0.97x of the route without them; ConvNeXt-T level, docs/performance.md). The kernel is static
+in its rows; on AVX-512 a linear over a `Dim` of rows (compile_lm's prefill) can take
+`linear_over_rows_as_grouped_dispatch_avx512`: grouped_experts_dispatch.py's run-time-rows kernel (the same 12x32
+block) with one group, the weight laid out [1, N/16, K, 16]. Off by default (not in `targets.CPU_ISAS`): 0.83-0.95x
+the prefill of the 30B MoE layer and the 0.1B Llama, but the decode reads the weight as it is, so a module holds each
+projection twice (docs/performance.md, "MoE prefill's experts as one dispatch over all experts").
 """
 
 from __future__ import annotations
@@ -42,9 +44,31 @@ aten = torch.ops.aten
 MIN_ROWS = 64
 
 
+#: the layout ops a weight the program holds may pass through and stay one IREE evaluates once (conv1d_as_matmul's
+#: weight: the convolution's [O, C, k] permuted to [O, k, C] and reshaped to [O, k C]; patch_conv_as_matmul's: [O, C,
+#: kh, kw] reshaped); measured on the models they come from (the Whisper encoder, ViT), so only those two forms
+_LAYOUT = (aten.permute.default, aten.reshape.default, aten.view.default)
+
+
+def _held(w: Any) -> bool:
+    """`w` is the program's own weight, or one of conv1d_as_matmul's or patch_conv_as_matmul's layouts of it: a 3-D
+    weight permuted and reshaped, a 4-D one reshaped (not conv_as_im2col_matmul's permuted 4-D one: not measured)."""
+    if not _LAYOUT or constant_weight(w):
+        return constant_weight(w)
+    ops = []
+    while isinstance(w, Node) and w.op == "call_function" and w.target in _LAYOUT:
+        ops.append(w.target)
+        w = w.args[0]
+    if not constant_weight(w):
+        return False
+    rank = fake_value(w).dim()
+    permute, reshape = aten.permute.default, aten.reshape.default
+    return (rank == 3 and ops == [reshape, permute]) or (rank == 4 and ops == [reshape])
+
+
 def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
     x, w, b = linear_args(node)
-    if not constant_weight(w):
+    if not _held(w):
         return Miss("the weight is not the program's own: its layout would be rewritten at every call")
     xv, wv = fake_value(x), fake_value(w)
     if xv.dtype != torch.float32 or wv.dtype != torch.float32:

@@ -58,9 +58,15 @@ MEASURED_CHOICES = {
     # transformers 12-24% faster with it on each (docs/performance.md, "The float32 kernel on AVX-512")
     "linear_as_f32_dispatch": {"avx512": False, "avx2": True},
     "linear_as_f32_dispatch_avx512": {"avx512": True, "avx2": False},
-    # a masked attention over a Dim of rows (compile_lm's prefill) through the hand-written flash dispatch: the MoE
-    # prefill's attention alone 0.43 / 0.36x of the key blocks' time (docs/performance.md); AVX2 not measured
+    # a masked attention over a Dim of rows (compile_lm's prefill) through the hand-written flash dispatch, each ISA's
+    # register block: the MoE prefill's attention alone 0.43 / 0.36x (AVX-512) and 0.44x (AVX2) of the key blocks' time
+    # (docs/performance.md, "MoE prefill's attention as a dispatch of our own" and "... on AVX2, and encoders")
     "attention_as_flash_dispatch_avx512": {"avx512": True, "avx2": False},
+    "attention_as_flash_dispatch": {"avx512": False, "avx2": True},
+    # an unmasked attention over static rows (ViT, the Whisper encoder) through the same dispatch: faster on both models
+    # on both ISAs (the same section)
+    "unmasked_attention_as_flash_dispatch_avx512": {"avx512": True, "avx2": False},
+    "unmasked_attention_as_flash_dispatch": {"avx512": False, "avx2": True},
     # a linear over a Dim of rows through the grouped experts kernel: the prefill 0.83-0.95x, but a packed copy of each
     # projection beside the decode's weight (a 0.1B Llama's archive 1.03x -> 1.63x its weights): off until the decode
     # reads the same copy (docs/performance.md, "MoE prefill's experts as one dispatch over all experts")

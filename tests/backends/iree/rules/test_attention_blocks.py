@@ -29,10 +29,11 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 
 
 def _key_blocks_route():
-    """The default `iree` route without AVX-512's flash dispatch (rules/flash_attention.py), which takes a masked
-    prefill's attention over a Dim before this rule where the host has AVX-512."""
-    iree, flash = backends.get("iree"), "attention_as_flash_dispatch_avx512"
-    return attrs.evolve(iree, rules=iree.rules.without(flash)) if flash in iree.rules else iree
+    """The default `iree` route without the ISA's flash dispatch (rules/flash_attention.py:
+    `attention_as_flash_dispatch[_avx512]`), which takes a masked prefill's attention over a Dim before this rule."""
+    iree = backends.get("iree")
+    flash = [n for n in ("attention_as_flash_dispatch_avx512", "attention_as_flash_dispatch") if n in iree.rules]
+    return attrs.evolve(iree, rules=iree.rules.without(*flash)) if flash else iree
 
 
 class CachedCausal(torch.nn.Module):

@@ -1,5 +1,5 @@
-"""`attention_as_flash_dispatch_avx512` (backends/iree/rules/flash_attention.py) and its kernel
-(backends/iree/flash_attention_dispatch.py).
+"""`attention_as_flash_dispatch_avx512`, `attention_as_flash_dispatch` (AVX2) and their unmasked forms
+(backends/iree/rules/flash_attention.py) and the kernel's two register blocks (backends/iree/flash_attention_dispatch.py).
 
 Real torch 2.13 exports of a prefill's attention as transformers writes it over a static cache (`repeat_kv` of the
 cache's heads, a bool mask of the positions each query may see, padding included), with a Dim on the query rows and
@@ -7,7 +7,8 @@ static; the graph after (one `flash_attention` of the queries, the keys laid out
 what the rule declines (static rows, a float mask, no mask, is_causal, a head size off the vectors); and the default
 AVX-512 route end to end on IREE against float64 on two input sets (row counts off the row block and under it, a tail
 key block, fully masked rows, a mask per head, a head size of 128, enable_gqa, a batch of 2 with its own padding a
-row); compile_lm of a tiny Qwen3-MoE generating as transformers does. (Its speed: docs/performance.md,
+row), each ISA's block (AVX2's: znver3 code, which an AVX-512 host runs); an encoder's attention (static rows, no
+mask: ViT's 197 tokens, a tail key block, rows under a row block) through the unmasked rules on both ISAs; compile_lm of a tiny Qwen3-MoE generating as transformers does. (Its speed: docs/performance.md,
 "MoE prefill's attention as a dispatch of our own".)
 """
 
@@ -22,6 +23,7 @@ import fx_rewrites
 from fx_rewrites import testing as rt
 from fx_rewrites.backends.iree import IreeBackend, targets
 from fx_rewrites.backends.iree.flash_attention_dispatch import (
+    BLOCKS,
     FLASH_ATTENTION,
     KEYS,
     MARK,
@@ -31,10 +33,30 @@ from fx_rewrites.backends.iree.flash_attention_dispatch import (
     splice,
 )
 from fx_rewrites.backends.iree.legality import SPLICED
+from fx_rewrites.backends.iree.rules import flash_attention as fa
+from fx_rewrites.backends.iree.rules import performance
 from fx_rewrites.backends.iree.rules.flash_attention import attention_as_flash_dispatch_avx512 as RULE
+from fx_rewrites.ruleset import Phases, RuleSet
 from tests.backends.iree.rules.float32_error import assert_within_torch_error
 
 aten = torch.ops.aten
+#: per ISA: the masked rule, the unmasked one
+ISA_RULES = {
+    "avx512": (RULE, fa.unmasked_attention_as_flash_dispatch_avx512),
+    "avx2": (fa.attention_as_flash_dispatch, fa.unmasked_attention_as_flash_dispatch),
+}
+#: the ISAs this host runs the code of (znver3's AVX2 code runs on an AVX-512 host)
+RUNS = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(targets.host_isa(), [])
+
+
+def _backend(isa: str) -> IreeBackend:
+    """The ISA's default backend with both its flash rules first in its performance rules (on by default or not)."""
+    iree = IreeBackend(target=targets.llvm_cpu(isa), driver="local-sync")
+    perf = performance.for_target("llvm-cpu", isa)
+    names = [r.name for r in ISA_RULES[isa]]
+    chosen = RuleSet([*ISA_RULES[isa], *perf.without(*(n for n in names if n in perf))], name=perf.name)
+    sets = [chosen if s is perf else s for s in iree.rules.sets]
+    return IreeBackend(target=targets.llvm_cpu(isa), driver="local-sync", rules=Phases(*sets, name=iree.rules.name))
 
 
 def _randn(seed: int, *shape: int) -> torch.Tensor:
@@ -101,7 +123,7 @@ def test_with_a_dim():
     _, k, v, mask = (a.meta["val"] for a in call.args[:4])
     assert tuple(k.shape) == (1, 2, -(-200 // KEYS), 64, KEYS)  # the cache's own 2 heads, read through repeat_kv
     assert tuple(v.shape) == (1, 2, -(-200 // KEYS) * KEYS, 64) and mask.dtype == torch.int8
-    assert call.args[4] == 64**-0.5
+    assert call.args[4:] == (64**-0.5, 200, 16)  # the scale, the keys, AVX-512's 16 lanes
     assert_within_torch_error(result.program.module(), Prefill(), inputs)  # the op's eager form
     rt.assert_idempotent(result, RULE)
 
@@ -131,13 +153,46 @@ def test_declines():
         rt.assert_not_fired(rt.apply_rules(ep, RULE), RULE)
     odd = _inputs(37, 0, 0, 0, size=24)  # a head size off the 16-lane vectors
     rt.assert_not_fired(rt.apply_rules(rt.export(Prefill(), *odd, dynamic_shapes=_dims(200)), RULE), RULE)
+    unmasked = fa.unmasked_attention_as_flash_dispatch
+    for how in ("float", "causal"):  # the unmasked rule: neither a mask nor is_causal
+        ep = rt.export(Other(how), *inputs, dynamic_shapes=_dims(200))
+        rt.assert_not_fired(rt.apply_rules(ep, unmasked), unmasked)
+    rt.assert_not_fired(rt.apply_rules(rt.export(Prefill(), *inputs), unmasked), unmasked)  # masked
+
+
+class Encoder(torch.nn.Module):
+    """An encoder's self-attention as ViT's and Whisper's encoder call it: SDPA of q, k, v, no mask."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _encoder_inputs(seed: int, b: int, heads: int, tokens: int, size: int) -> tuple[torch.Tensor, ...]:
+    return tuple(_randn(seed + i, b, heads, tokens, size) for i in range(3))
+
+
+def test_unmasked_static():
+    inputs = [_encoder_inputs(0, 2, 4, 197, 64), _encoder_inputs(10, 2, 4, 197, 64)]
+    for isa, (_, rule) in ISA_RULES.items():
+        result = rt.apply_rules(rt.export(Encoder(), *inputs[0]), rule)
+        rt.assert_fired(result, rule, times=1)
+        call = next(n for n in result.graph_module.graph.nodes if n.target is FLASH_ATTENTION)
+        assert call.args[3] is None and call.args[4:] == (64**-0.5, 197, BLOCKS[isa].lanes)
+        assert_within_torch_error(result.program.module(), Encoder(), inputs)  # the op's eager form
 
 
 def test_executable_and_splice():
     assert "fx_rewrites.flash_attention.default" in SPLICED and MARK == "torch.fx_rewrites.flash_attention"
     name, text = executable(Shape(1, 8, 4, 2081, 64, 1, 0.125))
-    assert name == "flash_1x8x4_k2081_d64_m1_s3e000000" and f"stream.executable private @{name}" in text
+    assert name == "flash_1x8x4_k2081_d64_m1_s3e000000_r6x64l16" and f"stream.executable private @{name}" in text
     assert "math.exp" in text and "scf.if" in text  # the online softmax, the shut key blocks skipped
+    assert "vector<16xf32>" in text and "vector<8xf32>" not in text and "%sbuf" not in text  # zmm, scores in registers
+    name, text = executable(Shape(1, 8, 4, 2081, 64, 1, 0.125, lanes=8))
+    assert name.endswith("_r6x16l8") and "vector<8xf32>" in text and "%sbuf" in text  # ymm, 16 keys a pass
+    name, text = executable(Shape(2, 4, 4, 197, 64, 0, 0.125, lanes=8))  # no mask: no mask binding, no skip
+    assert "%bm" not in text and "scf.if %f" not in text
+    with pytest.raises(ValueError, match="lanes=4"):
+        executable(Shape(1, 8, 4, 2081, 64, 1, 0.125, lanes=4))
     with pytest.raises(ValueError, match="no flash_attention call"):
         splice("module {\n}")
     with pytest.raises(ValueError, match="unknown form"):
@@ -155,24 +210,50 @@ CASES = {
 }
 
 
-@pytest.mark.skipif(targets.host_isa() != "avx512", reason="the kernel is AVX-512's (16-lane zmm)")
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_on_iree(name):
+def test_on_iree(name, isa):
+    if isa not in RUNS:
+        pytest.skip(f"this host does not run {isa} code")
     module, sets, heads, kv, keys, size, *batch = CASES[name]
     inputs = [_inputs(*s, heads=heads, kv=kv, keys=keys, size=size, batch=(batch or [1])[0]) for s in sets]
-    iree = IreeBackend(target=targets.llvm_cpu("avx512"), driver="local-sync")
+    iree = _backend(isa)
     result = fx_rewrites.apply(rt.export(module, *inputs[0], dynamic_shapes=_dims(keys)), iree.rules)
-    rt.assert_fired(result, RULE, times=1)
+    rt.assert_fired(result, ISA_RULES[isa][0], times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, module, inputs, torch_forms=[_math(module)], redraws=16)
 
 
+#: name -> [(seed, b, heads, tokens, size)] x 2: ViT's 197 tokens (a tail key block of 5, a last row block of 5),
+#: 70 tokens of 128 (a tail block of 6), 5 tokens (under a row block: keys all in the tail block)
+ENCODER_CASES = {
+    "vit_197": [(0, 2, 4, 197, 64), (10, 2, 4, 197, 64)],
+    "head_128": [(0, 1, 2, 70, 128), (10, 1, 2, 70, 128)],
+    "under_a_row_block": [(0, 3, 2, 5, 32), (10, 3, 2, 5, 32)],
+}
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", list(ENCODER_CASES))
+def test_unmasked_on_iree(name, isa):
+    if isa not in RUNS:
+        pytest.skip(f"this host does not run {isa} code")
+    inputs = [_encoder_inputs(*s) for s in ENCODER_CASES[name]]
+    iree = _backend(isa)
+    result = fx_rewrites.apply(rt.export(Encoder(), *inputs[0]), iree.rules)
+    rt.assert_fired(result, ISA_RULES[isa][1], times=1)
+    fn = iree.compile(result.program, inputs[0])
+    assert_within_torch_error(fn, Encoder(), inputs, torch_forms=[_math(Encoder())], redraws=16)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(targets.host_isa() != "avx512", reason="the rule is on in AVX-512's performance rules")
-def test_tiny_moe_generates_as_transformers_does():
-    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 on the default route: both layers' prefill attention
-    through the dispatch, and the tokens equal model.generate's for a prompt of 300, one of 30, and the first in
-    chunks (`prefill_chunk_size`: each chunk's rows over the cache at its offset)."""
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_tiny_moe_generates_as_transformers_does(isa):
+    """compile_lm of a two-layer Qwen3-MoE over a cache of 600 on the ISA's default route: both layers' prefill
+    attention through the ISA's dispatch, and the tokens equal model.generate's for a prompt of 300, one of 30, and the
+    first in chunks (`prefill_chunk_size`: each chunk's rows over the cache at its offset)."""
+    if isa not in RUNS:
+        pytest.skip(f"this host does not run {isa} code")
     import transformers
 
     from tests import lm_models
@@ -182,8 +263,8 @@ def test_tiny_moe_generates_as_transformers_does():
     torch.manual_seed(0)
     model = cls(config).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
-    lm = fx_rewrites.compile_lm(model, max_cache_len=600)
-    assert lm.reports["prefill"].rewrites[RULE.name] == 2
+    lm = fx_rewrites.compile_lm(model, max_cache_len=600, backend=IreeBackend(target=targets.llvm_cpu(isa)))
+    assert lm.reports["prefill"].rewrites[ISA_RULES[isa][0].name] == 2
     for length, chunk in ((300, None), (30, None), (300, 37)):
         ids = lm_models.prompt(length)
         expected = lm_models.reference(model, ids, new=6)
