@@ -53,8 +53,8 @@ _LAYOUT = (aten.permute.default, aten.reshape.default, aten.view.default)
 def _held(w: Any) -> bool:
     """`w` is the program's own weight, or one of conv1d_as_matmul's or patch_conv_as_matmul's layouts of it: a 3-D
     weight permuted and reshaped, a 4-D one reshaped (not conv_as_im2col_matmul's permuted 4-D one: not measured)."""
-    if not _LAYOUT or constant_weight(w):
-        return constant_weight(w)
+    if constant_weight(w):
+        return True
     ops = []
     while isinstance(w, Node) and w.op == "call_function" and w.target in _LAYOUT:
         ops.append(w.target)
