@@ -13,7 +13,7 @@ import torch
 
 from fx_rewrites import apply, backends
 from fx_rewrites.backends.iree import IreeBackend
-from fx_rewrites.backends.iree.calling import Invoker, host_array
+from fx_rewrites.backends.iree.calling import Invoker
 from fx_rewrites.backends.iree.runtime import is_host_device
 
 DRIVERS = ("local-task", "local-sync")
@@ -131,27 +131,3 @@ def test_an_empty_input_is_copied():
     invoker, packer = _counted(compiled)
     (got,) = invoker(invoker_array)
     assert packer.calls == 1 and got.shape == (0, 64)
-
-
-class Mixed(torch.nn.Module):
-    """Inputs of five element types: each imported as its own (IREE's buffer view asserts the type)."""
-
-    def forward(self, x, i, m, h, b):
-        return torch.where(m, x * i.float(), -x) + h.float() + b.float()
-
-
-def test_inputs_of_every_element_type_are_imported():
-    g = torch.Generator().manual_seed(8)
-    args = (
-        torch.randn(4, 64, generator=g),
-        torch.randint(-5, 5, (4, 64), generator=g),
-        torch.rand(4, 64, generator=g) > 0.5,
-        torch.randn(4, 64, generator=g).half(),
-        torch.randn(4, 64, generator=g).bfloat16(),
-    )
-    compiled = _compile(Mixed(), args)
-    invoker, packer = _counted(compiled)
-    (got,) = invoker(*(host_array(a) for a in args))
-    assert packer.calls == 0
-    torch.testing.assert_close(torch.from_numpy(got), Mixed()(*args), rtol=0, atol=0)
-    torch.testing.assert_close(compiled(*args), Mixed()(*args), rtol=0, atol=0)
