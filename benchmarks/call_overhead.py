@@ -3,18 +3,14 @@
     python benchmarks/call_overhead.py [--rounds 21] [--cases linear,sin]
 
 Cases: `linear` (torch.nn.Linear 1024->1024 on 128 rows, static sizes; the weight a parameter read from the
-tensor's memory), `conv1x1` (conv_classes.py's 1x1 256->64 over 56x56: a 3.2 MB input) and `sin`
-(torch.sin on 64 x n with a Dim on n, n = 64: the short side of benchmarks/size_dispatch.py's `elementwise`
-case). Per case, in interleaved rounds (one thread each: torch.set_num_threads(1), IREE local-sync; CPU time,
-time.process_time), the median time a call of:
+tensor's memory) and `sin` (torch.sin on 64 x n with a Dim on n, n = 64: the short side of
+benchmarks/size_dispatch.py's `elementwise` case). Per case, in interleaved rounds (one thread each:
+torch.set_num_threads(1), IREE local-sync; CPU time, time.process_time), the median time a call of:
 
 - `eager`: the module in torch;
 - `module function`: the IREE function called through iree.runtime with a numpy array in and the result
   copied to a numpy array (no checks, no torch on either side: the floor the Python paths stand on);
-- `compiled`: `IreeCompiled.__call__`, the path a call takes now (`calling.fast_call`: on a CPU device the
-  input imported where it lies);
-- `inputs copied`: the same path with the input copied into a device buffer (`fast_call(..., host_memory=False)`:
-  what a call did before the import, and what a GPU device's does);
+- `compiled`: `IreeCompiled.__call__`, the path a call takes now (`calling.fast_call`);
 - `general path`: `IreeCompiled.call_bound`, what every call did before (`convention.bind`, iree.runtime's
   invoker, a DeviceArray per result), still taken by calls with keyword arguments or mutations.
 
@@ -38,7 +34,6 @@ from torch.export import Dim
 import fx_rewrites
 from fx_rewrites.backends.iree import IreeBackend
 from fx_rewrites.backends.iree.cache import CompileCache
-from fx_rewrites.backends.iree.calling import fast_call
 
 
 class Sin(torch.nn.Module):
@@ -51,23 +46,13 @@ def _linear() -> tuple[torch.nn.Module, torch.Tensor, Any, int]:
     return torch.nn.Linear(1024, 1024), torch.randn(128, 1024, generator=torch.Generator().manual_seed(1)), None, 20
 
 
-def _conv1x1() -> tuple[torch.nn.Module, torch.Tensor, Any, int]:
-    torch.manual_seed(0)
-    x = torch.randn(1, 256, 56, 56, generator=torch.Generator().manual_seed(1))
-    return torch.nn.Conv2d(256, 64, 1), x, None, 20
-
-
 def _sin() -> tuple[torch.nn.Module, torch.Tensor, Any, int]:
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     return Sin(), x, ({1: Dim("n", min=2, max=1024)},), 500
 
 
 #: case -> () -> (model, input, dynamic_shapes, calls a sample)
-CASES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor, Any, int]]] = {
-    "linear": _linear,
-    "conv1x1": _conv1x1,
-    "sin": _sin,
-}
+CASES: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor, Any, int]]] = {"linear": _linear, "sin": _sin}
 
 
 def cpu() -> str:
@@ -83,7 +68,6 @@ def run_case(name: str, rounds: int, iree: IreeBackend) -> None:
     model = model.eval()
     compiled = fx_rewrites.compile(model, (x,), dynamic_shapes=dynamic, backend=iree).runtime
     function, array = compiled.function, x.numpy()
-    copied = fast_call(compiled.plan, function, host_memory=False)
 
     def module_function() -> Any:
         return np.array(function(array).to_host(), copy=True)
@@ -92,12 +76,11 @@ def run_case(name: str, rounds: int, iree: IreeBackend) -> None:
         "eager": lambda: model(x),
         "module function": module_function,
         "compiled": lambda: compiled(x),
-        "inputs copied": lambda: copied((x,)),
         "general path": lambda: compiled.call_bound(x),
     }
     with torch.no_grad():
         want = model(x)
-        for label in ("compiled", "inputs copied", "general path"):
+        for label in ("compiled", "general path"):
             torch.testing.assert_close(paths[label](), want, rtol=1e-4, atol=1e-4)
         times: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(rounds):
@@ -109,7 +92,7 @@ def run_case(name: str, rounds: int, iree: IreeBackend) -> None:
     us = {label: statistics.median(t) for label, t in times.items()}
     floor = us["module function"]
     print(f"{name} ({calls} calls a sample): " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))
-    for label in ("compiled", "inputs copied", "general path"):
+    for label in ("compiled", "general path"):
         spread = statistics.median(a - b for a, b in zip(times[label], times["module function"]))
         print(f"  {label} - module function: {us[label] - floor:.1f} us (median of rounds {spread:.1f})")
     ratio = statistics.median(a / b for a, b in zip(times["compiled"], times["eager"]))
