@@ -11,12 +11,6 @@ Dim's range and divisor, sizes of one symbol agreeing) without building messages
 of its mapped buffer; any other call (keyword arguments, a structure, a
 mismatch, which `bind` then names) takes the general path.
 
-On a CPU device (`host_memory`) each input array is imported as the device buffer it is read from
-(`HalAllocator.import_host_allocation`: no copy; the module reads its arguments and never writes them, and the call
-returns after the module has run) where it is C-contiguous, writable, 64-byte aligned (what IREE's kernels assume
-of a binding) and of an element type IREE names; any other call's arguments are copied into new device buffers by
-iree.runtime's packer, as before. The copy cost ~0.25 ms of a 1x1 convolution's 3.2 MB input (~1.1 ms of work).
-
 Results are copied out of IREE's buffers, never handed over: a result may be a
 buffer the module keeps (a constant, a global of its state, a weight served
 from the model's own memory), which a later call or a write through the tensor
@@ -109,9 +103,8 @@ class Invoker:
     of its mapped buffer (a number as is): what the invoker and a `DeviceArray` do, less their Python. Built by
     `of`; None where the function is not of the form this knows (another IREE version: the invoker is used)."""
 
-    def __init__(self, function: Any, dtypes: Sequence[np.dtype] | None, host_memory: bool = False) -> None:
+    def __init__(self, function: Any, dtypes: Sequence[np.dtype] | None) -> None:
         import iree.runtime as rt
-        from iree.runtime.array_interop import map_dtype_to_element_type
 
         self._context = function._vm_context
         self._function = function._vm_function
@@ -126,15 +119,9 @@ class Invoker:
         self._raw_dtype = rt.HalElementType.map_to_dtype
         self._visible, self._mapping = int(rt.MemoryType.HOST_VISIBLE), int(rt.BufferUsage.MAPPING_SCOPED)
         self._slow = function  # for a result that is not host-mappable (a GPU's device-local memory)
-        #: the device's allocator where its memory is the host's (arguments imported in place), else None
-        self._allocator = function._device.allocator if host_memory else None
-        self._element_type = map_dtype_to_element_type
-        self._imported_memory = int(rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE)
-        self._imported_usage = int(rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING)
 
     @classmethod
-    def of(cls, function: Any, host_memory: bool = False) -> Invoker | None:
-        """`host_memory`: the function's device is a CPU device (`runtime.is_host_device`): arguments are imported."""
+    def of(cls, function: Any) -> Invoker | None:
         try:
             import iree.runtime as rt
             from iree.runtime.dtypes import map_abi_type_to_dtype_info
@@ -148,7 +135,7 @@ class Invoker:
             for name in ("_vm_context", "_vm_function", "_device", "_arg_packer"):
                 getattr(function, name)
             rt._binding.InvokeContext  # noqa: B018
-            return cls(function, dtypes, host_memory)
+            return cls(function, dtypes)
         except (AttributeError, KeyError, TypeError, ImportError):
             return None
 
@@ -181,29 +168,10 @@ class Invoker:
         return reduce(array)
 
     def _invoke(self, arrays: tuple[Any, ...]) -> Any:
-        args = None if self._allocator is None else self._imported(arrays)
-        if args is None:
-            args = self._packer.pack(self._invoke_context(self._device), arrays, {})
+        args = self._packer.pack(self._invoke_context(self._device), arrays, {})
         results = self._list(1 if self._dtypes is None else len(self._dtypes))
         self._context.invoke(self._function, args, results)
         return results
-
-    def _imported(self, arrays: tuple[Any, ...]) -> Any:
-        """The arguments as buffers over the arrays' own memory, or None where one cannot be (see the module's
-        doc: the packer copies them then)."""
-        args = self._list(len(arrays))
-        for array in arrays:
-            if not isinstance(array, np.ndarray) or not array.nbytes:
-                return None
-            flags = array.flags
-            if not (flags.c_contiguous and flags.writeable) or array.ctypes.data % _ALIGNMENT:
-                return None
-            element_type = self._element_type(array.dtype)
-            if element_type is None:
-                return None
-            buffer = self._allocator.import_host_allocation(array, self._imported_memory, self._imported_usage)
-            args.push_ref(self._buffer_view(buffer, array.shape, int(element_type)))
-        return args
 
     def _mapped(self, results: Any, i: int) -> Any:
         """Result `i` as a numpy array over its mapped buffer (valid while the array lives), a number as it is,
@@ -224,12 +192,11 @@ class Invoker:
         return _extract_vm_sequence_to_python(Invocation(self._device), results, self._slow._ret_descs)
 
 
-def fast_call(plan: Plan, function: Any, host_memory: bool = False) -> Callable[[tuple[Any, ...]], Any] | None:
+def fast_call(plan: Plan, function: Any) -> Callable[[tuple[Any, ...]], Any] | None:
     """`plan`'s call of `function` for positional tensors that `fits` (returns `MISS` for any other call), or
-    None where the plan or the function takes only the general path (mutations, host state, keyword inputs).
-    `host_memory`: `function`'s device is a CPU device, its inputs imported in place (`Invoker`)."""
+    None where the plan or the function takes only the general path (mutations, host state, keyword inputs)."""
     checks = input_checks(plan)
-    invoker = Invoker.of(function, host_memory)
+    invoker = Invoker.of(function)
     if checks is None or invoker is None or any(out.write is not None for out in plan.outputs):
         return None
     outputs = tuple((out.result, out.constant, out.dtype) for out in plan.outputs)
@@ -259,9 +226,6 @@ def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
     return to_torch(value, dtype) if isinstance(value, np.ndarray) else value
 
 
-#: the alignment IREE's kernels assume of a binding (`hal.interface.binding.subspan ... alignment(64)`); an input
-#: array at another address is copied (torch's CPU allocator aligns its blocks to 64 bytes; a view may not be)
-_ALIGNMENT = 64
 #: what a fast call returns for a call it does not take
 MISS = object()
 #: `Invoker._mapped` of a result in memory the host cannot map (a GPU's device-local memory)
