@@ -160,3 +160,22 @@ def test_a_weight_returned_as_it_is_is_a_copy(monkeypatch):
     with torch.no_grad():
         _unchanged_by_later_calls(compiled, _x, lambda x: before)
     torch.testing.assert_close(model.w.detach(), before, rtol=0, atol=0)
+
+
+class Accumulated(torch.nn.Module):
+    """index_put with accumulate into its first input: IREE 3.13 scatters into the storage of `x` in place when it
+    is handed `x`'s own memory (docs/iree-3.13-findings.md section 71)."""
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return torch.index_put(x, (rows,), values, accumulate=True)
+
+
+def test_a_call_leaves_its_inputs_as_they_were():
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(4, 5, generator=g), torch.tensor([0, 2, 2, 3]), torch.randn(4, 5, generator=g))
+    compiled = _compile(Accumulated(), args)
+    kept = [a.clone() for a in args]
+    for _ in range(2):  # the second call sees the first's inputs unchanged, so it gives the same result
+        torch.testing.assert_close(compiled(*args), Accumulated()(*kept), rtol=1e-6, atol=1e-6)
+        for a, b in zip(args, kept, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
