@@ -41,6 +41,12 @@ BLOCKS = {8: (4, 3), 16: (4, 6)}
 #: input channels a block sums in registers before adding it to y (a plain sum over 1024 channels was 5-7x torch's
 #: float32 error against float64; torch's blocks its sums too)
 CHANNEL_BLOCK = 64
+#: by lanes: a 1x1's blocks of output channels prefetch the next block of input channels' rows of x into L2
+#: (`prefetcht1`), one vector a row each, where the first block over a block of input channels otherwise waits on
+#: x's rows from L3 (a 24 KiB panel in 6-line pieces 12.5 KiB apart). AVX-512: the module alone 0.87-0.90 of it
+#: without (1x1 256->64, 56x56), ResNet-50 0.968, MobileNetV2 0.975; AVX2: whole models 0.99-1.015 (noise), off
+#: (docs/performance.md, "A 1x1's next input channels prefetched")
+PREFETCH = {8: False, 16: True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +142,9 @@ class _Writer:
         xt, _, _, ot = self.conv.memrefs()
         return xt if memref == "%xm" else ot
 
-    def products(self, tag: str, first: str, last: str) -> list[str]:
+    def products(self, tag: str, first: str, last: str, ahead: str | None = None) -> list[str]:
         """The block's R x V accumulators over input channels `first` to `last` (index values), from zero, in
-        channel order; returns their names."""
+        channel order; returns their names. `ahead`: an index value, x's offset from each step's row to prefetch."""
         add, conv, vec = self.add, self.conv, self.vec
         r, v = conv.block[0], len(self.vectors)
         wt = conv.memrefs()[1]
@@ -154,6 +160,9 @@ class _Writer:
         add(f"%{tag}kt = arith.muli %{tag}k, %c{taps}w : index")
         add(f"%{tag}wk = arith.addi %{tag}wb, %{tag}kt : index")
         sums = {key: f"%{tag}a{key[0]}_{key[1]}" for key in keys}
+        if ahead is not None:
+            add(f"%{tag}pf = arith.addi %{tag}xr, {ahead} : index")
+            add(f"memref.prefetch %xm[%{tag}pf], read, locality<2>, data : {conv.memrefs()[0]}")
         for t, offset in enumerate(conv.taps):
             for u in range(v):
                 add(f"%{tag}xi{t}_{u} = arith.addi %{tag}xr, %c{offset + u * conv.lanes}w : index")
@@ -169,14 +178,22 @@ class _Writer:
         add("}")
         return [f"%{tag}acc#{n}" for n in range(len(keys))]
 
-    def blocks(self, tag: str, first: str, last: str, initial: bool, relu: bool) -> None:
+    def blocks(self, tag: str, first: str, last: str, initial: bool, relu: bool, more: bool) -> None:
         """Every block of R output channels over input channels `first` to `last`: y = the sums + the bias where
-        `initial`, else y += the sums; then max(y, 0) where `relu` (the last block of input channels)."""
+        `initial`, else y += the sums; then max(y, 0) where `relu` (the last block of input channels). `more`: a
+        block of input channels follows, whose rows a 1x1's blocks prefetch (`PREFETCH`), block i its vector i % V."""
         add, conv, vec = self.add, self.conv, self.vec
         r, v, bt = conv.block[0], len(self.vectors), conv.memrefs()[2]
         add(f"scf.for %{tag}ob = %c0 to %c{conv.o}w step %c{r}w {{")
         add(f"%{tag}wb = arith.muli %{tag}ob, %c{conv.c * len(conv.taps)}w : index")
-        sums = self.products(tag, first, last)
+        ahead = None
+        if PREFETCH[conv.lanes] and more and conv.taps == (0,):
+            add(f"%{tag}oi = arith.divui %{tag}ob, %c{r}w : index")
+            add(f"%{tag}ou = arith.remui %{tag}oi, %c{v}w : index")
+            add(f"%{tag}ol = arith.muli %{tag}ou, %c{conv.lanes}w : index")
+            add(f"%{tag}pa = arith.addi %{tag}ol, %c{conv.channel_block * conv.stride}w : index")
+            ahead = f"%{tag}pa"
+        sums = self.products(tag, first, last, ahead)
         for o in range(r):
             add(f"%{tag}oc{o} = arith.addi %{tag}ob, %c{o}w : index")
             add(f"%{tag}yo{o} = arith.muli %{tag}oc{o}, %c{conv.p}w : index")
@@ -206,15 +223,15 @@ class _Writer:
         block = conv.channel_block
         starts = list(range(0, conv.c, block))
         if len(starts) == 1:
-            self.blocks(f"{t}h", "%c0", f"%c{conv.c}w", True, conv.relu)
+            self.blocks(f"{t}h", "%c0", f"%c{conv.c}w", True, conv.relu, False)
             return
-        self.blocks(f"{t}h", "%c0", f"%c{block}w", True, False)
+        self.blocks(f"{t}h", "%c0", f"%c{block}w", True, False, True)
         if len(starts) > 2:  # the whole blocks between the first and the last
             add(f"scf.for %{t}kb = %c{starts[1]}w to %c{starts[-1]}w step %c{block}w {{")
             add(f"%{t}ke = arith.addi %{t}kb, %c{block}w : index")
-            self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False, False)
+            self.blocks(f"{t}t", f"%{t}kb", f"%{t}ke", False, False, True)
             add("}")
-        self.blocks(f"{t}z", f"%c{starts[-1]}w", f"%c{conv.c}w", False, conv.relu)
+        self.blocks(f"{t}z", f"%c{starts[-1]}w", f"%c{conv.c}w", False, conv.relu, False)
 
 
 def _kernel(conv: Shape) -> str:

@@ -143,6 +143,13 @@ def test_shape_and_executable():
     relu = executable(Shape(1, CHANNEL_BLOCK * 2 + 1, 96, 16, 16, relu=True))
     assert relu[0].endswith("_relu") and relu[1].count("arith.maximumf") == 4 * 6, "in the last block's stores only"
     assert "arith.maximumf" not in three
+    # AVX-512: a 1x1's blocks of channels but the last prefetch the next one's rows into L2; one block, taps or
+    # AVX2's lanes prefetch none
+    assert (two.count("memref.prefetch"), three.count("memref.prefetch"), whole.count("memref.prefetch")) == (1, 2, 0)
+    assert "locality<2>" in two and f"%c{CHANNEL_BLOCK * 96}w" in two, "the next block's rows: 64 rows of 96 ahead"
+    taps = Shape(1, CHANNEL_BLOCK * 2 + 1, 90, 16, 16, taps=(0, 1, 10), span=110)
+    assert "memref.prefetch" not in executable(taps)[1]
+    assert "memref.prefetch" not in executable(Shape(1, CHANNEL_BLOCK * 3, 96, 16, 8))[1]
     assert "fx_rewrites.pointwise_conv2d.default" in SPLICED
     with pytest.raises(ValueError, match=r"no pointwise_conv2d call"):
         splice("module {\n}")
