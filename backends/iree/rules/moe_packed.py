@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.f32_dispatch import KU
-from fx_rewrites.backends.iree.grouped_experts_dispatch import BLOCK, GROUPED_PACKED_MATMUL
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKS, KU
+from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.packed_experts import PACKED_MATMUL, STRIP
 from fx_rewrites.backends.iree.rules.moe import (
     Grouped,
@@ -90,13 +90,24 @@ def _few_rows(node: Node) -> Grouped | Miss:
     return found
 
 
-def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
+def _many_rows_in_blocks(node: Node, isa: str) -> Grouped | Miss:
     found = _many_rows(node)
-    if isinstance(found, Grouped) and found.out_features % BLOCK.strip:
-        return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {BLOCK.strip}")
+    strip = BLOCKS[isa].strip
+    if isinstance(found, Grouped) and found.out_features % strip:
+        return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {strip} ({isa})")
     if isinstance(found, Grouped) and found.x.meta["val"].shape[1] % KU:
         return Miss(f"{found.x.meta['val'].shape[1]} input features, not a multiple of the dispatch's {KU} K steps")
     return found
+
+
+def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
+    """AVX-512's block: N a multiple of 32 (two strips of 16)."""
+    return _many_rows_in_blocks(node, "avx512")
+
+
+def _many_rows_in_strips(node: Node) -> Grouped | Miss:
+    """AVX2's block: N a multiple of 16 (one strip as two ymm of 8)."""
+    return _many_rows_in_blocks(node, "avx2")
 
 
 def _packed(rw: Rewriter, g: Grouped) -> Node:
@@ -161,22 +172,40 @@ def grouped_mm_packed_per_expert_for_iree(node: Node, rw: Rewriter, *, found: Gr
     rw.replace(node, out)
 
 
+_DISPATCH_DOC = (
+    "{isa}: transformers' `grouped_mm_fallback(input, weight, offs)` with many or run-time rows (prefill) "
+    "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
+    "a workgroup per expert and 128 channels, {block} register blocks) reading each expert's row range from "
+    "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
+    "decode's tensor); no per-expert dispatches, packs, unpacks or host reads; rows past the last offset 0."
+)
+
+
+def _dispatch(node: Node, rw: Rewriter, found: Grouped, isa: str) -> None:
+    ends = rw.call(aten._to_copy.default, _nondecreasing_ends(rw, found), dtype=torch.int32)
+    rw.replace(node, rw.call(GROUPED_PACKED_MATMUL, found.x, _packed(rw, found), ends, BLOCKS[isa].tile))
+
+
 @rule(
     roots=(_not_registered,),
     when=_many_rows_in_pairs,
     tags={"iree", "moe"},
     priority=30,  # before the per-expert form below
-    doc=(
-        "AVX-512: transformers' `grouped_mm_fallback(input, weight, offs)` with many or run-time rows (prefill) "
-        "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
-        "a workgroup per expert and 128 channels, 12 x 32 register blocks) reading each expert's row range from "
-        "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
-        "decode's tensor); no per-expert dispatches, packs, unpacks or host reads; rows past the last offset 0."
-    ),
+    doc=_DISPATCH_DOC.format(isa="AVX-512", block="12 x 32"),
 )
 def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
-    ends = rw.call(aten._to_copy.default, _nondecreasing_ends(rw, found), dtype=torch.int32)
-    rw.replace(node, rw.call(GROUPED_PACKED_MATMUL, found.x, _packed(rw, found), ends))
+    _dispatch(node, rw, found, "avx512")
+
+
+@rule(
+    roots=(_not_registered,),
+    when=_many_rows_in_strips,
+    tags={"iree", "moe"},
+    priority=30,  # before the per-expert form below
+    doc=_DISPATCH_DOC.format(isa="AVX2", block="6 x 16 (two ymm of 8 a strip)"),
+)
+def grouped_mm_packed_as_dispatch_for_iree_avx2(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
+    _dispatch(node, rw, found, "avx2")
 
 
 @rule(
@@ -211,9 +240,16 @@ def grouped_mm_packed_per_row_for_iree(node: Node, rw: Rewriter, *, found: Group
 
 
 packed_as_dispatch_for_iree = _OnRegisteredOp(grouped_mm_packed_as_dispatch_for_iree)
+packed_as_dispatch_for_iree_avx2 = _OnRegisteredOp(grouped_mm_packed_as_dispatch_for_iree_avx2)
 packed_per_expert_for_iree = _OnRegisteredOp(grouped_mm_packed_per_expert_for_iree)
 packed_per_row_for_iree = _OnRegisteredOp(grouped_mm_packed_per_row_for_iree)
 
 RULES = RuleSet(
-    [packed_as_dispatch_for_iree, packed_per_expert_for_iree, packed_per_row_for_iree], name="iree-moe-packed"
+    [
+        packed_as_dispatch_for_iree,
+        packed_as_dispatch_for_iree_avx2,
+        packed_per_expert_for_iree,
+        packed_per_row_for_iree,
+    ],
+    name="iree-moe-packed",
 )
