@@ -1,4 +1,4 @@
-"""MoE experts on AVX-512 through one packed copy of their weights: the prefill's mmt4d and the decode's per-row
+"""MoE experts on AVX-512 and AVX2 through one packed copy of their weights: the prefill's and the decode's
 products both read it (issue 34; docs/iree-3.13-findings.md sections 61, 66, 67).
 
 `rules/moe.py` writes transformers' `grouped_mm_fallback(input, weight, offs)` per expert (a matmul over the
@@ -13,6 +13,9 @@ in place twice:
   hand-written dispatch over all experts (`grouped_experts_dispatch`, findings 70): each expert's row range read from
   the offsets on the device, f32_dispatch.py's 12x32 register block over two strips of 16 at a time; no per-expert
   dispatches, packs, unpacks or host reads (the 30B layer's prefill 0.85-0.88x, the small model's 0.80x);
+  `grouped_mm_packed_as_dispatch_for_iree_avx2` (AVX2's one rule here; any rows, N a multiple of 16, K of 4): the
+  same dispatch with AVX2's 6x16 block (a strip of 16 as two ymm of 8), for the prefill and the decode step alike
+  (on AVX2 the per-row form below decoded slower than eager; the dispatch over a step's 8 rows 2.1-2.3x eager);
 - `grouped_mm_packed_per_expert_for_iree` (many or run-time rows, where the dispatch declines): per expert,
   `packed_matmul(rows, packed[e])`, spliced as IREE's pack of the rows, `linalg.mmt4d` and unpack
   (`packed_experts.splice`); the expert index read at run time (with a constant one IREE hoists each expert's slice into
@@ -90,8 +93,7 @@ def _few_rows(node: Node) -> Grouped | Miss:
     return found
 
 
-def _many_rows_in_blocks(node: Node, isa: str) -> Grouped | Miss:
-    found = _many_rows(node)
+def _in_blocks(found: Grouped | Miss, isa: str) -> Grouped | Miss:
     strip = BLOCKS[isa].strip
     if isinstance(found, Grouped) and found.out_features % strip:
         return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {strip} ({isa})")
@@ -101,13 +103,13 @@ def _many_rows_in_blocks(node: Node, isa: str) -> Grouped | Miss:
 
 
 def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
-    """AVX-512's block: N a multiple of 32 (two strips of 16)."""
-    return _many_rows_in_blocks(node, "avx512")
+    """Many or run-time rows (prefill) in AVX-512's block: N a multiple of 32 (two strips of 16)."""
+    return _in_blocks(_many_rows(node), "avx512")
 
 
-def _many_rows_in_strips(node: Node) -> Grouped | Miss:
-    """AVX2's block: N a multiple of 16 (one strip as two ymm of 8)."""
-    return _many_rows_in_blocks(node, "avx2")
+def _rows_in_strips(node: Node) -> Grouped | Miss:
+    """Any rows (prefill and a decode step alike) in AVX2's block: N a multiple of 16 (one strip as two ymm of 8)."""
+    return _in_blocks(_packable(node), "avx2")
 
 
 def _packed(rw: Rewriter, g: Grouped) -> Node:
@@ -199,7 +201,7 @@ def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: G
 
 @rule(
     roots=(_not_registered,),
-    when=_many_rows_in_strips,
+    when=_rows_in_strips,
     tags={"iree", "moe"},
     priority=30,  # before the per-expert form below
     doc=_DISPATCH_DOC.format(isa="AVX2", block="6 x 16 (two ymm of 8 a strip)"),

@@ -73,10 +73,12 @@ def _avx2() -> IreeBackend:
 
 
 def test_the_rules_per_isa():
-    """AVX-512: the dispatch with its block, the per-expert and per-row forms; AVX2: none yet (not measured)."""
+    """AVX-512: the dispatch with its block, the per-expert and per-row forms; AVX2: the dispatch with its own
+    block alone, for the prefill and the decode step (its per-row form decoded slower than eager)."""
     assert {AS_DISPATCH, PER_EXPERT, PER_ROW} <= set(targets.CPU_ISAS["avx512"].first_rules)
     assert AS_DISPATCH_AVX2 not in targets.CPU_ISAS["avx512"].first_rules
-    assert not {AS_DISPATCH, AS_DISPATCH_AVX2, PER_EXPERT, PER_ROW} & set(targets.CPU_ISAS["avx2"].first_rules)
+    assert AS_DISPATCH_AVX2 in targets.CPU_ISAS["avx2"].first_rules
+    assert not {AS_DISPATCH, PER_EXPERT, PER_ROW} & set(targets.CPU_ISAS["avx2"].first_rules)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dim"])
@@ -290,6 +292,35 @@ def test_the_grouped_dispatch_through_iree(dynamic, k, n, isa):
     rt.assert_not_fired(result, PER_EXPERT)
     compiled = backend.compile(result.program, many[0])
     for args in many:
+        got = compiled(*args)
+        assert torch.equal(got[args[1][-1] :], torch.zeros_like(got[args[1][-1] :]))
+        _within_torch_error(got, module, *args)
+
+
+def test_few_static_rows_take_the_dispatch_on_avx2():
+    """AVX2's rule takes a decode step's few static rows too (AVX-512's leaves them to the per-row form)."""
+    module = Experts(n=32)
+    ep = rt.export(module, _x(3, 0), torch.tensor([1, 1, 2, 2]))
+    result = rt.apply_rules(ep, packed_as_dispatch_for_iree, packed_as_dispatch_for_iree_avx2, packed_per_row_for_iree)
+    rt.assert_fired(result, AS_DISPATCH_AVX2, times=1)
+    rt.assert_not_fired(result, AS_DISPATCH)
+    rt.assert_not_fired(result, PER_ROW)
+
+
+@avx2_host
+@pytest.mark.parametrize("k", [8, 512])
+def test_the_decode_s_rows_through_the_dispatch_on_avx2(k):
+    """AVX2: a decode step's 3 static rows (batch 1 x top 3) through the AVX2 backend's rules take the grouped
+    dispatch, as the prefill does (one packed tensor); two input sets (an expert unused, a row past the last
+    offset): rows past the last offset 0, as near float64 as torch's float32."""
+    module = Experts(k=k, n=48)
+    few = [(_x(3, 2, k), torch.tensor([1, 1, 2, 2])), (_x(3, 3, k), torch.tensor([0, 1, 3, 3]))]
+    result = fx_rewrites.apply(rt.export(module, *few[0]), _avx2().rules)
+    rt.assert_fired(result, AS_DISPATCH_AVX2, times=1)
+    found = rt.targets(result)
+    assert found.count(GROUPED) == 1 and packed_experts.PACKED_MATMUL not in found and aten.mm.default not in found
+    compiled = _avx2().compile(result.program, few[0])
+    for args in few:
         got = compiled(*args)
         assert torch.equal(got[args[1][-1] :], torch.zeros_like(got[args[1][-1] :]))
         _within_torch_error(got, module, *args)
