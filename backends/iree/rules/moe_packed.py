@@ -15,7 +15,7 @@ in place twice:
   dispatches, packs, unpacks or host reads (the 30B layer's prefill 0.85-0.88x, the small model's 0.80x);
   `grouped_mm_packed_as_dispatch_for_iree_avx2` (AVX2's one rule here; any rows, N a multiple of 16, K of 4): the
   same dispatch with AVX2's 6x16 block (a strip of 16 as two ymm of 8), for the prefill and the decode step alike
-  (on AVX2 the per-row form below decoded slower than eager; the dispatch over a step's 8 rows 2.1-2.3x eager);
+  (on AVX2 the per-row form below decoded at 0.86-1.00x eager, the dispatch over a step's 8 rows 2.1-2.3x);
 - `grouped_mm_packed_per_expert_for_iree` (many or run-time rows, where the dispatch declines): per expert,
   `packed_matmul(rows, packed[e])`, spliced as IREE's pack of the rows, `linalg.mmt4d` and unpack
   (`packed_experts.splice`); the expert index read at run time (with a constant one IREE hoists each expert's slice into
@@ -175,7 +175,7 @@ def grouped_mm_packed_per_expert_for_iree(node: Node, rw: Rewriter, *, found: Gr
 
 
 _DISPATCH_DOC = (
-    "{isa}: transformers' `grouped_mm_fallback(input, weight, offs)` with many or run-time rows (prefill) "
+    "{isa}: transformers' `grouped_mm_fallback(input, weight, offs)` with {rows} "
     "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
     "a workgroup per expert and 128 channels, {block} register blocks) reading each expert's row range from "
     "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
@@ -193,7 +193,7 @@ def _dispatch(node: Node, rw: Rewriter, found: Grouped, isa: str) -> None:
     when=_many_rows_in_pairs,
     tags={"iree", "moe"},
     priority=30,  # before the per-expert form below
-    doc=_DISPATCH_DOC.format(isa="AVX-512", block="12 x 32"),
+    doc=_DISPATCH_DOC.format(isa="AVX-512", rows="many or run-time rows (prefill)", block="12 x 32"),
 )
 def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
     _dispatch(node, rw, found, "avx512")
@@ -204,7 +204,7 @@ def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: G
     when=_rows_in_strips,
     tags={"iree", "moe"},
     priority=30,  # before the per-expert form below
-    doc=_DISPATCH_DOC.format(isa="AVX2", block="6 x 16 (two ymm of 8 a strip)"),
+    doc=_DISPATCH_DOC.format(isa="AVX2", rows="any rows (prefill and decode)", block="6 x 16 (two ymm of 8 a strip)"),
 )
 def grouped_mm_packed_as_dispatch_for_iree_avx2(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
     _dispatch(node, rw, found, "avx2")
