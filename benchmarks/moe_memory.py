@@ -16,6 +16,16 @@ call after call reuses buffers a new one does not); each round's resident set is
 of /proc/self/status over the generate calls, the mark reset after the build or load; RSS counts the archive's file
 pages as they are read (`RssFile`) beside the process's own (`RssAnon`). One thread each (IREE local-sync). Prints a
 JSON line a route.
+
+`--isa avx2`: the children run torch held to AVX2 (`cpu_isa.AVX2_ENV`, checked in the child), as moe_sort.py's
+`--isa`; a saved module runs the code it was compiled for. `--save PATH.vmfb`: no routes run; the model compiled by
+`compile_lm` for `--isa`'s target (max_cache_len = prompt + decode + 1, as eager's model), the rules of `--without`
+left out, saved as PATH.vmfb with PATH.irpa (the module a `saved:` route loads):
+
+    python benchmarks/moe_memory.py --isa avx2 --save /tmp/small2.vmfb
+    python benchmarks/moe_memory.py --isa avx2 --save /tmp/small2n.vmfb \
+        --without grouped_mm_packed_as_dispatch_for_iree_avx2 grouped_mm_packed_per_row_for_iree
+    python benchmarks/moe_memory.py --isa avx2 --distinct --rounds 3 --routes eager saved:/tmp/small2.vmfb
 """
 
 from __future__ import annotations
@@ -30,6 +40,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cpu_isa import AVX2_ENV  # noqa: E402  (--isa avx2: what the children run with)
+from benchmarks.cpu_isa import cpu_model as cpu_isa_model  # noqa: E402
+
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
@@ -55,9 +70,11 @@ def child(args: argparse.Namespace) -> None:
     import transformers  # noqa: F401
 
     import fx_rewrites
+    from benchmarks import cpu_isa
     from benchmarks.moe_sort import StepClock, _hwm_reset, _prompt, build
 
     torch.set_num_threads(1)
+    cpu_isa.check(args.isa)  # torch at the ISA's width (the child's environment took)
     route = args.routes[0]
     out: dict = {"route": route, "imports": _status()}
     if route == "eager":
@@ -100,6 +117,39 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
+def save(args: argparse.Namespace) -> None:
+    """The model through compile_lm for `args.isa` (less `args.without`), saved as `args.save` and its .irpa."""
+    sys.path.insert(0, str(ROOT))
+    from tests.zoo import torchvision_cpu
+
+    torchvision_cpu.install()
+    import attrs
+    import torch
+
+    import fx_rewrites
+    from benchmarks import cpu_isa
+    from benchmarks.moe_sort import build
+
+    torch.set_num_threads(1)
+    max_len = args.prompt + args.decode + 1
+    model = build(args.experts, args.top, max_len, shape=args.shape)
+    backend = cpu_isa.backend(args.isa, driver="local-sync")
+    missing = [name for name in args.without if name not in backend.rules]
+    if missing:
+        raise SystemExit(f"--without {missing}: not among {args.isa}'s rules")
+    backend = attrs.evolve(backend, rules=backend.rules.without(*args.without)) if args.without else backend
+    start = time.perf_counter()
+    lm = fx_rewrites.compile_lm(model, max_cache_len=max_len, backend=backend)
+    path = Path(args.save)
+    lm.save(path, params=path.with_suffix(".irpa"))
+    fired = {f"{name}:{k}": v for name, report in lm.reports.items() for k, v in report.rewrites.items()
+             if any(word in k for word in ("grouped", "attention", "moe"))}  # fmt: skip
+    size = path.with_suffix(".irpa").stat().st_size
+    seconds = round(time.perf_counter() - start, 1)
+    row = {"saved": str(path), "isa": args.isa, "without": args.without, "irpa_bytes": size, "compile_save_s": seconds}
+    print(json.dumps(row | {"fired": fired}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routes", nargs="+", default=["eager"])
@@ -110,17 +160,23 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--distinct", action="store_true", help="a new prompt each round (same length)")
+    parser.add_argument("--isa", choices=["host", "avx2"], default="host")
+    parser.add_argument("--save", help="PATH.vmfb: compile and save the model for --isa instead of running routes")
+    parser.add_argument("--without", nargs="*", default=[], help="rules left out of --save's compile")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
-    print(f"# load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.save:
+        return save(args)
+    print(f"# {cpu_isa_model()}, isa {args.isa}, load {os.getloadavg()[0]:.2f}", flush=True)
     eager_tokens = None
     for route in args.routes:
         env = {k: v for k, v in os.environ.items() if k != "FX_REWRITES_IREE_ALLOCATOR"}
+        env |= AVX2_ENV if args.isa == "avx2" else {}
         if route != "eager" and _saved(route)[1]:
             env["FX_REWRITES_IREE_ALLOCATOR"] = _saved(route)[1]
-        common = ["--shape", args.shape, "--experts", str(args.experts), "--top", str(args.top)]
+        common = ["--shape", args.shape, "--experts", str(args.experts), "--top", str(args.top), "--isa", args.isa]
         common += ["--distinct"] if args.distinct else []
         sizes = ["--prompt", str(args.prompt), "--decode", str(args.decode), "--rounds", str(args.rounds)]
         command = [sys.executable, __file__, "--child", "--routes", route, *common, *sizes]

@@ -18,8 +18,8 @@ route), or all of a config's in one child, interleaved (`--interleave`):
   (`counting_sort_for_iree` left out); `whole-attention`: the rules with `attention_by_key_blocks` left out
   (the prefill's attention over the whole cache as one matmul, softmax, matmul: the form before that rule);
   `no-flash`: the rules with the ISA's `attention_as_flash_dispatch[_avx512]` left out (the attention as before);
-  `no-grouped`: the rules with `grouped_mm_packed_as_dispatch_for_iree` left out (AVX-512's prefill experts per
-  expert, `packed_matmul` each, as before that rule);
+  `no-grouped`: the rules with `grouped_mm_packed_as_dispatch_for_iree[_avx2]` left out (AVX-512's prefill experts
+  per expert, `packed_matmul` each, as before that rule; AVX2's experts as moe.py writes them, as main had them);
   `no-hoist`: the default rules, compiled with `--iree-opt-const-expr-hoisting=false` (the data-tiling packs of
   the weights run in each call instead of once at load into copies the module keeps); `min-peak-memory`: the default
   rules, compiled with `--iree-stream-partitioning-favor=min-peak-memory`; `peel`: the default rules, compiled with
@@ -142,7 +142,8 @@ def _replaced(rules: Any, spec: str) -> Any:
 
 #: the flash dispatch's rules for a masked Dim prefill (AVX-512's, AVX2's)
 FLASH = ("attention_as_flash_dispatch_avx512", "attention_as_flash_dispatch")
-GROUPED = "grouped_mm_packed_as_dispatch_for_iree"
+#: the grouped experts dispatch's rules (AVX-512's, AVX2's)
+GROUPED = ("grouped_mm_packed_as_dispatch_for_iree", "grouped_mm_packed_as_dispatch_for_iree_avx2")
 
 
 def _present(rules: Any, *names: str) -> list[str]:
@@ -163,8 +164,8 @@ def iree_backend(sort: str, isa: str = "host", replace: str | None = None) -> An
         rules = backend.rules.without(*_present(backend.rules, "attention_by_key_blocks", *FLASH))
     if sort == "no-flash":  # the rules before the flash dispatch (attention_as_flash_dispatch[_avx512])
         rules = backend.rules.without(*_present(backend.rules, *FLASH))
-    if sort == "no-grouped":  # the rules before grouped_mm_packed_as_dispatch_for_iree (AVX-512's first rules)
-        rules = backend.rules.without(*_present(backend.rules, GROUPED))
+    if sort == "no-grouped":  # the rules before the grouped experts dispatch (AVX-512 and AVX2 first rules)
+        rules = backend.rules.without(*_present(backend.rules, *GROUPED))
     if sort == "replaced":
         if not replace:
             raise SystemExit("the route `replaced` needs --replace-rule FILE:NAME")

@@ -91,7 +91,7 @@ def unpack(packed: torch.Tensor, n: int, strip: int = 16) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Shape:
+class Shape:
     """One kernel's sizes and memref types (`blocks`: K's sums of `ks`; `bias`: a bias operand `%bm`)."""
 
     k: int
@@ -105,7 +105,7 @@ class _Shape:
     ot: str
 
 
-def _stores(b: Block, rows: int, s: _Shape, tag: str, *, first: bool) -> list[str]:
+def stores(b: Block, rows: int, s: Shape, tag: str, *, first: bool) -> list[str]:
     """The accumulators stored into y (`first`: as they are, the bias added where given) or added to y."""
     vec, lines = f"vector<{b.lanes}xf32>", []
     add = lines.append
@@ -126,8 +126,12 @@ def _stores(b: Block, rows: int, s: _Shape, tag: str, *, first: bool) -> list[st
     return lines
 
 
-def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
-    """A block of `rows` rows from row `m` of strip `%s` over K block [`%kb`, `%ke`) (`%first`: the first)."""
+def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, base: str = "") -> list[str]:
+    """A block of `rows` rows from row `m` of strip `%s` over K block [`%kb`, `%ke`) (`%first`: the first).
+
+    The weight laid out [N/P, K, P], P = `layout` (0: the block's strip; grouped_experts_dispatch.py's 16 under
+    AVX-512's 32 and AVX2's 16), from `base` (an index value; empty: 0): vector h of the block's strip at step k
+    lies at base + %s strip K + (h lanes // P) P K + k P + (h lanes % P)."""
     vec, lines = f"vector<{b.lanes}xf32>", []
     add = lines.append
     accs = [(r, h) for r in range(rows) for h in range(b.vectors)]
@@ -140,7 +144,14 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
         for h in range(1, b.vectors):
             add(f"%oo{tag}{r}_{h} = arith.addi %oo{tag}{r}_0, %c{h * b.lanes}w : index")
     types = ", ".join([vec] * len(accs))
+    p = layout or b.strip
+    if b.strip % p:
+        raise ValueError(f"a weight in strips of {p} for a block of {b.strip} channels: not a divisor of the block's")
     add(f"%wb{tag} = arith.muli %s, %c{s.k * b.strip}w : index")
+    wb = f"%wb{tag}"
+    if base:
+        add(f"%wx{tag} = arith.addi {base}, %wb{tag} : index")
+        wb = f"%wx{tag}"
     args = ", ".join(f"%a{r}_{h} = %zero" for r, h in accs)
     sums = s.kc // s.ks > 1
     if sums:  # the K block in sums of `ks` steps, each from zero then added to y (error as short sums')
@@ -149,12 +160,13 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
         add("%firstq = arith.cmpi eq, %kq, %c0 : index")
     lo, hi = ("%kq", "%kqe") if sums else ("%kb", "%ke")
     add(f"%res{tag}:{len(accs)} = scf.for %k = {lo} to {hi} step %c{KU}w iter_args({args}) -> ({types}) {{")
-    add(f"%wk = arith.muli %k, %c{b.strip}w : index")
-    add(f"%wkb = arith.addi %wb{tag}, %wk : index")
+    add(f"%wk = arith.muli %k, %c{p}w : index")
+    add(f"%wkb = arith.addi {wb}, %wk : index")
     cur = {(r, h): f"%a{r}_{h}" for r, h in accs}
     for u in range(KU):
         for h in range(b.vectors):
-            add(f"%w{u}_{h} = arith.addi %wkb, %c{u * b.strip + h * b.lanes}w : index")
+            at = u * p + (h * b.lanes // p) * p * s.k + h * b.lanes % p
+            add(f"%w{u}_{h} = arith.addi %wkb, %c{at}w : index")
         for h in range(b.vectors):
             add(f"%b{u}_{h} = vector.load %wm[%w{u}_{h}] : {s.wt}, {vec}")
         for r in range(rows):
@@ -168,11 +180,11 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
     add(f"scf.yield {', '.join(cur[a] for a in accs)} : {types}")
     add("}")
     if s.blocks == 1:
-        return [*lines, *_stores(b, rows, s, tag, first=True), *(["}"] if sums else [])]
+        return [*lines, *stores(b, rows, s, tag, first=True), *(["}"] if sums else [])]
     add(f"scf.if {'%firstq' if sums else '%first'} {{")  # each K block summed from zero, then added to y
-    lines += _stores(b, rows, s, tag, first=True)
+    lines += stores(b, rows, s, tag, first=True)
     add("} else {")
-    lines += _stores(b, rows, s, tag, first=False)
+    lines += stores(b, rows, s, tag, first=False)
     add("}")
     if sums:
         add("}")
@@ -187,7 +199,7 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
     ks = next(c for c in range(min(ks, kc), 0, -KU) if kc % c == 0)
     full, tail = m - m % b.rows, m % b.rows
     xt, wt, ot = f"memref<{m * k}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
-    s = _Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot)
+    s = Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot)
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
@@ -211,7 +223,7 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
             f"%me = arith.minui %mep, %c{full}w : index",
             "scf.for %s = %s0 to %s1 step %c1 {",
             f"scf.for %mb = %mc to %me step %c{b.rows}w {{",
-            *_micro(b, b.rows, "%mb", s, "f"),
+            *micro(b, b.rows, "%mb", s, "f"),
             "}",
             "}",
             "}",
@@ -220,7 +232,7 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
         lines += [
             "scf.for %s = %s0 to %s1 step %c1 {",
             f"%mt = arith.addi %c0, %c{full}w : index",
-            *_micro(b, tail, "%mt", s, "t"),
+            *micro(b, tail, "%mt", s, "t"),
             "}",
         ]
     lines += ["}", "return"]

@@ -1,18 +1,21 @@
-"""MoE experts' prefill products as one hand-written dispatch over all experts (issue 34; AVX-512).
+"""MoE experts' prefill products as one hand-written dispatch over all experts (issue 34; AVX-512 and AVX2).
 
-`fx_rewrites::grouped_packed_matmul(x, packed, ends)`: x [S, K] f32, its rows sorted by expert, `ends` [E] int32 the
-end of each expert's rows (non-decreasing, at most S: `rules/moe_packed.py` clamps them), `packed` [E, N/16, K, 16] the
-experts' weights as `packed_experts.pack` lays them out (the tensor the decode's narrow `mmt4d` tile reads too). Row r
-of the result is x[r] @ W_e.T for the expert e whose rows hold r; rows at or past ends[E-1] are 0.
+`fx_rewrites::grouped_packed_matmul(x, packed, ends, tile)`: x [S, K] f32, its rows sorted by expert, `ends` [E] int32
+the end of each expert's rows (non-decreasing, at most S: `rules/moe_packed.py` clamps them), `packed` [E, N/16, K, 16]
+the experts' weights as `packed_experts.pack` lays them out (the tensor the decode's narrow `mmt4d` tile reads too),
+`tile` naming f32_dispatch.py's register block (`BLOCKS`, as its `f32_matmul`'s: 4 AVX-512's, 2 AVX2's). Row r of the
+result is x[r] @ W_e.T for the expert e whose rows hold r; rows at or past ends[E-1] are 0.
 
-One `stream.executable` (`splice`: a `flow.dispatch` over E x ceil(N/32 / PER) workgroups, S passed as an index): the
-workgroup of expert e and PER pairs of strips reads e's row range from `ends` and multiplies it in f32_dispatch.py's
-AVX-512 register block, 12 rows x 32 channels in 24 zmm accumulators (2 loads and 12 broadcasts per 24 FMAs, where
-IREE 3.13's 16x16x1 `mmt4d` microkernel does 1 and 16 per 16), the 32 channels two strips of 16 read where they lie;
-a range's last rows (fewer than 12) by a block of their own count (`scf.index_switch`); K in blocks of `kc`, each
-summed from zero in sums of `ks` steps and added to y, as f32_dispatch.py's kernel. Against the per-expert form
-(`packed_matmul` per expert: a pack of the rows, the mmt4d, an unpack, and the range read to the host, per expert and
-product) it runs no pack, no unpack and one dispatch per product.
+One `stream.executable` (`splice`: a `flow.dispatch` over E x ceil(N / strip / per) workgroups, S passed as an index):
+the workgroup of expert e and `per` of the block's strips (`CHANNELS` channels) reads e's row range from `ends` and
+multiplies it in f32_dispatch.py's register block (its `micro`, the weight's strips of 16 read where they lie):
+AVX-512's 12 rows x 32 channels in 24 zmm (2 loads and 12 broadcasts per 24 FMAs, where IREE 3.13's 16x16x1 `mmt4d`
+microkernel does 1 and 16 per 16), two strips of 16 a step; AVX2's 6 rows x 16 channels in 12 ymm (2 loads and 6
+broadcasts per 12 FMAs), one strip as two ymm of 8. A range's last rows (fewer than the block's) by a block of their
+own count (`scf.index_switch`); K in blocks of `kc`, each summed from zero in sums of `ks` steps and added to y, as
+f32_dispatch.py's kernel. Against the per-expert form (`packed_matmul` per expert: a pack of the rows, the mmt4d, an
+unpack, and the range read to the host, per expert and product) it runs no pack, no unpack and one dispatch per
+product.
 """
 
 from __future__ import annotations
@@ -22,24 +25,25 @@ import re
 import torch
 
 from fx_rewrites.backends.iree import spliced
-from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, BLOCKS, KU, _Shape, _stores
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, KU, Block, Shape, block_of, micro
 from fx_rewrites.backends.iree.packed_experts import STRIP, unpack
 
 OP, MARK = "fx_rewrites::grouped_packed_matmul", "torch.fx_rewrites.grouped_packed_matmul"
 MARKS = (MARK,)
-#: the register block: AVX-512's 12 x 32 (two strips of 16 a step)
-BLOCK = BLOCKS["avx512"]
-#: strip pairs (32 channels) a workgroup
-PER = 4
+#: 128 channels a workgroup: AVX-512's measured split (4 blocks of 32), the same channels for AVX2 (8 of 16)
+CHANNELS = 128
 
 _CALL = re.compile(
-    rf'^(\s*)(%[\w#]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+)\) : \((.*)\) -> (.*)$'
+    rf'^(\s*)(%[\w#]+) = torch\.operator "{re.escape(MARK)}"\((%[\w#]+), (%[\w#]+), (%[\w#]+), (%[\w#]+)\) : '
+    r"\((.*)\) -> (.*)$"
 )
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def grouped_packed_matmul(x: torch.Tensor, packed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of x times expert e's weight W_e [N, K] held as `pack(W_e)` (eager: torch's)."""
+def grouped_packed_matmul(x: torch.Tensor, packed: torch.Tensor, ends: torch.Tensor, tile: int) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of x times expert e's weight W_e [N, K] held as `pack(W_e)` (eager: torch's);
+    `tile` names the register block (f32_dispatch's: 2 AVX2's, 4 AVX-512's; the same numbers in eager)."""
+    block_of(tile)
     out = x.new_zeros(x.shape[0], packed.shape[1] * packed.shape[3])
     start = 0
     for e, end in enumerate(ends.clamp(0, x.shape[0]).tolist()):
@@ -50,72 +54,21 @@ def grouped_packed_matmul(x: torch.Tensor, packed: torch.Tensor, ends: torch.Ten
 
 
 @grouped_packed_matmul.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, ends: torch.Tensor, tile: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[1] * packed.shape[3])
 
 
 GROUPED_PACKED_MATMUL = torch.ops.fx_rewrites.grouped_packed_matmul.default
 
 
-def _micro(rows: int, m: str, s: _Shape, tag: str) -> list[str]:
-    """A block of `rows` rows from row `m` of strip pair `%s` of expert base `%wbe` over K block [`%kb`, `%ke`)."""
-    b, vec, lines = BLOCK, f"vector<{BLOCK.lanes}xf32>", []
-    add = lines.append
-    accs = [(r, h) for r in range(rows) for h in range(b.vectors)]
-    add(f"%ob{tag} = arith.muli %s, %c{b.strip}w : index")
-    for r in range(rows):
-        add(f"%row{tag}{r} = arith.addi {m}, %c{r}w : index")
-        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.k}w : index")
-        add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{s.n}w : index")
-        add(f"%oo{tag}{r}_0 = arith.addi %or{tag}{r}, %ob{tag} : index")
-        for h in range(1, b.vectors):
-            add(f"%oo{tag}{r}_{h} = arith.addi %oo{tag}{r}_0, %c{h * b.lanes}w : index")
-    # vector h of the pair: strip 2 s + h of the expert, [K, 16] contiguous
-    add(f"%wbs{tag} = arith.muli %s, %c{b.vectors * s.k * STRIP}w : index")
-    add(f"%wb{tag}_0 = arith.addi %wbe, %wbs{tag} : index")
-    for h in range(1, b.vectors):
-        add(f"%wb{tag}_{h} = arith.addi %wb{tag}_0, %c{h * s.k * STRIP}w : index")
-    types = ", ".join([vec] * len(accs))
-    args = ", ".join(f"%a{r}_{h} = %zero" for r, h in accs)
-    sums = s.kc // s.ks > 1
-    if sums:
-        add(f"scf.for %kq = %kb to %ke step %c{s.ks}w {{")
-        add(f"%kqe = arith.addi %kq, %c{s.ks}w : index")
-        add("%firstq = arith.cmpi eq, %kq, %c0 : index")
-    lo, hi = ("%kq", "%kqe") if sums else ("%kb", "%ke")
-    add(f"%res{tag}:{len(accs)} = scf.for %k = {lo} to {hi} step %c{KU}w iter_args({args}) -> ({types}) {{")
-    add(f"%wk = arith.muli %k, %c{STRIP}w : index")
-    cur = {(r, h): f"%a{r}_{h}" for r, h in accs}
-    for h in range(b.vectors):
-        add(f"%wkb{h} = arith.addi %wb{tag}_{h}, %wk : index")
-    for u in range(KU):
-        for h in range(b.vectors):
-            add(f"%w{u}_{h} = arith.addi %wkb{h}, %c{u * STRIP}w : index")
-            add(f"%b{u}_{h} = vector.load %wm[%w{u}_{h}] : {s.wt}, {vec}")
-        for r in range(rows):
-            add(f"%xo{u}_{r} = arith.addi %xr{tag}{r}, %k : index")
-            add(f"%xu{u}_{r} = arith.addi %xo{u}_{r}, %c{u}w : index")
-            add(f"%xs{u}_{r} = memref.load %xm[%xu{u}_{r}] : {s.xt}")
-            add(f"%xb{u}_{r} = vector.broadcast %xs{u}_{r} : f32 to {vec}")
-            for h in range(b.vectors):
-                add(f"%f{u}_{r}_{h} = vector.fma %xb{u}_{r}, %b{u}_{h}, {cur[r, h]} : {vec}")
-                cur[r, h] = f"%f{u}_{r}_{h}"
-    add(f"scf.yield {', '.join(cur[a] for a in accs)} : {types}")
-    add("}")
-    if s.blocks == 1:
-        return [*lines, *_stores(b, rows, s, tag, first=True), *(["}"] if sums else [])]
-    add(f"scf.if {'%firstq' if sums else '%first'} {{")
-    lines += _stores(b, rows, s, tag, first=True)
-    add("} else {")
-    lines += _stores(b, rows, s, tag, first=False)
-    add("}")
-    if sums:
-        add("}")
-    return lines
+def per_workgroup(b: Block) -> int:
+    """The block's strips a workgroup (`CHANNELS` channels)."""
+    return max(1, CHANNELS // b.strip)
 
 
-def _kernel(experts: int, n: int, k: int, per: int) -> str:
-    b = BLOCK
+def _kernel(b: Block, experts: int, n: int, k: int, per: int) -> str:
+    if b.strip % STRIP:
+        raise ValueError(f"block {b.name}: its strip of {b.strip} channels is not a multiple of the layout's {STRIP}")
     kc, mc = (
         next(c for c in range(min(BLOCKING["kc"], k), 0, -KU) if k % c == 0),
         BLOCKING["mc"] - BLOCKING["mc"] % b.rows,
@@ -125,7 +78,7 @@ def _kernel(experts: int, n: int, k: int, per: int) -> str:
     ks = next(c for c in range(min(BLOCKING["ks"], kc), 0, -KU) if kc % c == 0)
     pairs, groups = n // b.strip, -(-n // b.strip // per)
     xt, wt, ot = "memref<?xf32>", f"memref<{experts * n * k}xf32>", "memref<?xf32>"
-    s = _Shape(k, n, kc, ks, k // ks, False, xt, wt, ot)
+    s = Shape(k, n, kc, ks, k // ks, False, xt, wt, ot)
     vec = f"vector<{b.lanes}xf32>"
     lines = [
         "%c0 = arith.constant 0 : index",
@@ -169,14 +122,18 @@ def _kernel(experts: int, n: int, k: int, per: int) -> str:
         "%me = arith.minui %mep, %fullend : index",
         "scf.for %s = %s0 to %s1 step %c1 {",
         f"scf.for %mb = %mc to %me step %c{b.rows}w {{",
-        *_micro(b.rows, "%mb", s, "f"),
+        *micro(b, b.rows, "%mb", s, "f", layout=STRIP, base="%wbe"),
         "}",
         "}",
         "}",
         "scf.index_switch %tail",
     ]
+
+    def tail(t: int) -> list[str]:
+        return micro(b, t, "%fullend", s, f"t{t}", layout=STRIP, base="%wbe")
+
     for t in range(1, b.rows):
-        lines += [f"case {t} {{", "scf.for %s = %s0 to %s1 step %c1 {", *_micro(t, "%fullend", s, f"t{t}")]
+        lines += [f"case {t} {{", "scf.for %s = %s0 to %s1 step %c1 {", *tail(t)]
         lines += ["}", "scf.yield", "}"]
     lines += ["default {", "scf.yield", "}", "}"]
     # rows past the last expert's end: 0, written by the last expert's workgroups for their strips
@@ -205,17 +162,20 @@ def _kernel(experts: int, n: int, k: int, per: int) -> str:
     return spliced.with_index_constants("\n".join(lines))
 
 
-def executable(experts: int, n: int, k: int, per: int = PER) -> tuple[str, str]:
-    """The name (unique per shape and blocking: findings 52) and text of the executable: E x ceil(N/32 / per)
-    workgroups, the row count an index operand."""
+def executable(experts: int, n: int, k: int, tile: int) -> tuple[str, str]:
+    """The name (unique per shape, block and blocking: findings 52) and text of the executable with the block of
+    strip 8 `tile`: E x ceil(N / strip / per) workgroups, the row count an index operand."""
+    b = block_of(tile)
+    per = per_workgroup(b)
     blocking = f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
-    name = f"gpmm_e{experts}_{k}x{n}_r{BLOCK.name}_p{per}_{blocking}"
+    name = f"gpmm_e{experts}_{k}x{n}_r{b.name}_p{per}_{blocking}"
     bindings = ", ".join(f"{v}: !stream.binding" for v in ("%bx", "%bw", "%be", "%bo"))
-    return name, spliced.executable(name, bindings, 0, _kernel(experts, n, k, per))
+    return name, spliced.executable(name, bindings, 0, _kernel(b, experts, n, k, per))
 
 
-def workgroups(n: int, experts: int, per: int = PER) -> int:
-    return experts * -(-n // BLOCK.strip // per)
+def workgroups(n: int, experts: int, tile: int) -> int:
+    b = block_of(tile)
+    return experts * -(-n // b.strip // per_workgroup(b))
 
 
 def splice(mlir: str) -> str:
@@ -226,7 +186,10 @@ def splice(mlir: str) -> str:
         found = _CALL.match(line)
         if not found:
             raise ValueError(f"a grouped_packed_matmul call of an unknown form: {line.strip()[:200]}")
-        pad, res, x, w, ends, types, otype = found.groups()
+        pad, res, x, w, ends, tile_name, types, otype = found.groups()
+        if tile_name not in ints:
+            raise ValueError(f"a grouped_packed_matmul call whose tile is not a constant: {line.strip()[:200]}")
+        tile = int(ints[tile_name])
         vts = re.findall(r"!torch\.vtensor<[^>]*>", types)[:3]
         (tx, sx), (tw, sw), (te, se) = (spliced._tensor(t) for t in vts)
         if len(sx) != 2 or len(sw) != 4 or len(se) != 1 or "?" in "".join(sx[1:] + sw + se) or sw[3] != str(STRIP):
@@ -234,12 +197,12 @@ def splice(mlir: str) -> str:
         experts, k, n = int(sw[0]), int(sx[1]), int(sw[1]) * STRIP
         if int(sw[2]) != k or int(se[0]) != experts or te != f"tensor<{experts}xi32>":
             raise ValueError(f"a grouped_packed_matmul call with operands {sx}, {sw}, {te}: {line.strip()[:200]}")
-        name, text = executable(experts, n, k)
+        name, text = executable(experts, n, k, tile)
         p = f"gpmm{res[1:].replace('#', '_')}"
         out = [f"{pad}%{p}_{i} = torch_c.to_builtin_tensor {v} : {vt} -> {tt}"
                for i, (v, vt, tt) in enumerate(zip((x, w, ends), vts, (tx, tw, te), strict=True))]  # fmt: skip
         dyn = sx[0] == "?"
-        out += [f"{pad}%{p}_n = arith.constant {workgroups(n, experts)} : index"]
+        out += [f"{pad}%{p}_n = arith.constant {workgroups(n, experts, tile)} : index"]
         if dyn:
             out += [f"{pad}%{p}_z = arith.constant 0 : index", f"{pad}%{p}_r = tensor.dim %{p}_0, %{p}_z : {tx}"]
         else:

@@ -217,7 +217,17 @@ _AVX512_FIRST_RULES = (
     "grouped_mm_packed_per_expert_for_iree",
     "grouped_mm_packed_per_row_for_iree",
 )
-_AVX2_FIRST_RULES = ("a8int4_decode_as_dispatch_for_iree", "int4_decode_as_dispatch_for_iree")
+# `grouped_mm_packed_as_dispatch_for_iree_avx2`: the same dispatch with AVX2's block (6x16 in 12 ymm, a strip of 16
+# as two ymm of 8), the prefill's and the decode step's experts alike (one packed copy of the experts); this host
+# emulating AVX2, each route in its own process, locked: the small model's prefill 0.90x eager (main's route
+# 1.07-1.21x), decode 2.1-2.3x eager's tokens/s, peak 0.93x; the 30B layer's prefill 1.00x eager quiet, 1.12x loaded
+# (main's 1.21-1.25x), decode 1.06-1.31x, peak 0.96x; the per-row form over the packed tensor decoded at 0.86-1.00x
+# eager's: not taken on AVX2 (docs/performance.md, "MoE experts as one dispatch on AVX2")
+_AVX2_FIRST_RULES = (
+    "a8int4_decode_as_dispatch_for_iree",
+    "int4_decode_as_dispatch_for_iree",
+    "grouped_mm_packed_as_dispatch_for_iree_avx2",
+)
 # `linear_as_f32_dispatch` (rules/f32_matmul.py): float32 linears of a static row count through the hand-written 6x16
 # matmul dispatch (f32_dispatch.py), 0.57-0.69 of IREE's 8x8x1 product alone on real Zen 3; the route without / with it,
 # locked: ViT 1.41, BERT 1.32, Llama 1.25, the Whisper encoder 1.32, conv_classes.py's linear 1.25 (docs/performance.md

@@ -177,7 +177,7 @@ def linear_over_rows_as_grouped_dispatch_avx512(node: Node, rw: Rewriter, *, fou
     strips = rw.call(aten.view.default, found["w"], [1, n // STRIP, STRIP, k])
     packed = rw.call(aten.transpose.int, strips, 2, 3)  # [1, N/16, K, 16]
     ends = rw.call(aten.full.default, [1], _ALL_ROWS, dtype=torch.int32, device=fake_value(x).device)
-    y = rw.call(GROUPED_PACKED_MATMUL, flat, packed, ends)
+    y = rw.call(GROUPED_PACKED_MATMUL, flat, packed, ends, BLOCKS["avx512"].tile)
     if found["b"] is not None:
         y = rw.call(aten.add.Tensor, y, found["b"])
     rw.replace(node, rw.call(aten.reshape.default, y, [*lead, n]))

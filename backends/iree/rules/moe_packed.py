@@ -1,4 +1,4 @@
-"""MoE experts on AVX-512 through one packed copy of their weights: the prefill's mmt4d and the decode's per-row
+"""MoE experts on AVX-512 and AVX2 through one packed copy of their weights: the prefill's and the decode's
 products both read it (issue 34; docs/iree-3.13-findings.md sections 61, 66, 67).
 
 `rules/moe.py` writes transformers' `grouped_mm_fallback(input, weight, offs)` per expert (a matmul over the
@@ -13,6 +13,9 @@ in place twice:
   hand-written dispatch over all experts (`grouped_experts_dispatch`, findings 70): each expert's row range read from
   the offsets on the device, f32_dispatch.py's 12x32 register block over two strips of 16 at a time; no per-expert
   dispatches, packs, unpacks or host reads (the 30B layer's prefill 0.85-0.88x, the small model's 0.80x);
+  `grouped_mm_packed_as_dispatch_for_iree_avx2` (AVX2's one rule here; any rows, N a multiple of 16, K of 4): the
+  same dispatch with AVX2's 6x16 block (a strip of 16 as two ymm of 8), for the prefill and the decode step alike
+  (on AVX2 the per-row form below decoded at 0.86-1.00x eager, the dispatch over a step's 8 rows 2.1-2.3x);
 - `grouped_mm_packed_per_expert_for_iree` (many or run-time rows, where the dispatch declines): per expert,
   `packed_matmul(rows, packed[e])`, spliced as IREE's pack of the rows, `linalg.mmt4d` and unpack
   (`packed_experts.splice`); the expert index read at run time (with a constant one IREE hoists each expert's slice into
@@ -35,8 +38,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx_rewrites.backends.iree.f32_dispatch import KU
-from fx_rewrites.backends.iree.grouped_experts_dispatch import BLOCK, GROUPED_PACKED_MATMUL
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKS, KU
+from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.packed_experts import PACKED_MATMUL, STRIP
 from fx_rewrites.backends.iree.rules.moe import (
     Grouped,
@@ -90,13 +93,23 @@ def _few_rows(node: Node) -> Grouped | Miss:
     return found
 
 
-def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
-    found = _many_rows(node)
-    if isinstance(found, Grouped) and found.out_features % BLOCK.strip:
-        return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {BLOCK.strip}")
+def _in_blocks(found: Grouped | Miss, isa: str) -> Grouped | Miss:
+    strip = BLOCKS[isa].strip
+    if isinstance(found, Grouped) and found.out_features % strip:
+        return Miss(f"{found.out_features} output features, not a multiple of the dispatch's {strip} ({isa})")
     if isinstance(found, Grouped) and found.x.meta["val"].shape[1] % KU:
         return Miss(f"{found.x.meta['val'].shape[1]} input features, not a multiple of the dispatch's {KU} K steps")
     return found
+
+
+def _many_rows_in_pairs(node: Node) -> Grouped | Miss:
+    """Many or run-time rows (prefill) in AVX-512's block: N a multiple of 32 (two strips of 16)."""
+    return _in_blocks(_many_rows(node), "avx512")
+
+
+def _rows_in_strips(node: Node) -> Grouped | Miss:
+    """Any rows (prefill and a decode step alike) in AVX2's block: N a multiple of 16 (one strip as two ymm of 8)."""
+    return _in_blocks(_packable(node), "avx2")
 
 
 def _packed(rw: Rewriter, g: Grouped) -> Node:
@@ -161,22 +174,40 @@ def grouped_mm_packed_per_expert_for_iree(node: Node, rw: Rewriter, *, found: Gr
     rw.replace(node, out)
 
 
+_DISPATCH_DOC = (
+    "{isa}: transformers' `grouped_mm_fallback(input, weight, offs)` with {rows} "
+    "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
+    "a workgroup per expert and 128 channels, {block} register blocks) reading each expert's row range from "
+    "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
+    "decode's tensor); no per-expert dispatches, packs, unpacks or host reads; rows past the last offset 0."
+)
+
+
+def _dispatch(node: Node, rw: Rewriter, found: Grouped, isa: str) -> None:
+    ends = rw.call(aten._to_copy.default, _nondecreasing_ends(rw, found), dtype=torch.int32)
+    rw.replace(node, rw.call(GROUPED_PACKED_MATMUL, found.x, _packed(rw, found), ends, BLOCKS[isa].tile))
+
+
 @rule(
     roots=(_not_registered,),
     when=_many_rows_in_pairs,
     tags={"iree", "moe"},
     priority=30,  # before the per-expert form below
-    doc=(
-        "AVX-512: transformers' `grouped_mm_fallback(input, weight, offs)` with many or run-time rows (prefill) "
-        "becomes one hand-written dispatch over all experts (`grouped_packed_matmul`, grouped_experts_dispatch.py: "
-        "a workgroup per expert and 128 channels, 12 x 32 register blocks) reading each expert's row range from "
-        "`offs` (clamped, non-decreasing) and its strips of the weight laid out once as [E, N/16, K, 16] (the "
-        "decode's tensor); no per-expert dispatches, packs, unpacks or host reads; rows past the last offset 0."
-    ),
+    doc=_DISPATCH_DOC.format(isa="AVX-512", rows="many or run-time rows (prefill)", block="12 x 32"),
 )
 def grouped_mm_packed_as_dispatch_for_iree(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
-    ends = rw.call(aten._to_copy.default, _nondecreasing_ends(rw, found), dtype=torch.int32)
-    rw.replace(node, rw.call(GROUPED_PACKED_MATMUL, found.x, _packed(rw, found), ends))
+    _dispatch(node, rw, found, "avx512")
+
+
+@rule(
+    roots=(_not_registered,),
+    when=_rows_in_strips,
+    tags={"iree", "moe"},
+    priority=30,  # before the per-expert form below
+    doc=_DISPATCH_DOC.format(isa="AVX2", rows="any rows (prefill and decode)", block="6 x 16 (two ymm of 8 a strip)"),
+)
+def grouped_mm_packed_as_dispatch_for_iree_avx2(node: Node, rw: Rewriter, *, found: Grouped) -> Any:
+    _dispatch(node, rw, found, "avx2")
 
 
 @rule(
@@ -211,9 +242,16 @@ def grouped_mm_packed_per_row_for_iree(node: Node, rw: Rewriter, *, found: Group
 
 
 packed_as_dispatch_for_iree = _OnRegisteredOp(grouped_mm_packed_as_dispatch_for_iree)
+packed_as_dispatch_for_iree_avx2 = _OnRegisteredOp(grouped_mm_packed_as_dispatch_for_iree_avx2)
 packed_per_expert_for_iree = _OnRegisteredOp(grouped_mm_packed_per_expert_for_iree)
 packed_per_row_for_iree = _OnRegisteredOp(grouped_mm_packed_per_row_for_iree)
 
 RULES = RuleSet(
-    [packed_as_dispatch_for_iree, packed_per_expert_for_iree, packed_per_row_for_iree], name="iree-moe-packed"
+    [
+        packed_as_dispatch_for_iree,
+        packed_as_dispatch_for_iree_avx2,
+        packed_per_expert_for_iree,
+        packed_per_row_for_iree,
+    ],
+    name="iree-moe-packed",
 )

@@ -23,14 +23,19 @@ aten = torch.ops.aten
 PER_EXPERT, PER_ROW = "grouped_mm_per_expert_for_iree", "grouped_mm_per_row_for_iree"
 PACKED_EXPERT, PACKED_ROW = "grouped_mm_packed_per_expert_for_iree", "grouped_mm_packed_per_row_for_iree"
 PACKED_DISPATCH = "grouped_mm_packed_as_dispatch_for_iree"
+PACKED_DISPATCH_AVX2 = "grouped_mm_packed_as_dispatch_for_iree_avx2"
 
 
 def _lm_forms(pairs: bool = False) -> tuple[str, str]:
-    """The rules compile_lm's prefill and decode experts take on the default backend's ISA: AVX-512's packed
-    forms (rules/moe_packed.py, float32 and N a multiple of 16; the prefill's as one grouped dispatch where every
-    product's N is a multiple of 32: `pairs`), else moe.py's per-expert form in both."""
-    if backends.get("iree").target.isa == "avx512":
+    """The rules compile_lm's prefill and decode experts take on the default backend's ISA: the packed forms
+    (rules/moe_packed.py, float32 and N a multiple of 16): on AVX-512 the prefill's as one grouped dispatch where
+    every product's N is a multiple of 32 (`pairs`), else per expert, the decode's per row; on AVX2 the grouped
+    dispatch (its block's 16 channels) in both. Another ISA: moe.py's per-expert form in both."""
+    isa = backends.get("iree").target.isa
+    if isa == "avx512":
         return PACKED_DISPATCH if pairs else PACKED_EXPERT, PACKED_ROW
+    if isa == "avx2":
+        return PACKED_DISPATCH_AVX2, PACKED_DISPATCH_AVX2
     return PER_EXPERT, PER_EXPERT
 
 
