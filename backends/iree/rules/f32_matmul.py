@@ -90,11 +90,39 @@ def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
     return {"x": x, "w": w, "b": b, "rows": rows, "n": n, "k": k, "lead": list(xv.shape[:-1])}
 
 
+def _f32_addmm(node: Node, strip: int) -> dict[str, Any] | Miss:
+    """addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`: GPT-2's linears) as `_f32_linear`'s
+    linear(x, W.T, b)."""
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return Miss("beta or alpha other than 1")
+    b, x, w = node.args[:3]
+    if not constant_weight(w):
+        return Miss("the weight is not the program's own: its layout would be rewritten at every call")
+    xv, wv = fake_value(x), fake_value(w)
+    if xv.dtype != torch.float32 or wv.dtype != torch.float32:
+        return Miss(f"{xv.dtype} x {wv.dtype}: the kernel is float32")
+    k, n = wv.shape
+    if not isinstance(b, Node) or fake_value(b).dtype != torch.float32 or tuple(fake_value(b).shape) != (n,):
+        return Miss(f"a bias that is not a float32 tensor of the {n} channels")
+    if not all(isinstance(s, int) for s in xv.shape):
+        return Miss("a Dim in x's sizes: the kernel is static in its rows")
+    rows = xv.shape[0]
+    if n % strip or k % KU:
+        return Miss(f"{k} -> {n}: N a multiple of {strip}, K of {KU}")
+    if rows < MIN_ROWS:
+        return Miss(f"{rows} rows (from {MIN_ROWS})")
+    return {"x": x, "w": w, "b": b, "rows": rows, "n": n, "k": k, "lead": [rows], "k_major": True}
+
+
 def _as_dispatch(node: Node, rw: Rewriter, found: dict[str, Any], strip: int) -> None:
     n, k, rows, b = found["n"], found["k"], found["rows"], found["b"]
     flat = rw.call(aten.reshape.default, found["x"], [rows, k])
-    strips = rw.call(aten.reshape.default, found["w"], [n // strip, strip, k])
-    packed = rw.call(aten.permute.default, strips, [0, 2, 1])  # [N/S, K, S]
+    if found.get("k_major"):  # W [K, N]: [K, N/S, S] -> [N/S, K, S]
+        strips = rw.call(aten.reshape.default, found["w"], [k, n // strip, strip])
+        packed = rw.call(aten.permute.default, strips, [1, 0, 2])
+    else:  # W [N, K]: [N/S, S, K] -> [N/S, K, S]
+        strips = rw.call(aten.reshape.default, found["w"], [n // strip, strip, k])
+        packed = rw.call(aten.permute.default, strips, [0, 2, 1])
     packed = rw.call(aten.reshape.default, packed, [n * k])  # a copy: the strips contiguous
     tile = strip // 8
     if b is None:
@@ -134,6 +162,31 @@ def linear_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -
     ),
 )
 def linear_as_f32_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _as_dispatch(node, rw, found, _AVX512)
+
+
+@rule(
+    roots=(aten.addmm.default,),
+    when=lambda node: _f32_addmm(node, _AVX2),
+    priority=2,
+    tags={"iree", "performance"},
+    doc=(
+        "`linear_as_f32_dispatch` for addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`, "
+        "GPT-2's linears): the weight laid out [N/16, K, 16] from its [K, N] rows, the bias in the kernel's store."
+    ),
+)
+def addmm_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
+    _as_dispatch(node, rw, found, _AVX2)
+
+
+@rule(
+    roots=(aten.addmm.default,),
+    when=lambda node: _f32_addmm(node, _AVX512),
+    priority=2,
+    tags={"iree", "performance"},
+    doc="AVX-512's form of `addmm_as_f32_dispatch`: the 12x32 block, the weight laid out [N/32, K, 32].",
+)
+def addmm_as_f32_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
     _as_dispatch(node, rw, found, _AVX512)
 
 
@@ -183,4 +236,10 @@ def linear_over_rows_as_grouped_dispatch_avx512(node: Node, rw: Rewriter, *, fou
     rw.replace(node, rw.call(aten.reshape.default, y, [*lead, n]))
 
 
-RULES = (linear_as_f32_dispatch, linear_as_f32_dispatch_avx512, linear_over_rows_as_grouped_dispatch_avx512)
+RULES = (
+    linear_as_f32_dispatch,
+    linear_as_f32_dispatch_avx512,
+    addmm_as_f32_dispatch,
+    addmm_as_f32_dispatch_avx512,
+    linear_over_rows_as_grouped_dispatch_avx512,
+)
