@@ -85,7 +85,8 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
-    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2)."""
+    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad`: the float32 kernel reading x
+    where it lies, its rows not copied to a padded stride (`f32_dispatch.X_PAD`)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -112,6 +113,12 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        if part == "f32_x_pad":  # the float32 kernel reading x as it lies (no row copy: f32_dispatch.X_PAD 0)
+            from fx_rewrites.backends.iree import f32_dispatch
+
+            fresh = attrs.evolve(backend, cache=CompileCache())
+            out[f"-{part}"] = _Patched(fresh, f32_dispatch.X_PAD, dict.fromkeys(f32_dispatch.X_PAD, 0))
+            continue
         part, *added = part.split("+")
         names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag
         if (names or added) and all(name in perf.names() for name in names):  # the ISA's performance set less them
@@ -135,6 +142,22 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
             )
         out[f"-{part}"] = attrs.evolve(backend, perf_flags=kept, cache=CompileCache())
     return out
+
+
+class _Patched:
+    """`backend` compiling with the entries `values` set in `table` (a kernel's constant against its default)."""
+
+    def __init__(self, backend: Any, table: dict[str, Any], values: dict[str, Any]) -> None:
+        self._backend, self._table, self._values = backend, table, values
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        from unittest import mock
+
+        with mock.patch.dict(self._table, self._values):
+            return self._backend.compile(*args, **kwargs)
 
 
 def _any_isa_flag(part: str) -> str:

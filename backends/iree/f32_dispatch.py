@@ -67,6 +67,9 @@ MARKS = (MARK, LINEAR_MARK)
 #: down to the block's rows), the K steps summed from zero before they are added to y (the error of short sums: within
 #: torch's own); benchmarks sweep them (benchmarks/f32_dispatch.py), so they are part of the executable's name
 BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
+#: x's row stride where K is a multiple of `X_PAD_EVERY` floats: K + `X_PAD[isa]` (x padded by IREE before the
+#: dispatch), so that the block's rows, K floats apart, do not all fall in one L1 set (K = 1024: 4 KiB apart)
+X_PAD, X_PAD_EVERY = {"avx2": 0, "avx512": 16}, 512
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
@@ -96,6 +99,7 @@ class _Shape:
 
     k: int
     n: int
+    ld: int
     kc: int
     ks: int
     blocks: int
@@ -134,7 +138,7 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
     add(f"%ob{tag} = arith.muli %s, %c{b.strip}w : index")
     for r in range(rows):
         add(f"%row{tag}{r} = arith.addi {m}, %c{r}w : index")
-        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.k}w : index")
+        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.ld}w : index")
         add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{s.n}w : index")
         add(f"%oo{tag}{r}_0 = arith.addi %or{tag}{r}, %ob{tag} : index")
         for h in range(1, b.vectors):
@@ -179,15 +183,16 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
     return lines
 
 
-def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int) -> str:
+def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int, ld: int = 0) -> str:
     kc, strips, mc = next(c for c in range(min(kc, k), 0, -KU) if k % c == 0), n // b.strip, max(b.rows, mc)
     mc -= mc % b.rows
     if k % kc or kc % KU or n % b.strip:
         raise ValueError(f"K {k} by blocks of {kc} (a multiple of {KU}), N {n} of the strip's {b.strip} channels")
     ks = next(c for c in range(min(ks, kc), 0, -KU) if kc % c == 0)
     full, tail = m - m % b.rows, m % b.rows
-    xt, wt, ot = f"memref<{m * k}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
-    s = _Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot)
+    ld = ld or k
+    xt, wt, ot = f"memref<{m * ld}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
+    s = _Shape(k, n, ld, kc, ks, k // ks, bias, xt, wt, ot)
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
@@ -227,10 +232,16 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
     return spliced.with_index_constants("\n".join(lines))
 
 
+def x_columns(k: int, tile: int) -> int:
+    """The row stride the kernel of strip 8 `tile` reads x [M, K] with (`X_PAD`)."""
+    isa = next(isa for isa, block in BLOCKS.items() if block.tile == tile)
+    return k + X_PAD[isa] if k % X_PAD_EVERY == 0 else k
+
+
 def executable_name(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> str:
     """Unique per shape, block, bias and blocking (two executables may not share a name: findings 52)."""
     b, blocking = block_of(tile), f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
-    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}"
+    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, tile)}"
 
 
 def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> tuple[str, str]:
@@ -239,7 +250,8 @@ def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) 
     if not m:
         raise ValueError("the float32 dispatch is static in its rows")
     name = executable_name(m, n, k, tile, per, bias)
-    body = _kernel(block_of(tile), m, n, k, per, bias, BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"])
+    blocking = BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"]
+    body = _kernel(block_of(tile), m, n, k, per, bias, *blocking, ld=x_columns(k, tile))
     bindings = ["%bx", "%bw", *(["%bb"] if bias else []), "%bo"]
     return name, spliced.executable(name, ", ".join(f"{v}: !stream.binding" for v in bindings), m, body)
 
@@ -274,7 +286,8 @@ def splice(mlir: str) -> str:
     """`mlir` with every `fx_rewrites.f32_matmul` and `f32_linear` call replaced by a `flow.dispatch` of its
     executable (`spliced.splice_calls`: N / (8 tile) / per workgroups). ValueError where it calls neither."""
     if MARK in mlir or LINEAR_MARK not in mlir:
-        mlir = spliced.splice_calls(mlir, MARK, 2, executable, "fxf")
+        mlir = spliced.splice_calls(mlir, MARK, 2, executable, "fxf", x_columns)
     if LINEAR_MARK in mlir:
-        mlir = spliced.splice_calls(mlir, LINEAR_MARK, 3, functools.partial(executable, bias=True), "fxl")
+        build = functools.partial(executable, bias=True)
+        mlir = spliced.splice_calls(mlir, LINEAR_MARK, 3, build, "fxl", x_columns)
     return mlir

@@ -23,10 +23,12 @@ from fx_rewrites.backends.iree.f32_dispatch import (
     F32_MATMUL,
     LINEAR_MARK,
     MARK,
+    X_PAD,
     executable,
     pack,
     splice,
     unpack,
+    x_columns,
 )
 from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.legality import SPLICED
@@ -59,6 +61,9 @@ CASES = {
     # blocks of 6, 7 blocks of 12 and 6 rows
     "deep_bias": (320, 64, True, (3, 30)),
     "wide_no_bias": (64, 96, False, (75,)),
+    # K 512: on AVX-512 x's rows copied to a stride of 528 (f32_dispatch.X_PAD) before the kernel; 70 rows: 5
+    # blocks of 12 and 10 rows
+    "padded_rows": (512, 64, True, (70,)),
 }
 #: the rule -> its strip (the op's tile: strip / 8)
 STRIPS = {linear_as_f32_dispatch: 16, linear_as_f32_dispatch_avx512: 32}
@@ -131,6 +136,29 @@ def test_layout_and_executable():
     assert (MARK, LINEAR_MARK) == ("torch.fx_rewrites.f32_matmul", "torch.fx_rewrites.f32_linear")
 
 
+def test_x_rows_padded_where_k_is_a_multiple_of_512():
+    """AVX-512's kernel reads x [M, K] with rows K + 16 floats apart where K is a multiple of 512 (the rows 2-4 KiB
+    apart would share L1 sets), copied there by a dispatch of its own; AVX2's (X_PAD 0) and other K read x as it is."""
+    assert X_PAD == {"avx2": 0, "avx512": 16}
+    assert (x_columns(1024, 4), x_columns(512, 4), x_columns(320, 4), x_columns(1024, 2)) == (1040, 528, 320, 1024)
+    name, text = executable(70, 64, 1024, 4, 4)
+    assert name.endswith("_ld1040") and "memref<72800xf32>" in text  # x read as 70 rows of 1040
+    mlir = (
+        "module {\n"
+        "  func.func @main(%x: !torch.vtensor<[70,1024],f32>, %w: !torch.vtensor<[65536],f32>) -> "
+        "!torch.vtensor<[70,64],f32> {\n"
+        "    %n = torch.constant.int 64\n    %t = torch.constant.int 4\n    %p = torch.constant.int 4\n"
+        '    %y = torch.operator "torch.fx_rewrites.f32_matmul"(%x, %w, %n, %t, %p) : (!torch.vtensor<[70,1024],f32>, '
+        "!torch.vtensor<[65536],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[70,64],f32>\n"
+        "    return %y : !torch.vtensor<[70,64],f32>\n  }\n}"
+    )
+    spliced = splice(mlir)
+    assert spliced.count("stream.executable private @rows_70x1024_to_1040 ") == 1
+    assert "(%fxfy_0) : (tensor<70x1024xf32>) -> tensor<70x1040xf32>" in spliced
+    assert "(%fxfy_p, %fxfy_1) : (tensor<70x1040xf32>, tensor<65536xf32>)" in spliced
+    assert "rows_" not in splice(mlir.replace("%t = torch.constant.int 4", "%t = torch.constant.int 2"))
+
+
 def test_each_isa_takes_its_own_block():
     """AVX2 the 6x16 rule, AVX-512 the 12x32 one (each measured on its ISA), neither the other's."""
     assert linear_as_f32_dispatch.name in targets.CPU_ISAS["avx2"].perf_rules
@@ -152,7 +180,7 @@ def _through_iree(name: str, isa: str, rule) -> None:
     assert_within_torch_error(fn, in_float64(module), inputs)
 
 
-@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias"])
+@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias", "padded_rows"])
 def test_linear_as_f32_dispatch_on_iree(name):
     """Through the AVX2 route (any AVX2 or AVX-512 host runs its code): the rule fires, the dispatch is spliced and
     run, and on two inputs the result is as near float64 as torch's float32, within a step (the rows a block of 6
@@ -162,10 +190,11 @@ def test_linear_as_f32_dispatch_on_iree(name):
     _through_iree(name, "avx2", linear_as_f32_dispatch)
 
 
-@pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
+@pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias", "padded_rows"])
 def test_linear_as_f32_dispatch_avx512_on_iree(name):
     """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the rule fires among AVX-512's rules,
-    the dispatch is spliced and run, on two inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
+    the dispatch is spliced and run, on two inputs as near float64 as torch's float32 (the rows 12-blocks and a
+    remainder: 788 = 65 x 12 + 8, 90, 75, 70; K 512: x's rows copied to a stride of 528 first)."""
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
     _through_iree(name, "avx512", linear_as_f32_dispatch_avx512)
