@@ -85,8 +85,9 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
-    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad`: the float32 kernel reading x
-    where it lies, its rows not copied to a padded stride (`f32_dispatch.X_PAD`)."""
+    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad=P` (not a "without"): the
+    route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512
+    (`f32_dispatch.X_PAD`, 0 by default)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -113,11 +114,12 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        if part == "f32_x_pad":  # the float32 kernel reading x as it lies (no row copy: f32_dispatch.X_PAD 0)
+        if part.startswith("f32_x_pad="):  # the float32 kernel's x rows copied to K + P floats apart (X_PAD)
             from fx_rewrites.backends.iree import f32_dispatch
 
             fresh = attrs.evolve(backend, cache=CompileCache())
-            out[f"-{part}"] = _Patched(fresh, f32_dispatch.X_PAD, dict.fromkeys(f32_dispatch.X_PAD, 0))
+            pad = int(part.split("=")[1])
+            out[f"-{part}"] = _Patched(fresh, f32_dispatch.X_PAD, dict.fromkeys(f32_dispatch.X_PAD, pad))
             continue
         part, *added = part.split("+")
         names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag

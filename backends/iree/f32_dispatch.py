@@ -67,9 +67,11 @@ MARKS = (MARK, LINEAR_MARK)
 #: down to the block's rows), the K steps summed from zero before they are added to y (the error of short sums: within
 #: torch's own); benchmarks sweep them (benchmarks/f32_dispatch.py), so they are part of the executable's name
 BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
-#: x's row stride where K is a multiple of `X_PAD_EVERY` floats: K + `X_PAD[isa]` (x padded by IREE before the
-#: dispatch), so that the block's rows, K floats apart, do not all fall in one L1 set (K = 1024: 4 KiB apart)
-X_PAD, X_PAD_EVERY = {"avx2": 0, "avx512": 16}, 512
+#: x's row stride where K is a multiple of `X_PAD_EVERY` floats: K + `X_PAD[isa]`, x's rows copied there by a dispatch
+#: before the kernel's (`spliced.splice_calls`' `columns`), so that the block's rows, K floats apart (K 1024: 4 KiB),
+#: do not share L1 sets. 0 (off) on both: on AVX-512 the kernel alone ran 7% faster on x already padded but the copy
+#: took that back and more in the models (docs/performance.md, "x's rows 4 KiB apart"); benchmarks set it
+X_PAD, X_PAD_EVERY = {"avx2": 0, "avx512": 0}, 512
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
@@ -99,7 +101,6 @@ class _Shape:
 
     k: int
     n: int
-    ld: int
     kc: int
     ks: int
     blocks: int
@@ -107,6 +108,7 @@ class _Shape:
     xt: str
     wt: str
     ot: str
+    ld: int = 0  # x's row stride (0: K)
 
 
 def _stores(b: Block, rows: int, s: _Shape, tag: str, *, first: bool) -> list[str]:
@@ -138,7 +140,7 @@ def _micro(b: Block, rows: int, m: str, s: _Shape, tag: str) -> list[str]:
     add(f"%ob{tag} = arith.muli %s, %c{b.strip}w : index")
     for r in range(rows):
         add(f"%row{tag}{r} = arith.addi {m}, %c{r}w : index")
-        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.ld}w : index")
+        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.ld or s.k}w : index")
         add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{s.n}w : index")
         add(f"%oo{tag}{r}_0 = arith.addi %or{tag}{r}, %ob{tag} : index")
         for h in range(1, b.vectors):
@@ -192,7 +194,7 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
     full, tail = m - m % b.rows, m % b.rows
     ld = ld or k
     xt, wt, ot = f"memref<{m * ld}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
-    s = _Shape(k, n, ld, kc, ks, k // ks, bias, xt, wt, ot)
+    s = _Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot, ld)
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
