@@ -108,7 +108,7 @@ def splice_calls(
     workgroups; `build(rows, n, k, tile, per)` gives the executable's name and text (rows 0: dynamic); `prefix`
     names the SSA values it adds. `columns(k, tile)`, where given, is the row stride the executable reads x with:
     where it exceeds K, x's static rows are copied to rows of that stride before the dispatch (`_row_copy`'s
-    dispatch; IREE 3.13's `tensor.pad` of 128 x 1024 took 0.4 ms). ValueError where
+    dispatch: 14 us for 128 x 1024, where IREE 3.13's `tensor.pad` read ~0.1 ms more). ValueError where
     there is no call, or one of another form."""
     call = re.compile(rf'^(\s*)(%[\w]+) = torch\.operator "{re.escape(mark)}"\(([^)]*)\) : \((.*)\) -> (.*)$')
     unknown = f"an {mark.rsplit('.', 1)[-1]} call of an unknown form"
