@@ -67,11 +67,13 @@ MARKS = (MARK, LINEAR_MARK)
 #: down to the block's rows), the K steps summed from zero before they are added to y (the error of short sums: within
 #: torch's own); benchmarks sweep them (benchmarks/f32_dispatch.py), so they are part of the executable's name
 BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
-#: x's row stride where K is a multiple of `X_PAD_EVERY` floats: K + `X_PAD[isa]`, x's rows copied there by a dispatch
-#: before the kernel's (`spliced.splice_calls`' `columns`), so that the block's rows, K floats apart (K 1024: 4 KiB),
-#: do not share L1 sets. 0 (off) on both: on AVX-512 the kernel alone ran 7% faster on x already padded but the copy
-#: took that back and more in the models (docs/performance.md, "x's rows 4 KiB apart"); benchmarks set it
-X_PAD, X_PAD_EVERY = {"avx2": 0, "avx512": 0}, 512
+#: x's row stride where K is a multiple of `X_PAD_EVERY` floats and N at least `X_PAD_MIN_N`: K + `X_PAD[isa]`, x's
+#: rows copied there by a dispatch before the kernel's (`spliced.splice_calls`' `columns`), so that the block's rows,
+#: K floats apart (K 1024: 4 KiB), do not share L1 sets. AVX-512 only: the kernel ran 7% faster on x already padded,
+#: the linear 1024 -> 1024 over 128 rows 1.08x eager against 1.13x; where N is 256 (BERT's, ViT's, the Whisper
+#: encoder's second MLP product) the copy, paid once for N / 32 strips, lost (docs/performance.md, "x's rows 4 KiB
+#: apart"); AVX2 on this host: no gain (6 rows)
+X_PAD, X_PAD_EVERY, X_PAD_MIN_N = {"avx2": 0, "avx512": 16}, 512, 1024
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
@@ -234,16 +236,16 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
     return spliced.with_index_constants("\n".join(lines))
 
 
-def x_columns(k: int, tile: int) -> int:
-    """The row stride the kernel of strip 8 `tile` reads x [M, K] with (`X_PAD`)."""
+def x_columns(k: int, n: int, tile: int) -> int:
+    """The row stride the kernel of strip 8 `tile` reads x [M, K] with, writing N channels (`X_PAD`)."""
     isa = next(isa for isa, block in BLOCKS.items() if block.tile == tile)
-    return k + X_PAD[isa] if k % X_PAD_EVERY == 0 else k
+    return k + X_PAD[isa] if k % X_PAD_EVERY == 0 and n >= X_PAD_MIN_N else k
 
 
 def executable_name(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> str:
     """Unique per shape, block, bias and blocking (two executables may not share a name: findings 52)."""
     b, blocking = block_of(tile), f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
-    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, tile)}"
+    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, n, tile)}"
 
 
 def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> tuple[str, str]:
@@ -253,7 +255,7 @@ def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) 
         raise ValueError("the float32 dispatch is static in its rows")
     name = executable_name(m, n, k, tile, per, bias)
     blocking = BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"]
-    body = _kernel(block_of(tile), m, n, k, per, bias, *blocking, ld=x_columns(k, tile))
+    body = _kernel(block_of(tile), m, n, k, per, bias, *blocking, ld=x_columns(k, n, tile))
     bindings = ["%bx", "%bw", *(["%bb"] if bias else []), "%bo"]
     return name, spliced.executable(name, ", ".join(f"{v}: !stream.binding" for v in bindings), m, body)
 

@@ -101,12 +101,12 @@ def splice_calls(
     tensors: int,
     build: Callable[[int, int, int, int, int], tuple[str, str]],
     prefix: str,
-    columns: Callable[[int, int], int] | None = None,
+    columns: Callable[[int, int, int], int] | None = None,
 ) -> str:
     """`mlir` with every `torch.operator "<mark>"` call of `tensors` tensors (x [rows, K] f32 or i8 first) and three
     ints (n, tile, per) replaced by a `flow.dispatch` writing [rows, N] f32 over ceil(N / (8 tile) / per)
     workgroups; `build(rows, n, k, tile, per)` gives the executable's name and text (rows 0: dynamic); `prefix`
-    names the SSA values it adds. `columns(k, tile)`, where given, is the row stride the executable reads x with:
+    names the SSA values it adds. `columns(k, n, tile)`, where given, is the row stride the executable reads x with:
     where it exceeds K, x's static rows are copied to rows of that stride before the dispatch (`_row_copy`'s
     dispatch: 14 us for 128 x 1024, where IREE 3.13's `tensor.pad` read ~0.1 ms more). ValueError where
     there is no call, or one of another form."""
@@ -133,7 +133,7 @@ def splice_calls(
         out.append(f"{pad}%{v}_n = arith.constant {-(-n // (8 * tile) // per)} : index")
         ops = ", ".join(f"%{v}_{i}" for i in range(tensors))
         sig = ", ".join(tt + (f"{{%{v}_r}}" if "?" in sizes else "") for tt, sizes in typed)
-        ld = columns(k, tile) if columns else k
+        ld = columns(k, n, tile) if columns else k
         if ld != k:
             if not rows or k % _PAD_LANES:
                 raise ValueError(f"{unknown}: x's rows padded to {ld} need static rows, K a multiple of {_PAD_LANES}")

@@ -63,9 +63,9 @@ CASES = {
     # blocks of 6, 7 blocks of 12 and 6 rows
     "deep_bias": (320, 64, True, (3, 30)),
     "wide_no_bias": (64, 96, False, (75,)),
-    # K 512: through IREE with f32_dispatch.X_PAD set to 16 (off by default), x's rows copied to a stride of 528
-    # before the kernel; 70 rows: 5 blocks of 12 and 10 rows, 11 blocks of 6 and 4
-    "padded_rows": (512, 64, True, (70,)),
+    # K 512, N 1024: x's rows copied to a stride of 528 before the kernel (f32_dispatch.X_PAD: AVX-512's 16; through
+    # IREE both ISAs' set to 16 here); 70 rows: 5 blocks of 12 and 10 rows, 11 blocks of 6 and 4
+    "padded_rows": (512, 1024, True, (70,)),
 }
 #: the rule -> its strip (the op's tile: strip / 8)
 STRIPS = {linear_as_f32_dispatch: 16, linear_as_f32_dispatch_avx512: 32}
@@ -139,31 +139,31 @@ def test_layout_and_executable():
 
 
 def test_x_rows_padded_where_k_is_a_multiple_of_512():
-    """With `X_PAD` set (off by default: measured a loss in the models), the kernel reads x [M, K] with rows K + pad
-    floats apart where K is a multiple of 512 (rows 2-4 KiB apart share L1 sets), copied there by a dispatch of its
-    own; other K, and `X_PAD` 0, read x as it is."""
-    assert X_PAD == {"avx2": 0, "avx512": 0}
-    assert (x_columns(1024, 4), x_columns(1024, 2)) == (1024, 1024)
-    with mock.patch.dict(X_PAD, {"avx512": 16}):
-        assert (x_columns(1024, 4), x_columns(512, 4), x_columns(320, 4), x_columns(1024, 2)) == (1040, 528, 320, 1024)
-        name, text = executable(70, 64, 1024, 4, 4)
-        assert name.endswith("_ld1040") and "memref<72800xf32>" in text  # x read as 70 rows of 1040
+    """AVX-512's kernel reads x [M, K] with rows K + 16 floats apart where K is a multiple of 512 (rows 2-4 KiB apart
+    share L1 sets) and N at least 1024 (the copy paid for N / 32 strips), copied there by a dispatch of its own;
+    other K, fewer channels and AVX2's kernel (X_PAD 0) read x as it is."""
+    assert X_PAD == {"avx2": 0, "avx512": 16}
+    sizes = [(1024, 1024, 4), (512, 2048, 4), (320, 1024, 4), (1024, 256, 4), (1024, 1024, 2)]
+    assert [x_columns(*size) for size in sizes] == [1040, 528, 320, 1024, 1024]
+    name, text = executable(70, 1024, 1024, 4, 4)
+    assert name.endswith("_ld1040") and "memref<72800xf32>" in text  # x read as 70 rows of 1040
+    assert executable(70, 256, 1024, 4, 4)[0].endswith("_ld1024")
     mlir = (
         "module {\n"
-        "  func.func @main(%x: !torch.vtensor<[70,1024],f32>, %w: !torch.vtensor<[65536],f32>) -> "
-        "!torch.vtensor<[70,64],f32> {\n"
-        "    %n = torch.constant.int 64\n    %t = torch.constant.int 4\n    %p = torch.constant.int 4\n"
+        "  func.func @main(%x: !torch.vtensor<[70,1024],f32>, %w: !torch.vtensor<[1048576],f32>) -> "
+        "!torch.vtensor<[70,1024],f32> {\n"
+        "    %n = torch.constant.int 1024\n    %t = torch.constant.int 4\n    %p = torch.constant.int 4\n"
         '    %y = torch.operator "torch.fx_rewrites.f32_matmul"(%x, %w, %n, %t, %p) : (!torch.vtensor<[70,1024],f32>, '
-        "!torch.vtensor<[65536],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[70,64],f32>\n"
-        "    return %y : !torch.vtensor<[70,64],f32>\n  }\n}"
+        "!torch.vtensor<[1048576],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[70,1024],f32>\n"
+        "    return %y : !torch.vtensor<[70,1024],f32>\n  }\n}"
     )
-    with mock.patch.dict(X_PAD, {"avx512": 16}):
-        spliced = splice(mlir)
-        assert "rows_" not in splice(mlir.replace("%t = torch.constant.int 4", "%t = torch.constant.int 2"))
+    spliced = splice(mlir)
     assert spliced.count("stream.executable private @rows_70x1024_to_1040 ") == 1
     assert "(%fxfy_0) : (tensor<70x1024xf32>) -> tensor<70x1040xf32>" in spliced
-    assert "(%fxfy_p, %fxfy_1) : (tensor<70x1040xf32>, tensor<65536xf32>)" in spliced
-    assert "rows_" not in splice(mlir) and "_ld1024" in splice(mlir)
+    assert "(%fxfy_p, %fxfy_1) : (tensor<70x1040xf32>, tensor<1048576xf32>)" in spliced
+    assert "rows_" not in splice(mlir.replace("%t = torch.constant.int 4", "%t = torch.constant.int 2"))
+    with mock.patch.dict(X_PAD, {"avx512": 0}):
+        assert "rows_" not in splice(mlir) and "_ld1024" in splice(mlir)
 
 
 def test_each_isa_takes_its_own_block():
