@@ -22,7 +22,10 @@ It enters a graph as the custom op `fx_rewrites::f32_matmul(x, packed, n, 2, per
 `backends/iree/f32_dispatch.py`; the rule `rules/f32_matmul.py`). Timed alone, one thread (`iree-benchmark-module`
 local-sync, median CPU time of its repetitions) against IREE's own compile of `linear(x, W)` (the backend's flags
 for the ISA, its performance flags, aggressive fusion) and torch's eager `F.linear` (one thread, CPU time),
-interleaved rounds; each output against float64, beside torch's own float32 error.
+interleaved rounds; each output against float64, beside torch's own float32 error. `--x-pad` (default: the ISA's
+`f32_dispatch.X_PAD`) sets x's row copy where it applies; the tool's heap allocator maps the copy's transient afresh
+at every call (page faults the library's caching allocator does not pay: docs/performance.md, "x's rows 4 KiB
+apart"), so time that form with `iree-benchmark-module --device_allocator=caching` too.
 """
 
 from __future__ import annotations

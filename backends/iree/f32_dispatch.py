@@ -13,7 +13,9 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
-unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored.
+unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512, where
+K is a multiple of 512 and N at least 1024, x's rows are first copied 16 floats apart by a dispatch of their own
+(`X_PAD`: rows 4 KiB apart share L1 sets) and the kernel reads x with that stride.
 
 It enters a graph as `fx_rewrites::f32_matmul(x, packed, n, tile, per)` or, with a bias, `fx_rewrites::f32_linear(x,
 packed, bias, n, tile, per)` (eager: the weight unpacked by torch), `tile` = S / 8 naming the block (2: AVX2's, 4:
