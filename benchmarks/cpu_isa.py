@@ -85,7 +85,9 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     rounds (`without`). `RULE/RULE2+FLAG`: without those rules and with the performance flag of any ISA's table
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
-    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2)."""
+    (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad=P` (not a "without"): the
+    route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512
+    (`f32_dispatch.X_PAD`, 0 by default)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -112,6 +114,13 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        if part.startswith("f32_x_pad="):  # the float32 kernel's x rows copied to K + P floats apart (X_PAD)
+            from fx_rewrites.backends.iree import f32_dispatch
+
+            fresh = attrs.evolve(backend, cache=CompileCache())
+            pad = int(part.split("=")[1])
+            out[f"-{part}"] = _Patched(fresh, f32_dispatch.X_PAD, dict.fromkeys(f32_dispatch.X_PAD, pad))
+            continue
         part, *added = part.split("+")
         names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag
         if (names or added) and all(name in perf.names() for name in names):  # the ISA's performance set less them
@@ -135,6 +144,22 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
             )
         out[f"-{part}"] = attrs.evolve(backend, perf_flags=kept, cache=CompileCache())
     return out
+
+
+class _Patched:
+    """`backend` compiling with the entries `values` set in `table` (a kernel's constant against its default)."""
+
+    def __init__(self, backend: Any, table: dict[str, Any], values: dict[str, Any]) -> None:
+        self._backend, self._table, self._values = backend, table, values
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        from unittest import mock
+
+        with mock.patch.dict(self._table, self._values):
+            return self._backend.compile(*args, **kwargs)
 
 
 def _any_isa_flag(part: str) -> str:

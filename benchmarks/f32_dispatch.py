@@ -22,7 +22,10 @@ It enters a graph as the custom op `fx_rewrites::f32_matmul(x, packed, n, 2, per
 `backends/iree/f32_dispatch.py`; the rule `rules/f32_matmul.py`). Timed alone, one thread (`iree-benchmark-module`
 local-sync, median CPU time of its repetitions) against IREE's own compile of `linear(x, W)` (the backend's flags
 for the ISA, its performance flags, aggressive fusion) and torch's eager `F.linear` (one thread, CPU time),
-interleaved rounds; each output against float64, beside torch's own float32 error.
+interleaved rounds; each output against float64, beside torch's own float32 error. `--x-pad` (default: the ISA's
+`f32_dispatch.X_PAD`) sets x's row copy where it applies; the tool's heap allocator maps the copy's transient afresh
+at every call (page faults the library's caching allocator does not pay: docs/performance.md, "x's rows 4 KiB
+apart"), so time that form with `iree-benchmark-module --device_allocator=caching` too.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_dispatch import compile_form, cpu_ms, eager_ms, run_vmfb  # benchmarks/int4_dispatch.py
 
-from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, BLOCKS, Block, f32_linear, f32_matmul, pack
+from fx_rewrites.backends.iree.f32_dispatch import BLOCKING, BLOCKS, X_PAD, Block, f32_linear, f32_matmul, pack
 
 
 class Dispatch(torch.nn.Module):
@@ -80,6 +83,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--kc", default="256", help="K blocks, comma separated")
     parser.add_argument("--mc", default="96", help="row chunks, comma separated")
     parser.add_argument("--ks", default="128", help="K steps summed from zero before added to y, comma separated")
+    parser.add_argument("--x-pad", default="", help="x's rows padded by (`f32_dispatch.X_PAD`), comma separated")
     parser.add_argument("--rows", default="", help="AVX-512: the block's rows (of 32 channels), comma separated")
     parser.add_argument("--bias", action="store_true", help="a bias: in the kernel's store, and added after it")
     parser.add_argument("--rounds", type=int, default=3)
@@ -97,8 +101,10 @@ def run(argv: list[str] | None = None) -> int:
     isa = "avx512" if args.isa == "avx512" or (args.isa == "host" and iree.target.isa == "avx512") else "avx2"
     default = BLOCKS[isa]
     blocks = [Block(default.lanes, default.vectors, int(r)) for r in args.rows.split(",")] if args.rows else [default]
-    variants = [(bl, int(p), int(kc), int(mc), int(ks)) for bl in blocks for p in args.per.split(",")
-                for kc in args.kc.split(",") for mc in args.mc.split(",") for ks in args.ks.split(",")]  # fmt: skip
+    pads = [int(p) for p in args.x_pad.split(",")] if args.x_pad else [X_PAD[isa]]
+    variants = [(bl, int(p), int(kc), int(mc), int(ks), xp) for bl in blocks for p in args.per.split(",")
+                for kc in args.kc.split(",") for mc in args.mc.split(",") for ks in args.ks.split(",")
+                for xp in pads]  # fmt: skip
     print(f"blocks ({isa}): {', '.join(b.name for b in blocks)}; bias: {args.bias}")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
@@ -116,15 +122,17 @@ def run(argv: list[str] | None = None) -> int:
                 vmfbs["IREE linear"] = tmp / f"iree_{shape}.vmfb"
                 if not (args.reuse and vmfbs["IREE linear"].exists()):
                     compile_form(Linear(w, b), x, flags, vmfbs["IREE linear"])
-            for block, per, kc, mc, ks in variants:
+            default_pad = X_PAD[isa]
+            for block, per, kc, mc, ks, xp in variants:
                 BLOCKING.update(kc=kc, mc=mc, ks=ks)
-                BLOCKS[isa] = block
+                BLOCKS[isa], X_PAD[isa] = block, xp
                 for separate in (False, True) if args.bias else (False,):
-                    name = f"dispatch {block.name} p{per} kc{kc} mc{mc} ks{ks}{' + add' if separate else ''}"
-                    vmfbs[name] = tmp / f"f32_{shape}_{block.name}_p{per}_kc{kc}_mc{mc}_ks{ks}_{int(separate)}.vmfb"
+                    name = f"dispatch {block.name} p{per} kc{kc} mc{mc} ks{ks} xpad{xp}{' + add' if separate else ''}"
+                    stem = f"f32_{shape}_{block.name}_p{per}_kc{kc}_mc{mc}_ks{ks}_x{xp}_{int(separate)}"
+                    vmfbs[name] = tmp / f"{stem}.vmfb"
                     if not (args.reuse and vmfbs[name].exists()):
                         compile_form(Dispatch(w, b, per, block, separate), x, flags, vmfbs[name])
-            BLOCKS[isa] = default
+            BLOCKS[isa], X_PAD[isa] = default, default_pad
             if args.compile_only:
                 continue
             errs = {name: (run_vmfb(v, x).double() - ref).abs().max().item() for name, v in vmfbs.items()}

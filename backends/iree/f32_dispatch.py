@@ -13,7 +13,9 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
-unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored.
+unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512, where
+K is a multiple of 512 and N at least 1024, x's rows are first copied 16 floats apart by a dispatch of their own
+(`X_PAD`: rows 4 KiB apart share L1 sets) and the kernel reads x with that stride.
 
 It enters a graph as `fx_rewrites::f32_matmul(x, packed, n, tile, per)` or, with a bias, `fx_rewrites::f32_linear(x,
 packed, bias, n, tile, per)` (eager: the weight unpacked by torch), `tile` = S / 8 naming the block (2: AVX2's, 4:
@@ -67,6 +69,13 @@ MARKS = (MARK, LINEAR_MARK)
 #: down to the block's rows), the K steps summed from zero before they are added to y (the error of short sums: within
 #: torch's own); benchmarks sweep them (benchmarks/f32_dispatch.py), so they are part of the executable's name
 BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
+#: x's row stride where K is a multiple of `X_PAD_EVERY` floats and N at least `X_PAD_MIN_N`: K + `X_PAD[isa]`, x's
+#: rows copied there by a dispatch before the kernel's (`spliced.splice_calls`' `columns`), so that the block's rows,
+#: K floats apart (K 1024: 4 KiB), do not share L1 sets. AVX-512 only: the kernel ran 7% faster on x already padded,
+#: the linear 1024 -> 1024 over 128 rows 1.08x eager against 1.13x; where N is 256 (BERT's, ViT's, the Whisper
+#: encoder's second MLP product) the copy, paid once for N / 32 strips, lost (docs/performance.md, "x's rows 4 KiB
+#: apart"); AVX2 on this host: no gain (6 rows)
+X_PAD, X_PAD_EVERY, X_PAD_MIN_N = {"avx2": 0, "avx512": 16}, 512, 1024
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
@@ -103,6 +112,7 @@ class Shape:
     xt: str
     wt: str
     ot: str
+    ld: int = 0  # x's row stride (0: K)
 
 
 def stores(b: Block, rows: int, s: Shape, tag: str, *, first: bool) -> list[str]:
@@ -138,7 +148,7 @@ def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, b
     add(f"%ob{tag} = arith.muli %s, %c{b.strip}w : index")
     for r in range(rows):
         add(f"%row{tag}{r} = arith.addi {m}, %c{r}w : index")
-        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.k}w : index")
+        add(f"%xr{tag}{r} = arith.muli %row{tag}{r}, %c{s.ld or s.k}w : index")
         add(f"%or{tag}{r} = arith.muli %row{tag}{r}, %c{s.n}w : index")
         add(f"%oo{tag}{r}_0 = arith.addi %or{tag}{r}, %ob{tag} : index")
         for h in range(1, b.vectors):
@@ -191,15 +201,16 @@ def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, b
     return lines
 
 
-def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int) -> str:
+def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int, ld: int = 0) -> str:
     kc, strips, mc = next(c for c in range(min(kc, k), 0, -KU) if k % c == 0), n // b.strip, max(b.rows, mc)
     mc -= mc % b.rows
     if k % kc or kc % KU or n % b.strip:
         raise ValueError(f"K {k} by blocks of {kc} (a multiple of {KU}), N {n} of the strip's {b.strip} channels")
     ks = next(c for c in range(min(ks, kc), 0, -KU) if kc % c == 0)
     full, tail = m - m % b.rows, m % b.rows
-    xt, wt, ot = f"memref<{m * k}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
-    s = Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot)
+    ld = ld or k
+    xt, wt, ot = f"memref<{m * ld}xf32>", f"memref<{n * k}xf32>", f"memref<{m * n}xf32>"
+    s = Shape(k, n, kc, ks, k // ks, bias, xt, wt, ot, ld)
     lines = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
@@ -239,10 +250,16 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
     return spliced.with_index_constants("\n".join(lines))
 
 
+def x_columns(k: int, n: int, tile: int) -> int:
+    """The row stride the kernel of strip 8 `tile` reads x [M, K] with, writing N channels (`X_PAD`)."""
+    isa = next(isa for isa, block in BLOCKS.items() if block.tile == tile)
+    return k + X_PAD[isa] if k % X_PAD_EVERY == 0 and n >= X_PAD_MIN_N else k
+
+
 def executable_name(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> str:
     """Unique per shape, block, bias and blocking (two executables may not share a name: findings 52)."""
     b, blocking = block_of(tile), f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
-    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}"
+    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, n, tile)}"
 
 
 def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> tuple[str, str]:
@@ -251,7 +268,8 @@ def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) 
     if not m:
         raise ValueError("the float32 dispatch is static in its rows")
     name = executable_name(m, n, k, tile, per, bias)
-    body = _kernel(block_of(tile), m, n, k, per, bias, BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"])
+    blocking = BLOCKING["kc"], BLOCKING["mc"], BLOCKING["ks"]
+    body = _kernel(block_of(tile), m, n, k, per, bias, *blocking, ld=x_columns(k, n, tile))
     bindings = ["%bx", "%bw", *(["%bb"] if bias else []), "%bo"]
     return name, spliced.executable(name, ", ".join(f"{v}: !stream.binding" for v in bindings), m, body)
 
@@ -286,7 +304,8 @@ def splice(mlir: str) -> str:
     """`mlir` with every `fx_rewrites.f32_matmul` and `f32_linear` call replaced by a `flow.dispatch` of its
     executable (`spliced.splice_calls`: N / (8 tile) / per workgroups). ValueError where it calls neither."""
     if MARK in mlir or LINEAR_MARK not in mlir:
-        mlir = spliced.splice_calls(mlir, MARK, 2, executable, "fxf")
+        mlir = spliced.splice_calls(mlir, MARK, 2, executable, "fxf", x_columns)
     if LINEAR_MARK in mlir:
-        mlir = spliced.splice_calls(mlir, LINEAR_MARK, 3, functools.partial(executable, bias=True), "fxl")
+        build = functools.partial(executable, bias=True)
+        mlir = spliced.splice_calls(mlir, LINEAR_MARK, 3, build, "fxl", x_columns)
     return mlir

@@ -101,6 +101,26 @@ def test_also_without_a_rule_drops_that_rule_only(modules):
     assert route.rules.name == backend.rules.name and len(route.rules.sets) == len(backend.rules.sets)
 
 
+def test_also_without_f32_x_pad_compiles_with_the_row_copy(modules):
+    """`--also-without f32_x_pad=16`: the route, its rules and flags kept, compiling with the float32 kernel's x
+    rows copied 16 floats apart (`f32_dispatch.X_PAD` set for that compile only)."""
+    import cpu_isa
+
+    from fx_rewrites.backends.iree import f32_dispatch
+
+    backend = cpu_isa.backend("avx512")
+    route = cpu_isa.without(backend, "f32_x_pad=16")["-f32_x_pad=16"]
+    assert route.rules is backend.rules and route.perf_flags == backend.perf_flags and route.cache is not backend.cache
+
+    class Seen:
+        def compile(self, *args):
+            return dict(f32_dispatch.X_PAD)
+
+    route._backend = Seen()
+    assert route.compile(None, ()) == {"avx2": 16, "avx512": 16}
+    assert f32_dispatch.X_PAD == {"avx2": 0, "avx512": 16}
+
+
 def test_also_without_a_rule_plus_a_flag(modules):
     """`--also-without pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512's route less those rules, plus
     the performance flag of any ISA's table containing `im2col` (AVX2's IREE im2col flag): the route the rules

@@ -11,6 +11,8 @@ AVX-512's on an AVX-512 host. (Its speed: benchmarks/f32_dispatch.py, docs/perfo
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.export import Dim
@@ -23,10 +25,12 @@ from fx_rewrites.backends.iree.f32_dispatch import (
     F32_MATMUL,
     LINEAR_MARK,
     MARK,
+    X_PAD,
     executable,
     pack,
     splice,
     unpack,
+    x_columns,
 )
 from fx_rewrites.backends.iree.grouped_experts_dispatch import GROUPED_PACKED_MATMUL
 from fx_rewrites.backends.iree.legality import SPLICED
@@ -59,6 +63,9 @@ CASES = {
     # blocks of 6, 7 blocks of 12 and 6 rows
     "deep_bias": (320, 64, True, (3, 30)),
     "wide_no_bias": (64, 96, False, (75,)),
+    # K 512, N 1024: x's rows copied to a stride of 528 before the kernel (f32_dispatch.X_PAD: AVX-512's 16; through
+    # IREE both ISAs' set to 16 here); 70 rows: 5 blocks of 12 and 10 rows, 11 blocks of 6 and 4
+    "padded_rows": (512, 1024, True, (70,)),
 }
 #: the rule -> its strip (the op's tile: strip / 8)
 STRIPS = {linear_as_f32_dispatch: 16, linear_as_f32_dispatch_avx512: 32}
@@ -131,6 +138,34 @@ def test_layout_and_executable():
     assert (MARK, LINEAR_MARK) == ("torch.fx_rewrites.f32_matmul", "torch.fx_rewrites.f32_linear")
 
 
+def test_x_rows_padded_where_k_is_a_multiple_of_512():
+    """AVX-512's kernel reads x [M, K] with rows K + 16 floats apart where K is a multiple of 512 (rows 2-4 KiB apart
+    share L1 sets) and N at least 1024 (the copy paid for N / 32 strips), copied there by a dispatch of its own;
+    other K, fewer channels and AVX2's kernel (X_PAD 0) read x as it is."""
+    assert X_PAD == {"avx2": 0, "avx512": 16}
+    sizes = [(1024, 1024, 4), (512, 2048, 4), (320, 1024, 4), (1024, 256, 4), (1024, 1024, 2)]
+    assert [x_columns(*size) for size in sizes] == [1040, 528, 320, 1024, 1024]
+    name, text = executable(70, 1024, 1024, 4, 4)
+    assert name.endswith("_ld1040") and "memref<72800xf32>" in text  # x read as 70 rows of 1040
+    assert executable(70, 256, 1024, 4, 4)[0].endswith("_ld1024")
+    mlir = (
+        "module {\n"
+        "  func.func @main(%x: !torch.vtensor<[70,1024],f32>, %w: !torch.vtensor<[1048576],f32>) -> "
+        "!torch.vtensor<[70,1024],f32> {\n"
+        "    %n = torch.constant.int 1024\n    %t = torch.constant.int 4\n    %p = torch.constant.int 4\n"
+        '    %y = torch.operator "torch.fx_rewrites.f32_matmul"(%x, %w, %n, %t, %p) : (!torch.vtensor<[70,1024],f32>, '
+        "!torch.vtensor<[1048576],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[70,1024],f32>\n"
+        "    return %y : !torch.vtensor<[70,1024],f32>\n  }\n}"
+    )
+    spliced = splice(mlir)
+    assert spliced.count("stream.executable private @rows_70x1024_to_1040 ") == 1
+    assert "(%fxfy_0) : (tensor<70x1024xf32>) -> tensor<70x1040xf32>" in spliced
+    assert "(%fxfy_p, %fxfy_1) : (tensor<70x1040xf32>, tensor<1048576xf32>)" in spliced
+    assert "rows_" not in splice(mlir.replace("%t = torch.constant.int 4", "%t = torch.constant.int 2"))
+    with mock.patch.dict(X_PAD, {"avx512": 0}):
+        assert "rows_" not in splice(mlir) and "_ld1024" in splice(mlir)
+
+
 def test_each_isa_takes_its_own_block():
     """AVX2 the 6x16 rule, AVX-512 the 12x32 one (each measured on its ISA), neither the other's."""
     assert linear_as_f32_dispatch.name in targets.CPU_ISAS["avx2"].perf_rules
@@ -141,7 +176,14 @@ def test_each_isa_takes_its_own_block():
 
 def _through_iree(name: str, isa: str, rule) -> None:
     """CASES[name] through `isa`'s route: `rule` fires once, the dispatch is spliced and run, and on two inputs the
-    result is as near float64 as torch's float32, within a step."""
+    result is as near float64 as torch's float32, within a step (`padded_rows`: x's rows copied 16 floats apart)."""
+    if name == "padded_rows":
+        with mock.patch.dict(X_PAD, dict.fromkeys(X_PAD, 16)):
+            return _compiled_and_checked(name, isa, rule)
+    return _compiled_and_checked(name, isa, rule)
+
+
+def _compiled_and_checked(name: str, isa: str, rule) -> None:
     k, n, bias, lead = CASES[name]
     module = _linear(k, n, bias)
     inputs = [(_randn(0, *lead, k),), (3.0 * _randn(1, *lead, k),)]
@@ -152,7 +194,7 @@ def _through_iree(name: str, isa: str, rule) -> None:
     assert_within_torch_error(fn, in_float64(module), inputs)
 
 
-@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias"])
+@pytest.mark.parametrize("name", ["matrix_bias", "vit_mlp", "deep_bias", "padded_rows"])
 def test_linear_as_f32_dispatch_on_iree(name):
     """Through the AVX2 route (any AVX2 or AVX-512 host runs its code): the rule fires, the dispatch is spliced and
     run, and on two inputs the result is as near float64 as torch's float32, within a step (the rows a block of 6
@@ -162,10 +204,11 @@ def test_linear_as_f32_dispatch_on_iree(name):
     _through_iree(name, "avx2", linear_as_f32_dispatch)
 
 
-@pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias"])
+@pytest.mark.parametrize("name", ["vit_mlp", "deep_bias", "wide_no_bias", "padded_rows"])
 def test_linear_as_f32_dispatch_avx512_on_iree(name):
     """AVX-512's 12x32 block through the AVX-512 route (an AVX-512 host only): the rule fires among AVX-512's rules,
-    the dispatch is spliced and run, on two inputs as near float64 as torch's float32 (the rows 12-blocks and a remainder: 788 = 65 x 12 + 8, 90, 75)."""
+    the dispatch is spliced and run, on two inputs as near float64 as torch's float32 (the rows 12-blocks and a
+    remainder: 788 = 65 x 12 + 8, 90, 75, 70; K 512: x's rows copied to a stride of 528 first)."""
     if targets.host_isa() != "avx512":
         pytest.skip("llvm-cpu code for AVX-512 runs on an AVX-512 host only")
     _through_iree(name, "avx512", linear_as_f32_dispatch_avx512)
