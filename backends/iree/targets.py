@@ -240,6 +240,9 @@ _AVX2_FIRST_RULES = (
 # take conv1d_as_matmul's and patch_conv_as_matmul's linears too (a weight seen through permutes and reshapes): with /
 # without, locked, ViT 0.971 / 0.946 and the Whisper encoder 0.923 / 0.947 (AVX2 / AVX-512; docs/performance.md,
 # "The flash dispatch on AVX2, and encoders' attention through it")
+# `addmm_as_f32_dispatch[_avx512]`: transformers' Conv1D (GPT-2's addmm with W [K, N] held) through the same kernels:
+# runtime.py's GPT-2 without / with, locked, 1.31 / 1.35 (AVX2 / AVX-512; the route 0.73x / 0.71x eager, was 0.94x /
+# 1.05x; docs/performance.md "GPT-2's linears through the float32 dispatch")
 # `attention_as_flash_dispatch_avx512` (rules/flash_attention.py): a masked attention over a Dim of query rows
 # (compile_lm's prefill) through the hand-written flash dispatch (flash_attention_dispatch.py) with AVX-512's block (6
 # rows x 64 keys in zmm), before the other attention rules (docs/performance.md, "MoE prefill's attention as a dispatch
