@@ -58,6 +58,10 @@ MEASURED_CHOICES = {
     # transformers 12-24% faster with it on each (docs/performance.md, "The float32 kernel on AVX-512")
     "linear_as_f32_dispatch": {"avx512": False, "avx2": True},
     "linear_as_f32_dispatch_avx512": {"avx512": True, "avx2": False},
+    # GPT-2's Conv1D (addmm of a held [K, N] weight) through the same kernels: runtime.py's GPT-2 1.31 / 1.35x faster
+    # with it (AVX2 / AVX-512; docs/performance.md, "GPT-2's linears through the float32 dispatch")
+    "addmm_as_f32_dispatch": {"avx512": False, "avx2": True},
+    "addmm_as_f32_dispatch_avx512": {"avx512": True, "avx2": False},
     # a masked attention over a Dim of rows (compile_lm's prefill) through the hand-written flash dispatch, each ISA's
     # register block: the MoE prefill's attention alone 0.43 / 0.36x (AVX-512) and 0.44x (AVX2) of the key blocks' time
     # (docs/performance.md, "MoE prefill's attention as a dispatch of our own" and "... on AVX2, and encoders")
