@@ -86,8 +86,8 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     containing FLAG (`pointwise_conv_as_matmul/conv_as_im2col_matmul+im2col`: AVX-512 with IREE's global im2col
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
     (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad=P` (not a "without"): the
-    route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512
-    (`f32_dispatch.X_PAD`, 0 by default)."""
+    route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512 and N at least
+    1024, on every ISA (`f32_dispatch.X_PAD`: by default 16 on AVX-512, 0 on AVX2)."""
     parser.add_argument(
         "--also-without",
         default="",
