@@ -66,16 +66,14 @@ def _held(w: Any) -> bool:
     return (rank == 3 and ops == [reshape, permute]) or (rank == 4 and ops == [reshape])
 
 
-def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
-    x, w, b = linear_args(node)
-    if not _held(w):
-        return Miss("the weight is not the program's own: its layout would be rewritten at every call")
+def _f32_product(x: Node, w: Node, b: Node | None, strip: int, *, k_major: bool = False) -> dict[str, Any] | Miss:
+    """The kernel's conditions on x [..., K] @ W (+ b): W [N, K], or [K, N] where `k_major`."""
     xv, wv = fake_value(x), fake_value(w)
     if xv.dtype != torch.float32 or wv.dtype != torch.float32:
         return Miss(f"{xv.dtype} x {wv.dtype}: the kernel is float32")
     if xv.dim() < 2 or wv.dim() != 2:
         return Miss(f"x of rank {xv.dim()}, a weight of rank {wv.dim()}")
-    n, k = wv.shape
+    k, n = wv.shape if k_major else reversed(wv.shape)
     if b is not None and (
         not isinstance(b, Node) or fake_value(b).dtype != torch.float32 or tuple(fake_value(b).shape) != (n,)
     ):
@@ -87,7 +85,14 @@ def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
         return Miss(f"{k} -> {n}: N a multiple of {strip}, K of {KU}")
     if rows < MIN_ROWS:
         return Miss(f"{rows} rows (from {MIN_ROWS})")
-    return {"x": x, "w": w, "b": b, "rows": rows, "n": n, "k": k, "lead": list(xv.shape[:-1])}
+    return {"x": x, "w": w, "b": b, "rows": rows, "n": n, "k": k, "lead": list(xv.shape[:-1]), "k_major": k_major}
+
+
+def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
+    x, w, b = linear_args(node)
+    if not _held(w):
+        return Miss("the weight is not the program's own: its layout would be rewritten at every call")
+    return _f32_product(x, w, b, strip)
 
 
 def _f32_addmm(node: Node, strip: int) -> dict[str, Any] | Miss:
@@ -98,26 +103,13 @@ def _f32_addmm(node: Node, strip: int) -> dict[str, Any] | Miss:
     b, x, w = node.args[:3]
     if not constant_weight(w):
         return Miss("the weight is not the program's own: its layout would be rewritten at every call")
-    xv, wv = fake_value(x), fake_value(w)
-    if xv.dtype != torch.float32 or wv.dtype != torch.float32:
-        return Miss(f"{xv.dtype} x {wv.dtype}: the kernel is float32")
-    k, n = wv.shape
-    if not isinstance(b, Node) or fake_value(b).dtype != torch.float32 or tuple(fake_value(b).shape) != (n,):
-        return Miss(f"a bias that is not a float32 tensor of the {n} channels")
-    if not all(isinstance(s, int) for s in xv.shape):
-        return Miss("a Dim in x's sizes: the kernel is static in its rows")
-    rows = xv.shape[0]
-    if n % strip or k % KU:
-        return Miss(f"{k} -> {n}: N a multiple of {strip}, K of {KU}")
-    if rows < MIN_ROWS:
-        return Miss(f"{rows} rows (from {MIN_ROWS})")
-    return {"x": x, "w": w, "b": b, "rows": rows, "n": n, "k": k, "lead": [rows], "k_major": True}
+    return _f32_product(x, w, b, strip, k_major=True)
 
 
 def _as_dispatch(node: Node, rw: Rewriter, found: dict[str, Any], strip: int) -> None:
     n, k, rows, b = found["n"], found["k"], found["rows"], found["b"]
     flat = rw.call(aten.reshape.default, found["x"], [rows, k])
-    if found.get("k_major"):  # W [K, N]: [K, N/S, S] -> [N/S, K, S]
+    if found["k_major"]:  # W [K, N]: [K, N/S, S] -> [N/S, K, S]
         strips = rw.call(aten.reshape.default, found["w"], [k, n // strip, strip])
         packed = rw.call(aten.permute.default, strips, [1, 0, 2])
     else:  # W [N, K]: [N/S, S, K] -> [N/S, K, S]
