@@ -43,7 +43,7 @@ BLOCKS = {8: (4, 3), 16: (4, 6)}
 CHANNEL_BLOCK = 64
 #: by lanes: a 1x1's blocks of output channels prefetch the next block of input channels' rows of x into L2
 #: (`prefetcht1`), one vector a row each, where the first block over a block of input channels otherwise waits on
-#: x's rows from L3 (a 24 KiB panel in 6-line pieces 12.5 KiB apart). AVX-512: the module alone 0.87-0.90 of it
+#: x's rows from L3 (a 24 KiB panel in 6-line pieces 12.5 KiB apart). AVX-512: the module alone 0.87-0.88 of it
 #: without (1x1 256->64, 56x56), ResNet-50 0.968, MobileNetV2 0.975; AVX2: whole models 0.99-1.015 (noise), off
 #: (docs/performance.md, "A 1x1's next input channels prefetched")
 PREFETCH = {8: False, 16: True}
