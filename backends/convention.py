@@ -77,6 +77,9 @@ class Plan:
     inputs: tuple[Input, ...] = ()
     #: a dynamic dim's symbol -> (least, greatest or None) size the program was exported for
     ranges: Mapping[str, tuple[int, int | None]] = attrs.field(factory=dict)
+    #: per argument of the compiled function: True where the program never writes it, so a call may hand over
+    #: the caller's memory instead of a copy (the IREE backend's `unwritten.unwritten_arguments`; empty: copy all)
+    unwritten: tuple[bool, ...] = ()
 
 
 def leaf_paths(spec: pytree.TreeSpec) -> list[str]:

@@ -37,6 +37,9 @@ os.environ[CACHE_ENV] = os.environ[_SHARED_CACHE_ENV] = _SESSION_CACHE
 # with a warning: a test of the torch.compile route then fails instead of passing on eager. The tests of the
 # fallback turn it off themselves (tests/backends/test_dynamo.py).
 os.environ["FX_REWRITES_STRICT"] = "1"
+# An input a CPU call hands over uncopied (backends/iree/calling.py, Plan.unwritten) is checked unchanged after each
+# call, bit for bit: the whole suite tests the proof that no op of the graph writes it (backends/iree/unwritten.py).
+os.environ["FX_REWRITES_CHECK_INPUTS"] = "1"
 
 # transformers 5 imports torchvision where it is installed, and PyPI's torchvision wheel cannot load its
 # compiled ops on CPU torch: register the two its import needs before any test imports transformers

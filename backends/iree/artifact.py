@@ -119,6 +119,8 @@ def plan_json(plan: Plan, driver: str, parameters: bool = False, cpu: Mapping[st
     }
     if cpu is not None:  # optional, so version 1 still reads both ways (an older reader ignores the key)
         document["cpu"] = dict(cpu)
+    if any(plan.unwritten):  # optional too: without it every argument is copied
+        document["unwritten"] = list(plan.unwritten)
     return json.dumps(document, separators=(",", ":"))
 
 
@@ -147,7 +149,8 @@ def plan_from_json(text: str, source: str) -> tuple[Plan, dict[str, Any]]:
         )
         ranges = {k: (v[0], v[1]) for k, v in doc["ranges"].items()}
         in_spec, out_spec = pytree.treespec_loads(doc["in_spec"]), pytree.treespec_loads(doc["out_spec"])
-        return Plan(in_spec, out_spec, tuple(doc["args"]), outputs, inputs, ranges), doc
+        unwritten = tuple(bool(u) for u in doc.get("unwritten", ()))
+        return Plan(in_spec, out_spec, tuple(doc["args"]), outputs, inputs, ranges, unwritten), doc
     except ArtifactError:
         raise
     except Exception as e:  # a damaged document, or a pytree type this process has not registered

@@ -11,6 +11,15 @@ Dim's range and divisor, sizes of one symbol agreeing) without building messages
 of its mapped buffer; any other call (keyword arguments, a structure, a
 mismatch, which `bind` then names) takes the general path.
 
+On a CPU device an input the program never writes (`Plan.unwritten`: `unwritten.unwritten_arguments` proves it
+from the graph) is imported as the device buffer the module reads (`HalAllocator.import_host_allocation`: no copy;
+the call returns after the module has run) where it is C-contiguous, writable and 64-byte aligned (what IREE's
+kernels assume of a binding); every other input is copied into a new device buffer, as iree.runtime's packer does.
+IREE 3.13 writes in place into an imported argument that a scatter or a sort updates (docs/iree-3.13-findings.md,
+71): hence the proof. With `FX_REWRITES_CHECK_INPUTS=1` (the test suite) each imported input is compared, bit for
+bit, with a copy taken before the call, and a difference raises `InputWrittenError`. A copy costs ~0.25 ms of a 1x1
+convolution's 3.2 MB input.
+
 Results are copied out of IREE's buffers, never handed over: a result may be a
 buffer the module keeps (a constant, a global of its state, a weight served
 from the model's own memory), which a later call or a write through the tensor
@@ -19,6 +28,7 @@ would change. The copy is the cheap part (a 512 KB result: ~12 us).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,8 +113,9 @@ class Invoker:
     of its mapped buffer (a number as is): what the invoker and a `DeviceArray` do, less their Python. Built by
     `of`; None where the function is not of the form this knows (another IREE version: the invoker is used)."""
 
-    def __init__(self, function: Any, dtypes: Sequence[np.dtype] | None) -> None:
+    def __init__(self, function: Any, dtypes: Sequence[np.dtype] | None, unwritten: Sequence[bool] = ()) -> None:
         import iree.runtime as rt
+        from iree.runtime.array_interop import map_dtype_to_element_type
 
         self._context = function._vm_context
         self._function = function._vm_function
@@ -119,9 +130,19 @@ class Invoker:
         self._raw_dtype = rt.HalElementType.map_to_dtype
         self._visible, self._mapping = int(rt.MemoryType.HOST_VISIBLE), int(rt.BufferUsage.MAPPING_SCOPED)
         self._slow = function  # for a result that is not host-mappable (a GPU's device-local memory)
+        #: per argument, whether it is imported in place (a CPU device and `Plan.unwritten`); empty: none is
+        self._unwritten = tuple(unwritten) if any(unwritten) else ()
+        self._allocator = function._device.allocator if self._unwritten else None
+        self._element_type = map_dtype_to_element_type
+        self._imported_memory = int(rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE)
+        self._imported_usage = int(rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING)
+        self._copied_memory, self._copied_usage = int(rt.MemoryType.DEVICE_LOCAL), int(rt.BufferUsage.DEFAULT)
+        self._check = os.environ.get(CHECK_ENV) == "1"
 
     @classmethod
-    def of(cls, function: Any) -> Invoker | None:
+    def of(cls, function: Any, unwritten: Sequence[bool] = ()) -> Invoker | None:
+        """`unwritten`: per argument, True where the module never writes it (`Plan.unwritten`) and `function`'s
+        device is a CPU device (`runtime.is_host_device`): those arguments are imported, not copied."""
         try:
             import iree.runtime as rt
             from iree.runtime.dtypes import map_abi_type_to_dtype_info
@@ -135,7 +156,7 @@ class Invoker:
             for name in ("_vm_context", "_vm_function", "_device", "_arg_packer"):
                 getattr(function, name)
             rt._binding.InvokeContext  # noqa: B018
-            return cls(function, dtypes)
+            return cls(function, dtypes, unwritten)
         except (AttributeError, KeyError, TypeError, ImportError):
             return None
 
@@ -168,10 +189,51 @@ class Invoker:
         return reduce(array)
 
     def _invoke(self, arrays: tuple[Any, ...]) -> Any:
-        args = self._packer.pack(self._invoke_context(self._device), arrays, {})
+        imported = self._imported(arrays) if self._unwritten else None
+        if imported is None:
+            args = self._packer.pack(self._invoke_context(self._device), arrays, {})
+        else:
+            args, kept = imported
         results = self._list(1 if self._dtypes is None else len(self._dtypes))
         self._context.invoke(self._function, args, results)
+        if imported is not None and self._check:
+            _check_unchanged(arrays, kept)
         return results
+
+    def _imported(self, arrays: tuple[Any, ...]) -> tuple[Any, list[tuple[int, np.ndarray]]] | None:
+        """The arguments with each unwritten array as a buffer over its own memory and the rest copied, and (under
+        `FX_REWRITES_CHECK_INPUTS`) a copy of each imported one; None where no array can be imported (then the
+        packer copies them all)."""
+        if len(arrays) != len(self._unwritten):
+            return None
+        places = [i for i, (a, u) in enumerate(zip(arrays, self._unwritten)) if u and self._importable(a)]
+        if not places:
+            return None
+        args, kept = self._list(len(arrays)), []
+        for i, array in enumerate(arrays):
+            if not isinstance(array, np.ndarray):
+                return None  # a number: the packer's
+            element_type = self._element_type(array.dtype)
+            if element_type is None:
+                return None  # a dtype only the packer maps (bfloat16's ml_dtypes array): it copies them all
+            element_type = int(element_type)
+            if i in places:
+                buffer = self._allocator.import_host_allocation(array, self._imported_memory, self._imported_usage)
+                args.push_ref(self._buffer_view(buffer, array.shape, element_type))
+                if self._check:
+                    kept.append((i, array.copy()))
+            else:
+                view = self._allocator.allocate_buffer_copy(
+                    self._copied_memory, self._copied_usage, self._device, np.ascontiguousarray(array), element_type
+                )
+                args.push_ref(view)
+        return args, kept
+
+    def _importable(self, array: Any) -> bool:
+        if not isinstance(array, np.ndarray) or not array.nbytes or self._element_type(array.dtype) is None:
+            return False
+        flags = array.flags
+        return flags.c_contiguous and flags.writeable and array.ctypes.data % _ALIGNMENT == 0
 
     def _mapped(self, results: Any, i: int) -> Any:
         """Result `i` as a numpy array over its mapped buffer (valid while the array lives), a number as it is,
@@ -192,11 +254,12 @@ class Invoker:
         return _extract_vm_sequence_to_python(Invocation(self._device), results, self._slow._ret_descs)
 
 
-def fast_call(plan: Plan, function: Any) -> Callable[[tuple[Any, ...]], Any] | None:
+def fast_call(plan: Plan, function: Any, host_memory: bool = False) -> Callable[[tuple[Any, ...]], Any] | None:
     """`plan`'s call of `function` for positional tensors that `fits` (returns `MISS` for any other call), or
-    None where the plan or the function takes only the general path (mutations, host state, keyword inputs)."""
+    None where the plan or the function takes only the general path (mutations, host state, keyword inputs).
+    `host_memory`: `function`'s device is a CPU device: the plan's unwritten inputs are imported (`Invoker`)."""
     checks = input_checks(plan)
-    invoker = Invoker.of(function)
+    invoker = Invoker.of(function, plan.unwritten if host_memory else ())
     if checks is None or invoker is None or any(out.write is not None for out in plan.outputs):
         return None
     outputs = tuple((out.result, out.constant, out.dtype) for out in plan.outputs)
@@ -226,6 +289,26 @@ def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
     return to_torch(value, dtype) if isinstance(value, np.ndarray) else value
 
 
+class InputWrittenError(RuntimeError):
+    """A compiled function wrote into an input it was handed in place (`FX_REWRITES_CHECK_INPUTS`)."""
+
+
+def _check_unchanged(arrays: tuple[Any, ...], kept: list[tuple[int, np.ndarray]]) -> None:
+    for i, before in kept:
+        if arrays[i].tobytes() != before.tobytes():
+            raise InputWrittenError(
+                f"the compiled function wrote into its argument {i} ({arrays[i].dtype}{list(arrays[i].shape)}), "
+                "which `unwritten.unwritten_arguments` found no op to write and the call passed uncopied: an op "
+                "listed there as reading only writes in IREE. Fix: remove it from `unwritten._READERS` (the "
+                "argument is then copied) and report the graph"
+            )
+
+
+#: the environment variable that makes a call check its imported inputs unchanged (the test suite sets it)
+CHECK_ENV = "FX_REWRITES_CHECK_INPUTS"
+#: the alignment IREE's kernels assume of a binding (`hal.interface.binding.subspan ... alignment(64)`); an input
+#: array at another address is copied (torch's CPU allocator aligns its blocks to 64 bytes; a view may not be)
+_ALIGNMENT = 64
 #: what a fast call returns for a call it does not take
 MISS = object()
 #: `Invoker._mapped` of a result in memory the host cannot map (a GPU's device-local memory)

@@ -38,6 +38,7 @@ from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.int4_fold import fold_int4
 from fx_rewrites.backends.iree.state import state_tensor
+from fx_rewrites.backends.iree.unwritten import unwritten_arguments
 from fx_rewrites.backends.iree.weight_layout import fold_blocked_rows
 from fx_rewrites.program import copy_graph_module, rebuild_program
 from fx_rewrites.symbolic_sizes import sym_placeholder_sources
@@ -136,11 +137,13 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
             sources[spec.arg.name] = state_tensor(program, spec.target)
     graph = copy.graph_module.graph
     args: list[int | torch.Tensor] = []
+    arguments = []
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in sources]:
         if node.name in user_names and _is_constant(node):
             graph.erase_node(node)
         else:
             args.append(sources[node.name])
+            arguments.append(node)
 
     writes: list[int | torch.Tensor | None] = []
     for spec in sig.output_specs:
@@ -161,6 +164,7 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
         tuple(outputs),
         program_inputs(program),
         program_ranges(program),
+        unwritten_arguments(arguments),
     )
     return copy, plan
 
@@ -233,7 +237,7 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     else:
         in_spec, out_spec = pytree.tree_flatten((tuple(placeholders), {}))[1], None
     replaced = _recompute_sizes(copy)
-    args = []
+    args, arguments = [], []
     for i, node in enumerate(placeholders):
         if node.name in replaced:
             continue
@@ -241,6 +245,7 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
             graph.erase_node(node)
         else:
             args.append(i)
+            arguments.append(node)
 
     output = graph.output_node()
     leaves, spec = pytree.tree_flatten(output.args[0])
@@ -248,4 +253,5 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     concrete_sizes(graph)
     graph.lint()
     copy.recompile()
-    return copy, Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs))
+    plan = Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs), unwritten=unwritten_arguments(arguments))
+    return copy, plan

@@ -26,6 +26,8 @@ from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
 #: devices by URI, made once per process (as `iree.runtime.get_device` caches them); dropped at exit, before
 #: nanobind's leak check (see `IreeCompiled.release`)
 _DEVICES: dict[str, Any] = {}
+#: IREE's CPU drivers: their devices' memory is the host's
+CPU_DRIVERS = ("local-sync", "local-task")
 atexit.register(_DEVICES.clear)
 
 
@@ -47,12 +49,18 @@ def get_device(rt: Any, uri: str) -> Any:
     """
     device = _DEVICES.get(uri)
     if device is None:
-        if uri.split(":", 1)[0] in ("local-sync", "local-task"):
+        if uri.split(":", 1)[0] in CPU_DRIVERS:
             device = rt.get_driver(uri).create_device_by_uri(uri, allocators=cpu_allocators())
         else:
             device = rt.get_device(uri)
         _DEVICES[uri] = device
     return device
+
+
+def is_host_device(device: Any) -> bool:
+    """Whether `device` is a CPU device `get_device` made: its memory is the host's, so a call may hand an input
+    array over in place (`calling.Invoker`) instead of copying it into a device buffer."""
+    return any(d is device for uri, d in _DEVICES.items() if uri.split(":", 1)[0] in CPU_DRIVERS)
 
 
 def to_host(value: Any) -> Any:
@@ -193,7 +201,8 @@ class IreeCompiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs and self.function is not None:
             if self._fast_for is not self.function:
-                self._fast, self._fast_for = fast_call(self.plan, self.function), self.function
+                host_memory = is_host_device(getattr(self.function, "_device", None))
+                self._fast, self._fast_for = fast_call(self.plan, self.function, host_memory), self.function
             if self._fast is not None and (out := self._fast(args)) is not MISS:
                 return out
         return self.call_bound(*args, **kwargs)
@@ -385,7 +394,7 @@ def load_functions(
                 "compiled.save); run it with iree-run-module or iree.runtime directly"
             )
         docs[name] = plan_from_json(entries[CALL_KEY], str(path))
-    if (driver or docs[names[0]][1]["driver"]).split(":", 1)[0] in ("local-task", "local-sync"):
+    if (driver or docs[names[0]][1]["driver"]).split(":", 1)[0] in CPU_DRIVERS:
         check(docs[names[0]][1].get("cpu"), str(path))  # before IREE maps code this CPU cannot run
     bound, archive = _bind(path, docs[names[0]][1], params, driver)
     vmfb = path.read_bytes()
