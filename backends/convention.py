@@ -78,8 +78,11 @@ class Plan:
     #: a dynamic dim's symbol -> (least, greatest or None) size the program was exported for
     ranges: Mapping[str, tuple[int, int | None]] = attrs.field(factory=dict)
     #: per argument of the compiled function: True where the program never writes it, so a call may hand over
-    #: the caller's memory instead of a copy (the IREE backend's `unwritten.unwritten_arguments`; empty: copy all)
+    #: the caller's memory instead of a copy (the IREE backend's `sharing.unwritten_arguments`; empty: copy all)
     unwritten: tuple[bool, ...] = ()
+    #: per result of the compiled function: True where it is a buffer of the call's own, which the caller may keep
+    #: uncopied (`sharing.fresh_results`; empty: copy all)
+    fresh: tuple[bool, ...] = ()
 
 
 def leaf_paths(spec: pytree.TreeSpec) -> list[str]:

@@ -38,7 +38,7 @@ os.environ[CACHE_ENV] = os.environ[_SHARED_CACHE_ENV] = _SESSION_CACHE
 # fallback turn it off themselves (tests/backends/test_dynamo.py).
 os.environ["FX_REWRITES_STRICT"] = "1"
 # An input a CPU call hands over uncopied (backends/iree/calling.py, Plan.unwritten) is checked unchanged after each
-# call, bit for bit: the whole suite tests the proof that no op of the graph writes it (backends/iree/unwritten.py).
+# call, bit for bit: the whole suite tests the proof that no op of the graph writes it (backends/iree/sharing.py).
 os.environ["FX_REWRITES_CHECK_INPUTS"] = "1"
 
 # transformers 5 imports torchvision where it is installed, and PyPI's torchvision wheel cannot load its

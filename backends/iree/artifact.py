@@ -121,6 +121,8 @@ def plan_json(plan: Plan, driver: str, parameters: bool = False, cpu: Mapping[st
         document["cpu"] = dict(cpu)
     if any(plan.unwritten):  # optional too: without it every argument is copied
         document["unwritten"] = list(plan.unwritten)
+    if any(plan.fresh):  # and without it every result
+        document["fresh"] = list(plan.fresh)
     return json.dumps(document, separators=(",", ":"))
 
 
@@ -150,7 +152,8 @@ def plan_from_json(text: str, source: str) -> tuple[Plan, dict[str, Any]]:
         ranges = {k: (v[0], v[1]) for k, v in doc["ranges"].items()}
         in_spec, out_spec = pytree.treespec_loads(doc["in_spec"]), pytree.treespec_loads(doc["out_spec"])
         unwritten = tuple(bool(u) for u in doc.get("unwritten", ()))
-        return Plan(in_spec, out_spec, tuple(doc["args"]), outputs, inputs, ranges, unwritten), doc
+        fresh = tuple(bool(f) for f in doc.get("fresh", ()))
+        return Plan(in_spec, out_spec, tuple(doc["args"]), outputs, inputs, ranges, unwritten, fresh), doc
     except ArtifactError:
         raise
     except Exception as e:  # a damaged document, or a pytree type this process has not registered

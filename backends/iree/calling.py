@@ -11,7 +11,7 @@ Dim's range and divisor, sizes of one symbol agreeing) without building messages
 of its mapped buffer; any other call (keyword arguments, a structure, a
 mismatch, which `bind` then names) takes the general path.
 
-On a CPU device an input the program never writes (`Plan.unwritten`: `unwritten.unwritten_arguments` proves it
+On a CPU device an input the program never writes (`Plan.unwritten`: `sharing.unwritten_arguments` proves it
 from the graph) is imported as the device buffer the module reads (`HalAllocator.import_host_allocation`: no copy;
 the call returns after the module has run) where it is C-contiguous, writable and 64-byte aligned (what IREE's
 kernels assume of a binding); every other input is copied into a new device buffer, as iree.runtime's packer does.
@@ -20,10 +20,13 @@ IREE 3.13 writes in place into an imported argument that a scatter or a sort upd
 bit, with a copy taken before the call, and a difference raises `InputWrittenError`. A copy costs ~0.25 ms of a 1x1
 convolution's 3.2 MB input.
 
-Results are copied out of IREE's buffers, never handed over: a result may be a
-buffer the module keeps (a constant, a global of its state, a weight served
-from the model's own memory), which a later call or a write through the tensor
-would change. The copy is the cheap part (a 512 KB result: ~12 us).
+A result is copied out of IREE's buffer unless the plan says it is the call's own (`Plan.fresh`: computed by a
+product, a convolution or a dispatch of ours, `sharing.fresh_results`) and its memory overlaps no other result's
+and no argument's: then the array over IREE's mapped buffer is handed out (it keeps the buffer alive; IREE reuses
+it once the array is gone). Any other result may be a buffer the module keeps (a constant, a global of its state, a
+weight served from the model's own memory, an imported input), which a later call or a write through the tensor
+would change. A copy costs ~26 us for 512 KB and ~0.3 ms for 3.2 MB (one core's memory bandwidth, with the copy
+into a new array) on the hosts of docs/performance.md.
 """
 
 from __future__ import annotations
@@ -113,7 +116,13 @@ class Invoker:
     of its mapped buffer (a number as is): what the invoker and a `DeviceArray` do, less their Python. Built by
     `of`; None where the function is not of the form this knows (another IREE version: the invoker is used)."""
 
-    def __init__(self, function: Any, dtypes: Sequence[np.dtype] | None, unwritten: Sequence[bool] = ()) -> None:
+    def __init__(
+        self,
+        function: Any,
+        dtypes: Sequence[np.dtype] | None,
+        unwritten: Sequence[bool] = (),
+        fresh: Sequence[bool] = (),
+    ) -> None:
         import iree.runtime as rt
         from iree.runtime.array_interop import map_dtype_to_element_type
 
@@ -138,11 +147,14 @@ class Invoker:
         self._imported_usage = int(rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING)
         self._copied_memory, self._copied_usage = int(rt.MemoryType.DEVICE_LOCAL), int(rt.BufferUsage.DEFAULT)
         self._check = os.environ.get(CHECK_ENV) == "1"
+        #: per result, whether it may be handed out as IREE's buffer (`Plan.fresh`); empty: each is copied
+        self._fresh = tuple(fresh) if any(fresh) else ()
 
     @classmethod
-    def of(cls, function: Any, unwritten: Sequence[bool] = ()) -> Invoker | None:
+    def of(cls, function: Any, unwritten: Sequence[bool] = (), fresh: Sequence[bool] = ()) -> Invoker | None:
         """`unwritten`: per argument, True where the module never writes it (`Plan.unwritten`) and `function`'s
-        device is a CPU device (`runtime.is_host_device`): those arguments are imported, not copied."""
+        device is a CPU device (`runtime.is_host_device`): those arguments are imported, not copied. `fresh`: per
+        result, True where it is the call's own buffer (`Plan.fresh`): handed out, not copied."""
         try:
             import iree.runtime as rt
             from iree.runtime.dtypes import map_abi_type_to_dtype_info
@@ -156,13 +168,13 @@ class Invoker:
             for name in ("_vm_context", "_vm_function", "_device", "_arg_packer"):
                 getattr(function, name)
             rt._binding.InvokeContext  # noqa: B018
-            return cls(function, dtypes, unwritten)
+            return cls(function, dtypes, unwritten, fresh)
         except (AttributeError, KeyError, TypeError, ImportError):
             return None
 
     def __call__(self, *arrays: Any) -> list[Any]:
         results = self._invoke(arrays)
-        out = []
+        out, mapped = [], []
         for i in range(len(results)):
             array = self._mapped(results, i)
             if array is _UNMAPPABLE:  # a GPU's device-local memory: the DeviceArray path copies it by a transfer
@@ -171,8 +183,27 @@ class Invoker:
                 out.append(array)  # a number (a size the program returns)
                 continue
             want = array.dtype if self._dtypes is None else self._dtypes[i]
-            out.append(array.astype(want) if array.dtype != want else array.copy())  # astype copies too
+            if array.dtype != want:
+                out.append(array.astype(want))  # a copy
+            elif self._fresh and self._fresh[i] and array.nbytes:
+                out.append(np.asarray(_Held(array, self._device)))  # IREE's buffer: reused once the array dies
+                mapped.append(i)
+            else:
+                out.append(array.copy())
+        if mapped:
+            self._copy_shared(out, mapped, arrays)
         return out
+
+    @staticmethod
+    def _copy_shared(out: list[Any], mapped: list[int], arrays: tuple[Any, ...]) -> None:
+        """Copy each result in `mapped` whose memory overlaps another result's or an argument's (a result IREE made
+        a view of another, or of an imported input): what the caller gets never shares memory it did not see."""
+        spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if isinstance(a, np.ndarray) and a.nbytes]
+        spans += [(out[i].ctypes.data, out[i].ctypes.data + out[i].nbytes) for i in mapped]
+        for i in mapped:
+            start, end = out[i].ctypes.data, out[i].ctypes.data + out[i].nbytes
+            if sum(s < end and start < e for s, e in spans) > 1:  # itself, and another
+                out[i] = out[i].copy()
 
     def reduced(self, reduce: Callable[[Any], Any], *arrays: Any) -> Any:
         """`reduce(first result)` with the first result read in place from IREE's mapped buffer, not copied out
@@ -257,9 +288,10 @@ class Invoker:
 def fast_call(plan: Plan, function: Any, host_memory: bool = False) -> Callable[[tuple[Any, ...]], Any] | None:
     """`plan`'s call of `function` for positional tensors that `fits` (returns `MISS` for any other call), or
     None where the plan or the function takes only the general path (mutations, host state, keyword inputs).
-    `host_memory`: `function`'s device is a CPU device: the plan's unwritten inputs are imported (`Invoker`)."""
+    `host_memory`: `function`'s device is a CPU device: the plan's unwritten inputs are imported and its fresh
+    results handed out (`Invoker`)."""
     checks = input_checks(plan)
-    invoker = Invoker.of(function, plan.unwritten if host_memory else ())
+    invoker = Invoker.of(function, plan.unwritten, plan.fresh) if host_memory else Invoker.of(function)
     if checks is None or invoker is None or any(out.write is not None for out in plan.outputs):
         return None
     outputs = tuple((out.result, out.constant, out.dtype) for out in plan.outputs)
@@ -289,6 +321,18 @@ def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
     return to_torch(value, dtype) if isinstance(value, np.ndarray) else value
 
 
+class _Held:
+    """The array protocol of a mapped result array, holding it and its device: a result handed out keeps the device
+    whose allocator takes its buffer back alive (at exit, `runtime`'s devices are dropped before the tensors a
+    program still holds; a buffer released after its device crashed the process)."""
+
+    __slots__ = ("__array_interface__", "_held")
+
+    def __init__(self, array: np.ndarray, device: Any) -> None:
+        self.__array_interface__ = array.__array_interface__
+        self._held = (device, array)  # a tuple drops its items last first: the array, then the device
+
+
 class InputWrittenError(RuntimeError):
     """A compiled function wrote into an input it was handed in place (`FX_REWRITES_CHECK_INPUTS`)."""
 
@@ -298,8 +342,8 @@ def _check_unchanged(arrays: tuple[Any, ...], kept: list[tuple[int, np.ndarray]]
         if arrays[i].tobytes() != before.tobytes():
             raise InputWrittenError(
                 f"the compiled function wrote into its argument {i} ({arrays[i].dtype}{list(arrays[i].shape)}), "
-                "which `unwritten.unwritten_arguments` found no op to write and the call passed uncopied: an op "
-                "listed there as reading only writes in IREE. Fix: remove it from `unwritten._READERS` (the "
+                "which `sharing.unwritten_arguments` found no op to write and the call passed uncopied: an op "
+                "listed there as reading only writes in IREE. Fix: remove it from `sharing._READERS` (the "
                 "argument is then copied) and report the graph"
             )
 

@@ -37,8 +37,8 @@ from fx_rewrites.backends.iree.a8int4_fold import fold_a8int4
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
 from fx_rewrites.backends.iree.int4_fold import fold_int4
+from fx_rewrites.backends.iree.sharing import fresh_results, unwritten_arguments
 from fx_rewrites.backends.iree.state import state_tensor
-from fx_rewrites.backends.iree.unwritten import unwritten_arguments
 from fx_rewrites.backends.iree.weight_layout import fold_blocked_rows
 from fx_rewrites.program import copy_graph_module, rebuild_program
 from fx_rewrites.symbolic_sizes import sym_placeholder_sources
@@ -165,6 +165,7 @@ def prepare_program(program: ExportedProgram, state: Collection[str] = ()) -> tu
         program_inputs(program),
         program_ranges(program),
         unwritten_arguments(arguments),
+        fresh_results(output.args[0]),
     )
     return copy, plan
 
@@ -253,5 +254,6 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     concrete_sizes(graph)
     graph.lint()
     copy.recompile()
-    plan = Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs), unwritten=unwritten_arguments(arguments))
+    unwritten, fresh = unwritten_arguments(arguments), fresh_results(output.args[0])
+    plan = Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs), unwritten=unwritten, fresh=fresh)
     return copy, plan

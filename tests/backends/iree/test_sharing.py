@@ -21,7 +21,7 @@ from fx_rewrites.backends.iree import IreeBackend
 from fx_rewrites.backends.iree.calling import CHECK_ENV, InputWrittenError, Invoker, fast_call
 from fx_rewrites.backends.iree.preparing import prepare_program
 from fx_rewrites.backends.iree.runtime import is_host_device
-from fx_rewrites.backends.iree.unwritten import unwritten_arguments
+from fx_rewrites.backends.iree.sharing import unwritten_arguments
 
 DRIVERS = ("local-task", "local-sync")
 
@@ -201,3 +201,69 @@ def test_a_saved_module_keeps_which_inputs_it_reads_in_place(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(kept), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x, kept, rtol=0, atol=0)
+
+
+class Outputs(torch.nn.Module):
+    """Results of each kind: a convolution's and what is computed from it (fresh), a view of it beside it (fresh,
+    one buffer: the call copies both), the input times one and a weight times one (which IREE may fold to the
+    input or the weight), a constant, a `where` between the input and itself (folded to the input) and a
+    `zeros_like` (a constant IREE may hoist)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+        self.w = torch.nn.Parameter(torch.randn(4, generator=_g(20)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.conv(x)
+        # where(c, x, x) is x (IREE folds it: torch-mlir folds where(c, w, w) with w broadcast to w unbroadcast,
+        # a compile error, so both operands are x's shape here)
+        return (
+            y,
+            torch.relu(y),
+            y + x,
+            y.view(-1),
+            x * 1.0,
+            self.w * 1.0,
+            torch.zeros(3),
+            torch.where(y > 0, x, x),
+            (torch.zeros_like(y)),
+        )
+
+
+def test_the_results_that_are_the_calls_own_buffers():
+    fresh = prepare_program(_program(Outputs(), (torch.randn(1, 4, 3, 3, generator=_g(21)),)))[1].fresh
+    assert fresh == (True, True, True, True, False, False, False, False, False)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_fresh_result_is_handed_out_and_stays_the_callers(driver):
+    model = Pointwise().eval()
+    example = (torch.randn(1, 16, 6, 6, generator=_g(22)),)
+    compiled = IreeBackend(driver=driver).compile(_program(model, example), example)
+    assert compiled.plan.fresh == (True,)
+    invoker = Invoker.of(compiled.function, compiled.plan.unwritten, compiled.plan.fresh)
+    (handed,) = invoker(example[0].numpy())
+    assert handed.base is not None and not handed.flags.owndata  # IREE's mapped buffer, not a copy
+    xs = [torch.randn(1, 16, 6, 6, generator=_g(23 + i)) for i in range(4)]
+    with torch.no_grad():
+        wants = [model(x) for x in xs]
+    kept = [compiled(x) for x in xs]  # each kept while the next calls run: none is reused under it
+    for got, want in zip(kept, wants, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kept[0].fill_(7.0)  # the caller's to write
+    torch.testing.assert_close(compiled(xs[1]), wants[1], rtol=1e-5, atol=1e-5)
+
+
+def test_results_sharing_a_buffer_are_copied_apart():
+    x = torch.randn(1, 4, 3, 3, generator=_g(30))
+    model = Outputs()
+    compiled = IreeBackend(driver="local-sync").compile(_program(model, (x,)), (x,))
+    got = compiled(x)
+    with torch.no_grad():
+        want = model(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    y, _, _, flat = got[:4]
+    y.fill_(5.0)  # y and its view are one buffer in IREE: the call gave each its own
+    torch.testing.assert_close(flat, want[3], rtol=1e-5, atol=1e-5)
