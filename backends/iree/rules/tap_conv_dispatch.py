@@ -19,6 +19,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, dispatchable_2d
 from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D, phase_rows
+from fx_rewrites.backends.iree.tap_phase_dispatch import TAP_PHASES
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -60,17 +61,9 @@ def _tap_conv(node: Node, lanes: int) -> dict[str, Any] | Miss:
 
 def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
     stride, _, rows, cols, hq, wq = found["geometry"]
-    x, w = fake_value(found["input"]), fake_value(found["weight"])
-    n, channels, height, width = x.shape
+    w = fake_value(found["weight"])
     ph, pw = found["padding"]
-    pad = [pw, wq * stride - width - pw, ph, hq * stride - height - ph]
-    padded = rw.call(aten.constant_pad_nd.default, found["input"], pad, 0.0)
-    if stride == 1:
-        phases = rw.call(aten.unsqueeze.default, padded, 2)
-    else:
-        split = rw.call(aten.reshape.default, padded, [n, channels, hq, stride, wq, stride])
-        moved = rw.call(aten.permute.default, split, [0, 1, 3, 5, 2, 4])
-        phases = rw.call(aten.reshape.default, moved, [n, channels, stride * stride, hq, wq])
+    phases = rw.call(TAP_PHASES, found["input"], stride, ph, pw, hq, wq, lanes)
     bias = found["bias"]
     if bias is None:
         bias = rw.call(aten.zeros.default, [w.shape[0]], dtype=torch.float32, device=w.device)
