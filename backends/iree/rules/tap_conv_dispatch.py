@@ -1,10 +1,11 @@
 """kxk convolutions through the hand-written tap convolution dispatch (issue 32; llvm-cpu).
 
     conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, k, k] (k in KERNELS), stride 1 or 2, padding p, one group
-    -> tap_conv2d(phases(pad(x)), w, b or zeros(O), s, Ho, Wo, lanes)
+    -> tap_conv2d(tap_phases(x, s, p, p, Hq, Wq, lanes), w, b or zeros(O), s, Ho, Wo, lanes)
 
 The input is padded (its border p, then up to the phases' whole rows and columns) and, at stride 2, split into its
-four phases (`tap_conv_dispatch.phases`); the kernel reads each tap of each output at a fixed offset of the
+four phases, in one hand-written dispatch (`tap_phase_dispatch.py`; IREE 3.13 made a fill, a copy and a
+transposition of the pad and split: findings 72); the kernel reads each tap of each output at a fixed offset of the
 flattened phases (`tap_conv_dispatch.py`). `conv_as_tap_dispatch` writes AVX2's block (8 lanes),
 `conv_as_tap_dispatch_avx512` AVX-512's (16). Before `conv_as_im2col_matmul` and `conv_as_tap_matmuls`. The batch
 norm and the ReLU after the call fold into it (`batch_norm_into_pointwise_conv`, `relu_into_pointwise_conv`).
