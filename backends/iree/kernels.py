@@ -12,6 +12,7 @@ from fx_rewrites.backends.iree import (
     packed_experts,
     pointwise_conv_dispatch,
     tap_conv_dispatch,
+    tap_phase_dispatch,
 )
 
 #: the kernel modules: each has `MARKS` (its ops' names in torch-mlir's import) and `splice`
@@ -25,6 +26,7 @@ KERNELS = (
     packed_experts,
     pointwise_conv_dispatch,
     tap_conv_dispatch,
+    tap_phase_dispatch,
 )
 
 

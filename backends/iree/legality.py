@@ -69,6 +69,8 @@ SPLICED: dict[str, str] = {
     "(pointwise_conv_dispatch.py)",
     "fx_rewrites.tap_conv2d.default": "spliced by the backend as a hand-written kxk convolution dispatch "
     "(tap_conv_dispatch.py)",
+    "fx_rewrites.tap_phases.default": "spliced by the backend as a hand-written dispatch padding an image and "
+    "splitting it into its phases (tap_phase_dispatch.py)",
 }
 
 

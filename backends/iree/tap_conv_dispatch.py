@@ -1,7 +1,8 @@
 """A kxk convolution as the pointwise kernel's taps over a padded, flattened image (issue 32; llvm-cpu).
 
 A convolution of stride s reads input (s y + ky, s x + kx) for output (y, x). The rule pads the input and, at stride
-2, splits it into its s s phases (rows and columns even or odd: `phases`), so that x is [N, C, s s, Hq, Wq]: each
+2, splits it into its s s phases (rows and columns even or odd: `phases`; both in one dispatch,
+`tap_phase_dispatch.py`), so that x is [N, C, s s, Hq, Wq]: each
 tap (ky, kx) then reads one phase at a fixed offset from the output's position, and with the output's rows laid out
 `Wq` wide (q = y Wq + x, its last Wq - Wo columns garbage), at a fixed offset of the flattened phases. So the
 convolution is `pointwise_conv_dispatch`'s kernel with k k taps: R output channels x V vectors of positions in

@@ -1,10 +1,11 @@
 """kxk convolutions through the hand-written tap convolution dispatch (issue 32; llvm-cpu).
 
     conv2d(x, w, b)   # x [N, C, H, W] static, w [O, C, k, k] (k in KERNELS), stride 1 or 2, padding p, one group
-    -> tap_conv2d(phases(pad(x)), w, b or zeros(O), s, Ho, Wo, lanes)
+    -> tap_conv2d(tap_phases(x, s, p, p, Hq, Wq, lanes), w, b or zeros(O), s, Ho, Wo, lanes)
 
 The input is padded (its border p, then up to the phases' whole rows and columns) and, at stride 2, split into its
-four phases (`tap_conv_dispatch.phases`); the kernel reads each tap of each output at a fixed offset of the
+four phases, in one hand-written dispatch (`tap_phase_dispatch.py`; IREE 3.13 made a fill, a copy and a
+transposition of the pad and split: findings 72); the kernel reads each tap of each output at a fixed offset of the
 flattened phases (`tap_conv_dispatch.py`). `conv_as_tap_dispatch` writes AVX2's block (8 lanes),
 `conv_as_tap_dispatch_avx512` AVX-512's (16). Before `conv_as_im2col_matmul` and `conv_as_tap_matmuls`. The batch
 norm and the ReLU after the call fold into it (`batch_norm_into_pointwise_conv`, `relu_into_pointwise_conv`).
@@ -19,6 +20,7 @@ from torch.fx import Node
 
 from fx_rewrites.backends.iree.rules.conv_performance import _CONVS, _out_size, dispatchable_2d
 from fx_rewrites.backends.iree.tap_conv_dispatch import TAP_CONV2D, phase_rows
+from fx_rewrites.backends.iree.tap_phase_dispatch import TAP_PHASES
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -60,17 +62,9 @@ def _tap_conv(node: Node, lanes: int) -> dict[str, Any] | Miss:
 
 def _write(node: Node, rw: Rewriter, found: dict[str, Any], lanes: int) -> None:
     stride, _, rows, cols, hq, wq = found["geometry"]
-    x, w = fake_value(found["input"]), fake_value(found["weight"])
-    n, channels, height, width = x.shape
+    w = fake_value(found["weight"])
     ph, pw = found["padding"]
-    pad = [pw, wq * stride - width - pw, ph, hq * stride - height - ph]
-    padded = rw.call(aten.constant_pad_nd.default, found["input"], pad, 0.0)
-    if stride == 1:
-        phases = rw.call(aten.unsqueeze.default, padded, 2)
-    else:
-        split = rw.call(aten.reshape.default, padded, [n, channels, hq, stride, wq, stride])
-        moved = rw.call(aten.permute.default, split, [0, 1, 3, 5, 2, 4])
-        phases = rw.call(aten.reshape.default, moved, [n, channels, stride * stride, hq, wq])
+    phases = rw.call(TAP_PHASES, found["input"], stride, ph, pw, hq, wq, lanes)
     bias = found["bias"]
     if bias is None:
         bias = rw.call(aten.zeros.default, [w.shape[0]], dtype=torch.float32, device=w.device)

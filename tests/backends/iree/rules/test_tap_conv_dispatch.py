@@ -17,7 +17,7 @@ from torch.export import Dim
 
 import fx_rewrites
 from fx_rewrites import testing as rt
-from fx_rewrites.backends.iree import IreeBackend, targets
+from fx_rewrites.backends.iree import IreeBackend, kernels, targets
 from fx_rewrites.backends.iree.legality import SPLICED
 from fx_rewrites.backends.iree.pointwise_conv_dispatch import Shape
 from fx_rewrites.backends.iree.rules.pointwise_conv_dispatch import (
@@ -35,6 +35,8 @@ from fx_rewrites.backends.iree.tap_conv_dispatch import (
     splice,
     taps,
 )
+from fx_rewrites.backends.iree.tap_phase_dispatch import TAP_PHASES, tap_phases
+from fx_rewrites.backends.iree.tap_phase_dispatch import splice as splice_phases
 from tests.backends.iree.rules.float32_error import assert_within_torch_error, in_float64
 
 aten = torch.ops.aten
@@ -82,8 +84,9 @@ def test_conv_as_tap_dispatch(name, lanes):
     out = module(inputs[0][0]).shape
     assert (stride, rows, width, call_lanes, relu) == (module.stride[0], out[2], out[3], lanes, 0)
     assert x.meta["val"].shape[2] == stride * stride, "the padded input's phases"
-    padded = [node for node in rt.graph_module(result).graph.nodes if node.target is aten.constant_pad_nd.default]
-    assert len(padded) == 1 and padded[0].args[0].op == "placeholder"
+    assert x.target is TAP_PHASES and x.args[0].op == "placeholder", "padded and split in one call"
+    assert x.args[1:4] == (stride, *module.padding) and x.args[6] == lanes
+    rt.assert_ops(result, absent=[aten.constant_pad_nd.default, aten.permute.default])
     assert w.op == "placeholder", "the weight as it is"
     if module.bias is not None:
         assert b.op == "placeholder", "the bias as it is, added at the store"
@@ -141,6 +144,48 @@ def test_taps_and_phases():
     assert "fx_rewrites.tap_conv2d.default" in SPLICED and MARK == "torch.fx_rewrites.tap_conv2d"
     with pytest.raises(ValueError, match=r"no tap_conv2d call"):
         splice("module {\n}")
+    # tap_phases (eager): x padded by (top, left) and zeros after, to [s hq, s wq], then split into its phases
+    padded = torch.nn.functional.pad(x, [2, 10 - 8 - 2, 1, 8 - 6 - 1])
+    assert torch.equal(tap_phases(x, 2, 1, 2, 4, 5, 8), phases(padded, 2))
+    assert torch.equal(tap_phases(x, 1, 0, 1, 7, 9, 16)[:, :, 0], torch.nn.functional.pad(x, [1, 0, 0, 1]))
+    assert "fx_rewrites.tap_phases.default" in SPLICED
+    with pytest.raises(ValueError, match=r"no tap_phases call"):
+        splice_phases("module {\n}")
+
+
+class Phases(torch.nn.Module):
+    def __init__(self, *args: int) -> None:
+        super().__init__()
+        self.args = args
+
+    def forward(self, x):
+        return TAP_PHASES(x, *self.args)
+
+
+#: (N, C, H, W), (stride, top, left, hq, wq): widths off a chunk of s vectors, narrower than a vector, planes off
+#: a workgroup's 4, padding from 0 to 3 (a 7x7 stem's), extra rows and columns of zeros after
+PHASE_CASES = [
+    ((1, 3, 19, 21), (2, 3, 3, 13, 14)),
+    ((2, 5, 11, 13), (2, 1, 1, 7, 8)),
+    ((1, 2, 7, 37), (2, 1, 1, 5, 20)),
+    ((1, 6, 10, 12), (1, 0, 0, 11, 12)),
+    ((1, 3, 9, 5), (1, 1, 1, 12, 7)),
+    ((1, 1, 4, 4), (2, 0, 0, 3, 2)),
+]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_tap_phases_on_iree(isa):
+    """The phases dispatch is a copy: equal to eager's padding and split, element for element, on each shape."""
+    if targets.host_isa() not in {"avx2": ("avx2", "avx512"), "avx512": ("avx512",)}[isa]:
+        pytest.skip(f"llvm-cpu code for {isa} runs on an x86-64 host with {isa}")
+    iree = IreeBackend(target=targets.llvm_cpu(isa))
+    for sizes, args in PHASE_CASES:
+        module, x = Phases(*args, 16 if isa == "avx512" else 8), _randn(2, *sizes)
+        fn = iree.compile(rt.export(module, x), (x,))
+        assert "flow.dispatch @tapphases_" in kernels.spliced(fn.mlir)
+        for value in (x, -3.0 * _randn(3, *sizes)):
+            assert torch.equal(torch.as_tensor(fn(value)), module(value)), (sizes, args)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
@@ -159,6 +204,7 @@ def test_conv_as_tap_dispatch_on_iree(name, isa):
     fn = iree.compile(result.program, inputs[0])
     spliced = splice(fn.mlir)
     assert "flow.dispatch @tapconv_" in spliced and "tensor.extract_slice" in spliced
+    assert "flow.dispatch @tapphases_" in kernels.spliced(fn.mlir)
     assert_within_torch_error(fn, in_float64(module), inputs, redraws=16)
 
 
