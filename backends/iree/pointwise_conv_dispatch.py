@@ -50,8 +50,8 @@ PREFETCH = {8: True, 16: True}
 #: by lanes: a 1x1's register blocks of pixels a workgroup (its chunk: PARTS V vectors), each block of output channels
 #: running them in turn over the same weights. AVX2's 4 (96 pixels, x's rows 6 whole cache lines), with `PREFETCH`:
 #: the 1x1 256->64 row through the route 0.88-0.93 of 1 without it, the strided 1x1 row 1.00, ResNeXt-50 0.88-0.96,
-#: MobileNetV2 0.95-0.98, EfficientNet-B0 0.97-0.99, ResNet-50 0.99-1.00; 2 gave the row the same, the models less
-#: (docs/performance.md, "AVX2's 1x1: four blocks of pixels a workgroup"). AVX-512 keeps 1 (not measured)
+#: MobileNetV2 0.95-0.98, EfficientNet-B0 0.97-0.99, ResNet-50 0.96-1.00; 2 gave the row the same, the models less
+#: (docs/performance.md, "AVX2's 1x1: four blocks of pixels a workgroup"). AVX-512 keeps 1 (2 read 1.05-1.10 of it)
 PARTS = {8: 4, 16: 1}
 
 
