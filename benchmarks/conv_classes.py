@@ -15,7 +15,7 @@ Per case, in one process, on the same input: torch eager, Inductor
 route without the convolution performance rules
 (`backends/iree/rules/conv_performance.py`: "before"). One thread each
 (`torch.set_num_threads(1)`, IREE local-sync), CPU time of the process
-(`time.process_time`), the variants called in turn round after round;
+(`time.process_time`), the variants called in turn round after round (`--shuffle`: in a new order each round);
 medians with the fastest and slowest round. Each output is compared with
 eager's (rtol 1e-4, atol 1e-5), and the rules that fired are listed. `--isa`
 picks the vector ISA measured (benchmarks/cpu_isa.py): IREE's llvm-cpu target
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -145,6 +146,7 @@ def measure(
     isa: str = "host",
     also_without: str = "",
     before: bool = True,
+    shuffle: bool = False,
 ) -> dict[str, Any]:
     from scale_cnn import _before
 
@@ -179,8 +181,12 @@ def measure(
             if not torch.allclose(got, expected, rtol=RTOL, atol=ATOL):
                 print(f"  {label}: not close to eager (max |diff| {diffs[label]:.2e})")
         times: dict[str, list[float]] = {label: [] for label in fns}
+        order, rng = list(fns), random.Random(0)
         for _ in range(rounds):
-            for label, fn in fns.items():
+            if shuffle:  # no variant always after the same one (the route after Inductor, whose run evicts the caches)
+                rng.shuffle(order)
+            for label in order:
+                fn = fns[label]
                 start = time.process_time()
                 fn()
                 times[label].append((time.process_time() - start) * 1e3)
@@ -249,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--no-before", dest="before", action="store_false", help="not the route without the rules")
+    parser.add_argument(
+        "--shuffle", action="store_true", help="the variants in a new (seeded) order each round, not eager's first"
+    )
     cpu_isa.add_argument(parser, both=True)
     cpu_isa.add_without_argument(parser)
     args = parser.parse_args(argv)
@@ -275,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(header)
         for name, make in chosen.items():
-            rows[name] = measure(make, args.rounds, args.inductor, args.isa, args.also_without, args.before)
+            rows[name] = measure(
+                make, args.rounds, args.inductor, args.isa, args.also_without, args.before, args.shuffle
+            )
             print(name, {k: round(v[0], 3) for k, v in rows[name]["ms"].items()}, rows[name]["fired"], flush=True)
     finally:
         torch.set_num_threads(threads)

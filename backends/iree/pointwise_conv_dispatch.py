@@ -5,11 +5,11 @@ block is R output channels by V vectors of `lanes` pixels: for each input channe
 broadcast weights feed R x V FMAs (AVX2: 4 x 3 of 8 lanes in 12 ymm; AVX-512: 4 x 6 of 16 in 24 zmm). No packing:
 x is read as it lies (its rows of pixels are the vectors), where IREE 3.13 packs x for its data-tiled product and
 unpacks y (the 1x1 256->64 on 56x56 at 1.75-2.10x eager, docs/performance.md "Both ISAs on one AVX-512 host"). One
-workgroup an (n, chunk of V lanes pixels); it runs every block of output channels over its chunk, whose x (C x V
-lanes floats) stays in cache; the last chunk holds the rest, its partial vector masked (an overlapping chunk would
-race on y, which each block of input channels adds to). The input channels are summed in blocks of
-`CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first with the bias, the last with the
-ReLU where the call has one.
+workgroup an (n, chunk of `PARTS` V lanes pixels); it runs every block of output channels over its chunk (each
+block its parts in turn), whose x (C x chunk floats) stays in cache; the last chunk holds the rest, its partial
+vector masked (an overlapping chunk would race on y, which each block of input channels adds to). The input
+channels are summed in blocks of `CHANNEL_BLOCK` (in channel order, in registers), each block added to y, the first
+with the bias, the last with the ReLU where the call has one.
 
 The same kernel runs a kxk convolution as k k taps (`Shape.taps`: each a fixed offset into x's flattened, padded
 channel; `tap_conv_dispatch.py`), its channel blocks then `CHANNEL_BLOCK` products a sum.
@@ -44,9 +44,15 @@ CHANNEL_BLOCK = 64
 #: by lanes: a 1x1's blocks of output channels prefetch the next block of input channels' rows of x into L2
 #: (`prefetcht1`), one vector a row each, where the first block over a block of input channels otherwise waits on
 #: x's rows from L3 (a 24 KiB panel in 6-line pieces 12.5 KiB apart). AVX-512: the module alone 0.87-0.88 of it
-#: without (1x1 256->64, 56x56), ResNet-50 0.968, MobileNetV2 0.975; AVX2: whole models 0.99-1.015 (noise), off
-#: (docs/performance.md, "A 1x1's next input channels prefetched")
-PREFETCH = {8: False, 16: True}
+#: without (1x1 256->64, 56x56), ResNet-50 0.968, MobileNetV2 0.975 (docs/performance.md, "A 1x1's next input
+#: channels prefetched"). AVX2: on with `PARTS` 4 (alone, whole models had read 0.99-1.015)
+PREFETCH = {8: True, 16: True}
+#: by lanes: a 1x1's register blocks of pixels a workgroup (its chunk: PARTS V vectors), each block of output channels
+#: running them in turn over the same weights. AVX2's 4 (96 pixels, x's rows 6 whole cache lines), with `PREFETCH`:
+#: the 1x1 256->64 row through the route 0.88-0.93 of 1 without it, the strided 1x1 row 1.00, ResNeXt-50 0.88-0.96,
+#: MobileNetV2 0.95-0.98, EfficientNet-B0 0.97-0.99, ResNet-50 0.96-1.00; 2 gave the row the same, the models less
+#: (docs/performance.md, "AVX2's 1x1: four blocks of pixels a workgroup"). AVX-512 keeps 1 (2 read 1.05-1.10 of it)
+PARTS = {8: 4, 16: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +92,14 @@ class Shape:
         return max(d for d in range(1, rows + 1) if self.o % d == 0), min(vectors, -(-self.p // self.lanes))
 
     @property
+    def parts(self) -> int:
+        """Register blocks of pixels a workgroup: `PARTS` for a 1x1, one for taps."""
+        return PARTS[self.lanes] if self.taps == (0,) else 1
+
+    @property
     def chunk(self) -> int:
         """Pixels a workgroup (the last one: the rest, `tail`)."""
-        return self.block[1] * self.lanes
+        return min(self.parts * self.block[1], -(-self.p // self.lanes)) * self.lanes
 
     @property
     def chunks(self) -> int:
@@ -142,13 +153,16 @@ class _Writer:
         xt, _, _, ot = self.conv.memrefs()
         return xt if memref == "%xm" else ot
 
-    def products(self, tag: str, first: str, last: str, ahead: str | None = None) -> list[str]:
-        """The block's R x V accumulators over input channels `first` to `last` (index values), from zero, in
-        channel order; returns their names. `ahead`: an index value, x's offset from each step's row to prefetch."""
+    def products(
+        self, tag: str, first: str, last: str, part: list[int], weights: str, ahead: str | None = None
+    ) -> list[str]:
+        """The block's R x V accumulators (the vectors `part`) over input channels `first` to `last` (index values),
+        from zero, in channel order; returns their names. `weights`: the index of the block's first weight;
+        `ahead`: an index value, x's offset from each step's row to prefetch."""
         add, conv, vec = self.add, self.conv, self.vec
-        r, v = conv.block[0], len(self.vectors)
+        r = conv.block[0]
         wt = conv.memrefs()[1]
-        keys = [(o, u) for o in range(r) for u in range(v)]
+        keys = [(o, u) for o in range(r) for u in part]
         add(
             f"%{tag}acc:{len(keys)} = scf.for %{tag}k = {first} to {last} step %c1w iter_args("
             + ", ".join(f"%{tag}a{o}_{u} = %zero" for o, u in keys)
@@ -158,20 +172,20 @@ class _Writer:
         add(f"%{tag}kx = arith.muli %{tag}k, %c{conv.stride}w : index")
         add(f"%{tag}xr = arith.addi %xb, %{tag}kx : index")
         add(f"%{tag}kt = arith.muli %{tag}k, %c{taps}w : index")
-        add(f"%{tag}wk = arith.addi %{tag}wb, %{tag}kt : index")
+        add(f"%{tag}wk = arith.addi {weights}, %{tag}kt : index")
         sums = {key: f"%{tag}a{key[0]}_{key[1]}" for key in keys}
         if ahead is not None:
             add(f"%{tag}pf = arith.addi %{tag}xr, {ahead} : index")
             add(f"memref.prefetch %xm[%{tag}pf], read, locality<2>, data : {conv.memrefs()[0]}")
         for t, offset in enumerate(conv.taps):
-            for u in range(v):
+            for u in part:
                 add(f"%{tag}xi{t}_{u} = arith.addi %{tag}xr, %c{offset + u * conv.lanes}w : index")
                 self.load(f"%{tag}x{t}_{u}", "%xm", f"%{tag}xi{t}_{u}", u)
             for o in range(r):
                 add(f"%{tag}wi{t}_{o} = arith.addi %{tag}wk, %c{o * conv.c * taps + t}w : index")
                 add(f"%{tag}ws{t}_{o} = memref.load %wm[%{tag}wi{t}_{o}] : {wt}")
                 add(f"%{tag}w{t}_{o} = vector.broadcast %{tag}ws{t}_{o} : f32 to {vec}")
-                for u in range(v):
+                for u in part:
                     add(f"%{tag}f{t}_{o}_{u} = vector.fma %{tag}x{t}_{u}, %{tag}w{t}_{o}, {sums[o, u]} : {vec}")
                     sums[o, u] = f"%{tag}f{t}_{o}_{u}"
         add(f"scf.yield {', '.join(sums[key] for key in keys)} : {', '.join([vec] * len(keys))}")
@@ -181,40 +195,51 @@ class _Writer:
     def blocks(self, tag: str, first: str, last: str, initial: bool, relu: bool, more: bool) -> None:
         """Every block of R output channels over input channels `first` to `last`: y = the sums + the bias where
         `initial`, else y += the sums; then max(y, 0) where `relu` (the last block of input channels). `more`: a
-        block of input channels follows, whose rows a 1x1's blocks prefetch (`PREFETCH`), block i its vector i % V."""
-        add, conv, vec = self.add, self.conv, self.vec
-        r, v, bt = conv.block[0], len(self.vectors), conv.memrefs()[2]
+        block of input channels follows, whose rows a 1x1's blocks prefetch (`PREFETCH`), block i its vector i % the
+        chunk's vectors. Each block of output channels runs the chunk's parts (V vectors each, `PARTS`) in turn."""
+        add, conv = self.add, self.conv
+        r, v = conv.block
         add(f"scf.for %{tag}ob = %c0 to %c{conv.o}w step %c{r}w {{")
         add(f"%{tag}wb = arith.muli %{tag}ob, %c{conv.c * len(conv.taps)}w : index")
         ahead = None
         if PREFETCH[conv.lanes] and more and conv.taps == (0,):
             add(f"%{tag}oi = arith.divui %{tag}ob, %c{r}w : index")
-            add(f"%{tag}ou = arith.remui %{tag}oi, %c{v}w : index")
+            add(f"%{tag}ou = arith.remui %{tag}oi, %c{len(self.vectors)}w : index")
             add(f"%{tag}ol = arith.muli %{tag}ou, %c{conv.lanes}w : index")
             add(f"%{tag}pa = arith.addi %{tag}ol, %c{conv.channel_block * conv.stride}w : index")
             ahead = f"%{tag}pa"
-        sums = self.products(tag, first, last, ahead)
+        parts = [list(range(s, min(s + v, len(self.vectors)))) for s in range(0, len(self.vectors), v)]
+        for i, part in enumerate(parts):
+            named = tag if len(parts) == 1 else f"{tag}p{i}"
+            sums = self.products(named, first, last, part, f"%{tag}wb", ahead if i == 0 else None)
+            self._stored(named, f"%{tag}ob", part, sums, initial, relu)
+        add("}")
+
+    def _stored(self, tag: str, ob: str, part: list[int], sums: list[str], initial: bool, relu: bool) -> None:
+        """y's R rows from output channel `ob` over the vectors `part`: the sums + the bias where `initial`, else
+        y + the sums; max(_, 0) where `relu`."""
+        add, conv, vec = self.add, self.conv, self.vec
+        r, bt = conv.block[0], conv.memrefs()[2]
         for o in range(r):
-            add(f"%{tag}oc{o} = arith.addi %{tag}ob, %c{o}w : index")
+            add(f"%{tag}oc{o} = arith.addi {ob}, %c{o}w : index")
             add(f"%{tag}yo{o} = arith.muli %{tag}oc{o}, %c{conv.p}w : index")
             add(f"%{tag}yr{o} = arith.addi %yb, %{tag}yo{o} : index")
             if initial:
                 add(f"%{tag}bs{o} = memref.load %bm[%{tag}oc{o}] : {bt}")
                 add(f"%{tag}bv{o} = vector.broadcast %{tag}bs{o} : f32 to {vec}")
-            for u in range(v):
+            for j, u in enumerate(part):
                 at = f"%{tag}yi{o}_{u}"
                 add(f"{at} = arith.addi %{tag}yr{o}, %c{u * conv.lanes}w : index")
                 if initial:
-                    add(f"%{tag}s{o}_{u} = arith.addf {sums[o * v + u]}, %{tag}bv{o} : {vec}")
+                    add(f"%{tag}s{o}_{u} = arith.addf {sums[o * len(part) + j]}, %{tag}bv{o} : {vec}")
                 else:
                     self.load(f"%{tag}y{o}_{u}", "%om", at, u)
-                    add(f"%{tag}s{o}_{u} = arith.addf %{tag}y{o}_{u}, {sums[o * v + u]} : {vec}")
+                    add(f"%{tag}s{o}_{u} = arith.addf %{tag}y{o}_{u}, {sums[o * len(part) + j]} : {vec}")
                 value = f"%{tag}s{o}_{u}"
                 if relu:
                     add(f"%{tag}r{o}_{u} = arith.maximumf {value}, %zero : {vec}")
                     value = f"%{tag}r{o}_{u}"
                 self.store(value, "%om", at, u)
-        add("}")
 
     def chunk(self) -> None:
         """The chunk's y: its first block of input channels with the bias, then each other block added, the last

@@ -28,7 +28,7 @@ def modules():
 
 def test_conv_classes_one_op(modules, capfd):
     conv_classes, _ = modules
-    assert conv_classes.main(["--cases", "g8", "--rounds", "1", "--no-inductor"]) == 0
+    assert conv_classes.main(["--cases", "g8", "--rounds", "2", "--no-inductor", "--shuffle"]) == 0
     out = capfd.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| grouped"))
     assert "grouped_conv_as_dispatch" in row and "not close" not in out, out

@@ -52,11 +52,12 @@ def _conv(cin: int, cout: int, kernel: int = 1, bias: bool = True, **kw) -> torc
 
 #: name -> (in channels, out channels, bias, input shape N, H, W)
 CASES = {
-    "bias_whole_chunks": (16, 24, True, (1, 12, 24)),  # 288 pixels: 12 chunks of 24 (AVX2), 6 of 48 (AVX-512)
+    "bias_whole_chunks": (16, 24, True, (1, 12, 24)),  # 288 pixels: 3 chunks of 4 x 24 (AVX2) or of 96 (AVX-512)
     "no_bias_one_pixel_tail": (8, 16, False, (1, 17, 17)),  # 289: a last chunk of one pixel, its vector masked
     "channel_blocks_batch2": (160, 12, True, (2, 14, 15)),  # blocks of 64, 64 and 32 channels; 210 pixels
     "out_off_the_block": (12, 20, True, (1, 14, 14)),  # 20 outputs: blocks of 4 (AVX2), 5 (AVX-512)
     "prime_out": (8, 7, False, (1, 14, 15)),  # 7 outputs: blocks of 1 (AVX2), 7 (AVX-512)
+    "two_part_tail": (16, 8, True, (1, 17, 19)),  # 323: AVX2's last chunk 35 pixels, parts of 3 and 2 vectors
 }
 
 
@@ -124,13 +125,19 @@ def test_pointwise_conv_as_dispatch_declines():
 
 def test_shape_and_executable():
     """The blocks: AVX2 4 outputs x 3 vectors of 8, AVX-512 4 x 6 of 16 (fewer where o or p is smaller); the chunks
-    and the last one's pixels; a masked vector only where the last chunk is partial; channel blocks: the first, a
+    (AVX2's four blocks of pixels a 1x1, `PARTS`) and the last one's pixels; a masked vector only where the last
+    chunk is partial; channel blocks: the first, a
     loop over the whole ones between, the last (with the ReLU); the op is named spliced; a module without a call is
     refused."""
     assert Shape(1, 256, 3136, 64, 8).block == (4, 3) and Shape(1, 256, 3136, 64, 16).block == (4, 6)
     assert Shape(1, 8, 49, 20, 16).block == (4, 4) and Shape(1, 8, 20, 6, 16).block == (3, 2)
     conv = Shape(1, 8, 113, 16, 16)
     assert (conv.chunk, conv.chunks, conv.tail) == (96, 2, 17)
+    assert (Shape(1, 8, 323, 16, 8).chunk, Shape(1, 8, 323, 16, 8).tail) == (96, 35)
+    assert Shape(1, 8, 20, 16, 8).chunk == 24 and Shape(1, 8, 90, 16, 8, taps=(0, 1), span=91).chunk == 24
+    parts = executable(Shape(1, 8, 323, 16, 8))[1]
+    assert parts.count("scf.for %fhp1k") == 1 and parts.count("scf.for %lhp1k") == 1, "parts, the last chunk's too"
+    assert "vector.constant_mask [3] : vector<8xi1>" in parts and "%lhp2" not in parts
     name, text = executable(conv)
     assert name in text and "pwconv_1x8x113_o16_l16" in name
     assert "vector.constant_mask [1] : vector<16xi1>" in text and "vector.maskedstore" in text
@@ -143,13 +150,14 @@ def test_shape_and_executable():
     relu = executable(Shape(1, CHANNEL_BLOCK * 2 + 1, 96, 16, 16, relu=True))
     assert relu[0].endswith("_relu") and relu[1].count("arith.maximumf") == 4 * 6, "in the last block's stores only"
     assert "arith.maximumf" not in three
-    # AVX-512: a 1x1's blocks of channels but the last prefetch the next one's rows into L2; one block, taps or
-    # AVX2's lanes prefetch none
+    # a 1x1's blocks of channels but the last prefetch the next one's rows into L2 (both ISAs); one block or taps
+    # prefetch none
     assert (two.count("memref.prefetch"), three.count("memref.prefetch"), whole.count("memref.prefetch")) == (1, 2, 0)
     assert "locality<2>" in two and f"%c{CHANNEL_BLOCK * 96}w" in two, "the next block's rows: 64 rows of 96 ahead"
     taps = Shape(1, CHANNEL_BLOCK * 2 + 1, 90, 16, 16, taps=(0, 1, 10), span=110)
     assert "memref.prefetch" not in executable(taps)[1]
-    assert "memref.prefetch" not in executable(Shape(1, CHANNEL_BLOCK * 3, 96, 16, 8))[1]
+    avx2 = executable(Shape(1, CHANNEL_BLOCK * 3, 96, 16, 8))[1]
+    assert avx2.count("memref.prefetch") == 2 and f"%c{CHANNEL_BLOCK * 96}w" in avx2, "its first part's loop only"
     assert "fx_rewrites.pointwise_conv2d.default" in SPLICED
     with pytest.raises(ValueError, match=r"no pointwise_conv2d call"):
         splice("module {\n}")
