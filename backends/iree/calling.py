@@ -185,7 +185,7 @@ class Invoker:
             want = array.dtype if self._dtypes is None else self._dtypes[i]
             if array.dtype != want:
                 out.append(array.astype(want))  # a copy
-            elif self._fresh and self._fresh[i] and array.nbytes:
+            elif self._fresh and self._fresh[i] and array.nbytes and array.dtype.kind in "biuf":  # numpy's own
                 out.append(np.asarray(_Held(array, self._device)))  # IREE's buffer: reused once the array dies
                 mapped.append(i)
             else:
@@ -254,8 +254,9 @@ class Invoker:
                 if self._check:
                     kept.append((i, array.copy()))
             else:
+                contiguous = array if array.flags.c_contiguous else np.array(array, order="C")  # a 0-d stays 0-d
                 view = self._allocator.allocate_buffer_copy(
-                    self._copied_memory, self._copied_usage, self._device, np.ascontiguousarray(array), element_type
+                    self._copied_memory, self._copied_usage, self._device, contiguous, element_type
                 )
                 args.push_ref(view)
         return args, kept

@@ -267,3 +267,17 @@ def test_results_sharing_a_buffer_are_copied_apart():
     y, _, _, flat = got[:4]
     y.fill_(5.0)  # y and its view are one buffer in IREE: the call gave each its own
     torch.testing.assert_close(flat, want[3], rtol=1e-5, atol=1e-5)
+
+
+class MixedScalar(torch.nn.Module):
+    """x imported, the 0-d s copied (a sort reads it): the copy keeps s's rank (a rank mismatch failed the call)."""
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * torch.sort(s.reshape(1)).values
+
+
+def test_a_copied_scalar_beside_an_imported_input_keeps_its_rank():
+    args = (torch.randn(4, 5, generator=_g(40)), torch.tensor(1.5))
+    compiled = IreeBackend(driver="local-sync").compile(_program(MixedScalar(), args), args)
+    assert compiled.plan.unwritten == (True, False)
+    torch.testing.assert_close(compiled(*args), MixedScalar()(*args), rtol=1e-6, atol=1e-6)
