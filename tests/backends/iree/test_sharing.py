@@ -136,8 +136,8 @@ def test_an_unwritten_input_is_read_in_place_and_the_result_is_eagers(driver, dy
         assert packer.calls == 0  # imported: the packer, which copies, was not asked
         with torch.no_grad():
             want = model(kept)
-        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)  # the call's own path
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-6)  # the call's own path
         torch.testing.assert_close(x, kept, rtol=0, atol=0)
 
 
@@ -155,7 +155,7 @@ def test_misaligned_and_read_only_arrays_are_copied():
         assert packer.calls == before + 1
         with torch.no_grad():
             want = model(torch.from_numpy(array.copy()))
-        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-6)
 
 
 class Mixed(torch.nn.Module):
@@ -199,7 +199,7 @@ def test_a_saved_module_keeps_which_inputs_it_reads_in_place(tmp_path):
     x = torch.randn(1, 16, 6, 6, generator=_g(13))
     kept = x.clone()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(x), model(kept), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(x), model(kept), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x, kept, rtol=0, atol=0)
 
 
@@ -250,9 +250,9 @@ def test_a_fresh_result_is_handed_out_and_stays_the_callers(driver):
         wants = [model(x) for x in xs]
     kept = [compiled(x) for x in xs]  # each kept while the next calls run: none is reused under it
     for got, want in zip(kept, wants, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     kept[0].fill_(7.0)  # the caller's to write
-    torch.testing.assert_close(compiled(xs[1]), wants[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(xs[1]), wants[1], rtol=1e-5, atol=1e-6)
 
 
 def test_results_sharing_a_buffer_are_copied_apart():
@@ -263,10 +263,10 @@ def test_results_sharing_a_buffer_are_copied_apart():
     with torch.no_grad():
         want = model(x)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     y, _, _, flat = got[:4]
     y.fill_(5.0)  # y and its view are one buffer in IREE: the call gave each its own
-    torch.testing.assert_close(flat, want[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flat, want[3], rtol=1e-5, atol=1e-6)
 
 
 class MixedScalar(torch.nn.Module):
