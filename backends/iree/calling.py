@@ -198,10 +198,9 @@ class Invoker:
     def _copy_shared(out: list[Any], mapped: list[int], arrays: tuple[Any, ...]) -> None:
         """Copy each result in `mapped` whose memory overlaps another result's or an argument's (a result IREE made
         a view of another, or of an imported input): what the caller gets never shares memory it did not see."""
-        spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if isinstance(a, np.ndarray) and a.nbytes]
-        spans += [(out[i].ctypes.data, out[i].ctypes.data + out[i].nbytes) for i in mapped]
-        for i in mapped:
-            start, end = out[i].ctypes.data, out[i].ctypes.data + out[i].nbytes
+        own = {i: _span(out[i]) for i in mapped}
+        spans = [_span(a) for a in arrays if isinstance(a, np.ndarray) and a.nbytes] + list(own.values())
+        for i, (start, end) in own.items():
             if sum(s < end and start < e for s, e in spans) > 1:  # itself, and another
                 out[i] = out[i].copy()
 
@@ -320,6 +319,12 @@ def fast_call(plan: Plan, function: Any, host_memory: bool = False) -> Callable[
 def result_to_torch(value: Any, dtype: torch.dtype | None) -> Any:
     """One result of `Invoker` as torch gives it: an array as a tensor (`to_torch`), a number as it is."""
     return to_torch(value, dtype) if isinstance(value, np.ndarray) else value
+
+
+def _span(array: np.ndarray) -> tuple[int, int]:
+    """The addresses `array`'s bytes occupy, [start, end)."""
+    start = array.ctypes.data
+    return start, start + array.nbytes
 
 
 class _Held:
