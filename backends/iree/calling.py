@@ -186,7 +186,7 @@ class Invoker:
             if array.dtype != want:
                 out.append(array.astype(want))  # a copy
             elif self._fresh and self._fresh[i] and array.nbytes and array.dtype.kind in "biuf":  # numpy's own
-                out.append(np.asarray(_Held(array, self._device)))  # IREE's buffer: reused once the array dies
+                out.append(array)  # over IREE's buffer (the device lives on: `runtime.get_device`): reused once it dies
                 mapped.append(i)
             else:
                 out.append(array.copy())
@@ -325,18 +325,6 @@ def _span(array: np.ndarray) -> tuple[int, int]:
     """The addresses `array`'s bytes occupy, [start, end)."""
     start = array.ctypes.data
     return start, start + array.nbytes
-
-
-class _Held:
-    """The array protocol of a mapped result array, holding it and its device: a result handed out keeps the device
-    whose allocator takes its buffer back alive (at exit, `runtime`'s devices are dropped before the tensors a
-    program still holds; a buffer released after its device crashed the process)."""
-
-    __slots__ = ("__array_interface__", "_held")
-
-    def __init__(self, array: np.ndarray, device: Any) -> None:
-        self.__array_interface__ = array.__array_interface__
-        self._held = (device, array)  # a tuple drops its items last first: the array, then the device
 
 
 class InputWrittenError(RuntimeError):

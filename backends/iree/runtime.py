@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 import re
@@ -21,10 +22,11 @@ from fx_rewrites.backends.iree.artifact import CALL_KEY, ArtifactError, plan_fro
 from fx_rewrites.backends.iree.calling import MISS, Invoker, UncheckedCall, fast_call, host_array, to_torch
 from fx_rewrites.backends.iree.cpus import check
 from fx_rewrites.backends.iree.element_types import element_type
+from fx_rewrites.backends.iree.host_call import HostCall
 from fx_rewrites.backends.iree.parameters import SCOPE, load_parameters
 
 #: devices by URI, made once per process (as `iree.runtime.get_device` caches them); dropped at exit, before
-#: nanobind's leak check (see `IreeCompiled.release`)
+#: nanobind's leak check (see `IreeCompiled.release`), except that a CPU device is never freed (`_keep_for_the_process`)
 _DEVICES: dict[str, Any] = {}
 #: IREE's CPU drivers: their devices' memory is the host's
 CPU_DRIVERS = ("local-sync", "local-task")
@@ -51,10 +53,23 @@ def get_device(rt: Any, uri: str) -> Any:
     if device is None:
         if uri.split(":", 1)[0] in CPU_DRIVERS:
             device = rt.get_driver(uri).create_device_by_uri(uri, allocators=cpu_allocators())
+            _keep_for_the_process(rt, device)
         else:
             device = rt.get_device(uri)
         _DEVICES[uri] = device
     return device
+
+
+def _keep_for_the_process(rt: Any, device: Any) -> None:
+    """Never free `device`: a call hands out results over its buffers (`host_call`, `calling.Invoker`), and one may
+    be held to the interpreter's shutdown, which tears modules down in no order a buffer's release could rely on (a
+    buffer released after its device crashed the process). One reference more than Python drops; the process's exit
+    frees the memory. nanobind's shutdown report of objects still alive would list the device (and every result a
+    program still holds), so it is turned off."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(device))
+    disable = getattr(rt._binding, "disable_leak_checker", None)
+    if disable is not None:
+        disable()
 
 
 def is_host_device(device: Any) -> bool:
@@ -202,7 +217,9 @@ class IreeCompiled:
         if not kwargs and self.function is not None:
             if self._fast_for is not self.function:
                 host_memory = is_host_device(getattr(self.function, "_device", None))
-                self._fast, self._fast_for = fast_call(self.plan, self.function, host_memory), self.function
+                host = HostCall.of(self.plan, self.function) if host_memory else None
+                self._fast = host or fast_call(self.plan, self.function, host_memory)
+                self._fast_for = self.function
             if self._fast is not None and (out := self._fast(args)) is not MISS:
                 return out
         return self.call_bound(*args, **kwargs)
