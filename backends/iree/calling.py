@@ -9,7 +9,10 @@ checks the same conditions as `bind` (dtype, rank, every static size, each
 Dim's range and divisor, sizes of one symbol agreeing) without building messages, and
 `Invoker` packs the arguments, invokes the function and copies each result out
 of its mapped buffer; any other call (keyword arguments, a structure, a
-mismatch, which `bind` then names) takes the general path.
+mismatch, which `bind` then names) takes the general path. On a CPU device
+`host_call.HostCall` takes that call instead (the same decisions from torch's
+side, in fewer steps); `Invoker` serves other devices, the dtypes it does not take (bfloat16) and the
+unchecked calls.
 
 On a CPU device an input the program never writes (`Plan.unwritten`: `sharing.unwritten_arguments` proves it
 from the graph) is imported as the device buffer the module reads (`HalAllocator.import_host_allocation`: no copy;

@@ -1,16 +1,17 @@
 """A call on a CPU device with torch tensors in and out, and nothing between them that the call does not need.
 
 `calling.Invoker` goes through numpy: each argument's tensor to an array (`host_array`), the array's flags and
-address read to decide its import, each result mapped to an array, wrapped to hold its device, then made a tensor;
-the checks on the way are generic (numbers, dtypes, unmappable buffers). Right after the module's run, with the
-caches holding the module's data, each of those steps costs 10-35 us, not its ~2 us in a warm loop: a 1x1
-convolution of ResNet-50 (0.86 ms in the module) paid ~0.21 ms of them a call (docs/performance.md "The call's own
-steps, cold"). `HostCall` takes the same decisions from torch's side with fewer steps: an argument is imported where
-`Plan.unwritten` says so and the tensor is contiguous and 64-byte aligned (`Tensor.data_ptr`), a result becomes a
-tensor over IREE's mapped buffer by `torch.frombuffer` (which keeps the mapping, and so the buffer, alive), copied
-unless `Plan.fresh`. CPU devices live as long as the process (`runtime.get_device`), so a result no longer holds
-its device. The results' element types are checked against the plan's dtypes each call; a call it cannot take
-(another device's tensor, a dtype numpy lacks) goes the `Invoker`'s way, with the same outcome.
+address read to decide its import, each result mapped to an array, then made a tensor; its checks are generic
+(numbers, dtypes, unmappable buffers). Right after the module's run, with the caches holding the module's data, each
+of those steps costs 10-35 us, not its ~2 us in a warm loop: a 1x1 convolution of ResNet-50 (0.86 ms in the module)
+paid ~0.21 ms of them a call (docs/performance.md "The call's own steps, cold"). `HostCall` takes the same decisions
+from torch's side in fewer steps: an argument is imported where `Plan.unwritten` says so and the tensor is contiguous
+and 64-byte aligned (`Tensor.data_ptr`), else copied (a tensor that requires grad, or of another device, through
+`host_array`); a result becomes a tensor over IREE's mapped buffer by `torch.frombuffer` (which keeps the mapping,
+and so the buffer, alive), copied unless `Plan.fresh` or where it overlaps an imported input or another result. CPU
+devices live as long as the process (`runtime.get_device`), so a result need not hold its device. Each result's
+element type is checked against the plan's dtype every call (converted where IREE's differs). A plan with a dtype
+numpy lacks (bfloat16) is left to `calling.fast_call`.
 """
 
 from __future__ import annotations
