@@ -138,9 +138,8 @@ class HostCall:
         if kept:
             _check_unchanged({p: array for p, array, _ in kept}, [(p, before) for p, _, before in kept])
         tensors = [self._result(results, i) for i in range(len(self._results))]
-        for i, wanted in enumerate(
-            self._results
-        ):  # a result handed out shares memory with nothing else the caller sees
+        # a result handed out shares memory with nothing else the caller sees
+        for i, wanted in enumerate(self._results):
             if wanted is not None and wanted[2] and isinstance(tensors[i], torch.Tensor):
                 others = imported + [t for j, t in enumerate(tensors) if j != i and isinstance(t, torch.Tensor)]
                 if _overlaps(tensors[i], others):
