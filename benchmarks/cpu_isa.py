@@ -89,7 +89,7 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512 and N at least
     1024, on every ISA (`f32_dispatch.X_PAD`: by default 16 on AVX-512, 0 on AVX2); `f32_prefetch=L`: the route with
     the float32 kernel's next weight block prefetched at locality L (0: none) on every ISA (`f32_dispatch.PREFETCH`:
-    by default 2 on AVX-512, 0 on AVX2)."""
+    by default 2 on both)."""
     parser.add_argument(
         "--also-without",
         default="",

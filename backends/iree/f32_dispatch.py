@@ -13,8 +13,8 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
-unrolled by 4; on AVX-512 the row blocks of the first row chunk also prefetch the next strip's (or K block's) weight
-into L2 (`PREFETCH`). A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512,
+unrolled by 4; the row blocks of the first row chunk also prefetch the next strip's (or K block's) weight into L2
+(`PREFETCH`). A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512,
 where K is a multiple of 512 and N at least 1024, x's rows are first copied 16 floats apart by a dispatch of their own
 (`X_PAD`: rows 4 KiB apart share L1 sets) and the kernel reads x with that stride.
 
@@ -79,8 +79,10 @@ BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
 X_PAD, X_PAD_EVERY, X_PAD_MIN_N = {"avx2": 0, "avx512": 16}, 512, 1024
 #: by lanes, the cache the row blocks of a strip's K block prefetch the next strip's (or K block's) into (`_ahead`, one
 #: line an unrolled step of K; `memref.prefetch`'s locality: 2 `prefetcht1`, L2; 0 none), where that block's first row
-#: block otherwise waits on the weight (larger than L2: streamed from L3 at each call)
-PREFETCH = {8: 0, 16: 2}
+#: block otherwise waits on the weight (larger than L2: streamed from L3 at each call). The linear 1024 -> 1024 over 128
+#: rows 0.87-0.90 of the route without it on both ISAs, the models even or better (docs/performance.md, "The float32
+#: kernel's next weight block prefetched")
+PREFETCH = {8: 2, 16: 2}
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
