@@ -87,7 +87,9 @@ def add_without_argument(parser: argparse.ArgumentParser) -> None:
     instead of the rules; `+im2col`: the route plus that flag); `+RULE`, a performance rule the ISA does not take
     (`performance.ALL`), adds that rule (`+conv_as_im2col_matmul` on AVX2). `f32_x_pad=P` (not a "without"): the
     route with the float32 kernel's x rows copied to K + P floats apart where K is a multiple of 512 and N at least
-    1024, on every ISA (`f32_dispatch.X_PAD`: by default 16 on AVX-512, 0 on AVX2)."""
+    1024, on every ISA (`f32_dispatch.X_PAD`: by default 16 on AVX-512, 0 on AVX2); `f32_prefetch=L`: the route with
+    the float32 kernel's next weight block prefetched at locality L (0: none) on every ISA (`f32_dispatch.PREFETCH`:
+    by default 2 on both)."""
     parser.add_argument(
         "--also-without",
         default="",
@@ -120,6 +122,13 @@ def without(backend: Any, spec: str) -> dict[str, Any]:
             fresh = attrs.evolve(backend, cache=CompileCache())
             pad = int(part.split("=")[1])
             out[f"-{part}"] = _Patched(fresh, f32_dispatch.X_PAD, dict.fromkeys(f32_dispatch.X_PAD, pad))
+            continue
+        if part.startswith("f32_prefetch="):  # the float32 kernel's weight prefetch, its locality (PREFETCH)
+            from fx_rewrites.backends.iree import f32_dispatch
+
+            fresh = attrs.evolve(backend, cache=CompileCache())
+            locality = int(part.split("=")[1])
+            out[f"-{part}"] = _Patched(fresh, f32_dispatch.PREFETCH, dict.fromkeys(f32_dispatch.PREFETCH, locality))
             continue
         part, *added = part.split("+")
         names = [name for name in part.split("/") if name]  # none: `+FLAG`, the route plus that flag

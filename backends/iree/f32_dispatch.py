@@ -13,8 +13,9 @@ strip's vectors and broadcasts `rows` values of x (row-major, one `vbroadcastss`
 
 The loops, outer to inner: K blocks of `kc`, row chunks of `mc`, the workgroup's `per` strips, blocks of `rows` rows
 (the M % rows left over by one block of that many), sums of `ks` steps (each from zero, then added to y), the K steps
-unrolled by 4. A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512, where
-K is a multiple of 512 and N at least 1024, x's rows are first copied 16 floats apart by a dispatch of their own
+unrolled by 4; the row blocks of the first row chunk also prefetch the next strip's (or K block's) weight into L2
+(`PREFETCH`). A bias, where given, is added to the accumulators when y's block is first stored. On AVX-512,
+where K is a multiple of 512 and N at least 1024, x's rows are first copied 16 floats apart by a dispatch of their own
 (`X_PAD`: rows 4 KiB apart share L1 sets) and the kernel reads x with that stride.
 
 It enters a graph as `fx_rewrites::f32_matmul(x, packed, n, tile, per)` or, with a bias, `fx_rewrites::f32_linear(x,
@@ -76,6 +77,12 @@ BLOCKING = {"kc": 256, "mc": 96, "ks": 128}
 #: encoder's second MLP product) the copy, paid once for N / 32 strips, lost (docs/performance.md, "x's rows 4 KiB
 #: apart"); AVX2 on this host: no gain (6 rows)
 X_PAD, X_PAD_EVERY, X_PAD_MIN_N = {"avx2": 0, "avx512": 16}, 512, 1024
+#: by lanes, the cache the row blocks of a strip's K block prefetch the next strip's (or K block's) into (`_ahead`, one
+#: line an unrolled step of K; `memref.prefetch`'s locality: 2 `prefetcht1`, L2; 0 none), where that block's first row
+#: block otherwise waits on the weight (larger than L2: streamed from L3 at each call). The linear 1024 -> 1024 over 128
+#: rows 0.87-0.90 of the route without it on both ISAs, the models even or better (docs/performance.md, "The float32
+#: kernel's next weight block prefetched")
+PREFETCH = {8: 2, 16: 2}
 #: strips a workgroup (the measured split: docs/performance.md, "A float32 matmul kernel of our own")
 PER = 4
 
@@ -136,12 +143,24 @@ def stores(b: Block, rows: int, s: Shape, tag: str, *, first: bool) -> list[str]
     return lines
 
 
-def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, base: str = "") -> list[str]:
+def micro(
+    b: Block,
+    rows: int,
+    m: str,
+    s: Shape,
+    tag: str,
+    *,
+    layout: int = 0,
+    base: str = "",
+    ahead: str = "",
+    locality: int = 2,
+) -> list[str]:
     """A block of `rows` rows from row `m` of strip `%s` over K block [`%kb`, `%ke`) (`%first`: the first).
 
     The weight laid out [N/P, K, P], P = `layout` (0: the block's strip; grouped_experts_dispatch.py's 16 under
     AVX-512's 32 and AVX2's 16), from `base` (an index value; empty: 0): vector h of the block's strip at step k
-    lies at base + %s strip K + (h lanes // P) P K + k P + (h lanes % P)."""
+    lies at base + %s strip K + (h lanes // P) P K + k P + (h lanes % P). `ahead` (an index value; empty: none):
+    each unrolled step prefetches the weight at that offset from the step's own (`locality`: `memref.prefetch`'s)."""
     vec, lines = f"vector<{b.lanes}xf32>", []
     add = lines.append
     accs = [(r, h) for r in range(rows) for h in range(b.vectors)]
@@ -172,6 +191,9 @@ def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, b
     add(f"%res{tag}:{len(accs)} = scf.for %k = {lo} to {hi} step %c{KU}w iter_args({args}) -> ({types}) {{")
     add(f"%wk = arith.muli %k, %c{p}w : index")
     add(f"%wkb = arith.addi {wb}, %wk : index")
+    if ahead:
+        add(f"%wpf = arith.addi %wkb, {ahead} : index")
+        add(f"memref.prefetch %wm[%wpf], read, locality<{locality}>, data : {s.wt}")
     cur = {(r, h): f"%a{r}_{h}" for r, h in accs}
     for u in range(KU):
         for h in range(b.vectors):
@@ -201,6 +223,37 @@ def micro(b: Block, rows: int, m: str, s: Shape, tag: str, *, layout: int = 0, b
     return lines
 
 
+def _ahead(b: Block, k: int, kc: int, strips: int) -> list[str]:
+    """`%pfd`: the offset from the weight a step of K reads to what the row block at `%mb` prefetches (`PREFETCH`).
+
+    The strips' K blocks are read in turn (K block outer, the workgroup's strips inner; the next workgroup's first
+    after its last): the row blocks of strip `%s` over K block `%kb` prefetch the next one's, row block j the line
+    j % L of each unrolled step's L lines (the last of the dispatch: its own, already in cache)."""
+    s, lines = b.strip, KU * b.strip // 16
+    return [
+        f"%pfj = arith.divui %mb, %c{b.rows}w : index",
+        f"%pfl = arith.remui %pfj, %c{lines}w : index",
+        "%pfo = arith.muli %pfl, %c16w : index",
+        "%pfs = arith.addi %s, %c1 : index",
+        "%pfms = arith.cmpi ult, %pfs, %s1 : index",
+        f"%pfk = arith.addi %kb, %c{kc}w : index",
+        f"%pfmk = arith.cmpi ult, %pfk, %c{k}w : index",
+        "%pfs2 = arith.select %pfmk, %s0, %s1 : index",
+        "%pfk2 = arith.select %pfmk, %pfk, %c0 : index",
+        "%pfs3 = arith.select %pfms, %pfs, %pfs2 : index",
+        "%pfk3 = arith.select %pfms, %kb, %pfk2 : index",
+        f"%pfin = arith.cmpi ult, %pfs3, %c{strips}w : index",
+        "%pfs4 = arith.select %pfin, %pfs3, %s : index",
+        "%pfk4 = arith.select %pfin, %pfk3, %kb : index",
+        "%pfds = arith.subi %pfs4, %s : index",
+        "%pfdk = arith.subi %pfk4, %kb : index",
+        f"%pfas = arith.muli %pfds, %c{k * s}w : index",
+        f"%pfak = arith.muli %pfdk, %c{s}w : index",
+        "%pfa = arith.addi %pfas, %pfak : index",
+        "%pfd = arith.addi %pfa, %pfo : index",
+    ]
+
+
 def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc: int, ks: int, ld: int = 0) -> str:
     kc, strips, mc = next(c for c in range(min(kc, k), 0, -KU) if k % c == 0), n // b.strip, max(b.rows, mc)
     mc -= mc % b.rows
@@ -227,9 +280,19 @@ def _kernel(b: Block, m: int, n: int, k: int, per: int, bias: bool, kc: int, mc:
         f"%ke = arith.addi %kb, %c{kc}w : index",
         "%first = arith.cmpi eq, %kb, %c0 : index",
     ]
-    if full:
+    start = min(mc, full) if PREFETCH[b.lanes] else 0
+    if start:  # the first row chunk prefetches the next K block of a strip (`PREFETCH`; the later chunks find it in L2)
         lines += [
-            f"scf.for %mc = %c0 to %c{full}w step %c{mc}w {{",
+            "scf.for %s = %s0 to %s1 step %c1 {",
+            f"scf.for %mb = %c0 to %c{start}w step %c{b.rows}w {{",
+            *_ahead(b, k, kc, strips),
+            *micro(b, b.rows, "%mb", s, "p", ahead="%pfd", locality=PREFETCH[b.lanes]),
+            "}",
+            "}",
+        ]
+    if full > start:
+        lines += [
+            f"scf.for %mc = %c{start}w to %c{full}w step %c{mc}w {{",
             f"%mep = arith.addi %mc, %c{mc}w : index",
             f"%me = arith.minui %mep, %c{full}w : index",
             "scf.for %s = %s0 to %s1 step %c1 {",
@@ -259,7 +322,8 @@ def x_columns(k: int, n: int, tile: int) -> int:
 def executable_name(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> str:
     """Unique per shape, block, bias and blocking (two executables may not share a name: findings 52)."""
     b, blocking = block_of(tile), f"kc{BLOCKING['kc']}_mc{BLOCKING['mc']}_ks{BLOCKING['ks']}"
-    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, n, tile)}"
+    pf = f"_pf{PREFETCH[b.lanes]}" if PREFETCH[b.lanes] else ""
+    return f"f32{'lin' if bias else 'mm'}_{m}x{k}x{n}_r{b.name}_p{per}_{blocking}_ld{x_columns(k, n, tile)}{pf}"
 
 
 def executable(m: int, n: int, k: int, tile: int, per: int, bias: bool = False) -> tuple[str, str]:
