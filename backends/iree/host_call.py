@@ -16,6 +16,7 @@ numpy lacks (bfloat16) is left to `calling.fast_call`.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -165,9 +166,12 @@ class HostCall:
         if view.element_type != element_type:  # IREE's type for it is not the plan's (a bool as i8): converted
             array = view.map().asarray(view.shape, self._raw_dtype(view.element_type))
             return to_torch(array.copy(), dtype)
-        if not view.byte_length:
-            return torch.empty(view.shape, dtype=dtype)
-        tensor = torch.frombuffer(view.map(), dtype=dtype).view(view.shape)
+        shape = view.shape
+        count = math.prod(shape)
+        if not count:
+            return torch.empty(shape, dtype=dtype)
+        # the mapping spans the whole buffer, which IREE may allocate larger than the view (6 floats in 64 bytes)
+        tensor = torch.frombuffer(view.map(), dtype=dtype, count=count).view(shape)
         return tensor if fresh else tensor.clone()
 
 

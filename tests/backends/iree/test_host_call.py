@@ -140,6 +140,26 @@ def test_a_result_of_another_element_type_is_converted_to_the_plans():
     torch.testing.assert_close(tanh, torch.tanh(x).double(), rtol=1e-6, atol=1e-6)
 
 
+class Products(torch.nn.Module):
+    """addmv and addr (test_legalize's form): IREE returns addmv's [n] in a 64-byte buffer."""
+
+    def forward(self, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = v[: x.shape[1]]
+        return torch.addmv(v, x, w), torch.addr(x, v, w)
+
+
+@pytest.mark.parametrize("n", [6, 7])
+def test_a_result_in_a_larger_buffer_is_read_at_its_own_size(n):
+    """The mapping spans IREE's whole buffer (64 bytes for 6 floats): the tensor is the view's n floats."""
+    example = (torch.randn(6, 5, generator=_g(9)), torch.randn(6, generator=_g(10)))
+    compiled = _compiled(Products(), example, ({0: Dim("n", min=6)}, {0: Dim("n", min=6)}))
+    args = (torch.randn(n, 5, generator=_g(11 + n)), torch.randn(n, generator=_g(12 + n)))
+    got = compiled(*args)
+    assert [tuple(g.shape) for g in got] == [(n,), (n, 5)]
+    for g, w in zip(got, Products()(*args), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_overlaps_compares_byte_spans():
     base = torch.zeros(16)
     assert _overlaps(base[4:8], [base[6:10]])
