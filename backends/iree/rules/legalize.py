@@ -26,6 +26,7 @@ from fx_rewrites.backends.iree.rules import (
     libm_forms,
     live_scatters,
     nan_guards,
+    one_value_where,
     pooling,
     steps,
     views,
@@ -153,6 +154,7 @@ LEGALIZE = RuleSet(
         *libm_forms.RULES,
         *nan_guards.RULES,
         *byte_casts.RULES,
+        *one_value_where.RULES,
         # size arithmetic this phase's rewrites leave constant (adaptive pooling's `0 * size // 2`): folded here
         # too, as the first phase folds the export's (IREE has no lowering for `aten.fmod.int`)
         sym_arithmetic_constant,
