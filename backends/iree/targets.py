@@ -133,9 +133,12 @@ _TRANSFORMER_RULES = (
 #: `attention_padded_to_tiles` (rules/attention_tiles.py, for AVX2's 8x8 tiles) is in performance.ALL but on for no
 #: ISA: its locked model runs read 1-2% (ViT, the Whisper encoder) at load 11, and the Whisper encoder 1.17x slower
 #: with it on a quiet host (load 1.5) (docs/performance.md)
+#: `max_pool_without_unread_indices` (rules/pool_indices.py): the torch.compile route's max pooling as export gives it
+#: (docs/performance.md, "The torch.compile route's convolutions as the export route's")
 _CONV_RULES = (
     "patch_conv_as_matmul",
     "conv1d_as_matmul",
+    "max_pool_without_unread_indices",
     "strided_pointwise_conv_as_slice",
     "conv3d_as_conv2d_over_frames",
     "grouped_conv_as_convs",

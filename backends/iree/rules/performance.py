@@ -45,6 +45,8 @@ on every model it fires on (docs/performance.md has the table).
 - conv_taps.py: llvm-cpu, AVX2. A 3x3 convolution at stride 1 as nine
   products of the weight's taps by the padded input's shifted windows,
   summed: no im2col matrix, whose pack IREE runs one float at a time.
+- `max_pool_without_unread_indices` (backends/iree/rules/pool_indices.py): llvm-cpu. The torch.compile
+  route's `max_pool2d_with_indices(...)[0]` as export's `max_pool2d`: IREE stores the unread indices.
 - conv_performance.py: llvm-cpu. Strided 1x1, 3-D, depthwise and grouped
   convolutions, which IREE 3.13 lowers 3-12x slower than eager, in forms it
   runs well (ResNet-50 1.76x eager -> 0.79x).
@@ -82,6 +84,7 @@ from fx_rewrites.backends.iree.rules.attention_blocks import attention_by_key_bl
 from fx_rewrites.backends.iree.rules.attention_decode import attention_one_query_as_grouped_sums
 from fx_rewrites.backends.iree.rules.attention_tiles import attention_padded_to_tiles
 from fx_rewrites.backends.iree.rules.mlp_tiles import mlp_rows_padded_to_tiles
+from fx_rewrites.backends.iree.rules.pool_indices import max_pool_without_unread_indices
 from fx_rewrites.engine import Miss, Rewriter
 from fx_rewrites.engine.values import fake_value
 from fx_rewrites.kinds import rule
@@ -429,6 +432,7 @@ ALL = RuleSet(
         mlp_rows_padded_to_tiles,
         patch_conv_as_matmul,
         conv1d_as_matmul,
+        max_pool_without_unread_indices,
         *conv.RULES,
         *im2col.RULES,
         *conv_taps.RULES,
