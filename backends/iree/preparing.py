@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from fx_rewrites.backends.convention import Output, Plan, program_inputs, program_ranges
+from fx_rewrites.backends.convention import Input, Output, Plan, leaf_paths, program_inputs, program_ranges
 from fx_rewrites.backends.iree.a8int4_fold import fold_a8int4
 from fx_rewrites.backends.iree.constant_sizes import concrete_sizes
 from fx_rewrites.backends.iree.errors import IreeUnsupportedError
@@ -255,5 +255,21 @@ def prepare_graph_module(gm: GraphModule) -> tuple[GraphModule, Plan]:
     graph.lint()
     copy.recompile()
     unwritten, fresh = unwritten_arguments(arguments), fresh_results(output.args[0])
-    plan = Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs), unwritten=unwritten, fresh=fresh)
+    inputs = _static_tensor_inputs(placeholders, in_spec) if len(args) == len(placeholders) else ()
+    plan = Plan(in_spec, out_spec or spec, tuple(args), tuple(outputs), inputs, unwritten=unwritten, fresh=fresh)
     return copy, plan
+
+
+def _static_tensor_inputs(placeholders: list[Node], in_spec: pytree.TreeSpec) -> tuple[Input, ...]:
+    """Each placeholder as the call's input where all are tensors of static sizes, one a leaf of `in_spec` (what
+    the call's fast paths check, `calling.input_checks`); () otherwise (the call takes `bind`'s path unchecked)."""
+    paths = leaf_paths(in_spec)
+    if len(paths) != len(placeholders):
+        return ()
+    inputs = []
+    for node, path in zip(placeholders, paths, strict=True):
+        val = _value(node)
+        if not isinstance(val, torch.Tensor) or not all(isinstance(size, int) for size in val.shape):
+            return ()
+        inputs.append(Input(node.name, path, "tensor", dtype=val.dtype, shape=tuple(val.shape)))
+    return tuple(inputs)
