@@ -23,7 +23,11 @@ when a backward is first run; `backward="error"` raises
 Inference graphs are frozen (`backends/freezing.py`): the parameters and
 buffers dynamo lifts into graph inputs are compiled in as constants, as
 Inductor's freezing does, so IREE can pack convolution and matmul weights
-at compile time; the compiled callable no longer takes them. Buffers the
+at compile time; the compiled callable no longer takes them. The graph is
+frozen before the rules run, so they see the weights as the graph's own
+(get_attr) as the export route's rules see a program's state, and take the
+forms that need a weight the program holds (the IREE backend's float32 and
+convolution dispatches). Buffers the
 graph mutates stay inputs, training graphs are never frozen, and a frozen
 weight that changes later (in place or reassigned) makes the next call
 warn and compile the graph again. Off: `FX_REWRITES_FREEZE=0`,
@@ -171,22 +175,38 @@ def _compile_graph(
         if split:  # a rank's graph: names the collective the host steps do not run, before any work
             collectives.check(gm)
         frozen = freezing.plan(gm, state) if kind == "inference" else {}
-        result = apply(gm, target.rules if rules is None else rules)
-        log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
-        result.report.warn_unless_converged(target.name, stacklevel=2)
+        ruleset = target.rules if rules is None else rules
+
+        def rewritten(graph: GraphModule, inputs: Sequence[Any]) -> Result:
+            nonlocal result
+            result = apply(graph, ruleset)
+            log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
+            result.report.warn_unless_converged(target.name, stacklevel=2)
+            placeholders = len(result.graph_module.graph.find_nodes(op="placeholder"))
+            if placeholders != len(inputs):
+                raise RuntimeError(
+                    f"the rules left {placeholders} inputs of the {len(inputs)} the {kind} graph takes: a rule that "
+                    "adds or drops a graph input is a bug worth reporting"
+                )
+            return result
 
         def build(graph: GraphModule, inputs: Sequence[Any]) -> Any:
             if split:  # the segments between collectives on the backend, the collectives on torch.distributed
                 return segments.compile_graph(graph, target.compile)
             return target.compile(graph, inputs)
 
-        if frozen and len(result.graph_module.graph.find_nodes(op="placeholder")) == len(example_inputs):
+        if frozen:
+            # frozen first, then the rules: they see the weights as the graph's own (get_attr), as the export
+            # route's see its state, and take the forms that need a weight the program holds (the float32 and
+            # convolution dispatches); a recompile (a frozen weight changed) rewrites the graph again
             kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
-            run: Any = freezing.Frozen.make(result.graph_module, frozen, lambda g: build(g, kept))
+            run: Any = freezing.Frozen.make(
+                gm, frozen, lambda g: build(g, kept), rewrite=lambda g: rewritten(g, kept).graph_module
+            )
             compiled, names = run.compiled, run.names
             log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
         else:
-            run = compiled = build(result.graph_module, example_inputs)
+            run = compiled = build(rewritten(gm, example_inputs).graph_module, example_inputs)
             names = ()
     except Exception as e:
         if strict:

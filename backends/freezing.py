@@ -46,13 +46,19 @@ names), as the export route does with an ExportedProgram's state, and makes
 the smaller ones `torch.vtensor.literal`s: the module text holds no large
 weight (a 1B decoder's weights as literals were 7.6 GB of text, issue 25).
 
-With `FX_REWRITES_FOLD_BATCH_NORM=1`, eval batch norm (decomposed by
-aot_autograd into a sub, a mul and an add per channel) is folded into the
-frozen convolution before it (`freezing_fold.fold_conv_affine`), as
-Inductor's freezing does. Off by default: on IREE it was measured neutral
-(benchmarks/dynamo_route.py, one thread, CPU time, 21 interleaved rounds:
-ResNet-50 211.0 against 212.7 ms, the basic-block ResNet 26.5 against 26.4
-ms); IREE already fuses the per-channel ops into the convolution's dispatch.
+Eval batch norm (decomposed by aot_autograd into a sub, a mul and an add
+per channel) is folded into the frozen convolution before it
+(`freezing_fold.fold_conv_affine`), as Inductor's freezing does, and a ReLU
+after a convolution dispatch of the IREE backend into the dispatch's store
+(`fold_conv_relu`): what the export route's rules do with the weights they
+see as the program's own (`batch_norm_into_pointwise_conv`,
+`relu_into_pointwise_conv`), which this route's rules see as inputs.
+`FX_REWRITES_FOLD_BATCH_NORM=0` turns both off. Measured off at first
+(IREE then fused the per-channel ops into its own convolution's dispatch:
+ResNet-50 211.0 against 212.7 ms); with the hand-written dispatches, which
+IREE fuses nothing into, ResNet-50 0.983 / 0.998 x eager on AVX2 and 0.942 /
+0.975 on AVX-512 with / without (docs/performance.md, "The torch.compile
+route's convolutions as the export route's").
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ import attrs
 import torch
 from torch.fx import GraphModule
 
-from fx_rewrites.backends.freezing_fold import fold_conv_affine
+from fx_rewrites.backends.freezing_fold import fold_conv_affine, fold_conv_relu
 from fx_rewrites.program import copy_graph_module
 
 log = logging.getLogger(__name__)
@@ -75,7 +81,7 @@ log = logging.getLogger(__name__)
 #: the environment variable that turns freezing off ("0") for every fx-rewrites dynamo backend
 ENV = "FX_REWRITES_FREEZE"
 
-#: "1": fold eval batch norm into the frozen convolutions (`freezing_fold`; measured neutral on IREE, so off)
+#: "0": do not fold eval batch norm (and a ReLU) into the frozen convolutions (`freezing_fold`; on by default)
 FOLD_ENV = "FX_REWRITES_FOLD_BATCH_NORM"
 
 #: the attribute prefix of a frozen tensor on the frozen graph module
@@ -206,8 +212,10 @@ class Frozen:
     """The compiled callable of a frozen graph, called with every input of the unfrozen graph.
 
     `build(frozen_graph)` compiles a graph (the backend's `compile`); `graph` is the unfrozen
-    one, `positions` the placeholders frozen, `names` their dynamo sources. Each call drops the
-    frozen inputs, after checking they are the tensors, at the version, that were compiled in."""
+    one, `positions` the placeholders frozen, `names` their dynamo sources; `rewrite`, where given,
+    rewrites the frozen graph first (the backend's rules, which then see the weights as the graph's
+    own). Each call drops the frozen inputs, after checking they are the tensors, at the version,
+    that were compiled in."""
 
     graph: GraphModule
     positions: tuple[int, ...]
@@ -219,12 +227,18 @@ class Frozen:
     stamps: list[tuple[int, int]] = attrs.field(factory=list, repr=False)
     keep: tuple[int, ...] = ()
     recompiles: int = 0
+    #: the frozen graph rewritten before the folds and `build` (None: as frozen)
+    rewrite: Callable[[GraphModule], GraphModule] | None = attrs.field(default=None, repr=False)
     #: fold per-channel affine ops (eval batch norm) into the frozen convolutions (`freezing_fold`)
-    fold: bool = attrs.field(factory=lambda: os.environ.get(FOLD_ENV, "0").strip() == "1")
+    fold: bool = attrs.field(factory=lambda: os.environ.get(FOLD_ENV, "1").strip() != "0")
 
     @classmethod
     def make(
-        cls, graph: GraphModule, frozen: dict[int, tuple[str, torch.Tensor]], build: Callable[[GraphModule], Any]
+        cls,
+        graph: GraphModule,
+        frozen: dict[int, tuple[str, torch.Tensor]],
+        build: Callable[[GraphModule], Any],
+        rewrite: Callable[[GraphModule], GraphModule] | None = None,
     ) -> Frozen:
         positions = tuple(sorted(frozen))
         count = len(graph.graph.find_nodes(op="placeholder"))
@@ -235,6 +249,7 @@ class Frozen:
             build,
             [frozen[p][1] for p in positions],
             keep=tuple(i for i in range(count) if i not in frozen),
+            rewrite=rewrite,
         )
         self._compile()
         return self
@@ -246,8 +261,11 @@ class Frozen:
         with unset_fake_temporarily():
             frozen = dict(zip(self.positions, zip(self.names, self.tensors, strict=True), strict=True))
             self.frozen_graph = freeze(self.graph, frozen)
+            if self.rewrite is not None:
+                self.frozen_graph = self.rewrite(self.frozen_graph)
             if self.fold:
                 fold_conv_affine(self.frozen_graph)  # eval batch norm into the frozen conv weights
+                fold_conv_relu(self.frozen_graph)  # then a ReLU into a convolution dispatch's store
             release = getattr(self.compiled, "release", None)
             self.compiled = self.build(self.frozen_graph)
         if callable(release):

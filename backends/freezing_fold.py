@@ -215,4 +215,29 @@ def fold_conv_affine(gm: GraphModule) -> int:
     return folded
 
 
-__all__ = ["ATTR", "CONVOLUTIONS", "fold_conv_affine"]
+def fold_conv_relu(gm: GraphModule) -> int:
+    """Fold each `aten.relu` of a registered convolution op (`CONVOLUTIONS` with a ReLU argument) read by the ReLU
+    alone into the op's ReLU (in place; what the export route's rules do before the batch norm is gone: IREE's
+    `relu_into_pointwise_conv`); how many folded."""
+    folded = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.relu.default)):
+        conv = node.args[0]
+        if not isinstance(conv, Node) or conv.op != "call_function" or len(conv.users) != 1:
+            continue
+        relu = CONVOLUTIONS.get(conv.target)
+        if relu is None or len(conv.args) <= relu or conv.args[relu]:
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(conv.target, (*conv.args[:relu], 1, *conv.args[relu + 1 :]), conv.kwargs)
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(conv)
+        folded += 1
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded
+
+
+__all__ = ["ATTR", "CONVOLUTIONS", "fold_conv_affine", "fold_conv_relu"]

@@ -95,15 +95,28 @@ def _f32_linear(node: Node, strip: int) -> dict[str, Any] | Miss:
     return _f32_product(x, w, b, strip)
 
 
+def _transposed(w: Any) -> Node | None:
+    """The held weight W [N, K] where `w` is its transpose (`aten.t` or a [1, 0] permute: what aot_autograd makes of
+    a linear for the torch.compile route, `addmm(b, x, t(W))` and `mm(x, t(W))`), else None."""
+    if not isinstance(w, Node) or w.op != "call_function":
+        return None
+    if w.target is aten.t.default or (w.target is aten.permute.default and list(w.args[1]) == [1, 0]):
+        return w.args[0] if constant_weight(w.args[0]) else None
+    return None
+
+
 def _f32_addmm(node: Node, strip: int) -> dict[str, Any] | Miss:
     """addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`: GPT-2's linears) as `_f32_linear`'s
-    linear(x, W.T, b)."""
+    linear(x, W.T, b); addmm(b, x, t(W)) and mm(x, t(W)) (aot_autograd's linear) as linear(x, W, b)."""
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return Miss("beta or alpha other than 1")
-    b, x, w = node.args[:3]
-    if not constant_weight(w):
+    b, (x, w) = (None, node.args[:2]) if node.target is aten.mm.default else (node.args[0], node.args[1:3])
+    if constant_weight(w):
+        return _f32_product(x, w, b, strip, k_major=True)
+    held = _transposed(w)
+    if held is None:
         return Miss("the weight is not the program's own: its layout would be rewritten at every call")
-    return _f32_product(x, w, b, strip, k_major=True)
+    return _f32_product(x, held, b, strip)
 
 
 def _as_dispatch(node: Node, rw: Rewriter, found: dict[str, Any], strip: int) -> None:
@@ -158,13 +171,15 @@ def linear_as_f32_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, 
 
 
 @rule(
-    roots=(aten.addmm.default,),
+    roots=(aten.addmm.default, aten.mm.default),
     when=lambda node: _f32_addmm(node, _AVX2),
     priority=2,
     tags={"iree", "performance"},
     doc=(
         "`linear_as_f32_dispatch` for addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`, "
-        "GPT-2's linears): the weight laid out [N/16, K, 16] from its [K, N] rows, the bias in the kernel's store."
+        "GPT-2's linears): the weight laid out [N/16, K, 16] from its [K, N] rows, the bias in the kernel's store; "
+        "and for addmm(b, x, t(W)) and mm(x, t(W)) with W [N, K] the program's own (a linear as aot_autograd "
+        "gives it to the torch.compile route, its weights frozen)."
     ),
 )
 def addmm_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:
@@ -172,7 +187,7 @@ def addmm_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) ->
 
 
 @rule(
-    roots=(aten.addmm.default,),
+    roots=(aten.addmm.default, aten.mm.default),
     when=lambda node: _f32_addmm(node, _AVX512),
     priority=2,
     tags={"iree", "performance"},

@@ -126,3 +126,58 @@ def test_conv1d_through_the_isa_route(which):
     rt.assert_fired(result, which, times=1)
     fn = iree.compile(result.program, inputs[0])
     assert_within_torch_error(fn, in_float64(module), inputs)
+
+
+class Transposed(torch.nn.Module):
+    """A linear as aot_autograd gives it to the torch.compile route: addmm(b, x, W.t()), or mm(x, W.t()) without a
+    bias, W [N, K] the module's own."""
+
+    def __init__(self, k: int, n: int, bias: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(_randn(2, n, k) / k**0.5)
+        self.b = torch.nn.Parameter(_randn(3, n)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.w.t()) if self.b is None else torch.addmm(self.b, x, self.w.t())
+
+
+@pytest.mark.parametrize("which", list(RULES), ids=lambda r: r.name)
+@pytest.mark.parametrize("bias", [True, False], ids=["addmm", "mm"])
+def test_a_transposed_held_weight_becomes_the_f32_dispatch(which, bias):
+    strip, _ = RULES[which]
+    module = Transposed(64, 96, bias).eval()
+    inputs = [(_randn(0, 80, 64),), (3.0 * _randn(1, 80, 64),)]
+    ep = rt.export(module, *inputs[0])
+    assert ep.graph.find_nodes(op="call_function", target=aten.addmm.default if bias else aten.mm.default)
+    result = rt.apply_rules(ep, which)
+    rt.assert_fired(result, which, times=1)
+    rt.assert_ops(result, absent=[aten.addmm.default, aten.mm.default])
+    (call,) = [n for n in rt.graph_module(result).graph.nodes if str(n.target).startswith("fx_rewrites.f32_")]
+    strips = call.args[1].args[0].args[0]  # reshape(permute(reshape(W, [N/S, S, K]), [0, 2, 1]))
+    assert strips.target is aten.reshape.default and tuple(strips.meta["val"].shape) == (96 // strip, strip, 64)
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
+    rt.assert_idempotent(result, which)
+
+
+def test_the_torch_compile_route_takes_the_dispatch_over_frozen_weights():
+    """torch.compile's route freezes the weights before the rules run: a linear's addmm(b, x, t(W)) takes the float32
+    dispatch there as the export route's linear does; with freezing off (the weights run-time inputs) it does not."""
+    from fx_rewrites.backends.dynamo import CompiledGraph, dynamo_backend
+
+    rules = {addmm_as_f32_dispatch.name, addmm_as_f32_dispatch_avx512.name}
+    module = torch.nn.Linear(64, 96).eval()
+    x = _randn(0, 80, 64)
+    for freeze, fires in ((True, 1), (False, 0)):
+        graphs: list[CompiledGraph] = []
+        torch._dynamo.reset()
+        try:
+            backend = dynamo_backend("iree", strict=True, freeze=freeze, on_graph=graphs.append)
+            with torch.no_grad():
+                got = torch.compile(module, backend=backend)(x)
+        finally:
+            torch._dynamo.reset()
+        (graph,) = graphs
+        fired = sum(graph.result.report.rewrites.get(name, 0) for name in rules)
+        if targets.host_isa() in ("avx2", "avx512"):
+            assert fired == fires, (freeze, dict(graph.result.report.rewrites))
+        assert_within_torch_error(lambda t, got=got: got, in_float64(module), [(x,)])
