@@ -46,19 +46,19 @@ names), as the export route does with an ExportedProgram's state, and makes
 the smaller ones `torch.vtensor.literal`s: the module text holds no large
 weight (a 1B decoder's weights as literals were 7.6 GB of text, issue 25).
 
-Eval batch norm (decomposed by aot_autograd into a sub, a mul and an add
-per channel) is folded into the frozen convolution before it
-(`freezing_fold.fold_conv_affine`), as Inductor's freezing does, and a ReLU
-after a convolution dispatch of the IREE backend into the dispatch's store
-(`fold_conv_relu`): what the export route's rules do with the weights they
-see as the program's own (`batch_norm_into_pointwise_conv`,
-`relu_into_pointwise_conv`), which this route's rules see as inputs.
-`FX_REWRITES_FOLD_BATCH_NORM=0` turns both off. Measured off at first
-(IREE then fused the per-channel ops into its own convolution's dispatch:
-ResNet-50 211.0 against 212.7 ms); with the hand-written dispatches, which
-IREE fuses nothing into, ResNet-50 0.983 / 0.998 x eager on AVX2 and 0.942 /
-0.975 on AVX-512 with / without (docs/performance.md, "The torch.compile
-route's convolutions as the export route's").
+Eval batch norm (aot_autograd's `_native_batch_norm_legit_no_training`,
+which the rules write as a sub, a mul and an add per channel) is folded
+into the frozen convolution before it (`freezing_fold.fold_conv_affine`), as
+Inductor's freezing does, and then a ReLU after a convolution dispatch of
+the IREE backend into the dispatch's store (`fold_conv_relu`): what the
+export route's rules do on its `batch_norm` (`batch_norm_into_pointwise_conv`,
+`relu_into_pointwise_conv`). `FX_REWRITES_FOLD_BATCH_NORM=0` turns both off.
+Measured off at first (IREE then fused the per-channel ops into its own
+convolution's dispatch: ResNet-50 211.0 against 212.7 ms); with the
+hand-written dispatches, which IREE fuses nothing into, ResNet-50 0.983 /
+0.998x eager on AVX2 and 0.942 / 0.975x on AVX-512 with / without
+(docs/performance.md, "A second host, both ISAs; the torch.compile route's
+convolutions as the export route's").
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ _TRANSFORMER_RULES = (
 #: ISA: its locked model runs read 1-2% (ViT, the Whisper encoder) at load 11, and the Whisper encoder 1.17x slower
 #: with it on a quiet host (load 1.5) (docs/performance.md)
 #: `max_pool_without_unread_indices` (rules/pool_indices.py): the torch.compile route's max pooling as export gives it
-#: (docs/performance.md, "The torch.compile route's convolutions as the export route's")
+#: (docs/performance.md, "A second host, both ISAs; the torch.compile route's convolutions as the export route's")
 _CONV_RULES = (
     "patch_conv_as_matmul",
     "conv1d_as_matmul",

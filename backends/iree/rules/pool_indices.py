@@ -3,7 +3,8 @@
 aot_autograd hands the torch.compile route `max_pool2d_with_indices(x, ...)[0]` where export gives
 `max_pool2d(x, ...)`: IREE 3.13 computes and stores the indices it is not asked for (a `linalg.generic` with two
 results). ResNet's stem pooling (64 channels, 112x112 -> 56x56, AVX2 `znver3`, one thread) ran 2.24 ms with them
-against 1.67 ms without (docs/performance.md, "The torch.compile route's convolutions as the export route's").
+against 1.67 ms without (docs/performance.md, "A second host, both ISAs; the torch.compile route's convolutions as
+the export route's").
 """
 
 from __future__ import annotations
