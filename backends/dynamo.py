@@ -177,18 +177,21 @@ def _compile_graph(
         frozen = freezing.plan(gm, state) if kind == "inference" else {}
         ruleset = target.rules if rules is None else rules
 
-        def rewritten(graph: GraphModule, inputs: Sequence[Any]) -> Result:
+        def rewritten(graph: GraphModule) -> GraphModule:
             nonlocal result
             result = apply(graph, ruleset)
             log.debug("%s graph for %s: %s", kind, target.name, result.report.summary())
             result.report.warn_unless_converged(target.name, stacklevel=2)
-            placeholders = len(result.graph_module.graph.find_nodes(op="placeholder"))
-            if placeholders != len(inputs):
+            return result.graph_module
+
+        def rewritten_frozen(graph: GraphModule) -> GraphModule:
+            out, count = rewritten(graph), len(graph.graph.find_nodes(op="placeholder"))
+            if len(out.graph.find_nodes(op="placeholder")) != count:  # the frozen call passes the inputs it kept
                 raise RuntimeError(
-                    f"the rules left {placeholders} inputs of the {len(inputs)} the {kind} graph takes: a rule that "
-                    "adds or drops a graph input is a bug worth reporting"
+                    f"the rules changed the number of inputs of the frozen {kind} graph ({count}): a rule that adds "
+                    "or drops a graph input is a bug worth reporting; FX_REWRITES_FREEZE=0 compiles it unfrozen"
                 )
-            return result
+            return out
 
         def build(graph: GraphModule, inputs: Sequence[Any]) -> Any:
             if split:  # the segments between collectives on the backend, the collectives on torch.distributed
@@ -200,13 +203,11 @@ def _compile_graph(
             # route's see its state, and take the forms that need a weight the program holds (the float32 and
             # convolution dispatches); a recompile (a frozen weight changed) rewrites the graph again
             kept = [x for i, x in enumerate(example_inputs) if i not in frozen]
-            run: Any = freezing.Frozen.make(
-                gm, frozen, lambda g: build(g, kept), rewrite=lambda g: rewritten(g, kept).graph_module
-            )
+            run: Any = freezing.Frozen.make(gm, frozen, lambda g: build(g, kept), rewrite=rewritten_frozen)
             compiled, names = run.compiled, run.names
             log.debug("%s graph for %s: %d inputs frozen", kind, target.name, len(names))
         else:
-            run = compiled = build(rewritten(gm, example_inputs).graph_module, example_inputs)
+            run = compiled = build(rewritten(gm), example_inputs)
             names = ()
     except Exception as e:
         if strict:

@@ -107,7 +107,8 @@ def _transposed(w: Any) -> Node | None:
 
 def _f32_addmm(node: Node, strip: int) -> dict[str, Any] | Miss:
     """addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`: GPT-2's linears) as `_f32_linear`'s
-    linear(x, W.T, b); addmm(b, x, t(W)) and mm(x, t(W)) (aot_autograd's linear) as linear(x, W, b)."""
+    linear(x, W.T, b), mm(x, W) likewise without b; addmm(b, x, t(W)) and mm(x, t(W)) (aot_autograd's linear) as
+    linear(x, W, b)."""
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return Miss("beta or alpha other than 1")
     b, (x, w) = (None, node.args[:2]) if node.target is aten.mm.default else (node.args[0], node.args[1:3])
@@ -178,8 +179,8 @@ def linear_as_f32_dispatch_avx512(node: Node, rw: Rewriter, *, found: dict[str, 
     doc=(
         "`linear_as_f32_dispatch` for addmm(b, x, W) with W [K, N] the program's own (transformers' `Conv1D`, "
         "GPT-2's linears): the weight laid out [N/16, K, 16] from its [K, N] rows, the bias in the kernel's store; "
-        "and for addmm(b, x, t(W)) and mm(x, t(W)) with W [N, K] the program's own (a linear as aot_autograd "
-        "gives it to the torch.compile route, its weights frozen)."
+        "and mm(x, W) without one; and addmm(b, x, t(W)) and mm(x, t(W)) with W [N, K] the program's own (a "
+        "linear as aot_autograd gives it to the torch.compile route, its weights frozen)."
     ),
 )
 def addmm_as_f32_dispatch(node: Node, rw: Rewriter, *, found: dict[str, Any]) -> Any:

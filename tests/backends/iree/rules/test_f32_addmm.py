@@ -181,3 +181,22 @@ def test_the_torch_compile_route_takes_the_dispatch_over_frozen_weights():
         if targets.host_isa() in ("avx2", "avx512"):
             assert fired == fires, (freeze, dict(graph.result.report.rewrites))
         assert_within_torch_error(lambda t, got=got: got, in_float64(module), [(x,)])
+
+
+class HeldKMajor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(_randn(4, 64, 96) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.w)
+
+
+@pytest.mark.parametrize("which", list(RULES), ids=lambda r: r.name)
+def test_mm_by_a_held_k_major_weight_becomes_the_f32_dispatch(which):
+    module = HeldKMajor().eval()
+    inputs = [(_randn(0, 80, 64),), (3.0 * _randn(1, 80, 64),)]
+    result = rt.apply_rules(rt.export(module, *inputs[0]), which)
+    rt.assert_fired(result, which, times=1)
+    rt.assert_ops(result, absent=[aten.mm.default])
+    assert_within_torch_error(result.program.module(), in_float64(module), inputs)
