@@ -127,22 +127,6 @@ class PointwiseBn(torch.nn.Module):
         return torch.relu(self.bn(self.conv(x)))
 
 
-def test_batch_norm_folds_into_the_pointwise_dispatch(monkeypatch):
-    """The 1x1 dispatch's call reads its weight through a reshape and a zeros bias: both are computed from frozen
-    values, so the batch norm folds (sub, mul, add) and the result is as near float64 as eager's."""
-    counts: list[int] = []
-    monkeypatch.setattr(freezing, "fold_conv_affine", lambda gm: counts.append(fold_conv_affine(gm)) or counts[-1])
-    torch.manual_seed(0)
-    model = PointwiseBn().eval()
-    compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(cache=CompileCache()), strict=True))
-    x = torch.randn(1, 16, 14, 14)
-    with torch.no_grad():
-        got, expected = compiled(x), model(x)
-    reference = _float64(model, x)
-    assert (got.double() - reference).abs().max() <= 4 * (expected.double() - reference).abs().max() + 1e-6
-    assert counts == [3]
-
-
 @pytest.mark.parametrize(("env", "folds"), [(None, 1), ("0", 0)], ids=["default", "0"])
 def test_on_by_default_off_with_0(monkeypatch, env, folds):
     monkeypatch.delenv(freezing.FOLD_ENV)
@@ -158,28 +142,25 @@ def test_on_by_default_off_with_0(monkeypatch, env, folds):
     assert calls == [1] * folds
 
 
-def test_a_relu_after_the_folded_dispatch_goes_into_its_store():
-    """PointwiseBn on llvm-cpu: the 1x1 dispatch, its batch norm folded, then the ReLU as the dispatch's `relu` 1
-    (`fold_conv_relu`): the frozen graph keeps no ReLU and no per-channel op, and the result is as near float64 as
-    eager's."""
+def test_batch_norm_and_relu_fold_into_the_pointwise_dispatch(monkeypatch):
+    """PointwiseBn on llvm-cpu: the 1x1 dispatch's call reads its weight through a reshape and a zeros bias, both
+    computed from frozen values, so the batch norm folds (sub, mul, add); then the ReLU goes in as the dispatch's
+    `relu` 1 (`fold_conv_relu`). The frozen graph keeps no ReLU and no per-channel op, and the result is as near
+    float64 as eager's."""
+    counts: list[int] = []
+    monkeypatch.setattr(freezing, "fold_conv_affine", lambda gm: counts.append(fold_conv_affine(gm)) or counts[-1])
     frozen: list[freezing.Frozen] = []
     real = freezing.Frozen.make
-
-    def spy(*args, **kwargs):
-        made = real(*args, **kwargs)
-        frozen.append(made)
-        return made
-
+    monkeypatch.setattr(freezing.Frozen, "make", lambda *a, **k: frozen.append(real(*a, **k)) or frozen[-1])
     torch.manual_seed(0)
     model = PointwiseBn().eval()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(freezing.Frozen, "make", spy)
-        compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(cache=CompileCache()), strict=True))
-        x = torch.randn(1, 16, 14, 14)
-        with torch.no_grad():
-            got, expected = compiled(x), model(x)
+    compiled = torch.compile(model, backend=dynamo_backend(IreeBackend(cache=CompileCache()), strict=True))
+    x = torch.randn(1, 16, 14, 14)
+    with torch.no_grad():
+        got, expected = compiled(x), model(x)
     reference = _float64(model, x)
     assert (got.double() - reference).abs().max() <= 4 * (expected.double() - reference).abs().max() + 1e-6
+    assert counts == [3]
     assert bool((got == 0).any()) and bool((expected == 0).any())  # the ReLU clipped something
     (made,) = frozen
     ops = _ops(made.frozen_graph)
